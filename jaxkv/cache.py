@@ -1,0 +1,387 @@
+"""`KVCache`: a functional, fixed-capacity, quantized KV cache.
+
+The cache is an immutable pytree (registered dataclass). Every method returns
+a new cache, so it flows through `jit`, `lax.scan` and `lax.while_loop` and
+can be donated. Storage is head-major (``[B, Hkv, T, ...]``), which is what the
+kernels read.
+
+Per sequence ``b`` with length ``L_b`` the first ``packed_len(L_b)`` tokens are
+quantized (`jaxkv.quant`), the rest ``[packed_len, L_b)`` sit exactly in the
+full-precision residual block of ``R`` rows (DESIGN.md "the residual rule").
+Groups are aligned at token 0, so any sequence of `prefill`/`append` calls
+gives the same cache as quantizing the whole history at once.
+
+Overflow: an eager call that would grow a sequence past ``capacity`` raises
+`ValueError`. Under `jit` the lengths are not known, so such a sequence is left
+unchanged (nothing is written, nothing wraps) and its ``overflow`` flag is set;
+`KVCache.check()` raises on a concrete flagged cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv import quant
+from jaxkv.formats import KVFormat
+
+# Packed storage is rounded up to a multiple of this many tokens (and of G) so
+# kernels can tile it with power-of-two blocks without bounds checks.
+STORAGE_ALIGN = 256
+
+
+def _static(**kw):
+  return dataclasses.field(metadata=dict(static=True), **kw)
+
+
+def _is_concrete(x) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedKV:
+  """The packed region of K or V for all sequences.
+
+  ``bits < 16``: ``codes`` is uint8 ``[B, H, C, D*bits/8]`` (planar layout,
+  `jaxkv.quant`), with ``scale``/``zero`` ``[B, H, C, D/Gd]`` for
+  ``axis="token"`` or ``[B, H, C/G, D]`` for ``axis="channel"``.
+  ``bits == 16``: ``codes`` holds the values ``[B, H, C, D]`` in the cache
+  dtype and ``scale``/``zero`` are None.
+  """
+
+  codes: jax.Array
+  scale: jax.Array | None
+  zero: jax.Array | None
+  bits: int = _static()
+  axis: str = _static()   # "token" or "channel"
+  group: int = _static()  # Gd (channels) for "token", G (tokens) for "channel"
+
+  @property
+  def head_dim(self) -> int:
+    return self.codes.shape[-1] * (8 // self.bits if self.bits < 16 else 1)
+
+  def quantize(self, x: jax.Array, scale_dtype: str, *, use_kernel: bool = False):
+    """``x [B, H, T, D]`` -> (codes, scale, zero) in this tensor's storage form."""
+    if self.bits == 16:
+      return x.astype(self.codes.dtype), None, None
+    if use_kernel:
+      from pallas_kernels import quantize_pack  # GPU only; see `KVCache` docs
+      b, h, t, d = x.shape
+      codes, scale, zero = quantize_pack(
+          x.reshape(b * h, t, d), bits=self.bits, axis=self.axis, group=self.group,
+          scale_dtype=scale_dtype)
+      return (codes.reshape(b, h, *codes.shape[1:]), scale.reshape(b, h, *scale.shape[1:]),
+              zero.reshape(b, h, *zero.shape[1:]))
+    return quant.quantize(x, self.bits, axis=self.axis, group=self.group, scale_dtype=scale_dtype)
+
+  def dequantize(self) -> jax.Array:
+    """Whole storage as float32 ``[B, H, C, D]`` (garbage past packed_len)."""
+    if self.bits == 16:
+      return self.codes.astype(jnp.float32)
+    return quant.dequantize(self.codes, self.scale, self.zero, self.bits, axis=self.axis)
+
+  def write(self, codes, scale, zero, start, count) -> "QuantizedKV":
+    """Writes tokens ``[0, count_b)`` of new codes at ``start_b`` (both [B]).
+
+    Rows of the update beyond ``count_b`` are dropped (scattered out of
+    bounds), so nothing outside ``[start, start + count)`` changes.
+    """
+    def idx(first, num, length, limit):
+      pos = jnp.arange(length)
+      return jnp.where(pos < num, first + pos, limit)  # out of bounds: dropped
+
+    def put(dst, src, first, num):  # dst [H, C, X], src [H, n, X]
+      rows = idx(first, num, src.shape[1], dst.shape[1])
+      return dst.at[:, rows].set(src.astype(dst.dtype), mode="drop")
+
+    new_codes = jax.vmap(put)(self.codes, codes, start, count)
+    if self.bits == 16:
+      return dataclasses.replace(self, codes=new_codes)
+    if self.axis == "channel":
+      g = self.group
+      new_scale = jax.vmap(put)(self.scale, scale, start // g, count // g)
+      new_zero = jax.vmap(put)(self.zero, zero, start // g, count // g)
+    else:
+      new_scale = jax.vmap(put)(self.scale, scale, start, count)
+      new_zero = jax.vmap(put)(self.zero, zero, start, count)
+    return dataclasses.replace(self, codes=new_codes, scale=new_scale, zero=new_zero)
+
+
+def _empty_side(fmt: KVFormat, bits: int, axis: str, batch, heads, head_dim, storage, dtype):
+  if bits == 16:
+    return QuantizedKV(jnp.zeros((batch, heads, storage, head_dim), dtype), None, None,
+                       bits=16, axis=axis, group=1)
+  sdt = jnp.dtype(fmt.scale_dtype)
+  codes = jnp.zeros((batch, heads, storage, head_dim * bits // 8), jnp.uint8)
+  if axis == "channel":
+    group = fmt.token_group
+    sshape = (batch, heads, storage // group, head_dim)
+  else:
+    group = fmt.channel_group_for(head_dim)
+    sshape = (batch, heads, storage, head_dim // group)
+  return QuantizedKV(codes, jnp.zeros(sshape, sdt), jnp.zeros(sshape, sdt),
+                     bits=bits, axis=axis, group=group)
+
+
+def _check_int(name, value, minimum=1):
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+    raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+  """Quantized KV cache for a batch of sequences, one attention layer.
+
+  Attributes:
+    k, v: packed regions (`QuantizedKV`), ``C`` token rows each.
+    k_residual, v_residual: ``[B, Hkv, R, D]`` full-precision residual rows;
+      row ``i`` holds token ``packed_len(L) + i``; rows past ``L`` are zero.
+    lengths: ``[B]`` int32 tokens held per sequence.
+    overflow: ``[B]`` bool, set when an append under `jit` would have grown a
+      sequence past ``capacity`` (that append was not applied to it).
+    fmt: the `KVFormat` (static).
+    capacity: tokens per sequence the cache can hold (static).
+    use_kernel: quantize with the Pallas pack kernel (static; default: on
+      GPU). Results are bitwise identical either way.
+  """
+
+  k: QuantizedKV
+  v: QuantizedKV
+  k_residual: jax.Array
+  v_residual: jax.Array
+  lengths: jax.Array
+  overflow: jax.Array
+  fmt: KVFormat = _static()
+  capacity: int = _static()
+  use_kernel: bool = _static(default=False)
+
+  # ------------------------------------------------------------ construction
+  @classmethod
+  def init(cls, fmt: KVFormat | str, batch: int, kv_heads: int, head_dim: int,
+           capacity: int, dtype: Any = jnp.bfloat16, *, use_kernel: bool | None = None
+           ) -> "KVCache":
+    """An empty cache.
+
+    Args:
+      fmt: a `KVFormat` or a preset name.
+      batch: number of sequences B.
+      kv_heads: number of KV heads Hkv.
+      head_dim: channels per head D.
+      capacity: maximum tokens per sequence.
+      dtype: dtype of full-precision K/V (residual, 16-bit sides, inputs).
+      use_kernel: quantize with the Pallas pack kernel; None = only on GPU.
+    """
+    if isinstance(fmt, str):
+      fmt = KVFormat.preset(fmt)
+    if not isinstance(fmt, KVFormat):
+      raise TypeError(f"fmt={fmt!r} must be a KVFormat or a preset name")
+    _check_int("batch", batch)
+    _check_int("kv_heads", kv_heads)
+    _check_int("capacity", capacity)
+    fmt.validate_head_dim(head_dim)
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+      raise TypeError(f"dtype={dtype} must be a floating dtype")
+    align = max(STORAGE_ALIGN, fmt.token_group)
+    storage = -(-capacity // align) * align
+    if use_kernel is None:
+      use_kernel = jax.default_backend() == "gpu" and fmt.is_quantized
+    res_shape = (batch, kv_heads, fmt.residual, head_dim)
+    return cls(
+        k=_empty_side(fmt, fmt.k_bits, fmt.k_axis, batch, kv_heads, head_dim, storage, dtype),
+        v=_empty_side(fmt, fmt.v_bits, "token", batch, kv_heads, head_dim, storage, dtype),
+        k_residual=jnp.zeros(res_shape, dtype),
+        v_residual=jnp.zeros(res_shape, dtype),
+        lengths=jnp.zeros((batch,), jnp.int32),
+        overflow=jnp.zeros((batch,), bool),
+        fmt=fmt, capacity=int(capacity), use_kernel=bool(use_kernel))
+
+  # -------------------------------------------------------------- properties
+  @property
+  def batch(self) -> int:
+    return self.k_residual.shape[0]
+
+  @property
+  def kv_heads(self) -> int:
+    return self.k_residual.shape[1]
+
+  @property
+  def head_dim(self) -> int:
+    return self.k_residual.shape[3]
+
+  @property
+  def dtype(self):
+    return self.k_residual.dtype
+
+  @property
+  def storage_len(self) -> int:
+    """Token rows of the packed storage (capacity rounded up for kernels)."""
+    return self.k.codes.shape[2]
+
+  @property
+  def packed_lens(self) -> jax.Array:
+    """``[B]`` tokens held quantized."""
+    return self.fmt.packed_len(self.lengths)
+
+  @property
+  def residual_lens(self) -> jax.Array:
+    """``[B]`` tokens held in the full-precision residual block."""
+    return self.lengths - self.packed_lens
+
+  @property
+  def nbytes(self) -> int:
+    """Device bytes held by the cache's arrays."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self))
+
+  def check(self) -> "KVCache":
+    """Raises ValueError if any sequence overflowed under jit; returns self."""
+    flags = self.overflow
+    if _is_concrete(flags) and bool(np.any(np.asarray(flags))):
+      bad = np.nonzero(np.asarray(flags))[0].tolist()
+      raise ValueError(f"KV cache overflow (capacity={self.capacity}) in sequences {bad}: "
+                       "their appends were not applied")
+    return self
+
+  # ------------------------------------------------------------------ update
+  def _validate_kv(self, k, v, what):
+    for name, x in (("k", k), ("v", v)):
+      if not hasattr(x, "shape") or x.ndim != 4:
+        raise ValueError(f"{what}: {name} must be [B, T, Hkv, D], got shape "
+                         f"{getattr(x, 'shape', type(x))}")
+    if k.shape != v.shape:
+      raise ValueError(f"{what}: k.shape={k.shape} != v.shape={v.shape}")
+    b, t, h, d = k.shape
+    if (b, h, d) != (self.batch, self.kv_heads, self.head_dim):
+      raise ValueError(
+          f"{what}: k/v shape {k.shape} does not match cache "
+          f"(batch={self.batch}, kv_heads={self.kv_heads}, head_dim={self.head_dim})")
+    if t < 1:
+      raise ValueError(f"{what}: need at least one token, got T={t}")
+    for name, x in (("k", k), ("v", v)):
+      if x.dtype != self.dtype:
+        raise TypeError(f"{what}: {name}.dtype={x.dtype} must equal the cache dtype {self.dtype}")
+
+  def prefill(self, k: jax.Array, v: jax.Array, lengths) -> "KVCache":
+    """Appends a ragged block of tokens: the first ``lengths[b]`` rows of each.
+
+    On an empty cache this is the prompt prefill; on a non-empty one it is a
+    chunked prefill (each sequence grows by its own ``lengths[b] >= 0``).
+
+    Args:
+      k, v: ``[B, T, Hkv, D]`` in the cache dtype.
+      lengths: ``[B]`` ints in ``[0, T]``; rows at positions >= length are ignored.
+    """
+    self._validate_kv(k, v, "prefill")
+    t = k.shape[1]
+    if isinstance(lengths, (list, tuple, np.ndarray)) or np.isscalar(lengths):
+      lengths = np.asarray(lengths)
+    if lengths.shape != (self.batch,):
+      raise ValueError(f"prefill: lengths.shape={lengths.shape} must be ({self.batch},)")
+    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+      raise TypeError(f"prefill: lengths.dtype={lengths.dtype} must be an integer dtype")
+    if _is_concrete(lengths):
+      ln = np.asarray(lengths)
+      if ln.min() < 0 or ln.max() > t:
+        raise ValueError(f"prefill: lengths={ln.tolist()} must lie in [0, T={t}]")
+    return self._extend(k, v, jnp.asarray(lengths, jnp.int32))
+
+  def append(self, k_new: jax.Array, v_new: jax.Array) -> "KVCache":
+    """Appends ``S`` tokens to every sequence; ``k_new, v_new [B, S, Hkv, D]``."""
+    self._validate_kv(k_new, v_new, "append")
+    s = k_new.shape[1]
+    return self._extend(k_new, v_new, jnp.full((self.batch,), s, jnp.int32))
+
+  def _extend(self, k_new, v_new, num_new) -> "KVCache":
+    cap = self.capacity
+    if _is_concrete(self.lengths) and _is_concrete(num_new):
+      grown = np.asarray(self.lengths) + np.asarray(num_new)
+      if grown.max() > cap:
+        bad = np.nonzero(grown > cap)[0].tolist()
+        raise ValueError(f"KV cache overflow: sequences {bad} would reach lengths "
+                         f"{grown[bad].tolist()} > capacity={cap}")
+    return _extend_jit(self, k_new, v_new, num_new)
+
+  def _extend_traced(self, k_new, v_new, num_new) -> "KVCache":
+    fmt, cap = self.fmt, self.capacity
+    g, r = fmt.token_group, fmt.residual
+    t = k_new.shape[1]
+    fits = self.lengths + num_new <= cap
+    num_new = jnp.where(fits, num_new, 0)
+    old_len = self.lengths
+    new_len = old_len + num_new
+    old_packed = fmt.packed_len(old_len)
+    new_packed = fmt.packed_len(new_len)
+    res_len = old_len - old_packed
+    flush = new_packed - old_packed           # [B], multiple of G
+    n_groups = (r + t - 1) // g               # static bound on flushed groups
+    stage_len = max(n_groups * g + r, r + t)  # residual slice never clamps
+
+    def stage(residual, new, rlen, n):
+      # residual [H, R, D], new [T, H, D] -> [H, stage_len, D] with the valid
+      # residual rows followed directly by the n new tokens.
+      new = jnp.swapaxes(new, 0, 1)
+      h, _, d = residual.shape
+      pad = jnp.zeros((h, stage_len, d), residual.dtype)
+      old = pad.at[:, :r].set(residual)
+      shifted = jax.lax.dynamic_update_slice(pad, new, (0, rlen, 0))
+      pos = jnp.arange(stage_len)[None, :, None]
+      return jnp.where(pos < rlen, old, jnp.where(pos < rlen + n, shifted, 0))
+
+    k_stage = jax.vmap(stage)(self.k_residual, k_new, res_len, num_new)
+    v_stage = jax.vmap(stage)(self.v_residual, v_new, res_len, num_new)
+
+    def do_flush(sides):
+      k_side, v_side = sides
+      out = []
+      for side, staged in ((k_side, k_stage), (v_side, v_stage)):
+        x = staged[:, :, : n_groups * g]
+        codes, scale, zero = side.quantize(x, fmt.scale_dtype, use_kernel=self.use_kernel)
+        out.append(side.write(codes, scale, zero, old_packed, flush))
+      return tuple(out)
+
+    k_side, v_side = jax.lax.cond(jnp.any(flush > 0), do_flush, lambda s: s, (self.k, self.v))
+
+    new_res_len = new_len - new_packed
+
+    def shift(staged, sh, keep):  # [H, stage_len, D] -> [H, R, D]
+      out = jax.lax.dynamic_slice_in_dim(staged, sh, r, axis=1)
+      return jnp.where(jnp.arange(r)[None, :, None] < keep, out, 0)
+
+    return dataclasses.replace(
+        self, k=k_side, v=v_side,
+        k_residual=jax.vmap(shift)(k_stage, flush, new_res_len),
+        v_residual=jax.vmap(shift)(v_stage, flush, new_res_len),
+        lengths=new_len, overflow=self.overflow | ~fits)
+
+  # ---------------------------------------------------------------- readback
+  def dequantize(self) -> tuple[jax.Array, jax.Array]:
+    """Returns ``(k, v)``, each float32 ``[B, capacity, Hkv, D]``, zero past ``lengths``.
+
+    Tokens ``[0, packed_len)`` are dequantized codes; ``[packed_len, L)`` the
+    exact residual values. This is what attention over the cache must match.
+    """
+    pos = jnp.arange(self.capacity)[None, :]            # [1, C]
+    packed = self.packed_lens[:, None]                  # [B, 1]
+    in_packed = pos < packed
+    in_residual = (pos >= packed) & (pos < self.lengths[:, None])
+    ridx = jnp.clip(pos - packed, 0, self.fmt.residual - 1)  # [B, C]
+
+    def assemble(side, residual):
+      full = side.dequantize()[:, :, : self.capacity]   # [B, H, C, D]
+      res = jnp.take_along_axis(residual.astype(jnp.float32), ridx[:, None, :, None], axis=2)
+      out = jnp.where(in_packed[:, None, :, None], full,
+                      jnp.where(in_residual[:, None, :, None], res, 0.0))
+      return jnp.swapaxes(out, 1, 2)                     # [B, C, H, D]
+
+    return assemble(self.k, self.k_residual), assemble(self.v, self.v_residual)
+
+
+# Jitted once per (format, shapes): eager calls do not dispatch op by op, and
+# inside a user's jit these simply inline.
+_extend_jit = jax.jit(KVCache._extend_traced)

@@ -1,0 +1,153 @@
+"""`KVFormat`: how a KV cache stores keys and values.
+
+A format fixes the bit width of K and V (16 = kept in the cache dtype), the
+quantization axis of K, the group sizes, the full-precision residual block and
+the dtype of the stored scales and zeros. See DESIGN.md "The contract".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import numpy as np
+
+VALID_BITS = (16, 8, 4, 2)
+VALID_K_AXES = ("channel", "token")
+VALID_SCALE_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def _is_pow2(n: int) -> bool:
+  return n > 0 and (n & (n - 1)) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class KVFormat:
+  """Storage format of a quantized KV cache.
+
+  Attributes:
+    k_bits: bits per key element, one of 16, 8, 4, 2 (16 = unquantized).
+    v_bits: bits per value element, one of 16, 8, 4, 2.
+    k_axis: ``"channel"``: one (scale, zero) per channel per group of
+      ``token_group`` tokens (KIVI/BitDecoding); ``"token"``: one (scale, zero)
+      per token per group of ``channel_group`` channels.
+    token_group: G, tokens per group for per-channel K, and the granularity at
+      which residual tokens are flushed into the packed region. Power of two.
+    channel_group: Gd, channels per group for per-token quantization (V
+      always, K when ``k_axis="token"``); ``None`` = the whole head.
+    residual: R, capacity of the full-precision residual block; a multiple of
+      G. ``R = G`` is KIVI/BitDecoding, ``R = 2G`` QuantSpec's double buffer.
+    scale_dtype: dtype name of stored scales and zeros.
+  """
+
+  k_bits: int = 16
+  v_bits: int = 16
+  k_axis: Literal["channel", "token"] = "channel"
+  token_group: int = 128
+  channel_group: int | None = None
+  residual: int = 128
+  scale_dtype: str = "float16"
+
+  def __post_init__(self):
+    for name in ("k_bits", "v_bits"):
+      bits = getattr(self, name)
+      if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or bits not in VALID_BITS:
+        raise ValueError(f"{name}={bits!r} must be one of {VALID_BITS}")
+    if self.k_axis not in VALID_K_AXES:
+      raise ValueError(f"k_axis={self.k_axis!r} must be one of {VALID_K_AXES}")
+    if not isinstance(self.token_group, (int, np.integer)) or not _is_pow2(int(self.token_group)):
+      raise ValueError(f"token_group={self.token_group!r} must be a positive power of two")
+    if self.channel_group is not None and (
+        not isinstance(self.channel_group, (int, np.integer)) or self.channel_group <= 0):
+      raise ValueError(f"channel_group={self.channel_group!r} must be a positive int or None")
+    if (not isinstance(self.residual, (int, np.integer)) or self.residual <= 0
+        or self.residual % self.token_group):
+      raise ValueError(
+          f"residual={self.residual!r} must be a positive multiple of "
+          f"token_group={self.token_group}")
+    sd = np.dtype(self.scale_dtype).name if self.scale_dtype is not None else None
+    if sd not in VALID_SCALE_DTYPES:
+      raise ValueError(f"scale_dtype={self.scale_dtype!r} must be one of {VALID_SCALE_DTYPES}")
+    object.__setattr__(self, "scale_dtype", sd)
+
+  # ----------------------------------------------------------------- presets
+  @classmethod
+  def preset(cls, name: str) -> "KVFormat":
+    """Returns a named format; see `PRESETS` for the list."""
+    try:
+      return PRESETS[name]
+    except KeyError:
+      raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}") from None
+
+  @property
+  def is_quantized(self) -> bool:
+    return self.k_bits < 16 or self.v_bits < 16
+
+  @property
+  def G(self) -> int:  # noqa: N802 - the paper's name
+    return self.token_group
+
+  @property
+  def R(self) -> int:  # noqa: N802
+    return self.residual
+
+  def channel_group_for(self, head_dim: int) -> int:
+    """Channels per per-token group for a head of ``head_dim`` channels."""
+    gd = head_dim if self.channel_group is None else self.channel_group
+    if head_dim % gd:
+      raise ValueError(f"head_dim={head_dim} must be divisible by channel_group={gd}")
+    return gd
+
+  def validate_head_dim(self, head_dim: int) -> None:
+    """Raises ValueError if this format cannot store heads of ``head_dim``."""
+    if not isinstance(head_dim, (int, np.integer)) or head_dim <= 0:
+      raise ValueError(f"head_dim={head_dim!r} must be a positive int")
+    self.channel_group_for(head_dim)
+    for name, bits in (("k_bits", self.k_bits), ("v_bits", self.v_bits)):
+      if bits < 16 and head_dim % (8 // bits):
+        raise ValueError(f"head_dim={head_dim} must be a multiple of {8 // bits} for {name}={bits}")
+
+  def packed_len(self, length):
+    """Tokens held quantized for a sequence of ``length`` tokens (int or array).
+
+    ``G * max(0, floor((L - R + G) / G))``: tokens ``[packed_len, L)`` stay in
+    the full-precision residual block.
+    """
+    g, r = self.token_group, self.residual
+    if isinstance(length, (int, np.integer)):
+      return g * max(0, (int(length) - r + g) // g)
+    import jax.numpy as jnp  # local: keep this module importable without jax
+    return g * jnp.maximum(0, (length - r + g) // g)
+
+  def bytes_per_token(self, kv_heads: int, head_dim: int, dtype_bytes: int = 2) -> float:
+    """Bytes one token takes in the packed cache (codes + scales/zeros), K and V.
+
+    Full-precision sides count ``dtype_bytes`` per element. The residual block
+    (a fixed ``R`` tokens per sequence) is not included.
+    """
+    self.validate_head_dim(head_dim)
+    sbytes = np.dtype(self.scale_dtype).itemsize
+    gd = self.channel_group_for(head_dim)
+    total = 0.0
+    for bits, per_channel in ((self.k_bits, self.k_axis == "channel"), (self.v_bits, False)):
+      if bits == 16:
+        total += head_dim * dtype_bytes
+        continue
+      total += head_dim * bits / 8
+      if per_channel:  # one (scale, zero) per channel per G tokens
+        total += 2 * sbytes * head_dim / self.token_group
+      else:  # one (scale, zero) per channel group per token
+        total += 2 * sbytes * head_dim / gd
+    return total * kv_heads
+
+
+PRESETS: dict[str, KVFormat] = {
+    "bf16": KVFormat(k_bits=16, v_bits=16),
+    "int8": KVFormat(k_bits=8, v_bits=8, k_axis="token"),
+    "kivi4": KVFormat(k_bits=4, v_bits=4, k_axis="channel", token_group=128, residual=128),
+    "kivi2": KVFormat(k_bits=2, v_bits=2, k_axis="channel", token_group=128, residual=128),
+    "int4-token-g4": KVFormat(k_bits=4, v_bits=4, k_axis="token", channel_group=32),
+    "k8v4": KVFormat(k_bits=8, v_bits=4, k_axis="token"),
+}
+"""Named formats. ``int4-token-g4`` has 4 channel groups at head_dim 128
+(``channel_group=32``); at other head dims use ``dataclasses.replace``."""
