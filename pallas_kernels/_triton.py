@@ -1,0 +1,62 @@
+"""Small helpers shared by the Pallas-Triton kernels of this package.
+
+They paper over the differences between the JAX versions the project runs on
+(0.10.2 on CPU/CI, 0.11.2 on the GPU machines).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
+
+_COMPILER_PARAMS_CLS = getattr(plgpu, "CompilerParams", None) or getattr(
+    plgpu, "TritonCompilerParams")
+
+
+def compiler_params(*, num_warps: int, num_stages: int):
+  """Explicit Triton compiler params (some JAX versions route elsewhere without)."""
+  return _COMPILER_PARAMS_CLS(num_warps=num_warps, num_stages=num_stages)
+
+
+def div_rn(a: jax.Array, b: jax.Array, *, interpret: bool) -> jax.Array:
+  """IEEE round-to-nearest float32 division, ``a / b``.
+
+  Triton lowers ``/`` on float32 to the approximate ``div.full.f32``; XLA (the
+  reference) divides exactly. Bitwise-equal quantization codes need the exact
+  quotient, so the compiled kernel uses ``div.rn.f32`` through inline PTX.
+  """
+  if interpret:
+    return a / b
+  [out] = plgpu.elementwise_inline_asm(
+      "div.rn.f32 $0, $1, $2;",
+      args=[a, b],
+      constraints="=r,r,r",
+      pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)],
+  )
+  return out
+
+
+def next_pow2(n: int) -> int:
+  return 1 << max(0, int(n) - 1).bit_length()
+
+
+def is_pow2(n: int) -> bool:
+  return n > 0 and (n & (n - 1)) == 0
+
+
+def stack_last(values: list[jax.Array]) -> jax.Array:
+  """``jnp.stack(values, -1)`` for a power-of-two count, using only the
+  two-operand stacks that the Triton lowering supports."""
+  if len(values) == 1:
+    return values[0][..., None]
+  evens = stack_last(values[0::2])
+  odds = stack_last(values[1::2])
+  joined = jnp.stack([evens, odds], axis=-1)
+  return joined.reshape(*joined.shape[:-2], len(values))
+
+
+def num_sms() -> int:
+  """Streaming multiprocessors of the default device (132 on H100/H200)."""
+  return int(getattr(jax.devices()[0], "core_count", 0) or 132)

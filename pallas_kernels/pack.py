@@ -1,0 +1,256 @@
+"""Fused quantize + pack (Pallas Triton): full-precision tokens -> codes, scale, zero.
+
+Bitwise equal to `jaxkv.quant.quantize` (the spec, `quantize_pack_reference`
+below): the same float32 operations in the same order, with the exact
+``div.rn`` quotient and the reciprocal-multiply XLA uses for ``/ levels``.
+
+The planar bit layout (see `jaxkv.quant`) makes packing elementwise: byte
+``j`` of a row is ``OR_i code[j + i*W] << i*bits``, so a kernel loads ``p``
+column planes of width ``W`` and ORs them, never interleaving values. When a
+per-token channel group is narrower than a plane, each plane is handled in
+chunks of ``chunk = min(W, channel_group)`` columns that lie in one group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from jaxkv import quant
+from pallas_kernels import _triton
+
+
+@dataclasses.dataclass(frozen=True)
+class PackConfig:
+  """Launch parameters of the pack kernel.
+
+  Attributes:
+    block_t: tokens per program for per-token quantization (power of two;
+      per-channel quantization always uses one token group per program).
+    num_warps: Triton warps per program.
+    num_stages: Triton software-pipelining depth.
+  """
+
+  block_t: int = 64
+  num_warps: int = 4
+  num_stages: int = 1
+
+  def __post_init__(self):
+    if not _triton.is_pow2(self.block_t):
+      raise ValueError(f"block_t={self.block_t} must be a power of two")
+
+  @classmethod
+  def default(cls, *, tokens: int, head_dim: int, axis: str) -> "PackConfig":
+    """Heuristic: 64-token tiles; 8 warps for wide per-channel groups."""
+    block_t = min(64, _triton.next_pow2(tokens))
+    num_warps = 8 if axis == "channel" and head_dim * tokens >= 128 * 128 else 4
+    return cls(block_t=block_t, num_warps=num_warps)
+
+
+def _codes(x, zero, scale, levels, *, interpret):
+  """``clip(floor((x - zero) / scale + 0.5))`` in float32, 0 where scale == 0."""
+  safe = jnp.where(scale > 0, scale, 1.0)
+  code = jnp.floor(_triton.div_rn(x - zero, safe, interpret=interpret) + 0.5)
+  code = jnp.where(scale > 0, jnp.clip(code, 0.0, float(levels)), 0.0)
+  return code.astype(jnp.uint8)
+
+
+def _pack_per_token_kernel(
+    # inputs
+    x_ref,      # [block_t, D]
+    # outputs
+    codes_ref,  # [block_t, D * bits // 8] uint8
+    scale_ref,  # [block_t, D // channel_group]
+    zero_ref,   # [block_t, D // channel_group]
+    *,
+    bits: int,
+    channel_group: int,
+    interpret: bool,
+):
+  head_dim = x_ref.shape[-1]
+  levels = (1 << bits) - 1
+  inv_levels = np.float32(1.0 / levels)  # XLA rewrites `/ levels` into this.
+  per_byte = 8 // bits
+  width = head_dim // per_byte
+  chunk = min(width, channel_group)
+  scale_dtype = scale_ref.dtype
+
+  scales, zeros = [], []
+  for g in range(head_dim // channel_group):
+    xg = x_ref[:, pl.ds(g * channel_group, channel_group)].astype(jnp.float32)
+    lo = jnp.min(xg, axis=1)
+    hi = jnp.max(xg, axis=1)
+    scales.append(((hi - lo) * inv_levels).astype(scale_dtype))
+    zeros.append(lo.astype(scale_dtype))
+  scale_ref[...] = _triton.stack_last(scales)
+  zero_ref[...] = _triton.stack_last(zeros)
+
+  for c in range(width // chunk):
+    packed = None
+    for i in range(per_byte):
+      col = i * width + c * chunk
+      g = col // channel_group
+      x = x_ref[:, pl.ds(col, chunk)].astype(jnp.float32)
+      scale = scales[g].astype(jnp.float32)[:, None]
+      zero = zeros[g].astype(jnp.float32)[:, None]
+      code = _codes(x, zero, scale, levels, interpret=interpret)
+      if i:
+        code = code << np.uint8(i * bits)
+      packed = code if packed is None else packed | code
+    codes_ref[:, pl.ds(c * chunk, chunk)] = packed
+
+
+def _pack_per_channel_kernel(
+    # inputs
+    x_ref,      # [G, D]
+    # outputs
+    codes_ref,  # [G, D * bits // 8] uint8
+    scale_ref,  # [D]
+    zero_ref,   # [D]
+    *,
+    bits: int,
+    interpret: bool,
+):
+  head_dim = x_ref.shape[-1]
+  levels = (1 << bits) - 1
+  inv_levels = np.float32(1.0 / levels)
+  per_byte = 8 // bits
+  width = head_dim // per_byte
+  packed = None
+  for i in range(per_byte):
+    cols = pl.ds(i * width, width)
+    x = x_ref[:, cols].astype(jnp.float32)
+    lo = jnp.min(x, axis=0)
+    hi = jnp.max(x, axis=0)
+    scale_s = ((hi - lo) * inv_levels).astype(scale_ref.dtype)
+    zero_s = lo.astype(zero_ref.dtype)
+    scale_ref[cols] = scale_s
+    zero_ref[cols] = zero_s
+    code = _codes(x, zero_s.astype(jnp.float32)[None, :],
+                  scale_s.astype(jnp.float32)[None, :], levels, interpret=interpret)
+    if i:
+      code = code << np.uint8(i * bits)
+    packed = code if packed is None else packed | code
+  codes_ref[...] = packed
+
+
+def _check(x_shape, bits, axis, group):
+  if bits not in (8, 4, 2):
+    raise ValueError(f"bits={bits!r} must be 8, 4 or 2")
+  if axis not in ("token", "channel"):
+    raise ValueError(f"axis={axis!r} must be 'token' or 'channel'")
+  if len(x_shape) < 2:
+    raise ValueError(f"x.shape={x_shape} must be [..., T, D]")
+  tokens, head_dim = x_shape[-2:]
+  if not _triton.is_pow2(head_dim) or head_dim * bits // 8 < 2:
+    raise ValueError(f"head_dim={head_dim} must be a power of two >= {16 // bits}")
+  if not _triton.is_pow2(group):
+    raise ValueError(f"group={group} must be a power of two")
+  if axis == "token" and head_dim % group:
+    raise ValueError(f"head_dim={head_dim} must be divisible by channel group={group}")
+  if axis == "channel" and tokens % group:
+    raise ValueError(f"num tokens {tokens} must be a multiple of token group={group}")
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("bits", "axis", "group", "scale_dtype", "config", "interpret"))
+def quantize_pack(
+    x: jax.Array,  # [..., T, D]
+    bits: int,
+    *,
+    axis: str,
+    group: int,
+    scale_dtype="float16",
+    config: PackConfig | None = None,
+    interpret: bool = False,
+):
+  """Quantizes and packs ``x`` with one Pallas kernel; drop-in for `jaxkv.quant.quantize`.
+
+  Args:
+    x: ``[..., T, D]`` floats; ``D`` a power of two.
+    bits: 8, 4 or 2.
+    axis: ``"token"`` (one scale per token per ``group`` channels) or
+      ``"channel"`` (one scale per channel per ``group`` tokens; ``T % group == 0``).
+    group: group size along the reduced axis (power of two).
+    scale_dtype: dtype of the stored scale and zero.
+    config: launch parameters; `PackConfig.default` when None.
+    interpret: run the kernel in Pallas interpret mode (CPU).
+
+  Returns:
+    ``(packed [..., T, D*bits//8] uint8, scale, zero)`` bitwise equal to
+    `jaxkv.quant.quantize`.
+  """
+  _check(x.shape, bits, axis, group)
+  *lead, tokens, head_dim = x.shape
+  scale_dtype = jnp.dtype(scale_dtype)
+  n = int(np.prod(lead, dtype=np.int64))
+  x3 = x.reshape(n, tokens, head_dim)
+  packed_dim = head_dim * bits // 8
+  if config is None:
+    config = PackConfig.default(tokens=tokens, head_dim=head_dim, axis=axis)
+  params = _triton.compiler_params(num_warps=config.num_warps, num_stages=config.num_stages)
+
+  if axis == "channel":
+    ngroups = tokens // group
+    kernel = functools.partial(_pack_per_channel_kernel, bits=bits, interpret=interpret)
+    codes, scale, zero = pl.pallas_call(
+        kernel,
+        grid=(n, ngroups),
+        in_specs=[pl.BlockSpec((None, group, head_dim), lambda i, t: (i, t, 0))],
+        out_specs=[
+            pl.BlockSpec((None, group, packed_dim), lambda i, t: (i, t, 0)),
+            pl.BlockSpec((None, None, head_dim), lambda i, t: (i, t, 0)),
+            pl.BlockSpec((None, None, head_dim), lambda i, t: (i, t, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((n, tokens, packed_dim), jnp.uint8),
+            jax.ShapeDtypeStruct((n, ngroups, head_dim), scale_dtype),
+            jax.ShapeDtypeStruct((n, ngroups, head_dim), scale_dtype),
+        ],
+        compiler_params=params,
+        interpret=interpret,
+        name=f"jaxkv_pack_channel_int{bits}",
+    )(x3)
+    return (codes.reshape(*lead, tokens, packed_dim),
+            scale.reshape(*lead, ngroups, head_dim), zero.reshape(*lead, ngroups, head_dim))
+
+  ngroups = head_dim // group
+  block_t = min(config.block_t, _triton.next_pow2(tokens))
+  padded = pl.cdiv(tokens, block_t) * block_t
+  if padded != tokens:
+    x3 = jnp.pad(x3, ((0, 0), (0, padded - tokens), (0, 0)))
+  kernel = functools.partial(
+      _pack_per_token_kernel, bits=bits, channel_group=group, interpret=interpret)
+  codes, scale, zero = pl.pallas_call(
+      kernel,
+      grid=(n, padded // block_t),
+      in_specs=[pl.BlockSpec((None, block_t, head_dim), lambda i, t: (i, t, 0))],
+      out_specs=[
+          pl.BlockSpec((None, block_t, packed_dim), lambda i, t: (i, t, 0)),
+          pl.BlockSpec((None, block_t, ngroups), lambda i, t: (i, t, 0)),
+          pl.BlockSpec((None, block_t, ngroups), lambda i, t: (i, t, 0)),
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct((n, padded, packed_dim), jnp.uint8),
+          jax.ShapeDtypeStruct((n, padded, ngroups), scale_dtype),
+          jax.ShapeDtypeStruct((n, padded, ngroups), scale_dtype),
+      ],
+      compiler_params=params,
+      interpret=interpret,
+      name=f"jaxkv_pack_token_int{bits}",
+  )(x3)
+  if padded != tokens:
+    codes, scale, zero = codes[:, :tokens], scale[:, :tokens], zero[:, :tokens]
+  return (codes.reshape(*lead, tokens, packed_dim),
+          scale.reshape(*lead, tokens, ngroups), zero.reshape(*lead, tokens, ngroups))
+
+
+def quantize_pack_reference(x, bits, *, axis, group, scale_dtype="float16"):
+  """The spec: `jaxkv.quant.quantize` (plain jnp)."""
+  return quant.quantize(x, bits, axis=axis, group=group, scale_dtype=scale_dtype)
