@@ -3,15 +3,19 @@
 Quantization is asymmetric round-to-nearest over a group ``x``::
 
     zero  = min(x)                         (stored in scale_dtype)
-    scale = (max(x) - min(x)) / (2^b - 1)  (stored in scale_dtype)
-    code  = clip(floor((x - zero_s) / scale_s + 0.5), 0, 2^b - 1)
+    scale = (max(x) - min(x)) * f32(1 / (2^b - 1))   (stored in scale_dtype)
+    inv   = 1 / scale_s  (0 where scale_s == 0), one IEEE division per group
+    code  = clip(floor((x - zero_s) * inv + 0.5), 0, 2^b - 1)
     x_hat = code * scale_s + zero_s        (float32 arithmetic)
 
 where ``scale_s``/``zero_s`` are the *stored* (rounded) scale and zero read
 back as float32, so ``x_hat`` is the nearest point of the grid that is
 actually stored. A group whose stored scale is 0 (constant group, or a range
 that underflows the scale dtype) gets codes 0 and ``x_hat == zero_s``.
-Ties round up (``floor(v + 0.5)``), which every backend lowers identically.
+Ties round up (``floor(v + 0.5)``), and the range is multiplied by the float32
+constant ``1 / (2^b - 1)`` and each element by the group's reciprocal scale
+(compilers rewrite divisions by a broadcast value that way anyway), so the
+reference and the kernels compute the same bits.
 
 Bit layout ("planar"): codes of ``b`` bits along the last axis of length ``N``
 are packed into ``N * b / 8`` uint8 bytes. With ``p = 8 // b`` codes per byte
@@ -82,13 +86,12 @@ def _quantize_groups(x: jax.Array, bits: int, axis: int, scale_dtype):
   levels = (1 << bits) - 1
   lo = jnp.min(x, axis=axis, keepdims=True)
   hi = jnp.max(x, axis=axis, keepdims=True)
-  scale_s = ((hi - lo) / levels).astype(scale_dtype)
+  scale_s = ((hi - lo) * jnp.float32(1.0 / levels)).astype(scale_dtype)
   zero_s = lo.astype(scale_dtype)
   scale = scale_s.astype(jnp.float32)
   zero = zero_s.astype(jnp.float32)
-  safe = jnp.where(scale > 0, scale, 1.0)
-  code = jnp.floor((x - zero) / safe + 0.5)
-  code = jnp.where(scale > 0, jnp.clip(code, 0, levels), 0).astype(jnp.uint8)
+  inv_scale = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
+  code = jnp.clip(jnp.floor((x - zero) * inv_scale + 0.5), 0, levels).astype(jnp.uint8)
   return code, jnp.squeeze(scale_s, axis), jnp.squeeze(zero_s, axis)
 
 
