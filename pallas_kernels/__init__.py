@@ -1,0 +1,27 @@
+"""Pallas GPU kernels of jaxkv: quantize+pack, dequant split-K attention, combine.
+
+An implementation detail reached through `jaxkv.decode_attention(...,
+implementation="pallas")` and `KVCache`'s pack path. Every kernel sits behind
+one entry point (`pallas_decode_attention`, `quantize_pack`) so a Mosaic GPU
+variant can sit beside the Triton one.
+"""
+
+from pallas_kernels.dequant_attention import DecodeAttentionConfig
+from pallas_kernels.dequant_attention import dequant_decode_attention
+from pallas_kernels.dequant_attention import dequant_decode_attention_reference
+from pallas_kernels.dequant_attention import pallas_decode_attention
+from pallas_kernels.dequant_attention import supports
+from pallas_kernels.pack import PackConfig
+from pallas_kernels.pack import quantize_pack
+from pallas_kernels.pack import quantize_pack_reference
+
+__all__ = [
+    "DecodeAttentionConfig",
+    "PackConfig",
+    "dequant_decode_attention",
+    "dequant_decode_attention_reference",
+    "pallas_decode_attention",
+    "quantize_pack",
+    "quantize_pack_reference",
+    "supports",
+]

@@ -1,0 +1,576 @@
+"""Split-K flash decoding over a packed low-bit KV cache (Pallas Triton).
+
+Two kernels (BitDecoding's dequant-attention and combine):
+
+1. ``jaxkv_dequant_attention``: grid ``(batch, kv_head, split)``. Splits
+   ``0..num_splits-1`` each walk one contiguous slice of the packed region
+   ``[0, packed_len)``; the extra last split attends over the full-precision
+   residual block. All ``Hq/Hkv`` query heads times the ``S`` new queries of
+   one kv head are the M rows of every dot (padded to >= 16). Each program
+   returns an unnormalized partial output with its running max and sum.
+2. ``jaxkv_decode_combine``: grid ``(batch, kv_head)``; log-sum-exp merge of
+   the partials, normalization, cast to q's dtype.
+
+Scale and zero are folded out of the inner loop (DESIGN.md, "Where the time
+goes"), so each code only needs an int -> float conversion before the dot:
+
+- K per channel (one scale/zero per channel per G tokens):
+  ``s = (q * scale_g) @ codes^T + q @ zero_g``.
+- K per token (one scale/zero per token per Gd channels):
+  ``s = sum_groups scale_t * (q_grp @ codes_grp^T) + zero_t * sum(q_grp)``.
+- V per token: ``o_grp += (p * scale_t) @ codes_grp`` and a rank-1 term
+  ``(p @ zero_t)`` added once at the end.
+
+The planar layout of `jaxkv.quant` unpacks a byte column block into ``8/bits``
+contiguous channel blocks of width ``W = D*bits/8``; the kernel multiplies
+block ``i`` with ``q_ref[:, i*W : (i+1)*W]`` and keeps one output
+accumulator per block, never slicing or concatenating loaded values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxkv import quant
+from jaxkv.formats import KVFormat
+from pallas_kernels import _triton
+
+_MIN_ROWS = 16  # smallest M of a Triton dot
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeAttentionConfig:
+  """Launch parameters of the split-K dequant-attention kernel family.
+
+  Attributes:
+    block_k: packed tokens per inner-loop step (power of two, a multiple of
+      the token group G when K is per-channel, at most 256).
+    num_splits: programs per (batch, kv head) over the packed region; one
+      more program handles the residual block.
+    num_warps: Triton warps per program.
+    num_stages: Triton software-pipelining depth of the inner loop.
+
+  Search space (`jaxkv.autotune`): block_k in {64, 128, 256}, num_splits in
+  powers of two 1..256, num_warps in {4, 8}, num_stages in {2, 3, 4}.
+  """
+
+  block_k: int = 128
+  num_splits: int = 16
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self):
+    if not _triton.is_pow2(self.block_k) or not 16 <= self.block_k <= 256:
+      raise ValueError(f"block_k={self.block_k} must be a power of two in [16, 256]")
+    if self.num_splits < 1:
+      raise ValueError(f"num_splits={self.num_splits} must be >= 1")
+    if self.num_warps not in (1, 2, 4, 8, 16):
+      raise ValueError(f"num_warps={self.num_warps} must be a power of two <= 16")
+    if self.num_stages < 1:
+      raise ValueError(f"num_stages={self.num_stages} must be >= 1")
+
+  @classmethod
+  def default(cls, *, batch: int, tokens: int, q_heads: int, kv_heads: int,
+              head_dim: int, k_bits: int, v_bits: int, token_group: int = 128,
+              k_axis: str = "channel", num_sms: int | None = None) -> "DecodeAttentionConfig":
+    """Heuristic: enough splits for ~4 programs per SM, >= 2 steps per split."""
+    del q_heads, head_dim
+    num_sms = num_sms or _triton.num_sms()
+    block_k = 128
+    if k_bits < 16 and k_axis == "channel":
+      block_k = max(block_k, token_group)
+    bits = max(k_bits, v_bits)
+    if bits == 16:
+      block_k = 64
+    blocks = max(1, pl.cdiv(tokens, block_k))
+    want = pl.cdiv(4 * num_sms, batch * kv_heads)
+    splits = min(_triton.next_pow2(want), max(1, blocks // 2), 256)
+    return cls(block_k=block_k, num_splits=max(1, splits), num_warps=4,
+               num_stages=3 if bits <= 4 else 2)
+
+
+def _replicate_rows(x, rows):
+  """``[m, w]`` -> ``[rows, w]`` by repeating the m rows (m divides rows)."""
+  m = x.shape[0]
+  if m == rows:
+    return x
+  return jnp.broadcast_to(x[None], (rows // m, m, x.shape[1])).reshape(rows, x.shape[1])
+
+
+def _unpack_plane(byte_block, plane, bits, dtype):
+  """Channel plane ``plane`` of a ``[t, w]`` uint8 block, as ``dtype`` codes."""
+  if bits == 8:
+    return byte_block.astype(jnp.float32).astype(dtype)
+  codes = byte_block
+  if plane:
+    codes = codes >> np.uint8(plane * bits)
+  codes = codes & np.uint8((1 << bits) - 1)
+  return codes.astype(jnp.float32).astype(dtype)
+
+
+def _dot(a, b):
+  return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
+def _dot_t(a, b):
+  """``a @ b.T``."""
+  return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Side:
+  """Static description of one cache side (K or V) inside the kernel."""
+
+  bits: int
+  axis: str      # "token" or "channel"
+  group: int     # Gd for "token", G for "channel"; 1 when bits == 16
+
+  def chunks(self, head_dim):
+    """``(plane, byte_col, width, out_col, channel_group_index)`` per chunk."""
+    if self.bits == 16:
+      return [(0, 0, head_dim, 0, 0)]
+    per_byte = 8 // self.bits
+    width = head_dim // per_byte
+    chunk = width if self.axis == "channel" else min(width, self.group)
+    out = []
+    for c in range(width // chunk):
+      for i in range(per_byte):
+        col = i * width + c * chunk
+        out.append((i, c * chunk, chunk, col, 0 if self.axis == "channel" else col // self.group))
+    return out
+
+
+def _split_kernel(
+    # inputs
+    lengths_ref,   # [] int32: L_b
+    q_ref,         # [Mq, D]
+    k_codes_ref,   # [C, D*kb/8] uint8 | [C, D] when 16-bit
+    k_scale_ref,   # [C//G, D] (channel) | [C, D//Gd] (token) | None
+    k_zero_ref,    # like k_scale_ref
+    v_codes_ref,   # [C, D*vb/8] uint8 | [C, D] when 16-bit
+    v_scale_ref,   # [C, D//Gd] | None
+    v_zero_ref,    # like v_scale_ref
+    k_res_ref,     # [R, D]
+    v_res_ref,     # [R, D]
+    # outputs
+    o_ref,         # [M, D] float32, unnormalized
+    l_ref,         # [M] float32, softmax denominators
+    m_ref,         # [M] float32, running maxima (-inf: no valid key)
+    *,
+    k_side: _Side,
+    v_side: _Side,
+    token_group: int,
+    residual: int,
+    num_queries: int,
+    num_splits: int,
+    block_k: int,
+    res_block: int,
+    sm_scale: float,
+):
+  rows, head_dim = o_ref.shape
+  q_rows = q_ref.shape[0]
+  dtype = k_res_ref.dtype
+  split = pl.program_id(2)
+  length = lengths_ref[()]
+  packed = token_group * jnp.maximum(0, (length - residual + token_group) // token_group)
+  # Query row r is (query head h, new token s) with r = h * S + s; it sees keys
+  # [0, L - S + s] (causal among the S new tokens).
+  row_s = (lax.broadcasted_iota(jnp.int32, (rows,), 0) % q_rows) % num_queries
+  row_limit = length - num_queries + row_s
+
+  def load_q(col, width):
+    q = q_ref[:, pl.ds(col, width)].astype(jnp.float32) * sm_scale
+    return _replicate_rows(q, rows)
+
+  def online_softmax(s, valid, m, l):
+    s = jnp.where(valid, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp(m - m_safe)
+    p = jnp.exp(s - m_safe[:, None])
+    return p, alpha, m_new, alpha * l + jnp.sum(p, axis=1)
+
+  m0 = jnp.full((rows,), -jnp.inf, jnp.float32)
+  l0 = jnp.zeros((rows,), jnp.float32)
+
+  @pl.when(split < num_splits)
+  def _packed():
+    per_split = pl.cdiv(pl.cdiv(packed, num_splits), block_k) * block_k
+    start = split * per_split
+    stop = jnp.minimum(start + per_split, packed)
+    num_blocks = jnp.maximum(0, pl.cdiv(stop - start, block_k))
+    sub_k = token_group if k_side.axis == "channel" and k_side.bits < 16 else block_k
+    k_chunks = k_side.chunks(head_dim)
+    v_chunks = v_side.chunks(head_dim)
+    q_chunks = [load_q(col, w) for (_, _, w, col, _) in k_chunks]
+    if k_side.bits < 16 and k_side.axis == "token":
+      num_groups = head_dim // k_side.group
+      q_sums = [None] * num_groups
+      for (_, _, _, _, g), qc in zip(k_chunks, q_chunks):
+        part = jnp.sum(qc, axis=1)
+        q_sums[g] = part if q_sums[g] is None else q_sums[g] + part
+      q_dots = [qc.astype(dtype) for qc in q_chunks]
+    elif k_side.bits == 16:
+      q_dots = [qc.astype(dtype) for qc in q_chunks]
+    v_groups = 1 if v_side.bits == 16 else head_dim // v_side.group
+
+    def k_scores(t0, kb):
+      """Scores [rows, kb] of tokens [t0, t0 + kb)."""
+      tok = pl.ds(t0, kb)
+      if k_side.bits == 16:
+        return _dot_t(q_dots[0], k_codes_ref[tok, :].astype(dtype))
+      if k_side.axis == "channel":
+        grp = t0 // token_group
+        s = None
+        for (plane, bcol, w, col, _), qc in zip(k_chunks, q_chunks):
+          scale = k_scale_ref[pl.ds(grp, 1), pl.ds(col, w)].astype(jnp.float32)
+          zero = k_zero_ref[pl.ds(grp, 1), pl.ds(col, w)].astype(jnp.float32)
+          codes = _unpack_plane(k_codes_ref[tok, pl.ds(bcol, w)], plane, k_side.bits, dtype)
+          part = _dot_t((qc * scale).astype(dtype), codes)
+          bias = jnp.sum(qc * zero, axis=1)
+          s = part + bias[:, None] if s is None else s + part + bias[:, None]
+        return s
+      per_group = [None] * num_groups
+      for (plane, bcol, w, _, g), qd in zip(k_chunks, q_dots):
+        codes = _unpack_plane(k_codes_ref[tok, pl.ds(bcol, w)], plane, k_side.bits, dtype)
+        part = _dot_t(qd, codes)
+        per_group[g] = part if per_group[g] is None else per_group[g] + part
+      s = None
+      for g in range(num_groups):
+        scale = k_scale_ref[tok, g].astype(jnp.float32)
+        zero = k_zero_ref[tok, g].astype(jnp.float32)
+        term = per_group[g] * scale[None, :] + q_sums[g][:, None] * zero[None, :]
+        s = term if s is None else s + term
+      return s
+
+    def step(t0, kb, carry):
+      m, l, accs, zaccs = carry
+      t = t0 + lax.broadcasted_iota(jnp.int32, (kb,), 0)
+      in_packed = t < packed
+      valid = in_packed[None, :] & (t[None, :] <= row_limit[:, None])
+      p, alpha, m, l = online_softmax(k_scores(t0, kb), valid, m, l)
+      tok = pl.ds(t0, kb)
+      if v_side.bits == 16:
+        v = jnp.where(in_packed[:, None], v_codes_ref[tok, :].astype(dtype), 0)
+        return m, l, [alpha[:, None] * accs[0] + _dot(p.astype(dtype), v)], zaccs
+      p_scaled, new_zaccs = [], []
+      for g in range(v_groups):
+        scale = jnp.where(in_packed, v_scale_ref[tok, g].astype(jnp.float32), 0.0)
+        zero = jnp.where(in_packed, v_zero_ref[tok, g].astype(jnp.float32), 0.0)
+        p_scaled.append((p * scale[None, :]).astype(dtype))
+        new_zaccs.append(alpha * zaccs[g] + jnp.sum(p * zero[None, :], axis=1))
+      new_accs = []
+      for (plane, bcol, w, _, g), acc in zip(v_chunks, accs):
+        codes = _unpack_plane(v_codes_ref[tok, pl.ds(bcol, w)], plane, v_side.bits, dtype)
+        new_accs.append(alpha[:, None] * acc + _dot(p_scaled[g], codes))
+      return m, l, new_accs, new_zaccs
+
+    def body(i, carry):
+      t0 = start + i * block_k
+      for sub in range(block_k // sub_k):
+        carry = step(t0 + sub * sub_k, sub_k, carry)
+      return carry
+
+    accs = [jnp.zeros((rows, w), jnp.float32) for (_, _, w, _, _) in v_chunks]
+    zaccs = [jnp.zeros((rows,), jnp.float32) for _ in range(v_groups)]
+    m, l, accs, zaccs = lax.fori_loop(0, num_blocks, body, (m0, l0, accs, zaccs))
+    for (_, _, w, col, g), acc in zip(v_chunks, accs):
+      if v_side.bits < 16:
+        acc = acc + zaccs[g][:, None]
+      o_ref[:, pl.ds(col, w)] = acc
+    l_ref[...] = l
+    m_ref[...] = m
+
+  @pl.when(split == num_splits)
+  def _residual():
+    num_res = length - packed
+    q = load_q(0, head_dim).astype(dtype)
+
+    def body(i, carry):
+      m, l, acc = carry
+      r0 = i * res_block
+      idx = r0 + lax.broadcasted_iota(jnp.int32, (res_block,), 0)
+      in_res = idx < num_res
+      valid = in_res[None, :] & ((packed + idx)[None, :] <= row_limit[:, None])
+      k = k_res_ref[pl.ds(r0, res_block), :]
+      p, alpha, m, l = online_softmax(_dot_t(q, k), valid, m, l)
+      v = jnp.where(in_res[:, None], v_res_ref[pl.ds(r0, res_block), :], 0)
+      return m, l, alpha[:, None] * acc + _dot(p.astype(dtype), v)
+
+    num_blocks = pl.cdiv(num_res, res_block)
+    m, l, acc = lax.fori_loop(
+        0, num_blocks, body, (m0, l0, jnp.zeros((rows, head_dim), jnp.float32)))
+    o_ref[...] = acc
+    l_ref[...] = l
+    m_ref[...] = m
+
+
+def _combine_kernel(
+    # inputs
+    o_ref,    # [J, M, D] float32 partial outputs
+    l_ref,    # [J, M]
+    m_ref,    # [J, M]
+    # outputs
+    out_ref,  # [Mo, D] in q's dtype
+):
+  """Log-sum-exp merge of the J partials of one (batch, kv head)."""
+  num_parts = o_ref.shape[0]
+  out_rows = out_ref.shape[0]
+  rows = pl.ds(0, out_rows)
+
+  def max_body(j, m):
+    return jnp.maximum(m, m_ref[j, rows])
+
+  m = lax.fori_loop(0, num_parts, max_body, jnp.full((out_rows,), -jnp.inf, jnp.float32))
+  m = jnp.where(m == -jnp.inf, 0.0, m)
+
+  def sum_body(j, carry):
+    acc, l = carry
+    w = jnp.exp(m_ref[j, rows] - m)
+    return acc + w[:, None] * o_ref[j, rows, :], l + w * l_ref[j, rows]
+
+  acc, l = lax.fori_loop(
+      0, num_parts, sum_body,
+      (jnp.zeros(out_ref.shape, jnp.float32), jnp.zeros((out_rows,), jnp.float32)))
+  safe = jnp.where(l > 0, l, 1.0)
+  out_ref[...] = jnp.where((l > 0)[:, None], acc / safe[:, None], 0.0).astype(out_ref.dtype)
+
+
+def _side_arrays(codes, scale, zero, bits):
+  return [codes] if bits == 16 else [codes, scale, zero]
+
+
+@functools.partial(
+    jax.jit, static_argnames=("fmt", "scale", "config", "interpret"))
+def dequant_decode_attention(
+    q: jax.Array,           # [B, S, Hq, D]
+    k_codes: jax.Array,     # [B, H, C, D*kb/8] uint8 | [B, H, C, D]
+    k_scale: jax.Array | None,  # [B, H, C//G, D] | [B, H, C, D//Gd] | None
+    k_zero: jax.Array | None,   # like k_scale
+    v_codes: jax.Array,     # [B, H, C, D*vb/8] uint8 | [B, H, C, D]
+    v_scale: jax.Array | None,  # [B, H, C, D//Gd] | None
+    v_zero: jax.Array | None,   # like v_scale
+    k_residual: jax.Array,  # [B, H, R, D]
+    v_residual: jax.Array,  # [B, H, R, D]
+    lengths: jax.Array,     # [B] int32, total tokens per sequence
+    *,
+    fmt: KVFormat,
+    scale: float | None = None,
+    config: DecodeAttentionConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+  """Decode attention of S new queries over a packed cache (raw arrays).
+
+  Args:
+    q: ``[B, S, Hq, D]`` queries of the S newest tokens (already in the cache).
+    k_codes, k_scale, k_zero, v_codes, v_scale, v_zero: the packed storage
+      (see `jaxkv.cache.KVCache`); scales None for 16-bit sides.
+    k_residual, v_residual: ``[B, H, R, D]`` full-precision newest tokens.
+    lengths: ``[B]`` total tokens ``L_b`` per sequence.
+    fmt: the cache format.
+    scale: softmax scale, default ``D ** -0.5``.
+    config: launch parameters; `DecodeAttentionConfig.default` when None.
+    interpret: run in Pallas interpret mode (CPU).
+
+  Returns:
+    ``[B, S, Hq, D]`` in q's dtype.
+  """
+  batch, num_queries, q_heads, head_dim = q.shape
+  kv_heads, capacity = k_codes.shape[1], k_codes.shape[2]
+  ok, why = supports(fmt, head_dim=head_dim, num_q_heads=q_heads, kv_heads=kv_heads,
+                     num_queries=num_queries, capacity=capacity)
+  if not ok:
+    raise ValueError(why)
+  group_q = q_heads // kv_heads
+  q_rows = group_q * num_queries
+  rows = max(_MIN_ROWS, _triton.next_pow2(q_rows))
+  residual = k_residual.shape[2]
+  sm_scale = float(head_dim ** -0.5 if scale is None else scale)
+  if config is None:
+    config = DecodeAttentionConfig.default(
+        batch=batch, tokens=capacity, q_heads=q_heads, kv_heads=kv_heads,
+        head_dim=head_dim, k_bits=fmt.k_bits, v_bits=fmt.v_bits,
+        token_group=fmt.token_group, k_axis=fmt.k_axis)
+  block_k = config.block_k
+  if fmt.k_bits < 16 and fmt.k_axis == "channel" and block_k % fmt.token_group:
+    raise ValueError(f"config.block_k={block_k} must be a multiple of "
+                     f"token_group={fmt.token_group} for per-channel K")
+  if capacity % block_k:
+    raise ValueError(f"cache capacity {capacity} must be a multiple of {block_k=}")
+  res_block = min(residual & -residual, 128)
+  gd = fmt.channel_group_for(head_dim)
+  k_side = (_Side(16, "token", 1) if fmt.k_bits == 16 else
+            _Side(fmt.k_bits, fmt.k_axis, fmt.token_group if fmt.k_axis == "channel" else gd))
+  v_side = _Side(16, "token", 1) if fmt.v_bits == 16 else _Side(fmt.v_bits, "token", gd)
+
+  # Rows r = h * S + s of kv head k's query block; a free reshape when S == 1.
+  qh = q.reshape(batch, num_queries, kv_heads, group_q, head_dim)
+  qh = qh.transpose(0, 2, 3, 1, 4).reshape(batch, kv_heads, q_rows, head_dim)
+  if not _triton.is_pow2(q_rows):
+    qh = jnp.pad(qh, ((0, 0), (0, 0), (0, rows - q_rows), (0, 0)))
+  q_block = qh.shape[2]
+  num_parts = config.num_splits + 1
+
+  def full(x):  # one (b, h) slice of a [B, H, ...] array per program
+    return pl.BlockSpec((None, None, *x.shape[2:]),
+                        lambda b, h, j, _n=x.ndim - 2: (b, h) + (0,) * _n)
+
+  k_arrays = _side_arrays(k_codes, k_scale, k_zero, fmt.k_bits)
+  v_arrays = _side_arrays(v_codes, v_scale, v_zero, fmt.v_bits)
+  inputs = [lengths.astype(jnp.int32), qh, *k_arrays, *v_arrays, k_residual, v_residual]
+  in_specs = [pl.BlockSpec((None,), lambda b, h, j: (b,))] + [full(x) for x in inputs[1:]]
+
+  kernel = functools.partial(
+      _split_kernel, k_side=k_side, v_side=v_side, token_group=fmt.token_group,
+      residual=fmt.residual, num_queries=num_queries, num_splits=config.num_splits,
+      block_k=block_k, res_block=res_block, sm_scale=sm_scale)
+  num_k, num_v = len(k_arrays), len(v_arrays)
+
+  def kernel_with_nones(lengths_ref, q_ref, *refs):
+    k_refs = list(refs[:num_k]) + [None] * (3 - num_k)
+    v_refs = list(refs[num_k:num_k + num_v]) + [None] * (3 - num_v)
+    rest = refs[num_k + num_v:]
+    kernel(lengths_ref, q_ref, *k_refs, *v_refs, *rest)
+
+  o_part, l_part, m_part = pl.pallas_call(
+      kernel_with_nones,
+      grid=(batch, kv_heads, num_parts),
+      in_specs=in_specs,
+      out_specs=[
+          pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, j: (b, h, j, 0, 0)),
+          pl.BlockSpec((None, None, None, rows), lambda b, h, j: (b, h, j, 0)),
+          pl.BlockSpec((None, None, None, rows), lambda b, h, j: (b, h, j, 0)),
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct((batch, kv_heads, num_parts, rows, head_dim), jnp.float32),
+          jax.ShapeDtypeStruct((batch, kv_heads, num_parts, rows), jnp.float32),
+          jax.ShapeDtypeStruct((batch, kv_heads, num_parts, rows), jnp.float32),
+      ],
+      compiler_params=_triton.compiler_params(
+          num_warps=config.num_warps, num_stages=config.num_stages),
+      interpret=interpret,
+      name=f"jaxkv_dequant_attention_k{fmt.k_bits}v{fmt.v_bits}",
+  )(*inputs)
+
+  out = pl.pallas_call(
+      _combine_kernel,
+      grid=(batch, kv_heads),
+      in_specs=[
+          pl.BlockSpec((None, None, num_parts, rows, head_dim), lambda b, h: (b, h, 0, 0, 0)),
+          pl.BlockSpec((None, None, num_parts, rows), lambda b, h: (b, h, 0, 0)),
+          pl.BlockSpec((None, None, num_parts, rows), lambda b, h: (b, h, 0, 0)),
+      ],
+      out_specs=pl.BlockSpec((None, None, q_block, head_dim), lambda b, h: (b, h, 0, 0)),
+      out_shape=jax.ShapeDtypeStruct((batch, kv_heads, q_block, head_dim), q.dtype),
+      compiler_params=_triton.compiler_params(num_warps=4, num_stages=1),
+      interpret=interpret,
+      name="jaxkv_decode_combine",
+  )(o_part, l_part, m_part)
+  out = out[:, :, :q_rows].reshape(batch, kv_heads, group_q, num_queries, head_dim)
+  return out.transpose(0, 3, 1, 2, 4).reshape(batch, num_queries, q_heads, head_dim)
+
+
+def supports(fmt: KVFormat, *, head_dim: int, num_q_heads: int | None = None,
+             kv_heads: int | None = None, num_queries: int | None = None,
+             capacity: int | None = None) -> tuple[bool, str]:
+  """Whether the kernels handle this format and shape; ``(False, reason)`` if not."""
+  if not _triton.is_pow2(head_dim) or not 32 <= head_dim <= 256:
+    return False, f"head_dim={head_dim} must be a power of two in [32, 256]"
+  try:
+    fmt.validate_head_dim(head_dim)
+  except ValueError as e:
+    return False, str(e)
+  gd = fmt.channel_group_for(head_dim)
+  for name, bits, axis in (("K", fmt.k_bits, fmt.k_axis), ("V", fmt.v_bits, "token")):
+    if bits == 16:
+      continue
+    width = head_dim * bits // 8
+    chunk = width if axis == "channel" else min(width, gd)
+    if not _triton.is_pow2(gd) or chunk < 16:
+      return False, (f"{name}: {bits}-bit channel blocks of width {chunk} "
+                     f"(head_dim={head_dim}, channel_group={gd}) must be powers of two >= 16")
+  if fmt.k_bits < 16 and fmt.k_axis == "channel" and not 16 <= fmt.token_group <= 256:
+    return False, f"token_group={fmt.token_group} must be in [16, 256] for per-channel K"
+  res_block = fmt.residual & -fmt.residual
+  if res_block < 16:
+    return False, f"residual={fmt.residual} must be a multiple of 16"
+  if num_q_heads is not None and kv_heads is not None:
+    if num_q_heads % kv_heads:
+      return False, f"num_q_heads={num_q_heads} must be a multiple of {kv_heads=}"
+    rows = num_q_heads // kv_heads * (num_queries or 1)
+    if rows > 128:
+      return False, f"(Hq/Hkv)*S={rows} query rows per kv head must be <= 128"
+  if capacity is not None and capacity % 256 and capacity % max(16, fmt.token_group):
+    return False, f"capacity={capacity} must be a multiple of 256"
+  return True, ""
+
+
+def dequant_decode_attention_reference(
+    q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_residual, v_residual,
+    lengths, *, fmt: KVFormat, scale: float | None = None) -> jax.Array:
+  """The spec (plain jnp, float32): exact attention over the dequantized cache."""
+  batch, num_queries, q_heads, head_dim = q.shape
+  kv_heads, capacity = k_codes.shape[1], k_codes.shape[2]
+  residual = k_residual.shape[2]
+
+  def side(codes, sc, zr, bits, axis):
+    if bits == 16:
+      return codes.astype(jnp.float32)
+    return quant.dequantize(codes, sc, zr, bits, axis=axis)
+
+  k = side(k_codes, k_scale, k_zero, fmt.k_bits, fmt.k_axis)
+  v = side(v_codes, v_scale, v_zero, fmt.v_bits, "token")
+  packed = fmt.packed_len(lengths)
+  # Token t of sequence b lives at packed row t (t < P) or residual row t - P.
+  t = jnp.arange(capacity + residual)
+  in_packed = t[None, :] < packed[:, None]
+  res_idx = jnp.clip(t[None, :] - packed[:, None], 0, residual - 1)
+
+  def assemble(packed_x, res_x):
+    pad = jnp.pad(packed_x, ((0, 0), (0, 0), (0, residual), (0, 0)))
+    res = jnp.take_along_axis(res_x.astype(jnp.float32), res_idx[:, None, :, None], axis=2)
+    return jnp.where(in_packed[:, None, :, None], pad, res)
+
+  k = assemble(k, k_residual)
+  v = assemble(v, v_residual)
+  sm_scale = head_dim ** -0.5 if scale is None else scale
+  qf = q.astype(jnp.float32).reshape(batch, num_queries, kv_heads, q_heads // kv_heads, head_dim)
+  s = jnp.einsum("bskgd,bktd->bskgt", qf, k, precision=lax.Precision.HIGHEST) * sm_scale
+  limit = lengths[:, None] - num_queries + jnp.arange(num_queries)[None, :]
+  valid = t[None, None, :] <= limit[:, :, None]
+  s = jnp.where(valid[:, :, None, None, :], s, -jnp.inf)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+  l = jnp.sum(p, axis=-1, keepdims=True)
+  o = jnp.einsum("bskgt,bktd->bskgd", p / jnp.where(l > 0, l, 1.0), v,
+                 precision=lax.Precision.HIGHEST)
+  return o.reshape(batch, num_queries, q_heads, head_dim).astype(q.dtype)
+
+
+
+def pallas_decode_attention(q: jax.Array, cache, *, scale: float | None = None,
+                            config: DecodeAttentionConfig | None = None,
+                            interpret: bool = False) -> jax.Array:
+  """`dequant_decode_attention` over a `jaxkv.cache.KVCache`.
+
+  Args:
+    q: ``[B, S, Hq, D]``; the K/V of the S query tokens are already appended.
+    cache: the `KVCache`.
+    scale: softmax scale, default ``D ** -0.5``.
+    config: launch parameters; heuristic default when None.
+    interpret: run in Pallas interpret mode (CPU).
+
+  Returns:
+    ``[B, S, Hq, D]`` in q's dtype.
+  """
+  return dequant_decode_attention(
+      q, cache.k.codes, cache.k.scale, cache.k.zero, cache.v.codes, cache.v.scale,
+      cache.v.zero, cache.k_residual, cache.v_residual, cache.lengths,
+      fmt=cache.fmt, scale=scale, config=config, interpret=interpret)
