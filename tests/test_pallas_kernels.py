@@ -1,0 +1,189 @@
+"""Pallas kernels vs the references: pack bitwise, attention vs a float64 oracle.
+
+CPU/CI runs every case in Pallas interpret mode. ``JAXKV_TEST_GPU=1`` runs the
+same cases compiled on the GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv import quant
+from jaxkv.cache import KVCache
+from jaxkv.formats import PRESETS
+import pallas_kernels as pk
+
+INTERPRET = os.environ.get("JAXKV_TEST_GPU", "0") != "1"
+
+# Attention tolerance: base[dtype] * sqrt(T) (T = keys attended).
+_TOL_BASE = {jnp.float32: 2e-6, jnp.bfloat16: 2e-3}
+
+
+def _fmt(name):
+  if name.endswith("-g32"):
+    return dataclasses.replace(PRESETS[name[:-4]], token_group=32, residual=32)
+  if name.endswith("-r2g"):  # QuantSpec's double residual buffer R = 2G
+    return dataclasses.replace(PRESETS[name[:-4]], token_group=64, residual=128)
+  return PRESETS[name]
+
+
+def _key(*parts):
+  return jax.random.PRNGKey(zlib.crc32(repr(parts).encode()))
+
+
+# ----------------------------------------------------------------------- pack
+PACK_CASES = [
+    # (bits, axis, group, tokens, head_dim, dtype)
+    (8, "token", 128, 40, 128, jnp.bfloat16),   # int8 / k8v4 K
+    (4, "token", 128, 200, 128, jnp.bfloat16),  # kivi4 / k8v4 V
+    (2, "token", 128, 64, 128, jnp.float32),    # kivi2 V
+    (4, "token", 32, 96, 128, jnp.bfloat16),    # int4-token-g4
+    (4, "token", 32, 16, 64, jnp.float32),
+    (2, "token", 32, 37, 64, jnp.bfloat16),     # ragged token count
+    (4, "channel", 128, 256, 128, jnp.bfloat16),  # kivi4 K
+    (2, "channel", 128, 128, 128, jnp.float32),   # kivi2 K
+    (4, "channel", 32, 96, 64, jnp.bfloat16),     # G = 32
+    (2, "channel", 32, 64, 128, jnp.bfloat16),
+    (8, "channel", 32, 64, 64, jnp.float32),
+]
+
+
+@pytest.mark.parametrize(
+    "bits,axis,group,tokens,head_dim,dtype", PACK_CASES,
+    ids=[f"{b=}_{a}_{g=}_{t=}_{d=}_{jnp.dtype(dt).name}" for b, a, g, t, d, dt in PACK_CASES])
+def test_pack_bitwise(bits, axis, group, tokens, head_dim, dtype):
+  x = jax.random.normal(_key("pack", bits, axis, group, tokens, head_dim), (2, 3, tokens, head_dim))
+  x = (x * 2.0 + 0.3).astype(dtype)
+  # A constant group and a tiny-range group must give zero codes, never NaN.
+  x = x.at[0, 0, :, :].set(1.5).at[1, 2, :, :].multiply(1e-6)
+  got = pk.quantize_pack(x, bits, axis=axis, group=group, interpret=INTERPRET)
+  ref = jax.jit(functools.partial(quant.quantize, bits=bits, axis=axis, group=group))(x)
+  for name, g, r in zip(("codes", "scale", "zero"), got, ref):
+    assert g.shape == r.shape and g.dtype == r.dtype, name
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(r), err_msg=name)
+
+
+# ------------------------------------------------------------------ attention
+ATTN_CASES = [
+    # (format, B, Hkv, Hq/Hkv, D, S, lengths, capacity, dtype)
+    ("kivi4", 2, 2, 4, 128, 1, (300, 129), 512, jnp.float32),     # mid-group end
+    ("kivi4", 2, 1, 8, 128, 1, (512, 60), 512, jnp.bfloat16),     # full / empty packed
+    ("kivi4", 1, 2, 3, 64, 4, (451,), 512, jnp.float32),          # GQA 3, S 4
+    ("kivi2", 2, 1, 8, 128, 1, (511, 250), 512, jnp.float32),
+    ("kivi2", 2, 2, 1, 128, 2, (384, 7), 512, jnp.bfloat16),
+    ("int4-token-g4", 1, 2, 4, 128, 3, (400,), 512, jnp.float32),
+    ("int4-token-g4", 2, 1, 8, 128, 1, (600, 1), 768, jnp.bfloat16),
+    ("int8", 2, 2, 3, 64, 2, (300, 77), 512, jnp.float32),
+    ("int8", 1, 1, 4, 128, 8, (520,), 768, jnp.bfloat16),
+    ("k8v4", 2, 2, 1, 128, 4, (256, 5), 512, jnp.bfloat16),
+    ("k8v4", 2, 1, 4, 64, 1, (333, 129), 512, jnp.float32),
+    ("bf16", 2, 2, 4, 64, 1, (256, 5), 512, jnp.bfloat16),
+    ("bf16", 1, 2, 3, 128, 5, (300,), 512, jnp.float32),
+    ("kivi4-g32", 2, 2, 4, 64, 5, (300, 40), 512, jnp.float32),
+    ("kivi4-g32", 1, 1, 8, 128, 1, (31,), 256, jnp.bfloat16),    # empty packed region
+    ("kivi2-g32", 2, 1, 4, 128, 6, (500, 33), 512, jnp.float32),
+    ("kivi2-g32", 1, 2, 1, 64, 7, (256,), 256, jnp.bfloat16),    # full packed region
+    ("int4-token-g4-g32", 2, 1, 3, 128, 2, (200, 95), 256, jnp.bfloat16),
+    ("kivi4-r2g", 2, 2, 4, 128, 1, (600, 190), 768, jnp.float32),  # R = 2G
+]
+
+
+def _oracle(q, cache):
+  """Float64 numpy attention over `cache.dequantize()` (the contract)."""
+  k, v = (np.asarray(x, np.float64) for x in cache.dequantize())
+  b, s, hq, d = q.shape
+  h = k.shape[2]
+  qf = np.asarray(q.astype(jnp.float32), np.float64).reshape(b, s, h, hq // h, d)
+  logits = np.einsum("bshgd,bthd->bshgt", qf, k) * d ** -0.5
+  limit = np.asarray(cache.lengths)[:, None] - s + np.arange(s)[None, :]
+  mask = np.arange(k.shape[1])[None, None, :] <= limit[:, :, None]
+  logits = np.where(mask[:, :, None, None], logits, -np.inf)
+  m = logits.max(-1, keepdims=True)
+  p = np.exp(logits - np.where(np.isfinite(m), m, 0.0))
+  l = p.sum(-1, keepdims=True)
+  p = p / np.where(l > 0, l, 1.0)
+  return np.einsum("bshgt,bthd->bshgd", p, v).reshape(b, s, hq, d)
+
+
+def _make_case(name, batch, kv_heads, group_q, head_dim, num_queries, lengths, capacity, dtype):
+  fmt = _fmt(name)
+  k1, k2, k3 = jax.random.split(_key(name, batch, kv_heads, group_q, head_dim, lengths), 3)
+  t = max(lengths)
+  k = (jax.random.normal(k1, (batch, t, kv_heads, head_dim)) * 1.5 + 0.2).astype(dtype)
+  v = jax.random.normal(k2, (batch, t, kv_heads, head_dim)).astype(dtype)
+  q = jax.random.normal(k3, (batch, num_queries, kv_heads * group_q, head_dim)).astype(dtype)
+  cache = KVCache.init(fmt, batch, kv_heads, head_dim, capacity, dtype, use_kernel=False)
+  return q, cache.prefill(k, v, np.asarray(lengths))
+
+
+@pytest.mark.parametrize(
+    "name,batch,kv_heads,group_q,head_dim,num_queries,lengths,capacity,dtype", ATTN_CASES,
+    ids=[f"{c[0]}_B{c[1]}_H{c[2]}_gqa{c[3]}_D{c[4]}_S{c[5]}_L{'-'.join(map(str, c[6]))}"
+         f"_{jnp.dtype(c[8]).name}" for c in ATTN_CASES])
+def test_attention_matches_oracle(name, batch, kv_heads, group_q, head_dim, num_queries,
+                                  lengths, capacity, dtype):
+  q, cache = _make_case(name, batch, kv_heads, group_q, head_dim, num_queries, lengths,
+                        capacity, dtype)
+  ok, why = pk.supports(cache.fmt, head_dim=head_dim, num_q_heads=q.shape[2],
+                        kv_heads=kv_heads, num_queries=num_queries)
+  assert ok, why
+  out = pk.pallas_decode_attention(q, cache, interpret=INTERPRET)
+  assert out.shape == q.shape and out.dtype == q.dtype
+  got = np.asarray(out.astype(jnp.float32), np.float64)
+  assert not np.isnan(got).any()
+  tol = _TOL_BASE[dtype] * np.sqrt(max(lengths))
+  np.testing.assert_allclose(got, _oracle(q, cache), atol=tol, rtol=tol)
+
+
+CONFIG_CASES = [
+    ("kivi4", pk.DecodeAttentionConfig(block_k=256, num_splits=3, num_warps=8, num_stages=3)),
+    ("int4-token-g4", pk.DecodeAttentionConfig(block_k=64, num_splits=64, num_warps=4)),
+    ("k8v4", pk.DecodeAttentionConfig(block_k=32, num_splits=1, num_warps=2, num_stages=1)),
+]
+
+
+@pytest.mark.parametrize("name,config", CONFIG_CASES, ids=[c[0] for c in CONFIG_CASES])
+def test_attention_configs(name, config):
+  """Sub-steps per block, more splits than blocks, a single split."""
+  q, cache = _make_case(name, 2, 2, 4, 128, 2, (700, 300), 768, jnp.float32)
+  out = pk.pallas_decode_attention(q, cache, config=config, interpret=INTERPRET)
+  tol = _TOL_BASE[jnp.float32] * np.sqrt(700)
+  np.testing.assert_allclose(np.asarray(out, np.float64), _oracle(q, cache), atol=tol, rtol=tol)
+
+
+def test_reference_matches_oracle():
+  q, cache = _make_case("kivi4-g32", 2, 2, 3, 64, 3, (300, 40), 512, jnp.float32)
+  out = pk.dequant_decode_attention_reference(
+      q, cache.k.codes, cache.k.scale, cache.k.zero, cache.v.codes, cache.v.scale,
+      cache.v.zero, cache.k_residual, cache.v_residual, cache.lengths, fmt=cache.fmt)
+  np.testing.assert_allclose(np.asarray(out, np.float64), _oracle(q, cache), atol=1e-5, rtol=1e-5)
+
+
+def test_supports_rejects_with_reason():
+  ok, why = pk.supports(PRESETS["kivi2"], head_dim=32)
+  assert not ok and "head_dim=32" in why
+  ok, why = pk.supports(PRESETS["kivi4"], head_dim=128, num_q_heads=256, kv_heads=1, num_queries=1)
+  assert not ok and "<= 128" in why
+  ok, _ = pk.supports(PRESETS["kivi4"], head_dim=128, num_q_heads=32, kv_heads=8, num_queries=4)
+  assert ok
+
+
+def test_config_validation():
+  with pytest.raises(ValueError, match="block_k=48"):
+    pk.DecodeAttentionConfig(block_k=48)
+  with pytest.raises(ValueError, match="num_splits=0"):
+    pk.DecodeAttentionConfig(num_splits=0)
+  with pytest.raises(ValueError, match="block_t=3"):
+    pk.PackConfig(block_t=3)
+  q, cache = _make_case("kivi4", 1, 1, 4, 128, 1, (300,), 512, jnp.float32)
+  with pytest.raises(ValueError, match="token_group=128"):
+    pk.pallas_decode_attention(q, cache, config=pk.DecodeAttentionConfig(block_k=64),
+                               interpret=INTERPRET)
