@@ -147,10 +147,17 @@ def load_llama(path, dtype=None) -> Llama:
       targets = _param_targets(model)
     param, transpose = targets[name]
     value = tensor.T if transpose else tensor
-    param.value = jnp.asarray(value, dtype)
+    _set(param, jnp.asarray(value, dtype))
   if bad_shapes:
     raise ValueError(f"checkpoint {path!r} has mis-shaped tensors: " + "; ".join(bad_shapes))
   return model
+
+
+def _set(param: nnx.Variable, value: jax.Array) -> None:
+  if hasattr(param, "set_value"):  # flax >= 0.12
+    param.set_value(value)
+  else:
+    param.value = value
 
 
 def _param_targets(model: Llama) -> dict[str, tuple[nnx.Param, bool]]:
