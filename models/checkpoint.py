@@ -17,7 +17,6 @@ from typing import Iterator
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from models.llama import Llama, LlamaConfig
@@ -182,8 +181,7 @@ def save_llama(model: Llama, path) -> None:
 
   Intended for small models (tests, demos): all tensors go through host memory.
   """
-  import torch  # pylint: disable=import-outside-toplevel
-  from safetensors.torch import save_file  # pylint: disable=import-outside-toplevel
+  from safetensors.flax import save_file  # pylint: disable=import-outside-toplevel
   c = model.config
   os.makedirs(path, exist_ok=True)
   cfg = {
@@ -208,7 +206,6 @@ def save_llama(model: Llama, path) -> None:
     json.dump(cfg, f, indent=2)
   tensors = {}
   for name, (param, transpose) in _param_targets(model).items():
-    arr = np.asarray(jnp.asarray(param[...], jnp.float32))
-    tensors[name] = torch.from_numpy(np.ascontiguousarray(arr.T if transpose else arr)).to(
-        getattr(torch, model.dtype.name))
+    arr = param[...]
+    tensors[name] = jnp.asarray(arr.T if transpose else arr)
   save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})

@@ -1,0 +1,201 @@
+"""`models.llama` without HF: config parsing, checkpoint errors, cache paths vs full forward."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import llama
+from models.checkpoint import load_llama, save_llama
+
+SMALL = llama.LlamaConfig(
+    vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=32, rope_theta=500000.0,
+    rope_scaling=llama.RopeScaling("llama3", 8.0, 1.0, 4.0, 64), eos_token_ids=(2,))
+
+
+def rel_err(got, want) -> float:
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+# ------------------------------------------------------------------- config
+def test_named_configs():
+  c = llama.LlamaConfig.named("llama-3.1-8b")
+  assert (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (32, 32, 8, 128)
+  assert c.rope_scaling.rope_type == "llama3" and hash(c) == hash(llama.CONFIGS["llama-3.1-8b"])
+  with pytest.raises(ValueError, match="unknown config 'llama-9'"):
+    llama.LlamaConfig.named("llama-9")
+
+
+def test_from_hf_dict_rope_styles():
+  base = dict(vocab_size=10, hidden_size=64, intermediate_size=8, num_hidden_layers=1,
+              num_attention_heads=4, num_key_value_heads=2)
+  scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                 original_max_position_embeddings=8192)
+  hub = llama.LlamaConfig.from_hf_dict(
+      {**base, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", **scaling}})
+  v5 = llama.LlamaConfig.from_hf_dict(
+      {**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **scaling}})
+  old = llama.LlamaConfig.from_hf_dict(
+      {**base, "rope_theta": 5e5, "rope_scaling": {"type": "llama3", **scaling}})
+  assert hub == v5 == old
+  assert hub.head_dim == 16 and hub.rope_scaling.factor == 8.0
+  plain = llama.LlamaConfig.from_hf_dict({**base, "rope_scaling": None})
+  assert plain.rope_scaling is None and plain.rope_theta == 10000.0
+  for bad, match in [
+      ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope type 'yarn'"),
+      ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}},
+       "unsupported rope type 'dynamic'"),
+      ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3 rope parameters lack"),
+      ({"num_key_value_heads": 3}, "multiple of num_kv_heads=3"),
+      ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+      ({"attention_bias": True}, "attention_bias"),
+      ({"model_type": "mistral"}, "model_type='mistral'"),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      llama.LlamaConfig.from_hf_dict({**base, **bad})
+
+
+def test_llama3_inv_freq_scaling():
+  """Long wavelengths divided by factor, short kept (Llama 3.1 rule)."""
+  plain = llama._inv_freq(128, 500000.0, None)
+  scaled = llama._inv_freq(128, 500000.0, llama.RopeScaling("llama3", 8.0, 1.0, 4.0, 8192))
+  wavelen = 2 * np.pi / plain
+  np.testing.assert_array_equal(scaled[wavelen < 8192 / 4], plain[wavelen < 8192 / 4])
+  np.testing.assert_allclose(scaled[wavelen > 8192], plain[wavelen > 8192] / 8, rtol=1e-6)
+  mid = (wavelen >= 2048) & (wavelen <= 8192)
+  assert mid.any() and np.all(scaled[mid] < plain[mid]) and np.all(scaled[mid] > plain[mid] / 8)
+
+
+# -------------------------------------------------------------- checkpoints
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+  model = llama.random_model(SMALL, seed=3, dtype=jnp.float32)
+  path = str(tmp_path_factory.mktemp("ckpt"))
+  save_llama(model, path)
+  return model, path
+
+
+def _copy_ckpt(src, dst, edit_tensors=None, edit_config=None):
+  import shutil
+
+  from safetensors.numpy import load_file, save_file
+  shutil.copytree(src, dst)
+  if edit_tensors:
+    tensors = load_file(os.path.join(dst, "model.safetensors"))
+    edit_tensors(tensors)
+    save_file(tensors, os.path.join(dst, "model.safetensors"))
+  if edit_config:
+    with open(os.path.join(dst, "config.json")) as f:
+      cfg = json.load(f)
+    edit_config(cfg)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+      json.dump(cfg, f)
+  return dst
+
+
+def test_roundtrip_and_dtype(saved):
+  model, path = saved
+  loaded = load_llama(path)
+  assert loaded.dtype == jnp.float32 and loaded.config == model.config
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 12)), jnp.int32)
+  np.testing.assert_array_equal(np.asarray(loaded(tokens)), np.asarray(model(tokens)))
+  as_bf16 = llama.from_pretrained(path, dtype=jnp.bfloat16)
+  assert as_bf16.embed_tokens[...].dtype == jnp.bfloat16
+  assert rel_err(as_bf16(tokens), model(tokens)) < 0.1
+
+
+def test_missing_tensor(saved, tmp_path):
+  path = _copy_ckpt(saved[1], tmp_path / "c",
+                    edit_tensors=lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+  with pytest.raises(ValueError, match=r"missing tensors: model\.layers\.1\.mlp\.up_proj\.weight"):
+    load_llama(path)
+
+
+def test_unexpected_tensor(saved, tmp_path):
+  def add(t):
+    t["model.layers.7.self_attn.q_proj.weight"] = np.ones((4, 4), np.float32)
+  path = _copy_ckpt(saved[1], tmp_path / "c", edit_tensors=add)
+  with pytest.raises(ValueError, match=r"unexpected tensors: model\.layers\.7\.self_attn"):
+    load_llama(path)
+
+
+def test_wrong_shape(saved, tmp_path):
+  def bad(t):
+    t["model.layers.0.self_attn.k_proj.weight"] = np.ones((32, 64), np.float32)
+  path = _copy_ckpt(saved[1], tmp_path / "c", edit_tensors=bad)
+  with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight: "
+                     r"stored \(32, 64\), expected \(64, 64\)"):
+    load_llama(path)
+
+
+def test_unknown_rope_type(saved, tmp_path):
+  def bad(cfg):
+    cfg["rope_scaling"] = {"rope_type": "longrope", "factor": 2.0}
+  path = _copy_ckpt(saved[1], tmp_path / "c", edit_config=bad)
+  with pytest.raises(ValueError, match="unsupported rope type 'longrope'"):
+    load_llama(path)
+
+
+def test_missing_files(saved, tmp_path):
+  os.makedirs(tmp_path / "empty")
+  with pytest.raises(ValueError, match="has no config.json"):
+    load_llama(tmp_path / "empty")
+  path = _copy_ckpt(saved[1], tmp_path / "c")
+  os.remove(os.path.join(path, "model.safetensors"))
+  with pytest.raises(ValueError, match="no model.safetensors or model.safetensors.index.json"):
+    load_llama(path)
+  with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+    json.dump({"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}, f)
+  with pytest.raises(ValueError, match="shards listed in .* are missing"):
+    load_llama(path)
+
+
+# ------------------------------------------------------------ cache paths
+@pytest.mark.parametrize("tied", [False, True])
+def test_prefill_then_decode_matches_full_forward(tied):
+  """Right-padded prefill + S=1 and S=3 decode steps == full causal forward."""
+  cfg = dataclasses.replace(SMALL, tie_word_embeddings=tied)
+  model = llama.random_model(cfg, seed=5, dtype=jnp.float32)
+  rng = np.random.default_rng(7)
+  b, t = 3, 30
+  tokens = rng.integers(0, cfg.vocab_size, (b, t + 4))
+  lengths = np.array([11, 30, 20])
+  full = np.asarray(model(jnp.asarray(tokens, jnp.int32)))  # per-row causal reference
+  caches = model.init_cache("bf16", b, 64, dtype=jnp.float32)
+  last, caches = model.prefill(jnp.asarray(tokens[:, :t], jnp.int32), lengths, caches)
+  rows = np.arange(b)
+  assert rel_err(last, full[rows, lengths - 1]) < 1e-5
+  nxt = tokens[rows, lengths]
+  logits, caches = model.decode(jnp.asarray(nxt[:, None], jnp.int32), caches)
+  assert rel_err(logits[:, 0], full[rows, lengths]) < 1e-5
+  three = np.stack([tokens[rows, lengths + 1 + i] for i in range(3)], axis=1)
+  logits, caches = model.decode(jnp.asarray(three, jnp.int32), caches)
+  for i in range(3):
+    assert rel_err(logits[:, i], full[rows, lengths + 1 + i]) < 1e-5
+  np.testing.assert_array_equal(np.asarray(caches[1].lengths), lengths + 4)
+
+
+def test_bf16_model_close_to_f32():
+  """bf16 weights/activations track the float32 model (sanity, loose: bf16 eps 2^-8)."""
+  m32 = llama.random_model(SMALL, seed=9, dtype=jnp.float32)
+  m16 = llama.random_model(SMALL, seed=9, dtype=jnp.bfloat16)
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, 96, (2, 16)), jnp.int32)
+  out16 = m16(tokens)
+  assert out16.dtype == jnp.float32
+  assert rel_err(out16, m32(tokens)) < 0.1
+
+
+def test_bad_cache_argument():
+  model = llama.random_model(SMALL, seed=0, dtype=jnp.float32)
+  caches = model.init_cache("bf16", 1, 16)
+  with pytest.raises(ValueError, match="tuple of 2 KVCache"):
+    model.decode(jnp.zeros((1, 1), jnp.int32), caches[:1])
+  assert all(c.dtype == jnp.float32 for c in caches)  # default: the model dtype
