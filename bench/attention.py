@@ -1,0 +1,401 @@
+"""GPU benchmark: jaxkv Pallas low-bit decode attention vs the best BF16 in JAX.
+
+For each shape (B, T, Hq, Hkv, D) and q_len: BF16 baselines (XLA einsum,
+cuDNN through `jax.nn.dot_product_attention`, JAX's Pallas `decode_attention`
+on a head-major cache, best of 16/32/64 splits), the naive jnp int4 path, and
+jaxkv's kernels for each format. Device time (median of many back-to-back
+calls, compile excluded), effective GB/s (bytes the call must read/write:
+packed codes + scales/zeros + residual + q + o), fraction of the HBM read
+bandwidth measured in the same run (multi-GiB reduction), speedup over the
+best BF16, and each kernel's relative error against the jnp reference on the
+same data. Writes JSON + PNG under bench/results/ (or --out) and prints a
+short table last.
+
+Usage: python bench/attention.py [--quick] [--tune N] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import platform
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jaxkv.autotune import device_time  # noqa: E402
+from jaxkv.formats import PRESETS, KVFormat  # noqa: E402
+import pallas_kernels as pk  # noqa: E402
+
+SHAPES = [  # (B, T, Hq, Hkv, D, q_len)
+    (32, 8192, 8, 1, 128, 1),
+    (128, 8192, 8, 1, 128, 1),
+    (1, 32768, 32, 8, 128, 1),
+    (1, 32768, 32, 8, 128, 4),
+    (1, 131072, 32, 8, 128, 1),
+    (8, 32768, 32, 8, 128, 1),
+    (64, 4096, 32, 8, 128, 1),
+]
+FORMATS = ["kivi4", "kivi2", "int4-token-g4", "int8", "k8v4"]
+UNROLL = 8
+REPS = 15
+
+
+def shape_id(shape):
+  b, t, hq, hkv, d, s = shape
+  return f"B{b}_T{t}_Hq{hq}_Hkv{hkv}_D{d}_S{s}"
+
+
+def rel_err(x, ref):
+  x = np.asarray(x, np.float64)
+  ref = np.asarray(ref, np.float64)
+  return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def nbytes(*arrays):
+  return int(sum(a.size * a.dtype.itemsize for a in arrays if a is not None))
+
+
+# ------------------------------------------------------------------ baselines
+def xla_bf16(q, k, v, lengths):
+  """Plain XLA: einsum on the [B, T, Hkv, D] cache, float32 softmax."""
+  b, s, hq, d = q.shape
+  hkv = k.shape[2]
+  qg = q.reshape(b, s, hkv, hq // hkv, d)
+  logits = jnp.einsum("bshgd,bthd->bhgst", qg, k, preferred_element_type=jnp.float32)
+  logits = logits * d ** -0.5
+  last = lengths[:, None] - s + jnp.arange(s)[None, :]
+  mask = jnp.arange(k.shape[1])[None, None, :] <= last[:, :, None]
+  logits = jnp.where(mask[:, None, None], logits, -jnp.inf)
+  p = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+  o = jnp.einsum("bhgst,bthd->bshgd", p, v, preferred_element_type=jnp.float32)
+  return o.reshape(b, s, hq, d).astype(q.dtype)
+
+
+def cudnn_bf16(q, k, v, lengths):
+  s = q.shape[1]
+  return jax.nn.dot_product_attention(
+      q, k, v, implementation="cudnn", is_causal=False,
+      query_seq_lengths=jnp.full_like(lengths, s), key_value_seq_lengths=lengths)
+
+
+def pallas_gqa_head_major(q, k_hm, v_hm, lengths, *, k_splits):
+  """JAX's Pallas decode kernel on a head-major [B, Hkv, T, D] cache (no transpose)."""
+  from jax.experimental.pallas.ops.gpu import decode_attention as da
+  b, _, hq, d = q.shape
+  hkv, t = k_hm.shape[1], k_hm.shape[2]
+  inner = functools.partial(
+      da.decode_attn_unbatched, sm_scale=d ** -0.5, block_h=16, block_k=128,
+      k_splits=k_splits, num_warps=None, num_stages=2, grid=None, interpret=False,
+      debug=False, return_residuals=False, normalize_output=True)
+  qh = q.reshape(b, hkv, hq // hkv, d)
+  kv_len = jnp.broadcast_to(lengths[:, None], (b, hkv))
+  out = jax.vmap(jax.vmap(inner))(qh, k_hm, v_hm, None, kv_len)
+  return out.reshape(b, 1, hq, d)
+
+
+def naive_int4(q, codes_k, sk, zk, codes_v, sv, zv, lengths):
+  """What a JAX user writes today: unpack nibbles in jnp, dequantize, einsum."""
+  def deq(c, s, z):
+    x = jnp.concatenate([c & 15, c >> 4], axis=-1).astype(jnp.bfloat16)
+    return x * s.astype(jnp.bfloat16) + z.astype(jnp.bfloat16)
+  k = deq(codes_k, sk, zk)  # [B, H, T, D]
+  v = deq(codes_v, sv, zv)
+  return xla_bf16(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), lengths)
+
+
+# ------------------------------------------------------------------- jaxkv data
+@dataclasses.dataclass
+class PackedCache:
+  """Raw arrays of a full cache (lengths = T), random codes and scales."""
+
+  arrays: tuple
+  lengths: jax.Array
+  fmt: KVFormat
+
+
+def random_packed(key, fmt, b, t, hkv, d, dtype=jnp.bfloat16):
+  sdt = jnp.dtype(fmt.scale_dtype)
+  gd = fmt.channel_group_for(d)
+  keys = iter(jax.random.split(key, 16))
+
+  def side(bits, axis):
+    if bits == 16:
+      return jax.random.normal(next(keys), (b, hkv, t, d), dtype), None, None
+    codes = jax.random.randint(next(keys), (b, hkv, t, d * bits // 8), 0, 256, jnp.int32)
+    sshape = (b, hkv, t // fmt.token_group, d) if axis == "channel" else (b, hkv, t, d // gd)
+    scale = jax.random.uniform(next(keys), sshape, jnp.float32, 0.5, 1.5) / (1 << bits)
+    zero = jax.random.uniform(next(keys), sshape, jnp.float32, -1.0, 0.0)
+    return codes.astype(jnp.uint8), scale.astype(sdt), zero.astype(sdt)
+
+  k = side(fmt.k_bits, fmt.k_axis)
+  v = side(fmt.v_bits, "token")
+  k_res = jax.random.normal(next(keys), (b, hkv, fmt.residual, d), dtype)
+  v_res = jax.random.normal(next(keys), (b, hkv, fmt.residual, d), dtype)
+  lengths = jnp.full((b,), t, jnp.int32)
+  # lengths = T: P = packed_len(T) tokens packed, the rest in the residual.
+  return PackedCache((*k, *v, k_res, v_res), lengths, fmt)
+
+
+def jaxkv_call(q, arrays, lengths, *, fmt, config):
+  return pk.dequant_decode_attention(q, *arrays, lengths, fmt=fmt, config=config)
+
+
+def candidate_configs(fmt, b, t, hq, hkv, d, limit):
+  base = pk.DecodeAttentionConfig.default(
+      batch=b, tokens=t, q_heads=hq, kv_heads=hkv, head_dim=d, k_bits=fmt.k_bits,
+      v_bits=fmt.v_bits, token_group=fmt.token_group, k_axis=fmt.k_axis)
+  rep = dataclasses.replace
+  cands = [base, rep(base, num_warps=8), rep(base, num_splits=base.num_splits * 2),
+           rep(base, num_splits=max(1, base.num_splits // 2)),
+           rep(base, num_stages=4 if base.num_stages == 3 else 3),
+           rep(base, block_k=256), rep(base, block_k=256, num_warps=8),
+           rep(base, num_splits=base.num_splits * 2, num_warps=8)]
+  out = []
+  for c in cands:
+    if c not in out and t % c.block_k == 0:
+      out.append(c)
+  return out[:max(1, limit)]
+
+
+# ---------------------------------------------------------------------- main
+def measure_hbm_read(gib=4):
+  x = jnp.ones((gib << 28,), jnp.float32)
+  t = device_time(lambda a: jnp.sum(a), [x], reps=10, warmup=2)["median"]
+  del x
+  return x_bytes(gib) / t
+
+
+def x_bytes(gib):
+  return gib << 30
+
+
+def bench_shape(shape, formats, hbm, tune, log):
+  b, t, hq, hkv, d, s = shape
+  key = jax.random.PRNGKey(hash(shape) % (1 << 30))
+  kq, kk, kv, kc = jax.random.split(key, 4)
+  qs = [jax.random.normal(jax.random.fold_in(kq, i), (b, s, hq, d), jnp.bfloat16)
+        for i in range(UNROLL)]
+  q = qs[0]
+  lengths = jnp.full((b,), t, jnp.int32)
+  rows = {}
+
+  def record(name, fn, rest, bytes_moved, out=None, ref=None, extra=None):
+    try:
+      tm = device_time(fn, qs, *rest, reps=REPS)
+    except Exception as e:  # noqa: BLE001 - a baseline that does not run is recorded
+      rows[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+      log(f"  {name:34s} FAILED {rows[name]['error'][:160]}")
+      return None
+    row = {"time_us": tm["median"] * 1e6, "time_min_us": tm["min"] * 1e6,
+           "time_max_us": tm["max"] * 1e6, "compile_s": tm["compile"],
+           "bytes": bytes_moved, "gbps": bytes_moved / tm["median"] / 1e9,
+           "frac_hbm": bytes_moved / tm["median"] / hbm}
+    if out is not None and ref is not None:
+      row["rel_err"] = rel_err(out, ref)
+    row.update(extra or {})
+    rows[name] = row
+    log(f"  {name:34s} {row['time_us']:9.1f} us {row['gbps']:7.0f} GB/s "
+        f"{row['frac_hbm']*100:5.1f}% HBM  err={row.get('rel_err', float('nan')):.1e}")
+    return row
+
+  # BF16 baselines.
+  k = jax.random.normal(kk, (b, t, hkv, d), jnp.bfloat16)
+  v = jax.random.normal(kv, (b, t, hkv, d), jnp.bfloat16)
+  io = nbytes(q) * 2
+  bf16_bytes = nbytes(k, v) + io
+  ref_bf16 = jax.jit(xla_bf16)(q.astype(jnp.float32), k.astype(jnp.float32),
+                               v.astype(jnp.float32), lengths)
+  record("bf16_xla_einsum", xla_bf16, (k, v, lengths), bf16_bytes,
+         jax.jit(xla_bf16)(q, k, v, lengths), ref_bf16)
+  try:
+    out = jax.jit(cudnn_bf16)(q, k, v, lengths)
+  except Exception:  # noqa: BLE001
+    out = None
+  record("bf16_cudnn", cudnn_bf16, (k, v, lengths), bf16_bytes, out, ref_bf16)
+  del k, v
+  if s == 1:
+    k_hm = jax.random.normal(kk, (b, hkv, t, d), jnp.bfloat16)
+    v_hm = jax.random.normal(kv, (b, hkv, t, d), jnp.bfloat16)
+    ref_hm = jax.jit(xla_bf16)(q.astype(jnp.float32), jnp.swapaxes(k_hm, 1, 2).astype(jnp.float32),
+                               jnp.swapaxes(v_hm, 1, 2).astype(jnp.float32), lengths)
+    best = None
+    for splits in (16, 32, 64):
+      fn = functools.partial(pallas_gqa_head_major, k_splits=splits)
+      try:
+        out = jax.jit(fn)(q, k_hm, v_hm, lengths)
+      except Exception:  # noqa: BLE001
+        out = None
+      row = record(f"bf16_pallas_gqa_hm_s{splits}", fn, (k_hm, v_hm, lengths), bf16_bytes,
+                   out, ref_hm)
+      if row and (best is None or row["time_us"] < rows[best]["time_us"]):
+        best = f"bf16_pallas_gqa_hm_s{splits}"
+    if best:
+      rows["bf16_pallas_gqa_hm"] = dict(rows[best], splits=int(best.rsplit("s", 1)[1]))
+    for splits in (16, 32, 64):
+      rows.pop(f"bf16_pallas_gqa_hm_s{splits}", None)
+    del k_hm, v_hm
+  bf16_times = [r["time_us"] for n, r in rows.items() if n.startswith("bf16") and "time_us" in r]
+  best_bf16 = min(bf16_times) if bf16_times else float("nan")
+
+  # Naive jnp int4 (per-token, one group per head).
+  nk = random_packed(kc, KVFormat(k_bits=4, v_bits=4, k_axis="token"), b, t, hkv, d)
+  ck, sk, zk, cv, sv, zv = nk.arrays[:6]
+  record("int4_naive_jnp", naive_int4, (ck, sk, zk, cv, sv, zv, lengths),
+         nbytes(ck, sk, zk, cv, sv, zv) + io)
+  del nk, ck, sk, zk, cv, sv, zv
+
+  # jaxkv kernels.
+  for name in formats:
+    fmt = PRESETS[name]
+    data = random_packed(jax.random.fold_in(kc, hash(name) % 1000), fmt, b, t, hkv, d)
+    moved = nbytes(*data.arrays) + io
+    ref = jax.jit(functools.partial(pk.dequant_decode_attention_reference, fmt=fmt))(
+        q, *data.arrays, data.lengths)
+    tried = []
+    for config in candidate_configs(fmt, b, t, hq, hkv, d, tune):
+      fn = functools.partial(jaxkv_call, fmt=fmt, config=config)
+      try:
+        out = jax.jit(fn)(q, data.arrays, data.lengths)
+      except Exception as e:  # noqa: BLE001
+        log(f"  jaxkv_{name} {config} FAILED {type(e).__name__}: {str(e)[:300]}")
+        continue
+      row = record(f"jaxkv_{name}@{len(tried)}", fn, (data.arrays, data.lengths), moved,
+                   out, ref, {"config": dataclasses.asdict(config)})
+      if row:
+        tried.append(row)
+    for i in range(len(tried)):
+      rows.pop(f"jaxkv_{name}@{i}", None)
+    if tried:
+      best = min(tried, key=lambda r: r["time_us"])
+      best = dict(best, speedup_vs_best_bf16=best_bf16 / best["time_us"],
+                  candidates=[{"config": r["config"], "time_us": r["time_us"]} for r in tried])
+      rows[f"jaxkv_{name}"] = best
+      log(f"  => jaxkv_{name}: {best['time_us']:.1f} us, {best['speedup_vs_best_bf16']:.2f}x "
+          f"best BF16 ({best_bf16:.1f} us), config {best['config']}")
+    del data
+  return {"shape": dict(zip(("B", "T", "Hq", "Hkv", "D", "q_len"), shape)),
+          "best_bf16_us": best_bf16, "rows": rows}
+
+
+def bench_flush(hbm, log):
+  """One flush (pack one token group of every sequence, K and V) at (1, 131072, 32, 8, 128)."""
+  out = {}
+  for name in ("kivi4", "int4-token-g4", "kivi2", "int8"):
+    fmt = PRESETS[name]
+    xs = [jax.random.normal(jax.random.PRNGKey(i), (8, fmt.token_group, 128), jnp.bfloat16)
+          for i in range(UNROLL)]
+    gd = fmt.channel_group_for(128)
+
+    def flush(x, fmt=fmt, gd=gd):
+      k = pk.quantize_pack(x, fmt.k_bits, axis=fmt.k_axis,
+                           group=fmt.token_group if fmt.k_axis == "channel" else gd)
+      v = pk.quantize_pack(x, fmt.v_bits, axis="token", group=gd)
+      return k, v
+
+    ok = all(bool(jnp.all(a == b_)) for a, b_ in zip(
+        jax.jit(flush)(xs[0])[0], jax.jit(lambda x: pk.quantize_pack_reference(
+            x, fmt.k_bits, axis=fmt.k_axis,
+            group=fmt.token_group if fmt.k_axis == "channel" else gd))(xs[0])))
+    tm = device_time(flush, xs, reps=REPS)
+    out[name] = {"time_us": tm["median"] * 1e6, "bitwise_equal_k": ok}
+    log(f"  flush {name:14s} {tm['median']*1e6:7.2f} us  bitwise_k={ok}")
+  del hbm
+  return out
+
+
+def plot(results, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+  for ax, hkv in zip(axes, (1, 8)):
+    for fmt in FORMATS:
+      xs, ys = [], []
+      for r in results["shapes"]:
+        sh = r["shape"]
+        row = r["rows"].get(f"jaxkv_{fmt}")
+        if sh["Hkv"] == hkv and sh["q_len"] == 1 and row:
+          xs.append(f"B{sh['B']}\nT{sh['T'] // 1024}K")
+          ys.append(row["speedup_vs_best_bf16"])
+      if xs:
+        ax.plot(xs, ys, marker="o", label=fmt)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_title(f"Hkv={hkv}: speedup over best BF16 (q_len 1)")
+    ax.set_ylabel("speedup")
+    ax.legend()
+  fig.suptitle(f"jaxkv Pallas decode attention, {results['gpu']}, jax {results['jax_version']}")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--quick", action="store_true", help="two shapes, two formats")
+  ap.add_argument("--tune", type=int, default=4, help="configs tried per (shape, format)")
+  ap.add_argument("--shapes", default=None, help="comma-separated shape indices")
+  ap.add_argument("--formats", default=None)
+  ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+  args = ap.parse_args()
+  os.makedirs(args.out, exist_ok=True)
+  shapes = SHAPES
+  formats = FORMATS
+  if args.quick:
+    shapes, formats = [SHAPES[0], SHAPES[4]], ["kivi4", "int4-token-g4"]
+  if args.shapes:
+    shapes = [SHAPES[int(i)] for i in args.shapes.split(",")]
+  if args.formats:
+    formats = args.formats.split(",")
+  dev = jax.devices()[0]
+  log_lines = []
+
+  def log(msg):
+    print(msg, flush=True)
+    log_lines.append(msg)
+
+  hbm = measure_hbm_read()
+  log(f"{dev.device_kind}, jax {jax.__version__}: HBM read (4 GiB sum) {hbm/1e9:.0f} GB/s")
+  results = {"gpu": dev.device_kind, "jax_version": jax.__version__,
+             "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M"),
+             "hbm_read_gbps": hbm / 1e9, "unroll": UNROLL, "reps": REPS, "shapes": []}
+  for shape in shapes:
+    log(f"shape {shape_id(shape)}")
+    results["shapes"].append(bench_shape(shape, formats, hbm, args.tune, log))
+  log("flush (pack K+V of one group, 8 sequences x heads) at (1,131072,32,8,128):")
+  results["flush"] = bench_flush(hbm, log)
+  tag = dev.device_kind.replace(" ", "-").lower()
+  jpath = os.path.join(args.out, f"attention-{tag}.json")
+  with open(jpath, "w") as f:
+    json.dump(results, f, indent=1)
+  try:
+    plot(results, os.path.join(args.out, f"attention-{tag}.png"))
+  except Exception as e:  # noqa: BLE001
+    log(f"plot failed: {e}")
+
+  # Short table last.
+  print("\nshape                         best_bf16_us " + " ".join(f"{f:>14s}" for f in formats))
+  for r in results["shapes"]:
+    sh = r["shape"]
+    cells = []
+    for f in formats:
+      row = r["rows"].get(f"jaxkv_{f}")
+      cells.append(f"{row['time_us']:6.1f}us {row['speedup_vs_best_bf16']:4.2f}x"
+                   if row else "             -")
+    print(f"{shape_id(tuple(sh.values())):30s}{r['best_bf16_us']:10.1f}   " + " ".join(
+        f"{c:>14s}" for c in cells))
+  print("HBM-fraction at best config: " + "; ".join(
+      f"{shape_id(tuple(r['shape'].values()))}:" + ",".join(
+          f"{f}={r['rows'][f'jaxkv_{f}']['frac_hbm']*100:.0f}%"
+          for f in formats if f"jaxkv_{f}" in r["rows"]) for r in results["shapes"]))
+
+
+if __name__ == "__main__":
+  main()
