@@ -1,0 +1,321 @@
+"""`jaxkv.generate` / `decode_step` on a small random Llama (CPU, float32)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxkv
+from jaxkv import generate as gen_mod
+from jaxkv.formats import PRESETS, KVFormat
+from jaxkv.generate import decode_step, generate, sample_logits
+from models import llama
+
+CFG = llama.LlamaConfig(
+    vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=32, rope_theta=500000.0,
+    rope_scaling=llama.RopeScaling("llama3", 8.0, 1.0, 4.0, 64), eos_token_ids=(2,))
+
+
+@pytest.fixture(scope="module")
+def model():
+  return llama.random_model(CFG, seed=21, dtype=jnp.float32)
+
+
+def _prompts(seed, batch, length, lengths):
+  rng = np.random.default_rng(seed)
+  return rng.integers(0, CFG.vocab_size, (batch, length)), np.asarray(lengths)
+
+
+def rel_err(got, want) -> float:
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+# ------------------------------------------------------- quantized presets
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_preset_end_to_end(model, preset):
+  """Prompts longer than R so tokens are quantized; sequence 0 crosses a flush (L=256)."""
+  tokens, lengths = _prompts(1, 2, 250, [250, 200])
+  n = 12
+  out, out_len, caches = generate(model, tokens, lengths, kv_format=preset, max_new_tokens=n,
+                                  cache_dtype=jnp.float32, return_cache=True)
+  out = np.asarray(out)
+  assert out.shape == (2, n) and out.dtype == np.int32
+  assert out.min() >= 0 and out.max() < CFG.vocab_size
+  np.testing.assert_array_equal(np.asarray(out_len), [n, n])
+  for cache in caches:
+    assert cache.fmt == PRESETS[preset]
+    np.testing.assert_array_equal(np.asarray(cache.lengths), lengths + n - 1)
+    assert not np.asarray(cache.overflow).any()
+    np.testing.assert_array_equal(np.asarray(cache.packed_lens), [256, 128])
+  # The first token comes from the (exact) prefill logits, whatever the format.
+  ref, _ = generate(model, tokens, lengths, kv_format="bf16", max_new_tokens=1,
+                    cache_dtype=jnp.float32)
+  np.testing.assert_array_equal(out[:, 0], np.asarray(ref)[:, 0])
+
+
+def _kivi4_error_bound(k, v, lengths, fmt: KVFormat):
+  """Per-element bounds |x - x_hat| for kivi4 from DESIGN.md's contract.
+
+  Packed tokens t < packed_len(L): K per channel over groups of G tokens, V per
+  token over the whole head, 4 bits: ``|x - x_hat| <= scale/2`` with
+  ``scale = (max - min) / 15``, plus the fp16 rounding of the stored scale and
+  zero (relative 2^-11 each; an edge value can be off the rounded grid by
+  ``|zero - zero_s| + 15 |scale - scale_s|``), counted twice over here.
+  Residual tokens are exact (bound 0).
+  """
+  b, t, h, d = k.shape
+  g = fmt.token_group
+  ek, ev = np.zeros_like(k), np.zeros_like(v)
+  slack = 2.0 ** -10
+  for i in range(b):
+    packed = fmt.packed_len(int(lengths[i]))
+    kg = k[i, :packed].reshape(packed // g, g, h, d)
+    lo, hi = kg.min(axis=1, keepdims=True), kg.max(axis=1, keepdims=True)
+    scale = (hi - lo) / 15
+    e = 0.5 * scale * (1 + slack) + slack * (np.abs(lo) + 15 * scale)
+    ek[i, :packed] = np.broadcast_to(e, kg.shape).reshape(packed, h, d)
+    vp = v[i, :packed]
+    lo, hi = vp.min(axis=-1, keepdims=True), vp.max(axis=-1, keepdims=True)
+    scale = (hi - lo) / 15
+    ev[i, :packed] = 0.5 * scale * (1 + slack) + slack * (np.abs(lo) + 15 * scale)
+  return ek, ev
+
+
+def test_kivi4_first_step_logits_within_derived_bound(model):
+  """First decode step with kivi4 vs the unquantized cache.
+
+  1. Oracle (tight): kivi4 logits equal the logits of the same step run on an
+     unquantized cache that holds the *dequantized* kivi4 K/V (DESIGN.md: the
+     attention must match exact attention over ``cache.dequantize()``).
+  2. Bound (derived): the step's logits are a smooth function F(K, V) of every
+     layer's cached K/V. With per-element quantization errors |dK| <= eK,
+     |dV| <= eV (contract: scale/2 plus scale/zero fp16 rounding, see
+     `_kivi4_error_bound`), to first order
+     ``|F(K^, V^) - F(K, V)|_i <= sum_j |dF_i/dK_j| eK_j + |dF_i/dV_j| eV_j``,
+     with the Jacobian taken at the exact K/V. This is a worst case (all errors
+     aligned with the gradient sign); the second-order remainder is O(e^2)
+     and is dwarfed by the slack of that worst case (the test asserts the
+     measured error is below the bound, no extra margin). Measured: max
+     err/bound ~0.02 -- the worst case is loose.
+  3. Typical size (statistical): modelling each rounding error as independent
+     and uniform on [-e, e] (variance e^2/3), the first-order error of logit i
+     has std ``sigma_i = sqrt(sum_j J_ij^2 e_j^2 / 3)``; we require every
+     |error| <= 6 sigma_i. Errors within a group share a scale, so they are not
+     fully independent; measured max err/sigma is ~3.3 on this case.
+  """
+  fmt = PRESETS["kivi4"]
+  tokens, lengths = _prompts(2, 2, 200, [200, 170])  # packed_len = 128 before and after
+  b = tokens.shape[0]
+  cap = 208
+  tok = jnp.asarray(np.random.default_rng(3).integers(0, CFG.vocab_size, (b,)), jnp.int32)
+  tokens = jnp.asarray(tokens, jnp.int32)
+
+  def first_step(kv_format):
+    caches = model.init_cache(kv_format, b, cap, dtype=jnp.float32)
+    _, caches = model.prefill(tokens, lengths, caches)
+    logits, _ = decode_step(model, tok, caches)
+    return logits, caches
+
+  logits_x, caches_x = first_step("bf16")
+  logits_q, caches_q = first_step(fmt)
+  t = tokens.shape[1]
+  kx, vx = zip(*[[a[:, :t] for a in c.dequantize()] for c in caches_x])
+  kq, vq = zip(*[[a[:, :t] for a in c.dequantize()] for c in caches_q])
+
+  def logits_from_kv(ks, vs):  # F: per-layer K/V -> first-step logits
+    caches = tuple(jaxkv.KVCache.init("bf16", b, CFG.num_kv_heads, CFG.head_dim, cap,
+                                      jnp.float32).prefill(k, v, jnp.asarray(lengths))
+                   for k, v in zip(ks, vs))
+    return decode_step(model, tok, caches)[0]
+
+  assert rel_err(logits_from_kv(kx, vx), logits_x) < 1e-6  # F reproduces the exact step
+  assert rel_err(logits_q, logits_from_kv(kq, vq)) < 1e-5  # oracle (1)
+  for c in caches_q:
+    np.testing.assert_array_equal(np.asarray(c.packed_lens), [128, 128])
+
+  jac_k, jac_v = jax.jacrev(logits_from_kv, argnums=(0, 1))(kx, vx)
+  bound = np.zeros(logits_x.shape)
+  variance = np.zeros(logits_x.shape)
+  for layer in range(CFG.num_layers):
+    ek, ev = _kivi4_error_bound(np.asarray(kx[layer]), np.asarray(vx[layer]), lengths, fmt)
+    # jac [B, V, B, T, H, D]; sequences are independent, keep the diagonal b == b'.
+    for jac, e in ((jac_k[layer], ek), (jac_v[layer], ev)):
+      jac = np.asarray(jac)
+      bound += np.stack([np.einsum("vthd,thd->v", np.abs(jac[i, :, i]), e[i]) for i in range(b)])
+      variance += np.stack([np.einsum("vthd,thd->v", jac[i, :, i] ** 2, e[i] ** 2 / 3)
+                            for i in range(b)])
+  err = np.abs(np.asarray(logits_q) - np.asarray(logits_x))
+  assert err.max() > 0  # tokens were really quantized
+  print(f"kivi4 first step: max err {err.max():.3e}, max bound {bound.max():.3e}, "
+        f"max err/bound {np.max(err / bound):.3f}, max err/sigma {np.max(err / np.sqrt(variance)):.2f}, "
+        f"logit range {np.ptp(np.asarray(logits_x)):.2f}")
+  assert np.all(err <= 6 * np.sqrt(variance)), f"max err/sigma {np.max(err / np.sqrt(variance))}"
+  assert np.all(err <= bound), (
+      f"max err/bound {np.max(err / bound):.3f}; max err {err.max():.3e}, "
+      f"max bound {bound.max():.3e}")
+
+
+# ---------------------------------------------------------- jit behaviour
+def test_generate_traces_once(model, monkeypatch):
+  """Repeated calls with the same shapes/settings reuse one compiled program."""
+  traces = []
+  orig = llama.Llama.decode
+
+  def counting_decode(self, *args, **kwargs):
+    traces.append(1)  # runs only while tracing
+    return orig(self, *args, **kwargs)
+
+  monkeypatch.setattr(llama.Llama, "decode", counting_decode)
+  size0 = gen_mod._generate_program._cache_size()
+  for seed in range(3):  # fresh prompts, lengths and rng every call
+    tokens, lengths = _prompts(10 + seed, 3, 37, [37, 20 + seed, 9])
+    out, _ = generate(model, tokens, lengths, kv_format="kivi2", max_new_tokens=5,
+                      sampler="sample", temperature=0.8, top_p=0.9,
+                      rng=jax.random.key(seed), cache_dtype=jnp.float32)
+    out.block_until_ready()
+  assert len(traces) == 1
+  assert gen_mod._generate_program._cache_size() == size0 + 1
+
+
+def test_generate_program_donates_caches(model):
+  """The jitted program consumes (donates) the caches it is given."""
+  tokens, lengths = _prompts(4, 2, 24, [24, 13])
+  caches = model.init_cache("kivi4", 2, 40, dtype=jnp.float32)
+  graphdef, state = nnx.split(model)
+  settings = gen_mod.GenerateSettings(max_new_tokens=8)
+  out, _, new_caches = gen_mod._generate_program(
+      graphdef, state, jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32),
+      caches, jax.random.key(0), jnp.zeros((2, 0), jnp.int32), jnp.float32(1), jnp.float32(1),
+      jnp.int32(0), settings=settings)
+  assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(caches))
+  np.testing.assert_array_equal(np.asarray(new_caches[0].lengths), lengths + 7)
+  want, _ = generate(model, tokens, lengths, kv_format="kivi4", max_new_tokens=8,
+                     capacity=40, cache_dtype=jnp.float32)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+
+
+def test_decode_step_in_user_scan(model):
+  """`decode_step` inside a user's jit + lax.scan with donated caches == generate."""
+  tokens, lengths = _prompts(5, 2, 30, [30, 18])
+  n = 6
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def prefill(state, tokens, lengths, caches):
+    return nnx.merge(graphdef, state).prefill(tokens, lengths, caches)
+
+  def loop(state, first, caches):
+    m = nnx.merge(graphdef, state)
+
+    def body(carry, _):
+      tok, caches = carry
+      logits, caches = decode_step(m, tok, caches)
+      nxt = jnp.argmax(logits, -1).astype(jnp.int32)
+      return (nxt, caches), nxt
+
+    (_, caches), toks = jax.lax.scan(body, (first, caches), None, length=n - 1)
+    return toks.T, caches
+
+  loop = jax.jit(loop, donate_argnames="caches")
+  caches = model.init_cache("int8", 2, 64, dtype=jnp.float32)
+  logits, caches = prefill(state, jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths), caches)
+  first = jnp.argmax(logits, -1).astype(jnp.int32)
+  rest, new_caches = loop(state, first, caches)
+  assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(caches))
+  got = np.concatenate([np.asarray(first)[:, None], np.asarray(rest)], axis=1)
+  want, _ = generate(model, tokens, lengths, kv_format="int8", max_new_tokens=n, capacity=64,
+                     cache_dtype=jnp.float32)
+  np.testing.assert_array_equal(got, np.asarray(want))
+
+
+# ------------------------------------------------------ stops and samplers
+def test_per_sequence_stop_tokens(model):
+  tokens, lengths = _prompts(6, 3, 20, [20, 11, 15])
+  n = 10
+  free, _ = generate(model, tokens, lengths, kv_format="bf16", max_new_tokens=n,
+                     cache_dtype=jnp.float32)
+  free = np.asarray(free)
+  stop_at = [3, 6, None]  # sequence 2 never meets its stop token
+  stops = [[int(free[0, 3]), -5], [int(free[1, 6])], [CFG.vocab_size + 1]]
+  for b, k in enumerate(stop_at):  # stop steps must be the first occurrences
+    if k is not None:
+      assert stops[b][0] not in free[b, :k]
+  out, out_len = generate(model, tokens, lengths, kv_format="bf16", max_new_tokens=n,
+                          cache_dtype=jnp.float32, stop_tokens=stops, pad_token_id=-1)
+  out = np.asarray(out)
+  np.testing.assert_array_equal(np.asarray(out_len), [4, 7, n])
+  for b, k in enumerate(stop_at):
+    m = n if k is None else k + 1
+    np.testing.assert_array_equal(out[b, :m], free[b, :m])
+    assert np.all(out[b, m:] == -1)
+
+
+def test_sampling_modes(model):
+  tokens, lengths = _prompts(7, 2, 16, [16, 10])
+  kw = dict(kv_format="bf16", max_new_tokens=8, cache_dtype=jnp.float32)
+  greedy, _ = generate(model, tokens, lengths, **kw)
+  for extra in (dict(top_k=1), dict(top_p=1e-6), dict(temperature=1e-4)):
+    out, _ = generate(model, tokens, lengths, sampler="sample", rng=jax.random.key(1),
+                      **extra, **kw)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(greedy), err_msg=str(extra))
+  a, _ = generate(model, tokens, lengths, sampler="sample", rng=jax.random.key(1), **kw)
+  b, _ = generate(model, tokens, lengths, sampler="sample", rng=jax.random.key(1), **kw)
+  c, _ = generate(model, tokens, lengths, sampler="sample", rng=jax.random.key(2), **kw)
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert not np.array_equal(np.asarray(a), np.asarray(c))
+  custom, _ = generate(model, tokens, lengths, **kw,
+                       sampler=lambda logits, key: jnp.argmin(logits, -1))
+  assert not np.array_equal(np.asarray(custom), np.asarray(greedy))
+
+
+def test_sample_logits_filters():
+  probs = np.array([0.05, 0.5, 0.15, 0.3], np.float32)
+  logits = jnp.tile(jnp.log(probs)[None], (4000, 1))
+  key = jax.random.key(0)
+  top2 = np.asarray(sample_logits(logits, key, top_k=2))
+  assert set(np.unique(top2)) == {1, 3}
+  nucleus = np.asarray(sample_logits(logits, key, top_p=0.7))  # keeps 0.5 and 0.3
+  assert set(np.unique(nucleus)) == {1, 3}
+  frac = np.mean(nucleus == 1)
+  assert abs(frac - 0.5 / 0.8) < 0.03, frac  # renormalized over the kept tokens
+  both = np.asarray(sample_logits(logits, key, top_k=3, top_p=0.6))  # 0.5 then 0.3
+  assert set(np.unique(both)) == {1, 3}
+
+
+def test_argument_errors(model):
+  tokens, lengths = _prompts(8, 2, 10, [10, 4])
+  with pytest.raises(ValueError, match="capacity=8 < prompt length 10"):
+    generate(model, tokens, lengths, max_new_tokens=4, capacity=8)
+  with pytest.raises(ValueError, match="sampler='beam'"):
+    generate(model, tokens, lengths, max_new_tokens=4, sampler="beam")
+  with pytest.raises(ValueError, match=r"prompt_lengths=\[10, 0\]"):
+    generate(model, tokens, [10, 0], max_new_tokens=4)
+  with pytest.raises(ValueError, match="max_new_tokens=0"):
+    generate(model, tokens, lengths, max_new_tokens=0)
+  with pytest.raises(ValueError, match="unknown preset 'int3'"):
+    generate(model, tokens, lengths, max_new_tokens=4, kv_format="int3")
+  with pytest.raises(ValueError, match="top_k=500"):
+    generate(model, tokens, lengths, max_new_tokens=4, sampler="sample", top_k=500)
+
+
+def test_cache_nbytes_matches_allocation(model):
+  for preset in ("bf16", "kivi2"):
+    caches = model.init_cache(preset, 2, 300)
+    assert gen_mod.cache_nbytes(model, preset, 2, 300) == sum(c.nbytes for c in caches)
+  assert gen_mod.cache_nbytes(model, "kivi2", 2, 4096) < gen_mod.cache_nbytes(
+      model, "bf16", 2, 4096) / 3
+
+
+def test_bf16_model_generates(model):
+  """bf16 weights with the default (bf16) cache dtype run through the same program."""
+  m16 = llama.random_model(dataclasses.replace(CFG, num_layers=1), seed=2, dtype=jnp.bfloat16)
+  tokens, lengths = _prompts(9, 2, 140, [140, 99])
+  out, out_len = generate(m16, tokens, lengths, kv_format="kivi4", max_new_tokens=4)
+  assert np.asarray(out).shape == (2, 4) and np.all(np.asarray(out_len) == 4)
