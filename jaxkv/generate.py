@@ -141,7 +141,8 @@ def _is_stop(tokens, stop_tokens):
 
 @functools.partial(jax.jit, static_argnames=("settings",), donate_argnames=("caches",))
 def _generate_program(graphdef, state, prompt_tokens, prompt_lengths, caches, rng, stop_tokens,
-                      temperature, top_p, pad_token_id, *, settings: GenerateSettings):
+                      temperature, top_p, pad_token_id, num_steps, *,
+                      settings: GenerateSettings):
   """Prefill + while-loop decode. Returns ``(tokens [B, N], lengths [B], caches)``."""
   model = nnx.merge(graphdef, state)
   batch = prompt_tokens.shape[0]
@@ -157,7 +158,7 @@ def _generate_program(graphdef, state, prompt_tokens, prompt_lengths, caches, rn
 
   def cond(carry):
     step, _, _, _, _, done, _ = carry
-    return (step < n) & ~jnp.all(done)
+    return (step < jnp.minimum(num_steps, n)) & ~jnp.all(done)
 
   def body(carry):
     step, caches, out, token, rng, done, num_generated = carry
@@ -204,7 +205,8 @@ def generate(model, prompt_tokens, prompt_lengths, *, kv_format: KVFormat | str 
              top_k: int | None = None, top_p: float | None = None, stop_tokens=None,
              rng: jax.Array | None = None, capacity: int | None = None,
              implementation: str | None = None, cache_dtype=None, pad_token_id: int = 0,
-             return_cache: bool = False, progress: Callable[[Any], None] | None = None):
+             return_cache: bool = False, progress: Callable[[Any], None] | None = None,
+             num_steps: int | None = None):
   """Generates ``max_new_tokens`` tokens per prompt with a (quantized) KV cache.
 
   Args:
@@ -230,6 +232,10 @@ def generate(model, prompt_tokens, prompt_lengths, *, kv_format: KVFormat | str 
     pad_token_id: written after a sequence's stop token.
     return_cache: also return the final per-layer caches.
     progress: host callback ``progress(step)`` once per generated token.
+    num_steps: generate only the first ``num_steps`` tokens (the rest of the
+      output is padding). Passed as data, so it reuses the program compiled
+      for ``max_new_tokens``: benchmarks time ``num_steps=1`` (prefill and
+      first token) against the full run.
   Returns:
     ``(tokens [B, max_new_tokens] int32, lengths [B] int32)`` where
     ``lengths[b]`` counts generated tokens up to and including the stop
@@ -287,7 +293,8 @@ def generate(model, prompt_tokens, prompt_lengths, *, kv_format: KVFormat | str 
   tokens, lengths, caches = _generate_program(
       graphdef, state, prompt_tokens, prompt_lengths, caches, rng, stops,
       jnp.float32(temperature), jnp.float32(1.0 if top_p is None else top_p),
-      jnp.int32(pad_token_id), settings=settings)
+      jnp.int32(pad_token_id), jnp.int32(max_new_tokens if num_steps is None else num_steps),
+      settings=settings)
   if return_cache:
     return tokens, lengths, caches
   return tokens, lengths

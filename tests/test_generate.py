@@ -193,7 +193,7 @@ def test_generate_program_donates_caches(model):
   out, _, new_caches = gen_mod._generate_program(
       graphdef, state, jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32),
       caches, jax.random.key(0), jnp.zeros((2, 0), jnp.int32), jnp.float32(1), jnp.float32(1),
-      jnp.int32(0), settings=settings)
+      jnp.int32(0), jnp.int32(8), settings=settings)
   assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(caches))
   np.testing.assert_array_equal(np.asarray(new_caches[0].lengths), lengths + 7)
   want, _ = generate(model, tokens, lengths, kv_format="kivi4", max_new_tokens=8,
@@ -273,6 +273,18 @@ def test_sampling_modes(model):
   custom, _ = generate(model, tokens, lengths, **kw,
                        sampler=lambda logits, key: jnp.argmin(logits, -1))
   assert not np.array_equal(np.asarray(custom), np.asarray(greedy))
+
+
+def test_num_steps_reuses_program(model):
+  tokens, lengths = _prompts(12, 2, 16, [16, 7])
+  kw = dict(kv_format="bf16", max_new_tokens=9, cache_dtype=jnp.float32, pad_token_id=-1)
+  full, _ = generate(model, tokens, lengths, **kw)
+  size = gen_mod._generate_program._cache_size()
+  part, part_len = generate(model, tokens, lengths, num_steps=4, **kw)
+  assert gen_mod._generate_program._cache_size() == size
+  np.testing.assert_array_equal(np.asarray(part)[:, :4], np.asarray(full)[:, :4])
+  assert np.all(np.asarray(part)[:, 4:] == -1)
+  np.testing.assert_array_equal(np.asarray(part_len), [4, 4])
 
 
 def test_sample_logits_filters():
