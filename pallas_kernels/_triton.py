@@ -28,6 +28,7 @@ def div_rn(a: jax.Array, b: jax.Array, *, interpret: bool) -> jax.Array:
   """
   if interpret:
     return a / b
+  a, b = jnp.broadcast_arrays(a, b)
   [out] = plgpu.elementwise_inline_asm(
       "div.rn.f32 $0, $1, $2;",
       args=[a, b],

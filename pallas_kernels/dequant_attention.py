@@ -2,10 +2,9 @@
 
 Two kernels (BitDecoding's dequant-attention and combine):
 
-1. ``jaxkv_dequant_attention``: grid ``(batch, kv_head, split)``. Splits
-   ``0..num_splits-1`` each walk one contiguous slice of the packed region
-   ``[0, packed_len)``; the extra last split attends over the full-precision
-   residual block. All ``Hq/Hkv`` query heads times the ``S`` new queries of
+1. ``jaxkv_dequant_attention``: grid ``(batch, kv_head, split)``. Each split
+   walks one contiguous slice of the packed region ``[0, packed_len)``; the
+   last one then continues over the full-precision residual block. All ``Hq/Hkv`` query heads times the ``S`` new queries of
    one kv head are the M rows of every dot (padded to >= 16). Each program
    returns an unnormalized partial output with its running max and sum.
 2. ``jaxkv_decode_combine``: grid ``(batch, kv_head)``; log-sum-exp merge of
@@ -52,8 +51,8 @@ class DecodeAttentionConfig:
   Attributes:
     block_k: packed tokens per inner-loop step (power of two, a multiple of
       the token group G when K is per-channel, at most 256).
-    num_splits: programs per (batch, kv head) over the packed region; one
-      more program handles the residual block.
+    num_splits: programs per (batch, kv head) over the packed region (the
+      last also takes the residual block).
     num_warps: Triton warps per program.
     num_stages: Triton software-pipelining depth of the inner loop.
 
@@ -104,15 +103,34 @@ def _replicate_rows(x, rows):
   return jnp.broadcast_to(x[None], (rows // m, m, x.shape[1])).reshape(rows, x.shape[1])
 
 
+def _code_dtype(bits, cache_dtype):
+  """``(dot dtype, offset)`` of unpacked codes.
+
+  Codes become floats by bit tricks, not int->float conversions (which run at
+  a quarter of the integer rate): ``bf16(0x4300 | c) = 128 + c`` exactly for
+  ``c < 128`` and ``f16(0x6400 | c) = 1024 + c`` for ``c < 1024``. The offset
+  is subtracted through the folded zero terms, using the very operands the
+  dot consumed, so it cancels exactly up to float32 accumulation.
+  """
+  if cache_dtype == jnp.float32:
+    return jnp.float32, 0
+  if bits <= 4 and cache_dtype == jnp.bfloat16:
+    return jnp.bfloat16, 128
+  return jnp.float16, 1024
+
+
 def _unpack_plane(byte_block, plane, bits, dtype):
-  """Channel plane ``plane`` of a ``[t, w]`` uint8 block, as ``dtype`` codes."""
-  if bits == 8:
-    return byte_block.astype(jnp.float32).astype(dtype)
+  """Plane ``plane`` of a ``[t, w]`` uint8 block as ``offset + code`` in ``dtype``."""
   codes = byte_block
   if plane:
     codes = codes >> np.uint8(plane * bits)
-  codes = codes & np.uint8((1 << bits) - 1)
-  return codes.astype(jnp.float32).astype(dtype)
+  if bits < 8:
+    codes = codes & np.uint8((1 << bits) - 1)
+  if dtype == jnp.float32:
+    return codes.astype(jnp.float32)
+  magic = 0x4300 if dtype == jnp.bfloat16 else 0x6400
+  bits16 = codes.astype(jnp.uint16) | np.uint16(magic)
+  return lax.bitcast_convert_type(bits16, dtype)
 
 
 def _dot(a, b):
@@ -133,18 +151,29 @@ class _Side:
   group: int     # Gd for "token", G for "channel"; 1 when bits == 16
 
   def chunks(self, head_dim):
-    """``(plane, byte_col, width, out_col, channel_group_index)`` per chunk."""
+    """Byte column blocks ``(byte_col, width, [(plane, out_col, group), ...])``.
+
+    Each block is loaded once and unpacked into its planes; every plane lies
+    inside one channel group.
+    """
     if self.bits == 16:
-      return [(0, 0, head_dim, 0, 0)]
+      return [(0, head_dim, [(0, 0, 0)])]
     per_byte = 8 // self.bits
     width = head_dim // per_byte
     chunk = width if self.axis == "channel" else min(width, self.group)
     out = []
     for c in range(width // chunk):
+      planes = []
       for i in range(per_byte):
         col = i * width + c * chunk
-        out.append((i, c * chunk, chunk, col, 0 if self.axis == "channel" else col // self.group))
+        planes.append((i, col, 0 if self.axis == "channel" else col // self.group))
+      out.append((c * chunk, chunk, planes))
     return out
+
+  def flat(self, head_dim):
+    """``(byte_col, width, plane, out_col, group)`` for every plane of every block."""
+    return [(bcol, w, i, col, g) for bcol, w, planes in self.chunks(head_dim)
+            for i, col, g in planes]
 
 
 def _split_kernel(
@@ -185,10 +214,6 @@ def _split_kernel(
   row_s = (lax.broadcasted_iota(jnp.int32, (rows,), 0) % q_rows) % num_queries
   row_limit = length - num_queries + row_s
 
-  def load_q(col, width):
-    q = q_ref[:, pl.ds(col, width)].astype(jnp.float32) * sm_scale
-    return _replicate_rows(q, rows)
-
   def online_softmax(s, valid, m, l):
     s = jnp.where(valid, s, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -197,147 +222,178 @@ def _split_kernel(
     p = jnp.exp(s - m_safe[:, None])
     return p, alpha, m_new, alpha * l + jnp.sum(p, axis=1)
 
-  m0 = jnp.full((rows,), -jnp.inf, jnp.float32)
-  l0 = jnp.zeros((rows,), jnp.float32)
+  k_flat = k_side.flat(head_dim)
+  v_flat = v_side.flat(head_dim)
+  k_dt, k_off = (dtype, 0) if k_side.bits == 16 else _code_dtype(k_side.bits, dtype)
+  v_dt, v_off = (dtype, 0) if v_side.bits == 16 else _code_dtype(v_side.bits, dtype)
+  # q * sm_scale per K plane (float32, [rows, w]), loaded from ref slices.
+  q_chunks = []
+  for _, w, _, col, _ in k_flat:
+    q = q_ref[:, pl.ds(col, w)].astype(jnp.float32) * sm_scale
+    q_chunks.append(_replicate_rows(q, rows))
+  k_token = k_side.bits < 16 and k_side.axis == "token"
+  if k_token or k_side.bits == 16:
+    q_dots = [qc.astype(k_dt) for qc in q_chunks]
+  if k_token:
+    num_k_groups = head_dim // k_side.group
+    q_sums = [None] * num_k_groups  # sums of the rounded q the dots consume
+    for (_, _, _, _, g), qd in zip(k_flat, q_dots):
+      part = jnp.sum(qd.astype(jnp.float32), axis=1)
+      q_sums[g] = part if q_sums[g] is None else q_sums[g] + part
+  v_groups = 1 if v_side.bits == 16 else head_dim // v_side.group
 
-  @pl.when(split < num_splits)
-  def _packed():
-    per_split = pl.cdiv(pl.cdiv(packed, num_splits), block_k) * block_k
-    start = split * per_split
-    stop = jnp.minimum(start + per_split, packed)
-    num_blocks = jnp.maximum(0, pl.cdiv(stop - start, block_k))
-    sub_k = token_group if k_side.axis == "channel" and k_side.bits < 16 else block_k
-    k_chunks = k_side.chunks(head_dim)
-    v_chunks = v_side.chunks(head_dim)
-    q_chunks = [load_q(col, w) for (_, _, w, col, _) in k_chunks]
-    if k_side.bits < 16 and k_side.axis == "token":
-      num_groups = head_dim // k_side.group
-      q_sums = [None] * num_groups
-      for (_, _, _, _, g), qc in zip(k_chunks, q_chunks):
-        part = jnp.sum(qc, axis=1)
-        q_sums[g] = part if q_sums[g] is None else q_sums[g] + part
-      q_dots = [qc.astype(dtype) for qc in q_chunks]
-    elif k_side.bits == 16:
-      q_dots = [qc.astype(dtype) for qc in q_chunks]
-    v_groups = 1 if v_side.bits == 16 else head_dim // v_side.group
-
-    def k_scores(t0, kb):
-      """Scores [rows, kb] of tokens [t0, t0 + kb)."""
-      tok = pl.ds(t0, kb)
-      if k_side.bits == 16:
-        return _dot_t(q_dots[0], k_codes_ref[tok, :].astype(dtype))
-      if k_side.axis == "channel":
-        grp = t0 // token_group
-        s = None
-        for (plane, bcol, w, col, _), qc in zip(k_chunks, q_chunks):
+  def k_scores(t0, kb):
+    """Scores [rows, kb] of packed tokens [t0, t0 + kb)."""
+    tok = pl.ds(t0, kb)
+    if k_side.bits == 16:
+      return _dot_t(q_dots[0], k_codes_ref[tok, :].astype(dtype))
+    if k_side.axis == "channel":
+      grp = t0 // token_group
+      s = None
+      for bcol, w, planes in k_side.chunks(head_dim):
+        byte_block = k_codes_ref[tok, pl.ds(bcol, w)]
+        for plane, col, _ in planes:
+          qc = q_chunks[k_flat.index((bcol, w, plane, col, 0))]
           scale = k_scale_ref[pl.ds(grp, 1), pl.ds(col, w)].astype(jnp.float32)
           zero = k_zero_ref[pl.ds(grp, 1), pl.ds(col, w)].astype(jnp.float32)
-          codes = _unpack_plane(k_codes_ref[tok, pl.ds(bcol, w)], plane, k_side.bits, dtype)
-          part = _dot_t((qc * scale).astype(dtype), codes)
+          qs = (qc * scale).astype(k_dt)
+          part = _dot_t(qs, _unpack_plane(byte_block, plane, k_side.bits, k_dt))
           bias = jnp.sum(qc * zero, axis=1)
-          s = part + bias[:, None] if s is None else s + part + bias[:, None]
-        return s
-      per_group = [None] * num_groups
-      for (plane, bcol, w, _, g), qd in zip(k_chunks, q_dots):
-        codes = _unpack_plane(k_codes_ref[tok, pl.ds(bcol, w)], plane, k_side.bits, dtype)
-        part = _dot_t(qd, codes)
-        per_group[g] = part if per_group[g] is None else per_group[g] + part
-      s = None
-      for g in range(num_groups):
-        scale = k_scale_ref[tok, g].astype(jnp.float32)
-        zero = k_zero_ref[tok, g].astype(jnp.float32)
-        term = per_group[g] * scale[None, :] + q_sums[g][:, None] * zero[None, :]
-        s = term if s is None else s + term
+          if k_off:
+            bias = bias - k_off * jnp.sum(qs.astype(jnp.float32), axis=1)
+          part = part + bias[:, None]
+          s = part if s is None else s + part
       return s
+    per_group = [None] * num_k_groups
+    for bcol, w, planes in k_side.chunks(head_dim):
+      byte_block = k_codes_ref[tok, pl.ds(bcol, w)]
+      for plane, col, g in planes:
+        qd = q_dots[k_flat.index((bcol, w, plane, col, g))]
+        part = _dot_t(qd, _unpack_plane(byte_block, plane, k_side.bits, k_dt))
+        per_group[g] = part if per_group[g] is None else per_group[g] + part
+    s = None
+    for g in range(num_k_groups):
+      scale = k_scale_ref[tok, g].astype(jnp.float32)
+      zero = k_zero_ref[tok, g].astype(jnp.float32) - k_off * scale
+      term = per_group[g] * scale[None, :] + q_sums[g][:, None] * zero[None, :]
+      s = term if s is None else s + term
+    return s
 
-    def step(t0, kb, carry):
-      m, l, accs, zaccs = carry
-      t = t0 + lax.broadcasted_iota(jnp.int32, (kb,), 0)
-      in_packed = t < packed
-      valid = in_packed[None, :] & (t[None, :] <= row_limit[:, None])
-      p, alpha, m, l = online_softmax(k_scores(t0, kb), valid, m, l)
-      tok = pl.ds(t0, kb)
-      if v_side.bits == 16:
-        v = jnp.where(in_packed[:, None], v_codes_ref[tok, :].astype(dtype), 0)
-        return m, l, [alpha[:, None] * accs[0] + _dot(p.astype(dtype), v)], zaccs
-      p_scaled, new_zaccs = [], []
-      for g in range(v_groups):
-        scale = jnp.where(in_packed, v_scale_ref[tok, g].astype(jnp.float32), 0.0)
-        zero = jnp.where(in_packed, v_zero_ref[tok, g].astype(jnp.float32), 0.0)
-        p_scaled.append((p * scale[None, :]).astype(dtype))
-        new_zaccs.append(alpha * zaccs[g] + jnp.sum(p * zero[None, :], axis=1))
-      new_accs = []
-      for (plane, bcol, w, _, g), acc in zip(v_chunks, accs):
-        codes = _unpack_plane(v_codes_ref[tok, pl.ds(bcol, w)], plane, v_side.bits, dtype)
-        new_accs.append(alpha[:, None] * acc + _dot(p_scaled[g], codes))
-      return m, l, new_accs, new_zaccs
+  def step(t0, kb, carry):
+    m, l, accs, zaccs = carry
+    t = t0 + lax.broadcasted_iota(jnp.int32, (kb,), 0)
+    in_packed = t < packed
+    valid = in_packed[None, :] & (t[None, :] <= row_limit[:, None])
+    p, alpha, m, l = online_softmax(k_scores(t0, kb), valid, m, l)
+    tok = pl.ds(t0, kb)
+    if v_side.bits == 16:
+      v = jnp.where(in_packed[:, None], v_codes_ref[tok, :].astype(dtype), 0)
+      return m, l, [alpha[:, None] * accs[0] + _dot(p.astype(dtype), v)], zaccs
+    p_scaled, new_zaccs = [], []
+    for g in range(v_groups):
+      scale = jnp.where(in_packed, v_scale_ref[tok, g].astype(jnp.float32), 0.0)
+      zero = jnp.where(in_packed, v_zero_ref[tok, g].astype(jnp.float32), 0.0)
+      ps = (p * scale[None, :]).astype(v_dt)
+      bias = jnp.sum(p * zero[None, :], axis=1)
+      if v_off:
+        bias = bias - v_off * jnp.sum(ps.astype(jnp.float32), axis=1)
+      p_scaled.append(ps)
+      new_zaccs.append(alpha * zaccs[g] + bias)
+    new_accs = list(accs)
+    for bcol, w, planes in v_side.chunks(head_dim):
+      byte_block = v_codes_ref[tok, pl.ds(bcol, w)]
+      for plane, col, g in planes:
+        idx = v_flat.index((bcol, w, plane, col, g))
+        codes = _unpack_plane(byte_block, plane, v_side.bits, v_dt)
+        new_accs[idx] = alpha[:, None] * accs[idx] + _dot(p_scaled[g], codes)
+    return m, l, new_accs, new_zaccs
 
-    def body(i, carry):
-      t0 = start + i * block_k
-      for sub in range(block_k // sub_k):
-        carry = step(t0 + sub * sub_k, sub_k, carry)
-      return carry
+  sub_k = token_group if k_side.axis == "channel" and k_side.bits < 16 else block_k
 
-    accs = [jnp.zeros((rows, w), jnp.float32) for (_, _, w, _, _) in v_chunks]
-    zaccs = [jnp.zeros((rows,), jnp.float32) for _ in range(v_groups)]
-    m, l, accs, zaccs = lax.fori_loop(0, num_blocks, body, (m0, l0, accs, zaccs))
-    for (_, _, w, col, g), acc in zip(v_chunks, accs):
-      if v_side.bits < 16:
-        acc = acc + zaccs[g][:, None]
-      o_ref[:, pl.ds(col, w)] = acc
-    l_ref[...] = l
-    m_ref[...] = m
+  def body(i, carry):
+    t0 = start + i * block_k
+    for sub in range(block_k // sub_k):
+      carry = step(t0 + sub * sub_k, sub_k, carry)
+    return carry
 
-  @pl.when(split == num_splits)
-  def _residual():
-    num_res = length - packed
-    q = load_q(0, head_dim).astype(dtype)
+  # This split's slice of the packed region (a multiple of block_k tokens).
+  per_split = pl.cdiv(pl.cdiv(packed, num_splits), block_k) * block_k
+  start = split * per_split
+  stop = jnp.minimum(start + per_split, packed)
+  num_blocks = jnp.maximum(0, pl.cdiv(stop - start, block_k))
+  carry = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
+           [jnp.zeros((rows, w), jnp.float32) for (_, w, _, _, _) in v_flat],
+           [jnp.zeros((rows,), jnp.float32) for _ in range(v_groups)])
+  m, l, accs, zaccs = lax.fori_loop(0, num_blocks, body, carry)
 
-    def body(i, carry):
-      m, l, acc = carry
-      r0 = i * res_block
-      idx = r0 + lax.broadcasted_iota(jnp.int32, (res_block,), 0)
-      in_res = idx < num_res
-      valid = in_res[None, :] & ((packed + idx)[None, :] <= row_limit[:, None])
-      k = k_res_ref[pl.ds(r0, res_block), :]
-      p, alpha, m, l = online_softmax(_dot_t(q, k), valid, m, l)
-      v = jnp.where(in_res[:, None], v_res_ref[pl.ds(r0, res_block), :], 0)
-      return m, l, alpha[:, None] * acc + _dot(p.astype(dtype), v)
+  # The last split also attends over the residual (full precision) rows,
+  # continuing the same online softmax with the same per-plane accumulators.
+  num_res = jnp.where(split == num_splits - 1, length - packed, 0)
+  q_res = [qc.astype(dtype) for qc in q_chunks]
 
-    num_blocks = pl.cdiv(num_res, res_block)
-    m, l, acc = lax.fori_loop(
-        0, num_blocks, body, (m0, l0, jnp.zeros((rows, head_dim), jnp.float32)))
-    o_ref[...] = acc
-    l_ref[...] = l
-    m_ref[...] = m
+  def res_body(i, carry):
+    m, l, accs = carry
+    r0 = i * res_block
+    idx = r0 + lax.broadcasted_iota(jnp.int32, (res_block,), 0)
+    in_res = idx < num_res
+    valid = in_res[None, :] & ((packed + idx)[None, :] <= row_limit[:, None])
+    tok = pl.ds(r0, res_block)
+    s = None
+    for (_, w, _, col, _), qr in zip(k_flat, q_res):
+      part = _dot_t(qr, k_res_ref[tok, pl.ds(col, w)])
+      s = part if s is None else s + part
+    p, alpha, m, l = online_softmax(s, valid, m, l)
+    p = p.astype(dtype)
+    new_accs = []
+    for (_, w, _, col, _), acc in zip(v_flat, accs):
+      v = jnp.where(in_res[:, None], v_res_ref[tok, pl.ds(col, w)], 0)
+      new_accs.append(alpha[:, None] * acc + _dot(p, v))
+    return m, l, new_accs
+
+  m_packed = m
+  m, l, accs = lax.fori_loop(0, pl.cdiv(num_res, res_block), res_body, (m, l, accs))
+  # Rescale the zero accumulators by how far the residual moved the max.
+  alpha_z = jnp.exp(m_packed - jnp.where(m == -jnp.inf, 0.0, m))
+  for (_, w, _, col, g), acc in zip(v_flat, accs):
+    if v_side.bits < 16:
+      acc = acc + (alpha_z * zaccs[g])[:, None]
+    o_ref[:, pl.ds(col, w)] = acc
+  l_ref[...] = l
+  m_ref[...] = m
 
 
 def _combine_kernel(
     # inputs
-    o_ref,    # [J, M, D] float32 partial outputs
+    o_ref,    # [J, M, dblk] float32 partial outputs
     l_ref,    # [J, M]
     m_ref,    # [J, M]
     # outputs
-    out_ref,  # [Mo, D] in q's dtype
+    out_ref,  # [Mo, dblk] in q's dtype
+    *,
+    parts_block: int,
 ):
-  """Log-sum-exp merge of the J partials of one (batch, kv head)."""
+  """Log-sum-exp merge of the J partials of one (batch, kv head, column block)."""
   num_parts = o_ref.shape[0]
   out_rows = out_ref.shape[0]
   rows = pl.ds(0, out_rows)
 
   def max_body(j, m):
-    return jnp.maximum(m, m_ref[j, rows])
+    part = pl.ds(j * parts_block, parts_block)
+    return jnp.maximum(m, jnp.max(m_ref[part, rows], axis=0))
 
-  m = lax.fori_loop(0, num_parts, max_body, jnp.full((out_rows,), -jnp.inf, jnp.float32))
+  num_blocks = num_parts // parts_block
+  m = lax.fori_loop(0, num_blocks, max_body, jnp.full((out_rows,), -jnp.inf, jnp.float32))
   m = jnp.where(m == -jnp.inf, 0.0, m)
 
   def sum_body(j, carry):
     acc, l = carry
-    w = jnp.exp(m_ref[j, rows] - m)
-    return acc + w[:, None] * o_ref[j, rows, :], l + w * l_ref[j, rows]
+    part = pl.ds(j * parts_block, parts_block)
+    w = jnp.exp(m_ref[part, rows] - m[None, :])          # [jb, Mo]
+    acc = acc + jnp.sum(w[:, :, None] * o_ref[part, rows, :], axis=0)
+    return acc, l + jnp.sum(w * l_ref[part, rows], axis=0)
 
   acc, l = lax.fori_loop(
-      0, num_parts, sum_body,
+      0, num_blocks, sum_body,
       (jnp.zeros(out_ref.shape, jnp.float32), jnp.zeros((out_rows,), jnp.float32)))
   safe = jnp.where(l > 0, l, 1.0)
   out_ref[...] = jnp.where((l > 0)[:, None], acc / safe[:, None], 0.0).astype(out_ref.dtype)
@@ -416,7 +472,7 @@ def dequant_decode_attention(
   if not _triton.is_pow2(q_rows):
     qh = jnp.pad(qh, ((0, 0), (0, 0), (0, rows - q_rows), (0, 0)))
   q_block = qh.shape[2]
-  num_parts = config.num_splits + 1
+  num_parts = config.num_splits
 
   def full(x):  # one (b, h) slice of a [B, H, ...] array per program
     return pl.BlockSpec((None, None, *x.shape[2:]),
@@ -459,17 +515,27 @@ def dequant_decode_attention(
       name=f"jaxkv_dequant_attention_k{fmt.k_bits}v{fmt.v_bits}",
   )(*inputs)
 
+  # Combine: one program per (b, h, column block), every partial loaded at once
+  # (a few loads in flight instead of a J-long dependent chain).
+  budget = 8192  # float32 elements of one [parts_block, Mo, dblk] tile
+  dblk = head_dim
+  while dblk > 1 and num_parts * q_block * dblk > budget:
+    dblk //= 2
+  parts_block = 1
+  while (parts_block * 2 <= num_parts and num_parts % (parts_block * 2) == 0
+         and parts_block * 2 * q_block * dblk <= budget):
+    parts_block *= 2
   out = pl.pallas_call(
-      _combine_kernel,
-      grid=(batch, kv_heads),
+      functools.partial(_combine_kernel, parts_block=parts_block),
+      grid=(batch, kv_heads, head_dim // dblk),
       in_specs=[
-          pl.BlockSpec((None, None, num_parts, rows, head_dim), lambda b, h: (b, h, 0, 0, 0)),
-          pl.BlockSpec((None, None, num_parts, rows), lambda b, h: (b, h, 0, 0)),
-          pl.BlockSpec((None, None, num_parts, rows), lambda b, h: (b, h, 0, 0)),
+          pl.BlockSpec((None, None, num_parts, rows, dblk), lambda b, h, d: (b, h, 0, 0, d)),
+          pl.BlockSpec((None, None, num_parts, rows), lambda b, h, d: (b, h, 0, 0)),
+          pl.BlockSpec((None, None, num_parts, rows), lambda b, h, d: (b, h, 0, 0)),
       ],
-      out_specs=pl.BlockSpec((None, None, q_block, head_dim), lambda b, h: (b, h, 0, 0)),
+      out_specs=pl.BlockSpec((None, None, q_block, dblk), lambda b, h, d: (b, h, 0, d)),
       out_shape=jax.ShapeDtypeStruct((batch, kv_heads, q_block, head_dim), q.dtype),
-      compiler_params=_triton.compiler_params(num_warps=4, num_stages=1),
+      compiler_params=_triton.compiler_params(num_warps=4, num_stages=2),
       interpret=interpret,
       name="jaxkv_decode_combine",
   )(o_part, l_part, m_part)
