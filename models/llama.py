@@ -219,7 +219,7 @@ _LLAMA3_ROPE = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
 CONFIGS: dict[str, LlamaConfig] = {
     # Small enough for CPU tests and the demo; Llama-3 style (GQA, llama3 RoPE).
     "tiny": LlamaConfig(
-        vocab_size=1024, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=4,
+        vocab_size=1024, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
         num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
         rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 1024),
         max_position_embeddings=8192, bos_token_id=1, eos_token_ids=(2,)),
