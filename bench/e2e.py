@@ -285,7 +285,7 @@ def summarize(latency, batch_rows) -> dict:
   return s
 
 
-def plot(latency, batch_rows, prefix: str) -> list[str]:
+def plot(latency, batch_rows, prefix: str, model_name: str) -> list[str]:
   try:
     import matplotlib
     matplotlib.use("Agg")
@@ -303,7 +303,7 @@ def plot(latency, batch_rows, prefix: str) -> list[str]:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("decode step, B=1 (ms)")
-    ax.set_title("Llama-3.1-8B decode latency")
+    ax.set_title(f"{model_name} decode latency")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -419,7 +419,7 @@ def main(argv=None) -> int:
   slug = "".join(ch if ch.isalnum() else "-" for ch in dev.device_kind.lower()).strip("-")
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
   prefix = os.path.join(args.out, f"e2e-{slug}-{stamp}{'-quick' if args.quick else ''}")
-  plots = plot(latency, batch_rows, prefix)
+  plots = plot(latency, batch_rows, prefix, args.config)
   import flax  # pylint: disable=import-outside-toplevel
   result = dict(
       meta=dict(

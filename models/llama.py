@@ -301,18 +301,40 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     ``[B, T, Hq, D]`` in q's dtype.
   """
   if implementation is None:
-    d = q.shape[-1]
-    if (jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
-        and d <= 128 and d % 8 == 0):
+    implementation = "xla"
+    if jax.default_backend() == "gpu" and _cudnn_compiles(
+        jnp.dtype(q.dtype).name, q.shape[2], k.shape[2], q.shape[3]):
       try:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-      except Exception:  # pylint: disable=broad-except  # unsupported shape/version
+      except Exception:  # pylint: disable=broad-except  # shape cuDNN rejects
         pass
-    implementation = "xla"
   return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
 
 
+@functools.lru_cache(maxsize=None)
+def _cudnn_compiles(dtype: str, q_heads: int, kv_heads: int, head_dim: int) -> bool:
+  """Whether cuDNN causal attention compiles here for this dtype and head layout.
+
+  A small probe compile, once per layout: cuDNN support depends on the cuDNN
+  and jax versions and can fail at compile time, after tracing succeeded.
+  """
+  if dtype not in ("bfloat16", "float16") or head_dim > 128 or head_dim % 8:
+    return False
+  q = jax.ShapeDtypeStruct((1, 128, q_heads, head_dim), dtype)
+  kv = jax.ShapeDtypeStruct((1, 128, kv_heads, head_dim), dtype)
+  fn = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
+  try:
+    jax.jit(fn).lower(q, kv, kv).compile()
+    return True
+  except Exception:  # pylint: disable=broad-except
+    return False
+
+
 # ------------------------------------------------------------------ modules
+# flax >= 0.12 wants `nnx.List` for lists of modules; older NNX takes plain lists.
+_ModuleList = getattr(nnx, "List", list)
+
+
 def _normal(rngs: nnx.Rngs, shape, std: float, dtype) -> jax.Array:
   return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
@@ -415,7 +437,8 @@ class Llama(nnx.Module):
     self.config = c
     self.dtype = jnp.dtype(dtype)
     self.embed_tokens = nnx.Param(_normal(rngs, (c.vocab_size, c.hidden_size), 1.0, dtype))
-    self.layers = nnx.List([DecoderLayer(c, dtype=dtype, rngs=rngs) for _ in range(c.num_layers)])
+    self.layers = _ModuleList(
+        [DecoderLayer(c, dtype=dtype, rngs=rngs) for _ in range(c.num_layers)])
     self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=dtype)
     self.lm_head = (None if c.tie_word_embeddings
                     else Linear(c.hidden_size, c.vocab_size, dtype=dtype, rngs=rngs))
