@@ -65,6 +65,14 @@ TARGETS = {  # issue 4
 FILL_TOKENS = 1 << 18  # batch * chunk tokens of random K/V generated per fill call
 
 
+def _jaxlib_version():
+  try:
+    import jaxlib  # pylint: disable=import-outside-toplevel
+    return jaxlib.__version__
+  except (ImportError, AttributeError):
+    return None
+
+
 def _is_oom(e: Exception) -> bool:
   msg = str(e)
   return "RESOURCE_EXHAUSTED" in msg or "Out of memory" in msg or "out of memory" in msg
@@ -424,7 +432,7 @@ def main(argv=None) -> int:
   result = dict(
       meta=dict(
           gpu=dev.device_kind, platform=dev.platform, device_count=jax.device_count(),
-          jax_version=jax.__version__, jaxlib_version=getattr(jax.lib, "__version__", None),
+          jax_version=jax.__version__, jaxlib_version=_jaxlib_version(),
           flax_version=flax.__version__, python=platform.python_version(),
           date=datetime.datetime.now().isoformat(timespec="seconds"),
           model=args.config, weights="random bf16 (models.llama.random_model, seed 0)",

@@ -218,7 +218,8 @@ def generate(model, prompt_tokens, prompt_lengths, *, kv_format: KVFormat | str 
     max_new_tokens: tokens to generate per sequence (>= 1).
     sampler: ``"greedy"``; ``"sample"`` (temperature, then optional top-k and
       top-p); ``"temperature"``, ``"top_k"``, ``"top_p"`` as aliases of
-      ``"sample"``; or a callable ``(logits [B, V], rng) -> [B] int32``.
+      ``"sample"``; or a callable ``(logits [B, V], rng) -> [B] int32`` (it
+      is a static setting: pass the same object to reuse the compiled program).
     temperature: softmax temperature for sampling.
     top_k: keep the k most likely tokens (static).
     top_p: nucleus mass in ``(0, 1]``.
