@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -51,6 +52,13 @@ CASES = {
                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                       tie_word_embeddings=True, rms_norm_eps=1e-6), False, False),
 }
+
+
+@pytest.fixture(autouse=True)
+def _full_f32_matmuls():
+  """float32 matmuls at full precision (GPUs default to TF32-like passes)."""
+  with jax.default_matmul_precision("highest"):
+    yield
 
 
 def make_hf_model(seed: int, **kwargs):
