@@ -19,26 +19,6 @@ def compiler_params(*, num_warps: int, num_stages: int):
   return _COMPILER_PARAMS_CLS(num_warps=num_warps, num_stages=num_stages)
 
 
-def div_rn(a: jax.Array, b: jax.Array, *, interpret: bool) -> jax.Array:
-  """IEEE round-to-nearest float32 division, ``a / b``.
-
-  Triton lowers ``/`` on float32 to the approximate ``div.full.f32``; XLA (the
-  reference) divides exactly. Bitwise-equal quantization codes need the exact
-  quotient, so the compiled kernel uses ``div.rn.f32`` through inline PTX.
-  """
-  if interpret:
-    return a / b
-  a, b = jnp.broadcast_arrays(a, b)
-  [out] = plgpu.elementwise_inline_asm(
-      "div.rn.f32 $0, $1, $2;",
-      args=[a, b],
-      constraints="=r,r,r",
-      pack=1,
-      result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)],
-  )
-  return out
-
-
 def next_pow2(n: int) -> int:
   return 1 << max(0, int(n) - 1).bit_length()
 
