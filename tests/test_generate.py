@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -11,10 +12,12 @@ import pytest
 from flax import nnx
 
 import jaxkv
-from jaxkv import generate as gen_mod
 from jaxkv.formats import PRESETS, KVFormat
 from jaxkv.generate import decode_step, generate, sample_logits
 from models import llama
+
+# `jaxkv.generate` is re-exported as the function; reach the module itself.
+gen_mod = importlib.import_module("jaxkv.generate")
 
 CFG = llama.LlamaConfig(
     vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
