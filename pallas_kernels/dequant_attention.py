@@ -78,8 +78,13 @@ class DecodeAttentionConfig:
   @classmethod
   def default(cls, *, batch: int, tokens: int, q_heads: int, kv_heads: int,
               head_dim: int, k_bits: int, v_bits: int, token_group: int = 128,
-              k_axis: str = "channel", num_sms: int | None = None) -> "DecodeAttentionConfig":
-    """Heuristic: enough splits for ~4 programs per SM, >= 2 steps per split."""
+              k_axis: str = "channel", num_sms: int | None = None,
+              itemsize: int = 2) -> "DecodeAttentionConfig":
+    """Heuristic: enough splits for ~4 programs per SM, >= 2 steps per split.
+
+    ``itemsize`` is the bytes of the cache dtype: float32 caches double every
+    unpacked tile in shared memory, so they get no software pipelining.
+    """
     del q_heads, head_dim
     num_sms = num_sms or _triton.num_sms()
     block_k = 128
@@ -91,8 +96,10 @@ class DecodeAttentionConfig:
     blocks = max(1, pl.cdiv(tokens, block_k))
     want = pl.cdiv(4 * num_sms, batch * kv_heads)
     splits = min(_triton.next_pow2(want), max(1, blocks // 2), 256)
-    return cls(block_k=block_k, num_splits=max(1, splits), num_warps=4,
-               num_stages=3 if bits <= 4 else 2)
+    stages = 3 if bits <= 4 else 2
+    if itemsize > 2:
+      stages = 1
+    return cls(block_k=block_k, num_splits=max(1, splits), num_warps=4, num_stages=stages)
 
 
 def _replicate_rows(x, rows):
@@ -133,13 +140,16 @@ def _unpack_plane(byte_block, plane, bits, dtype):
   return lax.bitcast_convert_type(bits16, dtype)
 
 
+# HIGHEST makes float32 operands use IEEE fp32 dots (Triton's default for f32
+# is TF32, ~1e-3 relative); bf16/f16 operands are unaffected.
 def _dot(a, b):
-  return jnp.dot(a, b, preferred_element_type=jnp.float32)
+  return jnp.dot(a, b, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
 
 def _dot_t(a, b):
   """``a @ b.T``."""
-  return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                         preferred_element_type=jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -453,7 +463,7 @@ def dequant_decode_attention(
     config = DecodeAttentionConfig.default(
         batch=batch, tokens=capacity, q_heads=q_heads, kv_heads=kv_heads,
         head_dim=head_dim, k_bits=fmt.k_bits, v_bits=fmt.v_bits,
-        token_group=fmt.token_group, k_axis=fmt.k_axis)
+        token_group=fmt.token_group, k_axis=fmt.k_axis, itemsize=k_residual.dtype.itemsize)
   block_k = config.block_k
   if fmt.k_bits < 16 and fmt.k_axis == "channel" and block_k % fmt.token_group:
     raise ValueError(f"config.block_k={block_k} must be a multiple of "

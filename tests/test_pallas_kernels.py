@@ -144,7 +144,8 @@ def test_attention_matches_oracle(name, batch, kv_heads, group_q, head_dim, num_
 
 
 CONFIG_CASES = [
-    ("kivi4", pk.DecodeAttentionConfig(block_k=256, num_splits=3, num_warps=8, num_stages=3)),
+    # float32 tiles of block_k=256 fit Hopper's shared memory only unpipelined.
+    ("kivi4", pk.DecodeAttentionConfig(block_k=256, num_splits=3, num_warps=8, num_stages=1)),
     ("int4-token-g4", pk.DecodeAttentionConfig(block_k=64, num_splits=64, num_warps=4)),
     ("k8v4", pk.DecodeAttentionConfig(block_k=32, num_splits=1, num_warps=2, num_stages=1)),
 ]
