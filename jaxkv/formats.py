@@ -83,14 +83,6 @@ class KVFormat:
   def is_quantized(self) -> bool:
     return self.k_bits < 16 or self.v_bits < 16
 
-  @property
-  def G(self) -> int:  # noqa: N802 - the paper's name
-    return self.token_group
-
-  @property
-  def R(self) -> int:  # noqa: N802
-    return self.residual
-
   def channel_group_for(self, head_dim: int) -> int:
     """Channels per per-token group for a head of ``head_dim`` channels."""
     gd = head_dim if self.channel_group is None else self.channel_group
