@@ -154,11 +154,12 @@ def candidate_configs(fmt, b, t, hq, hkv, d, limit):
       batch=b, tokens=t, q_heads=hq, kv_heads=hkv, head_dim=d, k_bits=fmt.k_bits,
       v_bits=fmt.v_bits, token_group=fmt.token_group, k_axis=fmt.k_axis)
   rep = dataclasses.replace
-  cands = [base, rep(base, num_warps=8), rep(base, num_splits=base.num_splits * 2),
+  cands = [base, rep(base, block_k=64), rep(base, num_warps=8),
+           rep(base, num_splits=base.num_splits * 2),
            rep(base, num_splits=max(1, base.num_splits // 2)),
+           rep(base, block_k=64, num_splits=base.num_splits * 2),
            rep(base, num_stages=4 if base.num_stages == 3 else 3),
-           rep(base, block_k=256), rep(base, block_k=256, num_warps=8),
-           rep(base, num_splits=base.num_splits * 2, num_warps=8)]
+           rep(base, block_k=256, num_warps=8)]
   out = []
   for c in cands:
     if c not in out and t % c.block_k == 0:

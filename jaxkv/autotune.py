@@ -60,15 +60,14 @@ def search_space(q, cache) -> list[DecodeAttentionConfig]:
       batch=batch, tokens=cache.storage_len, q_heads=q_heads, kv_heads=cache.kv_heads,
       head_dim=head_dim, k_bits=fmt.k_bits, v_bits=fmt.v_bits,
       token_group=fmt.token_group, k_axis=fmt.k_axis)
-  min_block = fmt.token_group if fmt.k_bits < 16 and fmt.k_axis == "channel" else 32
-  blocks = [b for b in (64, 128, 256) if b >= min_block and cache.storage_len % b == 0]
+  blocks = [b for b in (32, 64, 128, 256) if cache.storage_len % b == 0]
   splits = sorted({max(1, base.num_splits // 2), base.num_splits, base.num_splits * 2})
   out = []
-  for block_k, num_splits, num_warps, num_stages in itertools.product(
-      blocks, splits, (4, 8), (2, 3)):
+  for block_k, num_splits, num_warps, num_stages, defer in itertools.product(
+      blocks, splits, (4, 8), (2, 3), (True, False)):
     if num_splits * block_k > cache.storage_len * 2:
       continue
-    out.append(DecodeAttentionConfig(block_k, num_splits, num_warps, num_stages))
+    out.append(DecodeAttentionConfig(block_k, num_splits, num_warps, num_stages, defer))
   return out or [base]
 
 

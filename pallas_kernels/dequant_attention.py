@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from jaxkv import quant
 from jaxkv.formats import KVFormat
@@ -49,21 +50,27 @@ class DecodeAttentionConfig:
   """Launch parameters of the split-K dequant-attention kernel family.
 
   Attributes:
-    block_k: packed tokens per inner-loop step (power of two, a multiple of
-      the token group G when K is per-channel, at most 256).
+    block_k: packed tokens per inner-loop step (power of two, at most 256;
+      with per-channel K it divides the token group G or is a multiple of it).
     num_splits: programs per (batch, kv head) over the packed region (the
       last also takes the residual block).
     num_warps: Triton warps per program.
     num_stages: Triton software-pipelining depth of the inner loop.
+    defer_sums: accumulate the softmax denominators (and the V zero-point
+      terms) elementwise over ``[rows, block_k]`` and reduce them once after
+      the loop, instead of a cross-warp row reduction per step: fewer
+      instructions and barriers, more registers (so fewer resident programs).
 
-  Search space (`jaxkv.autotune`): block_k in {64, 128, 256}, num_splits in
-  powers of two 1..256, num_warps in {4, 8}, num_stages in {2, 3, 4}.
+  Search space (`jaxkv.autotune`): block_k in {32, 64, 128, 256}, num_splits
+  around the heuristic (x1/2, x1, x2), num_warps in {4, 8}, num_stages in
+  {2, 3}, defer_sums in {True, False}.
   """
 
   block_k: int = 128
   num_splits: int = 16
   num_warps: int = 4
   num_stages: int = 2
+  defer_sums: bool = True
 
   def __post_init__(self):
     if not _triton.is_pow2(self.block_k) or not 16 <= self.block_k <= 256:
@@ -82,21 +89,19 @@ class DecodeAttentionConfig:
               itemsize: int = 2) -> "DecodeAttentionConfig":
     """Heuristic: enough splits for ~4 programs per SM, >= 2 steps per split.
 
+    Measured on an H100 (bench/sweep_configs.py, jax 0.11.2): 128-token
+    steps with 3 stages for 4/2-bit sides, 64-token steps for 8-bit ones;
     ``itemsize`` is the bytes of the cache dtype: float32 caches double every
     unpacked tile in shared memory, so they get no software pipelining.
     """
-    del q_heads, head_dim
+    del q_heads, head_dim, token_group, k_axis
     num_sms = num_sms or _triton.num_sms()
-    block_k = 128
-    if k_bits < 16 and k_axis == "channel":
-      block_k = max(block_k, token_group)
     bits = max(k_bits, v_bits)
-    if bits == 16:
-      block_k = 64
+    block_k = {16: 64, 8: 64}.get(bits, 128)
     blocks = max(1, pl.cdiv(tokens, block_k))
     want = pl.cdiv(4 * num_sms, batch * kv_heads)
     splits = min(_triton.next_pow2(want), max(1, blocks // 2), 256)
-    stages = 3 if bits <= 4 else 2
+    stages = 3
     if itemsize > 2:
       stages = 1
     return cls(block_k=block_k, num_splits=max(1, splits), num_warps=4, num_stages=stages)
@@ -111,33 +116,105 @@ def _replicate_rows(x, rows):
 
 
 def _code_dtype(bits, cache_dtype):
-  """``(dot dtype, offset)`` of unpacked codes.
+  """Float dtype the unpacked codes of a ``bits``-bit side are fed to the dots in.
 
-  Codes become floats by bit tricks, not int->float conversions (which run at
-  a quarter of the integer rate): ``bf16(0x4300 | c) = 128 + c`` exactly for
-  ``c < 128`` and ``f16(0x6400 | c) = 1024 + c`` for ``c < 1024``. The offset
-  is subtracted through the folded zero terms, using the very operands the
-  dot consumed, so it cancels exactly up to float32 accumulation.
+  bf16 holds integers exactly only up to 256, so 8-bit codes (and every side
+  of a float16 cache) use float16; float32 caches keep float32 dots.
   """
   if cache_dtype == jnp.float32:
-    return jnp.float32, 0
+    return jnp.float32
   if bits <= 4 and cache_dtype == jnp.bfloat16:
-    return jnp.bfloat16, 128
-  return jnp.float16, 1024
+    return jnp.bfloat16
+  return jnp.float16
 
 
-def _unpack_plane(byte_block, plane, bits, dtype):
-  """Plane ``plane`` of a ``[t, w]`` uint8 block as ``offset + code`` in ``dtype``."""
-  codes = byte_block
-  if plane:
-    codes = codes >> np.uint8(plane * bits)
-  if bits < 8:
-    codes = codes & np.uint8((1 << bits) - 1)
-  if dtype == jnp.float32:
-    return codes.astype(jnp.float32)
-  magic = 0x4300 if dtype == jnp.bfloat16 else 0x6400
-  bits16 = codes.astype(jnp.uint16) | np.uint16(magic)
-  return lax.bitcast_convert_type(bits16, dtype)
+# Codes become floats by bit tricks, not int->float conversions: OR-ing a code
+# c, shifted left by s bits, into the low mantissa bits of ``magic`` gives the
+# float ``base + c * 2**s`` exactly (bf16 0x4300 = 128 with 7 mantissa bits,
+# f16 0x6400 = 1024 with 10), and one fused multiply-add
+# ``x * 2**-s - base * 2**-s`` leaves exactly ``c``.
+_MAGIC = {  # dtype -> (magic bits, base value, code bits that fit the low byte)
+    jnp.dtype(jnp.bfloat16): (0x4300, 128.0, 7),
+    jnp.dtype(jnp.float16): (0x6400, 1024.0, 8),
+}
+
+
+def _pair_bits(value: float, dtype) -> int:
+  """32-bit pattern of ``value`` in both halves (a bf16x2 / f16x2 constant)."""
+  half = int(np.array(value, dtype).view(np.uint16))
+  return (half << 16) | half
+
+
+def _unpack_asm(bits: int, dtype, plane: int) -> str:
+  """PTX turning 4 packed bytes into the 4 exact codes of one plane.
+
+  Operands: outputs ``$0`` (elements 0-1) and ``$1`` (elements 2-3) as
+  bf16x2/f16x2; the input ``$2`` holds 4 bytes, element 0 lowest.
+  ``prmt`` spreads bytes (b0, b1) and (b2, b3) into the low bytes of two
+  16-bit lanes; per register an optional ``shr`` (when the plane's bits
+  would reach past the low mantissa byte), one ``and``/``or`` (a LOP3 after
+  ptxas) that keeps the plane's bits and sets the magic exponent, and one
+  ``fma`` that removes the base.
+  """
+  magic, base, low_bits = _MAGIC[jnp.dtype(dtype)]
+  suffix = "bf16x2" if jnp.dtype(dtype) == jnp.bfloat16 else "f16x2"
+  src = "$2"
+  lines = ["{", ".reg .b32 lo, hi, t, r, fill, sc, bs;"]
+  if bits == 8:  # every byte is one whole code: the magic byte is the filler
+    lines.append(f"mov.b32 fill, {(magic >> 8) * 0x01010101:#010x};")
+  else:
+    lines.append("mov.b32 fill, 0;")
+  lines += [f"prmt.b32 lo, {src}, fill, 0x5140;",   # [b0, f, b1, f]
+            f"prmt.b32 hi, {src}, fill, 0x5342;"]   # [b2, f, b3, f]
+  shift = plane * bits
+  pre = max(0, shift + bits - low_bits)  # right shift so the code fits
+  at = shift - pre
+  mask = ((1 << bits) - 1) << at
+  scale = _pair_bits(2.0 ** -at, dtype)
+  bias = _pair_bits(-base * 2.0 ** -at, dtype)
+  lines += [f"mov.b32 sc, {scale:#010x};", f"mov.b32 bs, {bias:#010x};"]
+  for out, reg in (("$0", "lo"), ("$1", "hi")):
+    if bits == 8:
+      lines.append(f"fma.rn.{suffix} {out}, {reg}, sc, bs;")
+      continue
+    if pre:
+      lines.append(f"shr.u32 t, {reg}, {pre};")
+      reg = "t"
+    lines.append(f"and.b32 r, {reg}, {mask | (mask << 16):#010x};")
+    lines.append(f"or.b32 r, r, {magic | (magic << 16):#010x};")
+    lines.append(f"fma.rn.{suffix} {out}, r, sc, bs;")
+  lines.append("}")
+  return "\n".join(lines)
+
+
+def _unpack_planes(byte_block, bits, dtype, use_asm):
+  """All ``8/bits`` planes of a ``[t, w]`` uint8 block as exact codes in ``dtype``.
+
+  ``use_asm`` (compiled GPU kernels) runs `_unpack_asm`, one call per plane
+  (the Triton lowering takes single-result inline assembly; ptxas merges the
+  repeated ``prmt``); otherwise the same bit trick in jnp (interpret mode).
+  """
+  planes = 8 // bits
+  out = []
+  for plane in range(planes):
+    if use_asm and dtype != jnp.float32:
+      [codes] = plgpu.elementwise_inline_asm(
+          _unpack_asm(bits, dtype, plane), args=[byte_block], constraints="=r,=r,r", pack=4,
+          result_shape_dtypes=[jax.ShapeDtypeStruct(byte_block.shape, dtype)])
+      out.append(codes)
+      continue
+    codes = byte_block
+    if plane:
+      codes = codes >> np.uint8(plane * bits)
+    if bits < 8:
+      codes = codes & np.uint8((1 << bits) - 1)
+    if dtype == jnp.float32:
+      out.append(codes.astype(jnp.float32))
+      continue
+    magic, base, _ = _MAGIC[jnp.dtype(dtype)]
+    as_float = lax.bitcast_convert_type(codes.astype(jnp.uint16) | np.uint16(magic), dtype)
+    out.append(as_float - jnp.asarray(base, dtype))
+  return out
 
 
 # HIGHEST makes float32 operands use IEEE fp32 dots (Triton's default for f32
@@ -212,6 +289,8 @@ def _split_kernel(
     block_k: int,
     res_block: int,
     sm_scale: float,
+    use_asm: bool,
+    defer_sums: bool,
 ):
   rows, head_dim = o_ref.shape
   q_rows = q_ref.shape[0]
@@ -234,16 +313,17 @@ def _split_kernel(
 
   k_flat = k_side.flat(head_dim)
   v_flat = v_side.flat(head_dim)
-  k_dt, k_off = (dtype, 0) if k_side.bits == 16 else _code_dtype(k_side.bits, dtype)
-  v_dt, v_off = (dtype, 0) if v_side.bits == 16 else _code_dtype(v_side.bits, dtype)
-  # q * sm_scale per K plane (float32, [rows, w]), loaded from ref slices.
-  q_chunks = []
-  for _, w, _, col, _ in k_flat:
-    q = q_ref[:, pl.ds(col, w)].astype(jnp.float32) * sm_scale
-    q_chunks.append(_replicate_rows(q, rows))
+  k_dt = dtype if k_side.bits == 16 else _code_dtype(k_side.bits, dtype)
+  v_dt = dtype if v_side.bits == 16 else _code_dtype(v_side.bits, dtype)
+  # q per K plane, [rows, w] in q's dtype (kept in registers across the loop).
+  q_vals = [_replicate_rows(q_ref[:, pl.ds(col, w)], rows) for _, w, _, col, _ in k_flat]
+
+  def q_scaled(dt):
+    return [(qv.astype(jnp.float32) * sm_scale).astype(dt) for qv in q_vals]
+
   k_token = k_side.bits < 16 and k_side.axis == "token"
   if k_token or k_side.bits == 16:
-    q_dots = [qc.astype(k_dt) for qc in q_chunks]
+    q_dots = q_scaled(k_dt)
   if k_token:
     num_k_groups = head_dim // k_side.group
     q_sums = [None] * num_k_groups  # sums of the rounded q the dots consume
@@ -251,6 +331,13 @@ def _split_kernel(
       part = jnp.sum(qd.astype(jnp.float32), axis=1)
       q_sums[g] = part if q_sums[g] is None else q_sums[g] + part
   v_groups = 1 if v_side.bits == 16 else head_dim // v_side.group
+  # Row sums (softmax denominator, V zero-point term) are accumulated
+  # elementwise over [rows, kb] and reduced once after the loop: a row sum of
+  # an mma tile crosses warps (shared memory and a barrier) on every step.
+  defer_sums = defer_sums and v_groups <= 2
+
+  def unpack(ref, tok, bcol, w, bits, dt):
+    return _unpack_planes(ref[tok, pl.ds(bcol, w)], bits, dt, use_asm)
 
   def k_scores(t0, kb):
     """Scores [rows, kb] of packed tokens [t0, t0 + kb)."""
@@ -261,30 +348,26 @@ def _split_kernel(
       grp = t0 // token_group
       s = None
       for bcol, w, planes in k_side.chunks(head_dim):
-        byte_block = k_codes_ref[tok, pl.ds(bcol, w)]
+        codes = unpack(k_codes_ref, tok, bcol, w, k_side.bits, k_dt)
         for plane, col, _ in planes:
-          qc = q_chunks[k_flat.index((bcol, w, plane, col, 0))]
-          scale = k_scale_ref[pl.ds(grp, 1), pl.ds(col, w)].astype(jnp.float32)
-          zero = k_zero_ref[pl.ds(grp, 1), pl.ds(col, w)].astype(jnp.float32)
-          qs = (qc * scale).astype(k_dt)
-          part = _dot_t(qs, _unpack_plane(byte_block, plane, k_side.bits, k_dt))
-          bias = jnp.sum(qc * zero, axis=1)
-          if k_off:
-            bias = bias - k_off * jnp.sum(qs.astype(jnp.float32), axis=1)
-          part = part + bias[:, None]
+          qf = q_vals[k_flat.index((bcol, w, plane, col, 0))].astype(jnp.float32)
+          scale = k_scale_ref[pl.ds(grp, 1), pl.ds(col, w)].astype(jnp.float32) * sm_scale
+          zero = k_zero_ref[pl.ds(grp, 1), pl.ds(col, w)].astype(jnp.float32) * sm_scale
+          part = _dot_t((qf * scale).astype(k_dt), codes[plane])
+          part = part + jnp.sum(qf * zero, axis=1)[:, None]
           s = part if s is None else s + part
       return s
     per_group = [None] * num_k_groups
     for bcol, w, planes in k_side.chunks(head_dim):
-      byte_block = k_codes_ref[tok, pl.ds(bcol, w)]
+      codes = unpack(k_codes_ref, tok, bcol, w, k_side.bits, k_dt)
       for plane, col, g in planes:
         qd = q_dots[k_flat.index((bcol, w, plane, col, g))]
-        part = _dot_t(qd, _unpack_plane(byte_block, plane, k_side.bits, k_dt))
+        part = _dot_t(qd, codes[plane])
         per_group[g] = part if per_group[g] is None else per_group[g] + part
     s = None
     for g in range(num_k_groups):
       scale = k_scale_ref[tok, g].astype(jnp.float32)
-      zero = k_zero_ref[tok, g].astype(jnp.float32) - k_off * scale
+      zero = k_zero_ref[tok, g].astype(jnp.float32)
       term = per_group[g] * scale[None, :] + q_sums[g][:, None] * zero[None, :]
       s = term if s is None else s + term
     return s
@@ -294,31 +377,39 @@ def _split_kernel(
     t = t0 + lax.broadcasted_iota(jnp.int32, (kb,), 0)
     in_packed = t < packed
     valid = in_packed[None, :] & (t[None, :] <= row_limit[:, None])
-    p, alpha, m, l = online_softmax(k_scores(t0, kb), valid, m, l)
+    s = jnp.where(valid, k_scores(t0, kb), -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp(m - m_safe)
+    p = jnp.exp(s - m_safe[:, None])
+    if defer_sums:
+      l = alpha[:, None] * l + p
+    else:
+      l = alpha * l + jnp.sum(p, axis=1)
     tok = pl.ds(t0, kb)
     if v_side.bits == 16:
       v = jnp.where(in_packed[:, None], v_codes_ref[tok, :].astype(dtype), 0)
-      return m, l, [alpha[:, None] * accs[0] + _dot(p.astype(dtype), v)], zaccs
+      return m_new, l, [alpha[:, None] * accs[0] + _dot(p.astype(dtype), v)], zaccs
     p_scaled, new_zaccs = [], []
     for g in range(v_groups):
       scale = jnp.where(in_packed, v_scale_ref[tok, g].astype(jnp.float32), 0.0)
       zero = jnp.where(in_packed, v_zero_ref[tok, g].astype(jnp.float32), 0.0)
-      ps = (p * scale[None, :]).astype(v_dt)
-      bias = jnp.sum(p * zero[None, :], axis=1)
-      if v_off:
-        bias = bias - v_off * jnp.sum(ps.astype(jnp.float32), axis=1)
-      p_scaled.append(ps)
-      new_zaccs.append(alpha * zaccs[g] + bias)
+      p_scaled.append((p * scale[None, :]).astype(v_dt))
+      if defer_sums:
+        new_zaccs.append(alpha[:, None] * zaccs[g] + p * zero[None, :])
+      else:
+        new_zaccs.append(alpha * zaccs[g] + jnp.sum(p * zero[None, :], axis=1))
     new_accs = list(accs)
     for bcol, w, planes in v_side.chunks(head_dim):
-      byte_block = v_codes_ref[tok, pl.ds(bcol, w)]
+      codes = unpack(v_codes_ref, tok, bcol, w, v_side.bits, v_dt)
       for plane, col, g in planes:
         idx = v_flat.index((bcol, w, plane, col, g))
-        codes = _unpack_plane(byte_block, plane, v_side.bits, v_dt)
-        new_accs[idx] = alpha[:, None] * accs[idx] + _dot(p_scaled[g], codes)
-    return m, l, new_accs, new_zaccs
+        new_accs[idx] = alpha[:, None] * accs[idx] + _dot(p_scaled[g], codes[plane])
+    return m_new, l, new_accs, new_zaccs
 
-  sub_k = token_group if k_side.axis == "channel" and k_side.bits < 16 else block_k
+  # Per-channel K: a step never crosses a token group (one scale row per step).
+  sub_k = (min(token_group, block_k) if k_side.axis == "channel" and k_side.bits < 16
+           else block_k)
 
   def body(i, carry):
     t0 = start + i * block_k
@@ -331,19 +422,26 @@ def _split_kernel(
   start = split * per_split
   stop = jnp.minimum(start + per_split, packed)
   num_blocks = jnp.maximum(0, pl.cdiv(stop - start, block_k))
-  carry = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
+  sums_shape = (rows, sub_k) if defer_sums else (rows,)
+  carry = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros(sums_shape, jnp.float32),
            [jnp.zeros((rows, w), jnp.float32) for (_, w, _, _, _) in v_flat],
-           [jnp.zeros((rows,), jnp.float32) for _ in range(v_groups)])
+           [jnp.zeros(sums_shape, jnp.float32) for _ in range(v_groups)])
   m, l, accs, zaccs = lax.fori_loop(0, num_blocks, body, carry)
+  if defer_sums:
+    l = jnp.sum(l, axis=1)
+    zaccs = [jnp.sum(z, axis=1) for z in zaccs]
 
   # The last split also attends over the residual (full precision) rows,
   # continuing the same online softmax with the same per-plane accumulators.
-  num_res = jnp.where(split == num_splits - 1, length - packed, 0)
-  q_res = [qc.astype(dtype) for qc in q_chunks]
+  # It is straight-line code under a branch, not a loop: a loop would be
+  # software-pipelined, and its staging buffers (several [res_block, D] tiles
+  # per stage) would take shared memory from every program for a block that
+  # only the last split reads once.
+  num_res = length - packed
+  q_res = q_scaled(dtype)
 
-  def res_body(i, carry):
+  def res_block_step(r0, carry):
     m, l, accs = carry
-    r0 = i * res_block
     idx = r0 + lax.broadcasted_iota(jnp.int32, (res_block,), 0)
     in_res = idx < num_res
     valid = in_res[None, :] & ((packed + idx)[None, :] <= row_limit[:, None])
@@ -360,8 +458,14 @@ def _split_kernel(
       new_accs.append(alpha[:, None] * acc + _dot(p, v))
     return m, l, new_accs
 
+  def residual_part(carry):
+    for r0 in range(0, residual, res_block):
+      carry = lax.cond(r0 < num_res, functools.partial(res_block_step, r0),
+                       lambda c: c, carry)
+    return carry
+
   m_packed = m
-  m, l, accs = lax.fori_loop(0, pl.cdiv(num_res, res_block), res_body, (m, l, accs))
+  m, l, accs = lax.cond(split == num_splits - 1, residual_part, lambda c: c, (m, l, accs))
   # Rescale the zero accumulators by how far the residual moved the max.
   alpha_z = jnp.exp(m_packed - jnp.where(m == -jnp.inf, 0.0, m))
   for (_, w, _, col, g), acc in zip(v_flat, accs):
@@ -465,12 +569,10 @@ def dequant_decode_attention(
         head_dim=head_dim, k_bits=fmt.k_bits, v_bits=fmt.v_bits,
         token_group=fmt.token_group, k_axis=fmt.k_axis, itemsize=k_residual.dtype.itemsize)
   block_k = config.block_k
-  if fmt.k_bits < 16 and fmt.k_axis == "channel" and block_k % fmt.token_group:
-    raise ValueError(f"config.block_k={block_k} must be a multiple of "
-                     f"token_group={fmt.token_group} for per-channel K")
   if capacity % block_k:
-    raise ValueError(f"cache capacity {capacity} must be a multiple of {block_k=}")
-  res_block = min(residual & -residual, 128)
+    raise ValueError(f"cache capacity {capacity} must be a multiple of block_k={block_k}")
+  # Residual rows per unrolled step: at most 8 steps, tiles of >= 32 rows.
+  res_block = min(residual & -residual, max(32, residual // 8))
   gd = fmt.channel_group_for(head_dim)
   k_side = (_Side(16, "token", 1) if fmt.k_bits == 16 else
             _Side(fmt.k_bits, fmt.k_axis, fmt.token_group if fmt.k_axis == "channel" else gd))
@@ -496,7 +598,8 @@ def dequant_decode_attention(
   kernel = functools.partial(
       _split_kernel, k_side=k_side, v_side=v_side, token_group=fmt.token_group,
       residual=fmt.residual, num_queries=num_queries, num_splits=config.num_splits,
-      block_k=block_k, res_block=res_block, sm_scale=sm_scale)
+      block_k=block_k, res_block=res_block, sm_scale=sm_scale, use_asm=not interpret,
+      defer_sums=config.defer_sums)
   num_k, num_v = len(k_arrays), len(v_arrays)
 
   def kernel_with_nones(lengths_ref, q_ref, *refs):

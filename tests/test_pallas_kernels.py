@@ -148,6 +148,10 @@ CONFIG_CASES = [
     ("kivi4", pk.DecodeAttentionConfig(block_k=256, num_splits=3, num_warps=8, num_stages=1)),
     ("int4-token-g4", pk.DecodeAttentionConfig(block_k=64, num_splits=64, num_warps=4)),
     ("k8v4", pk.DecodeAttentionConfig(block_k=32, num_splits=1, num_warps=2, num_stages=1)),
+    # block_k below the per-channel token group: two steps per group.
+    ("kivi2", pk.DecodeAttentionConfig(block_k=64, num_splits=5, num_warps=4, num_stages=2)),
+    # Row sums reduced on every step instead of once after the loop.
+    ("kivi4", pk.DecodeAttentionConfig(block_k=128, num_splits=2, defer_sums=False)),
 ]
 
 
@@ -184,7 +188,3 @@ def test_config_validation():
     pk.DecodeAttentionConfig(num_splits=0)
   with pytest.raises(ValueError, match="block_t=3"):
     pk.PackConfig(block_t=3)
-  q, cache = _make_case("kivi4", 1, 1, 4, 128, 1, (300,), 512, jnp.float32)
-  with pytest.raises(ValueError, match="token_group=128"):
-    pk.pallas_decode_attention(q, cache, config=pk.DecodeAttentionConfig(block_k=64),
-                               interpret=INTERPRET)
