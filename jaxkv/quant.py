@@ -4,18 +4,18 @@ Quantization is asymmetric round-to-nearest over a group ``x``::
 
     zero  = min(x)                         (stored in scale_dtype)
     scale = (max(x) - min(x)) * f32(1 / (2^b - 1))   (stored in scale_dtype)
-    inv   = 1 / scale_s  (0 where scale_s == 0), one IEEE division per group
-    code  = clip(floor((x - zero_s) * inv + 0.5), 0, 2^b - 1)
+    code  = clip(round((x - zero_s) / scale_s), 0, 2^b - 1)   (exact; ties up)
     x_hat = code * scale_s + zero_s        (float32 arithmetic)
 
 where ``scale_s``/``zero_s`` are the *stored* (rounded) scale and zero read
 back as float32, so ``x_hat`` is the nearest point of the grid that is
 actually stored. A group whose stored scale is 0 (constant group, or a range
 that underflows the scale dtype) gets codes 0 and ``x_hat == zero_s``.
-Ties round up (``floor(v + 0.5)``), and the range is multiplied by the float32
-constant ``1 / (2^b - 1)`` and each element by the group's reciprocal scale
-(compilers rewrite divisions by a broadcast value that way anyway), so the
-reference and the kernels compute the same bits.
+The range is multiplied by the float32 constant ``1 / (2^b - 1)``, and the
+code is the exactly rounded quotient of the float32 difference by the stored
+scale (`round_codes`: an approximate division, then an exact correction), so
+the reference, the kernels and every backend (whose divisions differ) compute
+the same bits.
 
 Bit layout ("planar"): codes of ``b`` bits along the last axis of length ``N``
 are packed into ``N * b / 8`` uint8 bytes. With ``p = 8 // b`` codes per byte
@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 
 def _check_bits(bits: int) -> None:
@@ -88,11 +90,39 @@ def _quantize_groups(x: jax.Array, bits: int, axis: int, scale_dtype):
   hi = jnp.max(x, axis=axis, keepdims=True)
   scale_s = ((hi - lo) * jnp.float32(1.0 / levels)).astype(scale_dtype)
   zero_s = lo.astype(scale_dtype)
-  scale = scale_s.astype(jnp.float32)
-  zero = zero_s.astype(jnp.float32)
-  inv_scale = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
-  code = jnp.clip(jnp.floor((x - zero) * inv_scale + 0.5), 0, levels).astype(jnp.uint8)
+  code = round_codes(x, zero_s.astype(jnp.float32), scale_s.astype(jnp.float32), levels)
   return code, jnp.squeeze(scale_s, axis), jnp.squeeze(zero_s, axis)
+
+
+def round_codes(x: jax.Array, zero: jax.Array, scale: jax.Array, levels: int) -> jax.Array:
+  """``clip(round((x - zero) / scale), 0, levels)`` as uint8, exactly; 0 where scale == 0.
+
+  ``round`` is round-half-up of the exact quotient of ``d = x - zero``
+  (float32) by ``scale``. A first guess ``c = floor(d * (1/scale) + 0.5)``
+  may be one off near a half-way point, by however the backend divides (XLA
+  and Triton on a GPU divide approximately, and differently); it is then
+  fixed by exact comparisons of ``2d`` with ``(2c -/+ 1) * scale``. So every
+  backend, and the Pallas pack kernel that calls this function, gives the
+  same codes bit for bit.
+  """
+  d = x - zero
+  safe = jnp.where(scale > 0, scale, 1.0)
+  # scale = hi + lo with 12 significant bits each, so k * hi and k * lo are
+  # exact for odd |k| <= 2^9; 2d - k*hi is exact when the two are within a
+  # factor 2 (Sterbenz) and otherwise far from k*lo, so the sign test is exact.
+  hi = lax.bitcast_convert_type(
+      lax.bitcast_convert_type(safe, jnp.uint32) & np.uint32(0xFFFFF000), jnp.float32)
+  lo = safe - hi
+  two_d = d + d
+
+  def at_least(k):  # 2d >= k * scale
+    return two_d - k * hi >= k * lo
+
+  code = jnp.floor(d * (1.0 / safe) + 0.5)
+  code = code - jnp.where(at_least(code + code - 1.0), 0.0, 1.0)
+  code = code + jnp.where(at_least(code + code + 1.0), 1.0, 0.0)
+  code = jnp.where(scale > 0, jnp.clip(code, 0.0, float(levels)), 0.0)
+  return code.astype(jnp.uint8)
 
 
 def quantize_per_token(x: jax.Array, bits: int, channel_group: int, scale_dtype="float16"):

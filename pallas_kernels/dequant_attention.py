@@ -107,14 +107,6 @@ class DecodeAttentionConfig:
     return cls(block_k=block_k, num_splits=max(1, splits), num_warps=4, num_stages=stages)
 
 
-def _replicate_rows(x, rows):
-  """``[m, w]`` -> ``[rows, w]`` by repeating the m rows (m divides rows)."""
-  m = x.shape[0]
-  if m == rows:
-    return x
-  return jnp.broadcast_to(x[None], (rows // m, m, x.shape[1])).reshape(rows, x.shape[1])
-
-
 def _code_dtype(bits, cache_dtype):
   """Float dtype the unpacked codes of a ``bits``-bit side are fed to the dots in.
 
@@ -150,39 +142,35 @@ def _unpack_asm(bits: int, dtype, plane: int) -> str:
 
   Operands: outputs ``$0`` (elements 0-1) and ``$1`` (elements 2-3) as
   bf16x2/f16x2; the input ``$2`` holds 4 bytes, element 0 lowest.
-  ``prmt`` spreads bytes (b0, b1) and (b2, b3) into the low bytes of two
-  16-bit lanes; per register an optional ``shr`` (when the plane's bits
-  would reach past the low mantissa byte), one ``and``/``or`` (a LOP3 after
-  ptxas) that keeps the plane's bits and sets the magic exponent, and one
-  ``fma`` that removes the base.
+  An optional ``shr`` of the word (when the plane's bits would reach past
+  the low mantissa byte), then per output register one ``prmt`` that puts
+  two bytes into the low halves of the 16-bit lanes and the magic exponent
+  byte into the high halves, one ``and`` with a single immediate that keeps
+  the plane's bits and the exponent, and one ``fma`` that removes the base.
+  Every constant but one (the exponent filler) is an immediate, so ptxas
+  does not rematerialize masks inside the loop.
   """
   magic, base, low_bits = _MAGIC[jnp.dtype(dtype)]
   suffix = "bf16x2" if jnp.dtype(dtype) == jnp.bfloat16 else "f16x2"
-  src = "$2"
-  lines = ["{", ".reg .b32 lo, hi, t, r, fill, sc, bs;"]
-  if bits == 8:  # every byte is one whole code: the magic byte is the filler
-    lines.append(f"mov.b32 fill, {(magic >> 8) * 0x01010101:#010x};")
-  else:
-    lines.append("mov.b32 fill, 0;")
-  lines += [f"prmt.b32 lo, {src}, fill, 0x5140;",   # [b0, f, b1, f]
-            f"prmt.b32 hi, {src}, fill, 0x5342;"]   # [b2, f, b3, f]
   shift = plane * bits
   pre = max(0, shift + bits - low_bits)  # right shift so the code fits
   at = shift - pre
-  mask = ((1 << bits) - 1) << at
+  keep = magic | (((1 << bits) - 1) << at)  # exponent byte + the code's bits
   scale = _pair_bits(2.0 ** -at, dtype)
   bias = _pair_bits(-base * 2.0 ** -at, dtype)
-  lines += [f"mov.b32 sc, {scale:#010x};", f"mov.b32 bs, {bias:#010x};"]
+  lines = ["{", ".reg .b32 w, lo, hi, fill, sc, bs;",
+           f"mov.b32 fill, {(magic >> 8) * 0x01010101:#010x};",
+           f"mov.b32 sc, {scale:#010x};", f"mov.b32 bs, {bias:#010x};"]
+  src = "$2"
+  if pre:
+    lines.append(f"shr.u32 w, $2, {pre};")
+    src = "w"
+  lines += [f"prmt.b32 lo, {src}, fill, 0x5140;",   # [b0, m, b1, m]
+            f"prmt.b32 hi, {src}, fill, 0x5342;"]   # [b2, m, b3, m]
   for out, reg in (("$0", "lo"), ("$1", "hi")):
-    if bits == 8:
-      lines.append(f"fma.rn.{suffix} {out}, {reg}, sc, bs;")
-      continue
-    if pre:
-      lines.append(f"shr.u32 t, {reg}, {pre};")
-      reg = "t"
-    lines.append(f"and.b32 r, {reg}, {mask | (mask << 16):#010x};")
-    lines.append(f"or.b32 r, r, {magic | (magic << 16):#010x};")
-    lines.append(f"fma.rn.{suffix} {out}, r, sc, bs;")
+    if bits < 8:
+      lines.append(f"and.b32 {reg}, {reg}, {keep | (keep << 16):#010x};")
+    lines.append(f"fma.rn.{suffix} {out}, {reg}, sc, bs;")
   lines.append("}")
   return "\n".join(lines)
 
@@ -316,7 +304,7 @@ def _split_kernel(
   k_dt = dtype if k_side.bits == 16 else _code_dtype(k_side.bits, dtype)
   v_dt = dtype if v_side.bits == 16 else _code_dtype(v_side.bits, dtype)
   # q per K plane, [rows, w] in q's dtype (kept in registers across the loop).
-  q_vals = [_replicate_rows(q_ref[:, pl.ds(col, w)], rows) for _, w, _, col, _ in k_flat]
+  q_vals = [q_ref[:, pl.ds(col, w)] for _, w, _, col, _ in k_flat]
 
   def q_scaled(dt):
     return [(qv.astype(jnp.float32) * sm_scale).astype(dt) for qv in q_vals]
@@ -581,9 +569,10 @@ def dequant_decode_attention(
   # Rows r = h * S + s of kv head k's query block; a free reshape when S == 1.
   qh = q.reshape(batch, num_queries, kv_heads, group_q, head_dim)
   qh = qh.transpose(0, 2, 3, 1, 4).reshape(batch, kv_heads, q_rows, head_dim)
-  if not _triton.is_pow2(q_rows):
-    qh = jnp.pad(qh, ((0, 0), (0, 0), (0, rows - q_rows), (0, 0)))
-  q_block = qh.shape[2]
+  # Rows the combine writes (a power of two); the split kernel gets q zero-padded
+  # to the full M of its dots, so every row of a dot operand is its own register.
+  q_block = _triton.next_pow2(q_rows)
+  qh = jnp.pad(qh, ((0, 0), (0, 0), (0, rows - q_rows), (0, 0)))
   num_parts = config.num_splits
 
   def full(x):  # one (b, h) slice of a [B, H, ...] array per program

@@ -32,35 +32,37 @@ class PackConfig:
   Attributes:
     block_t: tokens per program for per-token quantization (power of two;
       per-channel quantization always uses one token group per program).
+    block_w: packed byte columns per program for per-channel quantization
+      (power of two >= 8, capped at ``D * bits / 8``); each program reads
+      the ``8 / bits`` channel slices that pack into those bytes. Narrow
+      blocks give a flush (one group per sequence) enough programs.
     num_warps: Triton warps per program.
     num_stages: Triton software-pipelining depth.
   """
 
   block_t: int = 64
+  block_w: int = 16
   num_warps: int = 4
   num_stages: int = 1
 
   def __post_init__(self):
     if not _triton.is_pow2(self.block_t):
       raise ValueError(f"block_t={self.block_t} must be a power of two")
+    if not _triton.is_pow2(self.block_w) or self.block_w < 8:
+      raise ValueError(f"block_w={self.block_w} must be a power of two >= 8")
 
   @classmethod
   def default(cls, *, tokens: int, head_dim: int, axis: str) -> "PackConfig":
-    """Heuristic: 64-token tiles; 8 warps for wide per-channel groups."""
+    """Heuristic: 64-token tiles (16 when there are few); 16-byte column blocks."""
     block_t = min(64, _triton.next_pow2(tokens))
-    num_warps = 8 if axis == "channel" and head_dim * tokens >= 128 * 128 else 4
-    return cls(block_t=block_t, num_warps=num_warps)
+    if tokens <= 256:
+      block_t = min(block_t, 16)
+    return cls(block_t=block_t, block_w=16, num_warps=4)
 
 
 def _codes(x, zero, scale, levels):
-  """``clip(floor((x - zero) / scale + 0.5))`` in float32, 0 where scale == 0."""
-  safe = jnp.where(scale > 0, scale, 1.0)
-  # Plain `/`: on GPU both XLA (the reference) and Triton divide approximately
-  # (measured on H200: XLA's f32 a/b differs from IEEE in 29% of cases), and
-  # this matched XLA bitwise except in groups whose f16 scale is subnormal.
-  code = jnp.floor((x - zero) / safe + 0.5)
-  code = jnp.where(scale > 0, jnp.clip(code, 0.0, float(levels)), 0.0)
-  return code.astype(jnp.uint8)
+  """Exact round-to-nearest codes, the reference's own `jaxkv.quant.round_codes`."""
+  return quant.round_codes(x, zero, scale, levels)
 
 
 def _pack_per_token_kernel(
@@ -111,20 +113,22 @@ def _pack_per_channel_kernel(
     # inputs
     x_ref,      # [G, D]
     # outputs
-    codes_ref,  # [G, D * bits // 8] uint8
+    codes_ref,  # [G, bw] uint8: byte columns [j*bw, (j+1)*bw) of this program
     scale_ref,  # [D]
     zero_ref,   # [D]
     *,
     bits: int,
+    block_w: int,
 ):
   head_dim = x_ref.shape[-1]
   levels = (1 << bits) - 1
   inv_levels = np.float32(1.0 / levels)
   per_byte = 8 // bits
   width = head_dim // per_byte
+  j0 = pl.program_id(2) * block_w
   packed = None
   for i in range(per_byte):
-    cols = pl.ds(i * width, width)
+    cols = pl.ds(i * width + j0, block_w)
     x = x_ref[:, cols].astype(jnp.float32)
     lo = jnp.min(x, axis=0)
     hi = jnp.max(x, axis=0)
@@ -199,15 +203,19 @@ def quantize_pack(
 
   if axis == "channel":
     ngroups = tokens // group
-    kernel = functools.partial(_pack_per_channel_kernel, bits=bits)
+    block_w = min(config.block_w, packed_dim)
+    kernel = functools.partial(_pack_per_channel_kernel, bits=bits, block_w=block_w)
+    # Each program writes only its byte columns of the codes and the channels
+    # that pack into them of scale/zero; whole rows are in its blocks, and
+    # writes outside its columns do not happen, so programs never overlap.
     codes, scale, zero = pl.pallas_call(
         kernel,
-        grid=(n, ngroups),
-        in_specs=[pl.BlockSpec((None, group, head_dim), lambda i, t: (i, t, 0))],
+        grid=(n, ngroups, packed_dim // block_w),
+        in_specs=[pl.BlockSpec((None, group, head_dim), lambda i, t, j: (i, t, 0))],
         out_specs=[
-            pl.BlockSpec((None, group, packed_dim), lambda i, t: (i, t, 0)),
-            pl.BlockSpec((None, None, head_dim), lambda i, t: (i, t, 0)),
-            pl.BlockSpec((None, None, head_dim), lambda i, t: (i, t, 0)),
+            pl.BlockSpec((None, group, block_w), lambda i, t, j: (i, t, j)),
+            pl.BlockSpec((None, None, head_dim), lambda i, t, j: (i, t, 0)),
+            pl.BlockSpec((None, None, head_dim), lambda i, t, j: (i, t, 0)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((n, tokens, packed_dim), jnp.uint8),

@@ -19,8 +19,11 @@ def np_quantize_groups(xg: np.ndarray, bits: int, axis: int, scale_dtype):
   zero_s = lo.astype(scale_dtype)
   s = scale_s.astype(np.float32)
   z = zero_s.astype(np.float32)
-  inv = np.where(s > 0, np.float32(1) / np.where(s > 0, s, np.float32(1)), np.float32(0))
-  code = np.clip(np.floor((xg - z) * inv + np.float32(0.5)), 0, levels).astype(np.uint8)
+  # round((x - zero) / scale), half-way up, of the float32 difference: the
+  # float64 quotient is close enough to exact to decide every half-way case.
+  d = (xg - z).astype(np.float64)
+  q = d / np.where(s > 0, s, np.float32(1)).astype(np.float64)
+  code = np.where(s > 0, np.clip(np.floor(q + 0.5), 0, levels), 0).astype(np.uint8)
   return code, np.squeeze(scale_s, axis), np.squeeze(zero_s, axis)
 
 

@@ -100,3 +100,30 @@ def test_bad_bits_raise():
     quant.quantize(jnp.ones((4, 8)), 4, axis="row", group=4)
   with pytest.raises(TypeError, match="uint8"):
     quant.unpack(jnp.zeros((4, 8), jnp.int32), 4)
+
+
+@pytest.mark.parametrize("sdt", ["float16", "bfloat16", "float32"])
+def test_round_codes_half_way_cases_exact(sdt):
+  """round((x - zero) / scale) of the exact quotient: half-way points go up,
+  one float32 step below them goes down, whatever the division rounds to."""
+  rng = np.random.default_rng(7)
+  levels = 255
+  scale = rng.uniform(1e-3, 10.0, 4096).astype(sdt).astype(np.float32)
+  scale = np.where(np.arange(4096) % 7 == 0, np.float32(2.0 ** -20) * scale, scale)
+  k = rng.integers(0, levels, 4096).astype(np.float32)
+  zero = rng.normal(size=4096).astype(np.float32)
+  half = ((k + np.float32(0.5)).astype(np.float64) * scale.astype(np.float64))
+  d = half.astype(np.float32)
+  exact = d.astype(np.float64) == half          # d is exactly (k + 1/2) * scale
+  x = zero + d
+  d_real = (x - zero).astype(np.float64)        # the float32 difference the code rounds
+  want = np.clip(np.floor(d_real / scale + 0.5), 0, levels)
+  got = np.asarray(quant.round_codes(jnp.asarray(x), jnp.asarray(zero), jnp.asarray(scale), levels))
+  np.testing.assert_array_equal(got, want)
+  below = np.nextafter(d, np.float32(-np.inf))
+  xb = zero + below
+  want_b = np.clip(np.floor((xb - zero).astype(np.float64) / scale + 0.5), 0, levels)
+  got_b = np.asarray(quant.round_codes(jnp.asarray(xb), jnp.asarray(zero), jnp.asarray(scale), levels))
+  np.testing.assert_array_equal(got_b, want_b)
+  if sdt != "float32":  # (k + 1/2) * scale is rarely a float32 when scale has 24 bits
+    assert exact.mean() > 0.3  # the case really holds many exact half-way points
