@@ -288,7 +288,7 @@ def bench_shape(shape, formats, hbm, tune, log):
           "best_bf16_us": best_bf16, "rows": rows}
 
 
-def bench_flush(hbm, log):
+def bench_flush(hbm, log, config=None):
   """One flush (pack one token group of every sequence, K and V) at (1, 131072, 32, 8, 128)."""
   out = {}
   for name in ("kivi4", "int4-token-g4", "kivi2", "int8"):
@@ -299,8 +299,9 @@ def bench_flush(hbm, log):
 
     def flush(x, fmt=fmt, gd=gd):
       k = pk.quantize_pack(x, fmt.k_bits, axis=fmt.k_axis,
-                           group=fmt.token_group if fmt.k_axis == "channel" else gd)
-      v = pk.quantize_pack(x, fmt.v_bits, axis="token", group=gd)
+                           group=fmt.token_group if fmt.k_axis == "channel" else gd,
+                           config=config)
+      v = pk.quantize_pack(x, fmt.v_bits, axis="token", group=gd, config=config)
       return k, v
 
     ok = all(bool(jnp.all(a == b_)) for a, b_ in zip(
@@ -346,8 +347,16 @@ def main():
   ap.add_argument("--shapes", default=None, help="comma-separated shape indices")
   ap.add_argument("--formats", default=None)
   ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+  ap.add_argument("--flush-only", action="store_true",
+                  help="only the flush timings, for several pack configs")
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
+  if args.flush_only:
+    for cfg in (None, pk.PackConfig(block_t=64, block_w=64), pk.PackConfig(block_t=16, block_w=8),
+                pk.PackConfig(block_t=32, block_w=32, num_warps=2)):
+      print(f"pack config {cfg or 'default'}:", flush=True)
+      bench_flush(None, print, config=cfg)
+    return
   shapes = SHAPES
   formats = FORMATS
   if args.quick:
