@@ -18,7 +18,9 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import DecodeAttentionConfig, pallas_decode_attention
+# A module import, not a name import: `import pallas_kernels` first loads jaxkv
+# (for the reference quantizer), which must not need pallas_kernels' names yet.
+import pallas_kernels as pk
 
 
 def device_time(fn: Callable, firsts: Sequence, *rest, reps: int = 10, warmup: int = 2) -> dict:
@@ -52,11 +54,11 @@ def device_time(fn: Callable, firsts: Sequence, *rest, reps: int = 10, warmup: i
           "compile": compile_s}
 
 
-def search_space(q, cache) -> list[DecodeAttentionConfig]:
+def search_space(q, cache) -> list[pk.DecodeAttentionConfig]:
   """Candidate configs: splits around the heuristic, block_k, warps, stages."""
   fmt = cache.fmt
   batch, _, q_heads, head_dim = q.shape
-  base = DecodeAttentionConfig.default(
+  base = pk.DecodeAttentionConfig.default(
       batch=batch, tokens=cache.storage_len, q_heads=q_heads, kv_heads=cache.kv_heads,
       head_dim=head_dim, k_bits=fmt.k_bits, v_bits=fmt.v_bits,
       token_group=fmt.token_group, k_axis=fmt.k_axis)
@@ -67,7 +69,7 @@ def search_space(q, cache) -> list[DecodeAttentionConfig]:
       blocks, splits, (4, 8), (2, 3), (True, False)):
     if num_splits * block_k > cache.storage_len * 2:
       continue
-    out.append(DecodeAttentionConfig(block_k, num_splits, num_warps, num_stages, defer))
+    out.append(pk.DecodeAttentionConfig(block_k, num_splits, num_warps, num_stages, defer))
   return out or [base]
 
 
@@ -78,16 +80,16 @@ def config_key(q, cache) -> str:
           f"Hkv={cache.kv_heads}|D={d}|C={cache.storage_len}|{jnp.dtype(q.dtype).name}")
 
 
-def load_config(path: str, q, cache) -> DecodeAttentionConfig | None:
+def load_config(path: str, q, cache) -> pk.DecodeAttentionConfig | None:
   """The saved config for this GPU/format/shape, or None."""
   if not os.path.exists(path):
     return None
   with open(path) as f:
     entry = json.load(f).get(config_key(q, cache))
-  return None if entry is None else DecodeAttentionConfig(**entry)
+  return None if entry is None else pk.DecodeAttentionConfig(**entry)
 
 
-def save_config(path: str, q, cache, config: DecodeAttentionConfig) -> None:
+def save_config(path: str, q, cache, config: pk.DecodeAttentionConfig) -> None:
   """Adds (or replaces) this GPU/format/shape's config in the JSON file."""
   table = {}
   if os.path.exists(path):
@@ -99,8 +101,8 @@ def save_config(path: str, q, cache, config: DecodeAttentionConfig) -> None:
 
 
 def autotune(q: jax.Array, cache, *, scale: float | None = None,
-             candidates: Sequence[DecodeAttentionConfig] | None = None,
-             path: str | None = None, reps: int = 5) -> DecodeAttentionConfig:
+             candidates: Sequence[pk.DecodeAttentionConfig] | None = None,
+             path: str | None = None, reps: int = 5) -> pk.DecodeAttentionConfig:
   """Times candidate configs on the current GPU and returns the fastest.
 
   Args:
@@ -122,7 +124,7 @@ def autotune(q: jax.Array, cache, *, scale: float | None = None,
   candidates = list(candidates or search_space(q, cache))
   best, best_t = None, float("inf")
   for config in candidates:
-    fn = lambda q_, cache_, _c=config: pallas_decode_attention(q_, cache_, scale=scale, config=_c)
+    fn = lambda q_, cache_, _c=config: pk.pallas_decode_attention(q_, cache_, scale=scale, config=_c)
     try:
       qs = [q + jnp.asarray(i * 1e-3, q.dtype) for i in range(4)]
       t = device_time(fn, qs, cache, reps=reps, warmup=1)["median"]

@@ -188,3 +188,13 @@ def test_config_validation():
     pk.DecodeAttentionConfig(num_splits=0)
   with pytest.raises(ValueError, match="block_t=3"):
     pk.PackConfig(block_t=3)
+
+
+def test_import_order_independent():
+  """`import pallas_kernels` in a fresh interpreter works without importing jaxkv first."""
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  res = subprocess.run([sys.executable, "-c", "import pallas_kernels as pk; pk.DecodeAttentionConfig()"],
+                       cwd=root, capture_output=True, text=True, timeout=120)
+  assert res.returncode == 0, res.stderr[-2000:]
