@@ -18,7 +18,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import jaxkv  # noqa: F401  (import order: jaxkv before the kernel module)
 from pallas_kernels.dequant_attention import _unpack_asm
 
 _HALF = {"bf16x2": ml_dtypes.bfloat16, "f16x2": np.float16}
