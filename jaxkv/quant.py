@@ -90,6 +90,11 @@ def _quantize_groups(x: jax.Array, bits: int, axis: int, scale_dtype):
   hi = jnp.max(x, axis=axis, keepdims=True)
   scale_s = ((hi - lo) * jnp.float32(1.0 / levels)).astype(scale_dtype)
   zero_s = lo.astype(scale_dtype)
+  # The codes must be computed from the *stored* (rounded) scale and zero.
+  # XLA:GPU (allow_excess_precision) folds a float32 -> float16 -> float32
+  # round trip away, which changes codes wherever the rounding matters (tiny
+  # or subnormal float16 scales); the barrier keeps the round trip.
+  scale_s, zero_s = lax.optimization_barrier((scale_s, zero_s))
   code = round_codes(x, zero_s.astype(jnp.float32), scale_s.astype(jnp.float32), levels)
   return code, jnp.squeeze(scale_s, axis), jnp.squeeze(zero_s, axis)
 

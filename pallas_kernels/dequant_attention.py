@@ -91,10 +91,11 @@ class DecodeAttentionConfig:
 
     Measured on an H100 (bench/sweep_configs.py, jax 0.11.2): 128-token
     steps with 3 stages for 4/2-bit sides, 64-token steps for 8-bit ones;
-    ``itemsize`` is the bytes of the cache dtype: float32 caches double every
+    2 warps when K is per-token (its unpacked tile is half the registers of
+    a per-channel one at the same speed); ``itemsize`` is the bytes of the cache dtype: float32 caches double every
     unpacked tile in shared memory, so they get no software pipelining.
     """
-    del q_heads, head_dim, token_group, k_axis
+    del q_heads, head_dim, token_group
     num_sms = num_sms or _triton.num_sms()
     bits = max(k_bits, v_bits)
     block_k = {16: 64, 8: 64}.get(bits, 128)
@@ -104,7 +105,8 @@ class DecodeAttentionConfig:
     stages = 3
     if itemsize > 2:
       stages = 1
-    return cls(block_k=block_k, num_splits=max(1, splits), num_warps=4, num_stages=stages)
+    warps = 2 if k_axis == "token" else 4
+    return cls(block_k=block_k, num_splits=max(1, splits), num_warps=warps, num_stages=stages)
 
 
 def _code_dtype(bits, cache_dtype):

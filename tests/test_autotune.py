@@ -1,0 +1,89 @@
+"""`jaxkv.autotune`: search, JSON save/load, and the device-time helper.
+
+On CPU the candidates run in Pallas interpret mode (the timings mean nothing
+there; the search, the returned config and the JSON round trip are checked).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv.cache import KVCache
+from jaxkv.formats import PRESETS
+import pallas_kernels as pk
+
+# The module (`jaxkv.autotune` the attribute is the function).
+at = importlib.import_module("jaxkv.autotune")
+
+
+def _cache_and_q(batch=2, kv_heads=2, group_q=4, head_dim=64, capacity=256):
+  fmt = PRESETS["kivi4"]
+  k1, k2, k3 = jax.random.split(jax.random.PRNGKey(11), 3)
+  t = 200
+  k = jax.random.normal(k1, (batch, t, kv_heads, head_dim))
+  v = jax.random.normal(k2, (batch, t, kv_heads, head_dim))
+  q = jax.random.normal(k3, (batch, 1, kv_heads * group_q, head_dim))
+  cache = KVCache.init(fmt, batch, kv_heads, head_dim, capacity, jnp.float32, use_kernel=False)
+  return q, cache.prefill(k, v, np.array([t, 150]))
+
+
+CANDIDATES = [pk.DecodeAttentionConfig(block_k=64, num_splits=2, num_warps=4, num_stages=2),
+              pk.DecodeAttentionConfig(block_k=128, num_splits=1, num_warps=4, num_stages=2)]
+
+
+def test_autotune_returns_candidate_and_round_trips_json(tmp_path, monkeypatch):
+  q, cache = _cache_and_q()
+  path = str(tmp_path / "tuned.json")
+  best = jaxkv.autotune(q, cache, candidates=CANDIDATES, path=path, reps=1)
+  assert best in CANDIDATES
+  table = json.load(open(path))
+  assert table == {at.config_key(q, cache): dict(vars(best))}
+  assert at.load_config(path, q, cache) == best
+  # A saved entry is returned without timing anything.
+  monkeypatch.setattr(at, "device_time", lambda *a, **k: pytest.fail("timed a saved shape"))
+  assert jaxkv.autotune(q, cache, candidates=CANDIDATES, path=path) == best
+  # Another shape is a different key: not found.
+  q2, cache2 = _cache_and_q(group_q=2)
+  assert at.load_config(path, q2, cache2) is None
+  # The tuned config gives the same result as the default one.
+  out = pk.pallas_decode_attention(q, cache, config=best, interpret=True)
+  ref = pk.pallas_decode_attention(q, cache, interpret=True)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=1e-5)
+
+
+def test_autotune_reports_why_nothing_ran(monkeypatch):
+  q, cache = _cache_and_q()
+
+  def boom(*a, **k):
+    raise RuntimeError("compiler said no")
+  monkeypatch.setattr(at, "device_time", boom)
+  with pytest.raises(ValueError, match="compiler said no"):
+    jaxkv.autotune(q, cache, candidates=CANDIDATES)
+
+
+def test_search_space_configs_are_valid():
+  q, cache = _cache_and_q()
+  space = at.search_space(q, cache)
+  assert len(space) > 4 and len(set(space)) == len(space)
+  for c in space:
+    assert cache.storage_len % c.block_k == 0
+
+
+@pytest.mark.parametrize("hide", [False, True])
+def test_device_time_fields(hide, monkeypatch):
+  monkeypatch.setattr(at, "_LEAD_DIM", 64)  # a CPU-sized lead
+  x = [jnp.full((256, 256), float(i)) for i in range(3)]
+  tm = at.device_time(lambda a, b: jnp.tanh(a @ b), x, x[0], reps=3, warmup=1,
+                      hide_dispatch=hide)
+  assert set(tm) == {"median", "min", "max", "wall", "compile"}
+  assert tm["min"] <= tm["median"] <= tm["max"]
+  assert tm["wall"] > 0 and tm["compile"] > 0
+  if not hide:
+    assert tm["min"] > 0
