@@ -47,7 +47,7 @@ def test_autotune_returns_candidate_and_round_trips_json(tmp_path, monkeypatch):
   assert table == {at.config_key(q, cache): dict(vars(best))}
   assert at.load_config(path, q, cache) == best
   # A saved entry is returned without timing anything.
-  monkeypatch.setattr(at, "device_time", lambda *a, **k: pytest.fail("timed a saved shape"))
+  monkeypatch.setattr(at, "kernel_time", lambda *a, **k: pytest.fail("timed a saved shape"))
   assert jaxkv.autotune(q, cache, candidates=CANDIDATES, path=path) == best
   # Another shape is a different key: not found.
   q2, cache2 = _cache_and_q(group_q=2)
@@ -63,7 +63,7 @@ def test_autotune_reports_why_nothing_ran(monkeypatch):
 
   def boom(*a, **k):
     raise RuntimeError("compiler said no")
-  monkeypatch.setattr(at, "device_time", boom)
+  monkeypatch.setattr(at, "kernel_time", boom)
   with pytest.raises(ValueError, match="compiler said no"):
     jaxkv.autotune(q, cache, candidates=CANDIDATES)
 
@@ -87,3 +87,16 @@ def test_device_time_fields(hide, monkeypatch):
   assert tm["wall"] > 0 and tm["compile"] > 0
   if not hide:
     assert tm["min"] > 0
+
+
+def test_kernel_time_fields_and_arg_validation():
+  x = [(jnp.full((128, 128), float(i)),) for i in range(2)]
+  tm = at.kernel_time(lambda a: jnp.tanh(a @ a), x, calls=3)
+  assert set(tm) == {"kernel", "span", "kernels", "wall", "compile"}
+  assert tm["kernel"] > 0 and tm["span"] >= tm["kernel"] * 0.999 and tm["compile"] > 0
+  if jax.default_backend() == "gpu":
+    assert tm["kernels"] >= 1  # the matmul and the tanh ran on a GPU stream
+  with pytest.raises(ValueError, match="args_list"):
+    at.kernel_time(lambda a: a, [])
+  with pytest.raises(ValueError, match="calls=0"):
+    at.kernel_time(lambda a: a, x, calls=0)
