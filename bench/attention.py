@@ -165,7 +165,7 @@ def candidate_configs(fmt, b, t, hq, hkv, d, limit):
            rep(base, num_splits=base.num_splits * 2),
            rep(base, num_splits=max(1, base.num_splits // 2)),
            rep(base, block_k=64, num_splits=base.num_splits * 2),
-           rep(base, num_warps=8)]
+           rep(base, num_warps=8), rep(base, num_splits=max(1, base.num_splits // 4))]
   out = []
   for c in cands:
     if c not in out and t % c.block_k == 0:
@@ -425,6 +425,8 @@ def main():
   for shape in shapes:
     log(f"shape {shape_id(shape)}")
     results["shapes"].append(bench_shape(shape, formats, hbm, args.tune, log))
+    with open(os.path.join(args.out, "partial.json"), "w") as f:  # survives a cut-off run
+      json.dump(results, f, indent=1)
   if not args.no_flush:
     log("flush (pack K+V of one group, 8 sequences x heads) at (1,131072,32,8,128):")
     results["flush"] = bench_flush(hbm, log)
