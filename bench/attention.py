@@ -4,7 +4,7 @@ For each shape (B, T, Hq, Hkv, D) and q_len: BF16 baselines (XLA einsum,
 cuDNN through `jax.nn.dot_product_attention`, JAX's Pallas `decode_attention`
 on a head-major cache, best of 16/32/64 splits), the naive jnp int4 path, and
 jaxkv's kernels for each format. Device time: the summed durations of the GPU
-kernels of one call, read from a `jax.profiler` (CUPTI) trace of 24
+kernels of one call, read from a `jax.profiler` (CUPTI) trace of 16
 back-to-back calls (`jaxkv.autotune.kernel_time`), warmed up, compile
 excluded; the calls rotate over enough copies of the cache that none is read
 from L2. The stream span per call (kernel gaps included) and the host's wall
@@ -50,7 +50,7 @@ SHAPES = [  # (B, T, Hq, Hkv, D, q_len)
 ]
 FORMATS = ["kivi4", "kivi2", "int4-token-g4", "int8", "k8v4"]
 UNROLL = 8   # distinct q arrays (and at most this many cache copies) per timing
-CALLS = 24   # calls traced per timing
+CALLS = 16   # calls traced per timing
 ROTATE_BYTES = 256 << 20  # > 5x the 50 MB L2 of an H100/H200
 
 
@@ -160,12 +160,12 @@ def candidate_configs(fmt, b, t, hq, hkv, d, limit):
       v_bits=fmt.v_bits, token_group=fmt.token_group, k_axis=fmt.k_axis)
   rep = dataclasses.replace
   other_warps = 4 if base.num_warps == 2 else 2
-  cands = [base, rep(base, num_warps=other_warps), rep(base, block_k=64 if base.block_k == 128 else 128),
+  cands = [base, rep(base, num_splits=max(1, base.num_splits // 2)),
+           rep(base, num_splits=base.num_splits * 2), rep(base, num_warps=other_warps),
+           rep(base, block_k=64 if base.block_k == 128 else 128),
            rep(base, num_stages=2 if base.num_stages == 3 else 3),
-           rep(base, num_splits=base.num_splits * 2),
-           rep(base, num_splits=max(1, base.num_splits // 2)),
-           rep(base, block_k=64, num_splits=base.num_splits * 2),
-           rep(base, num_warps=8), rep(base, num_splits=max(1, base.num_splits // 4))]
+           rep(base, num_splits=max(1, base.num_splits // 4)),
+           rep(base, block_k=64, num_splits=base.num_splits * 2), rep(base, num_warps=8)]
   out = []
   for c in cands:
     if c not in out and t % c.block_k == 0:

@@ -23,6 +23,11 @@ def next_pow2(n: int) -> int:
   return 1 << max(0, int(n) - 1).bit_length()
 
 
+def prev_pow2(n: int) -> int:
+  """Largest power of two <= ``n`` (1 for n <= 1)."""
+  return 1 << (max(1, int(n)).bit_length() - 1)
+
+
 def is_pow2(n: int) -> bool:
   return n > 0 and (n & (n - 1)) == 0
 

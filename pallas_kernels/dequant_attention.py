@@ -87,10 +87,13 @@ class DecodeAttentionConfig:
               head_dim: int, k_bits: int, v_bits: int, token_group: int = 128,
               k_axis: str = "channel", num_sms: int | None = None,
               itemsize: int = 2) -> "DecodeAttentionConfig":
-    """Heuristic: enough splits for ~4 programs per SM, >= 2 steps per split.
+    """Heuristic: ~2 programs per SM (4 with an 8-bit side), >= 2 steps per split.
 
-    Measured on an H100 (bench/sweep_configs.py, jax 0.11.2): 128-token
-    steps with 3 stages for 4/2-bit sides, 64-token steps for 8-bit ones;
+    Measured on an H100 (bench/sweep_configs.py and the benchmark's config
+    search, jax 0.11.2): splits rounded down to a power of two so that
+    about two programs (four for 8-bit sides, whose programs are lighter)
+    share an SM were fastest; 128-token steps with 3 stages for 4/2-bit
+    sides, 64-token steps for 8-bit ones;
     2 warps when K is per-token (its unpacked tile is half the registers of
     a per-channel one at the same speed); ``itemsize`` is the bytes of the cache dtype: float32 caches double every
     unpacked tile in shared memory, so they get no software pipelining.
@@ -100,8 +103,9 @@ class DecodeAttentionConfig:
     bits = max(k_bits, v_bits)
     block_k = {16: 64, 8: 64}.get(bits, 128)
     blocks = max(1, pl.cdiv(tokens, block_k))
-    want = pl.cdiv(4 * num_sms, batch * kv_heads)
-    splits = min(_triton.next_pow2(want), max(1, blocks // 2), 256)
+    per_sm = 4 if bits >= 8 else 2
+    want = pl.cdiv(per_sm * num_sms, batch * kv_heads)
+    splits = min(_triton.prev_pow2(want), max(1, blocks // 2), 256)
     stages = 3
     if itemsize > 2:
       stages = 1
