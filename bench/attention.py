@@ -433,6 +433,36 @@ def main():
   write_results(results, args.out)
 
 
+def target_report(results):
+  """The issue's targets against what was measured: met or missed, and by how much."""
+  want_speedup = {"kivi4": 3.0, "int4-token-g4": 3.0, "kivi2": 5.0, "int8": 1.7, "k8v4": 1.7}
+  out = []
+  for r in results["shapes"]:
+    t = r["shape"]["T"]
+    sid = shape_id(tuple(r["shape"].values()))
+    for f, target in want_speedup.items():
+      row = r["rows"].get(f"jaxkv_{f}")
+      if row is None or (f == "kivi2" and t < 32768):
+        continue
+      if f.startswith(("kivi4", "int4")) and t < 32768:
+        target = 2.5 if t == 8192 else None
+      if target is not None:
+        got = row["speedup_vs_best_bf16"]
+        out.append({"shape": sid, "format": f, "what": "speedup_vs_best_bf16", "target": target,
+                    "measured": got, "met": got >= target, "shortfall": max(1.0, target / got)})
+      if t >= 32768:
+        got = row["frac_hbm"]
+        out.append({"shape": sid, "format": f, "what": "fraction_of_hbm_read", "target": 0.70,
+                    "measured": got, "met": got >= 0.70, "shortfall": max(1.0, 0.70 / got)})
+  for f, row in (results.get("flush") or {}).items():
+    frac = row.get("fraction_of_attention_call")
+    if frac is not None:
+      out.append({"shape": shape_id(SHAPES[4]), "format": f, "what": "flush_fraction_of_call",
+                  "target": 0.05, "measured": frac, "met": frac <= 0.05,
+                  "shortfall": max(1.0, frac / 0.05)})
+  return out
+
+
 def write_results(results, out_dir):
   """JSON + PNG under ``out_dir``, then the short table."""
   tag = results["gpu"].replace(" ", "-").lower()
@@ -441,6 +471,7 @@ def write_results(results, out_dir):
     attn = long[0]["rows"].get(f"jaxkv_{name}") if long else None
     if attn:  # the target: one flush <= 5% of one attention call at this shape
       row["fraction_of_attention_call"] = row["time_us"] / attn["time_us"]
+  results["targets"] = target_report(results)
   jpath = os.path.join(out_dir, f"attention-{tag}.json")
   with open(jpath, "w") as f:
     json.dump(results, f, indent=1)
@@ -463,6 +494,9 @@ def write_results(results, out_dir):
     frac = row.get("fraction_of_attention_call")
     print(f"flush {name}: {row['time_us']:.1f} us" +
           (f" = {frac * 100:.0f}% of one attention call at {shape_id(SHAPES[4])}" if frac else ""))
+  missed = [x for x in results["targets"] if not x["met"]]
+  print(f"targets met: {len(results['targets']) - len(missed)}/{len(results['targets'])} "
+        "(JSON 'targets' lists each; shortfall = factor still missing, 1.0 = met)")
   print("HBM-fraction at best config: " + "; ".join(
       f"{shape_id(tuple(r['shape'].values()))}:" + ",".join(
           f"{f}={r['rows'][f'jaxkv_{f}']['frac_hbm']*100:.0f}%"
