@@ -62,7 +62,7 @@ class DecodeAttentionConfig:
       instructions and barriers, more registers (so fewer resident programs).
 
   Search space (`jaxkv.autotune`): block_k in {32, 64, 128, 256}, num_splits
-  around the heuristic (x1/2, x1, x2), num_warps in {4, 8}, num_stages in
+  around the heuristic (x1/2, x1, x2), num_warps in {2, 4}, num_stages in
   {2, 3}, defer_sums in {True, False}.
   """
 

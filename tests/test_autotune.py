@@ -100,3 +100,25 @@ def test_kernel_time_fields_and_arg_validation():
     at.kernel_time(lambda a: a, [])
   with pytest.raises(ValueError, match="calls=0"):
     at.kernel_time(lambda a: a, x, calls=0)
+
+
+@pytest.mark.parametrize("batch,kv_heads,bits,want", [
+    (32, 1, 4, 8),     # 2 * 132 / 32 = 8.25 -> 8 programs per (b, h): ~2 per SM
+    (128, 1, 4, 2),
+    (32, 1, 8, 16),    # 8-bit sides: ~4 programs per SM
+    (1, 8, 4, 32),
+])
+def test_default_splits_fill_the_gpu_without_over_splitting(batch, kv_heads, bits, want):
+  c = pk.DecodeAttentionConfig.default(batch=batch, tokens=131072, q_heads=8 * kv_heads,
+                                       kv_heads=kv_heads, head_dim=128, k_bits=bits,
+                                       v_bits=bits, num_sms=132)
+  assert c.num_splits == want
+  # Never more splits than half the blocks (each split gets >= 2 steps).
+  short = pk.DecodeAttentionConfig.default(batch=1, tokens=512, q_heads=8, kv_heads=1,
+                                           head_dim=128, k_bits=bits, v_bits=bits, num_sms=132)
+  assert short.num_splits * short.block_k * 2 <= 512
+
+
+def test_prev_pow2():
+  from pallas_kernels import _triton
+  assert [_triton.prev_pow2(n) for n in (0, 1, 2, 3, 8, 9, 1000)] == [1, 1, 2, 2, 8, 8, 512]
