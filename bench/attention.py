@@ -65,6 +65,12 @@ def rel_err(x, ref):
   return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
+def rotating_copies(args, bytes_moved):
+  """``args`` plus deep copies, enough (<= UNROLL) that cycling them defeats L2."""
+  n_copies = min(UNROLL, -(-ROTATE_BYTES // bytes_moved))
+  return [args] + [jax.tree.map(jnp.copy, args) for _ in range(n_copies - 1)]
+
+
 def nbytes(*arrays):
   return int(sum(a.size * a.dtype.itemsize for a in arrays if a is not None))
 
@@ -199,8 +205,8 @@ def bench_shape(shape, formats, hbm, tune, log):
   def record(name, fn, rest, bytes_moved, out=None, ref=None, extra=None):
     # The calls rotate over enough copies of the cache arrays that none is
     # still in L2 when it is read again (each decode layer reads its own).
-    n_copies = min(UNROLL, -(-ROTATE_BYTES // bytes_moved))
-    copies = [rest] + [jax.tree.map(jnp.copy, rest) for _ in range(n_copies - 1)]
+    copies = rotating_copies(rest, bytes_moved)
+    n_copies = len(copies)
     args = [(qi, copies[i % n_copies]) for i, qi in enumerate(qs)]
     try:
       tm = kernel_time(lambda qi, r: fn(qi, *r), args, calls=CALLS)

@@ -3,7 +3,7 @@
 For a few benchmark shapes it traces jaxkv's attention (default config, each
 format), the BF16 baselines and the residual flush, then reads the trace with
 `jax.profiler.ProfileData` and prints, per call, every GPU kernel's mean
-duration and the sum. This is the cross-check of `device_time` and the
+duration and the sum. This is the per-kernel view of `kernel_time` and the
 breakdown the note uses (split kernel vs combine vs XLA glue).
 
 Usage: python bench/profile_kernels.py OUTDIR [SHAPE_INDICES] [FORMATS]
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import collections
 import functools
-import glob
+import importlib
 import json
 import os
 import shutil
@@ -21,7 +21,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-from jax.profiler import ProfileData
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -29,6 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attention as A  # noqa: E402
 from jaxkv.formats import PRESETS  # noqa: E402
 import pallas_kernels as pk  # noqa: E402
+
+autotune_mod = importlib.import_module("jaxkv.autotune")  # the module, not the function
 
 CALLS = 20
 
@@ -40,9 +41,7 @@ def kernel_times(fn, args, tmp, calls=CALLS):
   that none is served from L2.
   """
   f = jax.jit(fn)
-  size = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(args))
-  copies = [args] + [jax.tree.map(jnp.copy, args)
-                     for _ in range(min(8, -(-A.ROTATE_BYTES // size)) - 1)]
+  copies = A.rotating_copies(args, A.nbytes(*jax.tree.leaves(args)))
   for c in copies:
     jax.block_until_ready(f(*c))
   shutil.rmtree(tmp, ignore_errors=True)
@@ -51,18 +50,11 @@ def kernel_times(fn, args, tmp, calls=CALLS):
     out = f(*copies[i % len(copies)])
   jax.block_until_ready(out)
   jax.profiler.stop_trace()
-  path = sorted(glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True))[-1]
   per = collections.defaultdict(float)
   counts = collections.Counter()
-  for plane in ProfileData.from_file(path).planes:
-    if not plane.name.startswith("/device:GPU"):
-      continue
-    for line in plane.lines:
-      if not line.name.startswith("Stream"):
-        continue
-      for ev in line.events:
-        per[ev.name] += ev.duration_ns / 1e3 / calls
-        counts[ev.name] += 1
+  for name, _, duration_ns in autotune_mod._gpu_kernel_events(tmp):
+    per[name] += duration_ns / 1e3 / calls
+    counts[name] += 1
   return {k: (v, counts[k] / calls) for k, v in sorted(per.items(), key=lambda kv: -kv[1])}
 
 
@@ -119,15 +111,17 @@ def main():
   log("== flush (1,131072,32,8,128): one token group of 8 heads, K and V")
   for name in ("kivi4", "int4-token-g4", "int8"):
     fmt = PRESETS[name]
-    x = jax.random.normal(jax.random.PRNGKey(4), (8, fmt.token_group, 128), jnp.bfloat16)
+    # Distinct K and V: equal inputs would let XLA merge two identical packs.
+    xk, xv = (jax.random.normal(jax.random.PRNGKey(4 + j), (8, fmt.token_group, 128),
+                                jnp.bfloat16) for j in range(2))
     gd = fmt.channel_group_for(128)
 
-    def flush(x, fmt=fmt, gd=gd):
-      kk = pk.quantize_pack(x, fmt.k_bits, axis=fmt.k_axis,
+    def flush(xk, xv, fmt=fmt, gd=gd):
+      kk = pk.quantize_pack(xk, fmt.k_bits, axis=fmt.k_axis,
                             group=fmt.token_group if fmt.k_axis == "channel" else gd)
-      vv = pk.quantize_pack(x, fmt.v_bits, axis="token", group=gd)
+      vv = pk.quantize_pack(xv, fmt.v_bits, axis="token", group=gd)
       return kk, vv
-    res["flush"][name] = run(f"flush_{name}", flush, (x,), tmp, log)
+    res["flush"][name] = run(f"flush_{name}", flush, (xk, xv), tmp, log)
   shutil.rmtree(tmp, ignore_errors=True)
   with open(os.path.join(out, "profile.json"), "w") as f:
     json.dump(res, f, indent=1)
