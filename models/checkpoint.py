@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Iterator
+from typing import Any, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -133,10 +133,31 @@ def load_llama(path, dtype=None) -> Llama:
       raw = json.load(f)
     name = raw.get("dtype") or raw.get("torch_dtype")
     dtype = jnp.dtype(name) if name in ("float32", "bfloat16", "float16") else None
+  return build_llama(config, _iter_tensors(files, sorted(expected)), dtype=dtype, source=path)
+
+
+def build_llama(config: LlamaConfig, tensors: Iterable[tuple[str, Any]], *, dtype=None,
+                source: str = "checkpoint") -> Llama:
+  """Builds a `Llama` from ``(HF tensor name, array)`` pairs in HF orientation.
+
+  The one place every loader (HF safetensors, GGUF) fills a model: names and
+  shapes are those of `expected_tensors` (projection weights ``[out, in]``).
+
+  Args:
+    config: the model config.
+    tensors: every tensor of `expected_tensors(config)` exactly once.
+    dtype: parameter dtype; None = the first tensor's dtype.
+    source: named in error messages.
+  Raises:
+    ValueError: missing or mis-shaped tensors (all named).
+  """
+  expected = expected_tensors(config)
   model = nnx.eval_shape(lambda: Llama(config, dtype=dtype or jnp.float32, rngs=nnx.Rngs(0)))
   targets = _param_targets(model)
-  bad_shapes = []
-  for name, tensor in _iter_tensors(files, sorted(expected)):
+  bad_shapes, seen = [], set()
+  for name, tensor in tensors:
+    if name not in expected:
+      raise ValueError(f"{source!r}: unexpected tensor {name!r}")
     if tuple(tensor.shape) != expected[name]:
       bad_shapes.append(f"{name}: stored {tuple(tensor.shape)}, expected {expected[name]}")
       continue
@@ -147,8 +168,12 @@ def load_llama(path, dtype=None) -> Llama:
     param, transpose = targets[name]
     value = tensor.T if transpose else tensor
     _set(param, jnp.asarray(value, dtype))
+    seen.add(name)
   if bad_shapes:
-    raise ValueError(f"checkpoint {path!r} has mis-shaped tensors: " + "; ".join(bad_shapes))
+    raise ValueError(f"checkpoint {source!r} has mis-shaped tensors: " + "; ".join(bad_shapes))
+  missing = set(expected) - seen
+  if missing:
+    raise ValueError(f"checkpoint {source!r} lacks tensors: {_fmt_list(missing)}")
   return model
 
 
