@@ -2,10 +2,12 @@
 
 ``implementation="reference"`` (alias ``"xla"``) is plain jnp over
 ``cache.dequantize()``: it is the spec every kernel is tested against and the
-fallback everywhere. ``"pallas"`` runs the fused dequant flash-decoding
-kernels of `pallas_kernels` (compiled on GPU, Pallas interpret mode
-elsewhere). ``None`` picks Pallas on a GPU when the kernels support the
-cache's format, the reference otherwise.
+fallback everywhere. Two Pallas kernel families read the same cache:
+``"triton"`` (every recent NVIDIA GPU; Pallas interpret mode on CPU) and
+``"mosaic"`` (Hopper only: TMA + wgmma). ``"pallas"`` is the best family for
+the device. ``None`` picks Mosaic on a Hopper GPU when it supports the case,
+Triton on other GPUs (or where Mosaic does not serve the case), the
+reference elsewhere.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import jax.numpy as jnp
 
 from jaxkv.cache import KVCache
 
-IMPLEMENTATIONS = ("reference", "xla", "pallas")
+IMPLEMENTATIONS = ("reference", "xla", "triton", "mosaic", "pallas")
 
 
 def _causal_mask(lengths, num_queries: int, num_keys: int):
@@ -88,35 +90,112 @@ def _check_q_cache(q, cache: KVCache):
     raise TypeError(f"q.dtype={q.dtype} must be floating")
 
 
-def _pallas_supported(q, cache) -> tuple[bool, str]:
-  try:
-    import pallas_kernels
-  except ImportError as e:  # pragma: no cover - kernels ship with the package
-    return False, f"pallas_kernels failed to import: {e}"
+def _triton_supported(q, cache) -> tuple[bool, str]:
+  import pallas_kernels  # pylint: disable=import-outside-toplevel
   return pallas_kernels.supports(cache.fmt, head_dim=cache.head_dim,
                                  num_q_heads=q.shape[2], kv_heads=cache.kv_heads,
                                  num_queries=q.shape[1])
 
 
-def resolve_implementation(q, cache, implementation) -> str:
-  """Which implementation `decode_attention` runs for these inputs."""
+def _mosaic_specs(cache):
+  from pallas_kernels.side_spec import SideSpec  # pylint: disable=import-outside-toplevel
+  return SideSpec.of(cache.fmt, "k", cache.head_dim), SideSpec.of(cache.fmt, "v", cache.head_dim)
+
+
+def is_hopper() -> bool:
+  """Whether the default device is an sm_90 GPU (H100/H200), where Mosaic GPU runs."""
+  dev = jax.devices()[0]
+  return dev.platform == "gpu" and getattr(dev, "compute_capability", "") == "9.0"
+
+
+def _mosaic_supported(q, cache, config=None) -> tuple[bool, str]:
+  if not is_hopper():
+    return False, "the Mosaic GPU kernels need a Hopper (sm_90) GPU"
+  from pallas_kernels import mosaic_attention  # pylint: disable=import-outside-toplevel
+  k_side, v_side = _mosaic_specs(cache)
+  block_k = getattr(config, "block_k", 64)
+  return mosaic_attention.supports(
+      k_side, v_side, head_dim=cache.head_dim, q_rows=q.shape[2] // cache.kv_heads * q.shape[1],
+      dtype=cache.dtype, token_group=cache.fmt.token_group, residual=cache.fmt.residual,
+      block_k=block_k)
+
+
+_SUPPORTED = {"triton": _triton_supported, "mosaic": _mosaic_supported}
+
+
+def _best_pallas(q, cache) -> tuple[str | None, str]:
+  """``"mosaic"`` on Hopper when it serves the case, else ``"triton"`` if that does."""
+  reasons = []
+  for impl in ("mosaic", "triton"):
+    ok, why = _SUPPORTED[impl](q, cache)
+    if ok:
+      return impl, ""
+    reasons.append(f"{impl}: {why}")
+  return None, "; ".join(reasons)
+
+
+def resolve_implementation(q, cache, implementation, config=None) -> str:
+  """Which implementation `decode_attention` runs: "reference", "triton" or "mosaic".
+
+  ``None``: on a GPU the best Pallas family that serves the input (Mosaic on
+  Hopper, else Triton), the reference elsewhere. ``"pallas"``: the best
+  Pallas family for the device (Triton in interpret mode off GPU). A
+  sequence is tried in order; a single forced name that cannot serve the
+  input raises `ValueError` saying why.
+  """
   if implementation is None:
-    if jax.default_backend() == "gpu" and _pallas_supported(q, cache)[0]:
-      return "pallas"
-    return "reference"
+    if jax.default_backend() == "gpu":
+      if config is not None:
+        implementation = ("mosaic",) if _is_mosaic_config(config) else ("triton",)
+        implementation += ("reference",)
+      else:
+        impl, _ = _best_pallas(q, cache)
+        return impl or "reference"
+    else:
+      return "reference"
   if isinstance(implementation, str):
     implementation = (implementation,)
+  reasons = []
   for impl in implementation:
     if impl not in IMPLEMENTATIONS:
       raise ValueError(f"implementation={impl!r} must be one of {IMPLEMENTATIONS} or None")
     if impl in ("reference", "xla"):
       return "reference"
-    ok, why = _pallas_supported(q, cache)
-    if ok:
-      return "pallas"
-    if len(implementation) == 1:
-      raise ValueError(f"implementation='pallas' does not support this input: {why}")
-  return "reference"
+    if impl == "pallas":
+      if jax.default_backend() != "gpu":
+        ok, why = _triton_supported(q, cache)
+        best = "triton" if ok else None
+      else:
+        best, why = _best_pallas(q, cache)
+      if best:
+        return best
+    else:
+      ok, why = _SUPPORTED[impl](q, cache, *(() if impl == "triton" else (config,)))
+      if ok:
+        return impl
+    reasons.append(f"{impl}: {why}")
+  raise ValueError(f"implementation={implementation!r} does not support this input: "
+                   + "; ".join(reasons))
+
+
+def _is_mosaic_config(config) -> bool:
+  from pallas_kernels import mosaic_attention  # pylint: disable=import-outside-toplevel
+  return isinstance(config, mosaic_attention.MosaicAttentionConfig)
+
+
+def _mosaic_attention(q, cache, *, scale, config):
+  from pallas_kernels import mosaic_attention  # pylint: disable=import-outside-toplevel
+  k_side, v_side = _mosaic_specs(cache)
+  if config is None:
+    config = mosaic_attention.MosaicAttentionConfig.default(
+        batch=cache.batch, tokens=cache.storage_len, kv_heads=cache.kv_heads,
+        num_sms=getattr(jax.devices()[0], "core_count", 132))
+  sm_scale = float(cache.head_dim ** -0.5 if scale is None else scale)
+  return mosaic_attention.mosaic_decode_attention(
+      q, cache.k.codes, cache.k.scale, cache.k.zero, cache.v.codes, cache.v.scale,
+      cache.v.zero, cache.k_residual, cache.v_residual, cache.lengths,
+      k_side=k_side, v_side=v_side, token_group=cache.fmt.token_group,
+      residual=cache.fmt.residual, sm_scale=sm_scale, config=config)
 
 
 def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None,
@@ -130,19 +209,27 @@ def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None
     q: ``[B, S, Hq, D]``; ``Hq`` a multiple of ``cache.kv_heads``.
     cache: the `KVCache`.
     scale: softmax scale, default ``D ** -0.5``.
-    implementation: ``None`` (best available), ``"reference"``/``"xla"``,
-      ``"pallas"``, or a sequence tried in order.
-    config: kernel config for ``"pallas"`` (see `pallas_kernels`); None =
-      heuristic default.
+    implementation: ``None`` (best available: Mosaic GPU on Hopper, else
+      Triton, on a GPU; the reference elsewhere), ``"reference"``/``"xla"``,
+      ``"triton"``, ``"mosaic"``, ``"pallas"`` (the best Pallas family for
+      the device), or a sequence tried in order.
+    config: a `pallas_kernels.DecodeAttentionConfig` (Triton) or
+      `pallas_kernels.MosaicAttentionConfig` (Mosaic); None = heuristic
+      default.
   Returns:
     ``[B, S, Hq, D]`` in q's dtype: exact attention over ``cache.dequantize()``
     (float32 accumulation), query i of sequence b seeing keys
     ``[0, L_b - S + i]``.
   """
   _check_q_cache(q, cache)
-  impl = resolve_implementation(q, cache, implementation)
-  if impl == "pallas":
-    import pallas_kernels
+  impl = resolve_implementation(q, cache, implementation, config)
+  if impl == "mosaic":
+    return _mosaic_attention(q, cache, scale=scale,
+                             config=config if _is_mosaic_config(config) else None)
+  if impl == "triton":
+    import pallas_kernels  # pylint: disable=import-outside-toplevel
+    if config is not None and _is_mosaic_config(config):
+      config = None
     return pallas_kernels.pallas_decode_attention(
         q, cache, scale=scale, config=config, interpret=jax.default_backend() != "gpu")
   k, v = cache.dequantize()

@@ -1,0 +1,386 @@
+"""Split-K dequant decode attention for Hopper (Pallas Mosaic GPU).
+
+The second kernel family beside the Triton one (`dequant_attention.py`): the
+same cache layout, the same partial results ``(o, l, m)`` per split, but built
+from Hopper's own pieces:
+
+- TMA bulk copies of packed code tiles (and their scale/zero rows) into shared
+  memory, ``max_concurrent_steps`` stages deep (`plgpu.emit_pipeline`);
+- one warpgroup per program dequantizes a ``[block_k, D]`` tile of K and of V
+  into swizzled shared memory (planar layout: plane ``i`` of byte column ``j``
+  is channel ``i * W + j``, so each plane is a contiguous column block);
+- ``wgmma``: ``S = Q @ K^T`` with the query rows of one kv head (Hq/Hkv x S,
+  padded to the warpgroup's M = 64) and ``O += P @ V`` with ``P`` from
+  registers, as JAX's own ``attention_mgpu.py`` does;
+- the residual block is one more program per (batch, kv head): its bf16/f16
+  rows are copied straight into the same shared-memory tiles, no dequant.
+
+Partials of all programs are merged by a log-sum-exp combine (plain jnp here:
+``J + 1`` partials of ``rows x D`` floats per (batch, kv head)).
+
+Scope (``supports``): bf16/f16 caches, head_dim 64 or 128, per-channel K with
+token groups that are multiples of ``block_k``, per-token sides with one
+scale group per head (``Gd = D``), 16-bit sides, (Hq/Hkv) x S <= 64 rows.
+Everything else falls back to the Triton family.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+try:  # Mosaic GPU ships with every jax >= 0.6, but keep the import soft.
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # pragma: no cover
+  plgpu = None
+
+from pallas_kernels.side_spec import SideSpec
+
+_M = 64  # rows of one warpgroup MMA
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicAttentionConfig:
+  """Launch parameters of the Mosaic GPU dequant-attention kernel.
+
+  Attributes:
+    block_k: packed tokens per pipeline step (64 or 128).
+    num_splits: programs per (batch, kv head) over the packed region; one
+      more program per (batch, kv head) attends over the residual block.
+    max_concurrent_steps: TMA pipeline depth (shared-memory stages).
+
+  Search space (`jaxkv.autotune`): block_k in {64, 128}, num_splits around
+  the heuristic (x1/2, x1, x2), max_concurrent_steps in {2, 3, 4}.
+  """
+
+  block_k: int = 64
+  num_splits: int = 8
+  max_concurrent_steps: int = 3
+
+  def __post_init__(self):
+    if self.block_k not in (64, 128):
+      raise ValueError(f"block_k={self.block_k} must be 64 or 128")
+    if self.num_splits < 1:
+      raise ValueError(f"num_splits={self.num_splits} must be >= 1")
+    if not 1 <= self.max_concurrent_steps <= 8:
+      raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} must be in [1, 8]")
+
+  @classmethod
+  def default(cls, *, batch: int, tokens: int, kv_heads: int, num_sms: int = 132,
+              **unused) -> "MosaicAttentionConfig":
+    """Heuristic: about 2 programs per SM, at least 4 blocks per split."""
+    del unused
+    block_k = 64
+    blocks = max(1, tokens // block_k)
+    want = max(1, (2 * num_sms) // max(1, batch * kv_heads))
+    splits = max(1, min(want, blocks // 4, 64))
+    return cls(block_k=block_k, num_splits=splits, max_concurrent_steps=3)
+
+
+def _swizzle(width_bytes: int) -> int:
+  for s in (128, 64, 32):
+    if width_bytes % s == 0:
+      return s
+  return 16
+
+
+def _tiled(width_elems: int, itemsize_bits: int):
+  """Transforms of a ``[rows, width]`` smem tile (tiling + swizzle)."""
+  sw = _swizzle(width_elems * itemsize_bits // 8)
+  return (plgpu.TilingTransform((8, sw * 8 // itemsize_bits)), plgpu.SwizzleTransform(sw))
+
+
+def supports(k_side: SideSpec, v_side: SideSpec, *, head_dim: int, q_rows: int,
+             dtype, token_group: int, residual: int, block_k: int = 64) -> tuple[bool, str]:
+  """Whether the Mosaic kernel serves this case; ``(False, reason)`` if not."""
+  if plgpu is None:
+    return False, "jax.experimental.pallas.mosaic_gpu is not importable"
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return False, f"cache dtype {jnp.dtype(dtype)} (Mosaic kernel: bfloat16/float16 only)"
+  if head_dim not in (64, 128):
+    return False, f"head_dim={head_dim} (Mosaic kernel: 64 or 128)"
+  if q_rows > _M:
+    return False, f"(Hq/Hkv)*S={q_rows} query rows per kv head > {_M}"
+  for name, side in (("K", k_side), ("V", v_side)):
+    if side.bits == 16:
+      continue
+    if side.axis == "token" and side.group != head_dim:
+      return False, (f"{name}: per-token groups of {side.group} channels "
+                     f"(Mosaic kernel: one group per head)")
+    if side.axis == "channel" and side.group % block_k:
+      return False, f"{name}: token_group={side.group} not a multiple of block_k={block_k}"
+    if head_dim * side.bits // 8 < 32:
+      return False, (f"{name}: {side.bits}-bit rows of {head_dim} channels are under 32 bytes "
+                     "(no TMA swizzle for them)")
+  if residual % block_k:
+    return False, f"residual={residual} not a multiple of block_k={block_k}"
+  return True, ""
+
+
+def _dequant_into(codes_smem, scale_smem, zero_smem, dq_smem, side: SideSpec, dtype):
+  """Unpacks one ``[bk, D*bits/8]`` code tile into ``dq_smem [bk, D]`` (``dtype``)."""
+  per_byte = 8 // side.bits
+  width = codes_smem.shape[-1]            # bytes per token row = channels per plane
+  raw = plgpu.load(codes_smem, (), layout=plgpu.Layout.WGMMA)  # [bk, W] uint8
+  raw = raw.astype(jnp.uint32)  # Mosaic does no 8-bit arithmetic but bitwise ops
+  bk = raw.shape[0]
+  if side.axis == "token":  # one (scale, zero) per token: column vectors
+    sc = plgpu.load(scale_smem, (), layout=plgpu.Layout.WGMMA.reduce(1)).astype(jnp.float32)
+    zr = plgpu.load(zero_smem, (), layout=plgpu.Layout.WGMMA.reduce(1)).astype(jnp.float32)
+    sc = lax.broadcast_in_dim(sc, (bk, width), [0])
+    zr = lax.broadcast_in_dim(zr, (bk, width), [0])
+  mask = np.uint32((1 << side.bits) - 1)
+  for plane in range(per_byte):
+    codes = raw
+    if plane:
+      codes = codes >> np.uint32(plane * side.bits)
+    if side.bits < 8:
+      codes = codes & mask
+    x = codes.astype(jnp.float32)
+    cols = pl.ds(plane * width, width)
+    if side.axis == "channel":  # one (scale, zero) per channel of this token group
+      sc_p = plgpu.load(scale_smem.at[0, cols], (), layout=plgpu.Layout.WGMMA.reduce(0))
+      zr_p = plgpu.load(zero_smem.at[0, cols], (), layout=plgpu.Layout.WGMMA.reduce(0))
+      x = (x * lax.broadcast_in_dim(sc_p.astype(jnp.float32), (bk, width), [1])
+           + lax.broadcast_in_dim(zr_p.astype(jnp.float32), (bk, width), [1]))
+    else:
+      x = x * sc + zr
+    dq_smem[:, cols] = x.astype(dtype)
+
+
+def _attend_block(q_smem, kdq_smem, vdq_smem, carry, *, token0, valid_below, row_limit,
+                  dtype):
+  """One online-softmax step over a ``[bk, D]`` K/V tile already in smem."""
+  acc, m_i, l_i = carry
+  bk = kdq_smem.shape[0]
+
+  def scores(acc_ref):
+    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(kdq_smem, (1, 0)))
+    return acc_ref[...]
+
+  s = pl.run_scoped(scores, plgpu.ACC((_M, bk), jnp.float32))  # [M, bk]
+  tok = token0 + plgpu.broadcasted_iota(jnp.int32, (_M, bk), 1, layout=plgpu.Layout.WGMMA)
+  lim = lax.broadcast_in_dim(row_limit, (_M, bk), [0])
+  s = jnp.where((tok < valid_below) & (tok <= lim), s, -jnp.inf)
+  m_new = jnp.maximum(m_i, s.max(axis=1))
+  m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  alpha = jnp.exp(m_i - m_safe)
+  p = jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+  l_i = l_i * alpha + p.sum(axis=1)
+  acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+  def pv(acc_ref):
+    plgpu.wgmma(acc_ref, p.astype(dtype), vdq_smem)
+
+  acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+  return acc, m_new, l_i
+
+
+@functools.partial(
+    jax.jit, static_argnames=("k_side", "v_side", "token_group", "residual", "sm_scale",
+                              "config"))
+def mosaic_decode_attention(
+    q: jax.Array,           # [B, S, Hq, D]
+    k_codes: jax.Array,     # [B, H, C, D*kb/8] uint8 | [B, H, C, D]
+    k_scale: jax.Array | None,  # [B, H, C//G, D] | [B, H, C, 1] | None
+    k_zero: jax.Array | None,
+    v_codes: jax.Array,     # [B, H, C, D*vb/8] uint8 | [B, H, C, D]
+    v_scale: jax.Array | None,  # [B, H, C, 1] | None
+    v_zero: jax.Array | None,
+    k_residual: jax.Array,  # [B, H, R, D]
+    v_residual: jax.Array,  # [B, H, R, D]
+    lengths: jax.Array,     # [B] int32
+    *,
+    k_side: SideSpec,
+    v_side: SideSpec,
+    token_group: int,
+    residual: int,
+    sm_scale: float,
+    config: MosaicAttentionConfig,
+) -> jax.Array:
+  """Decode attention of S new queries over a packed cache (Hopper kernel).
+
+  Same arguments and result as `dequant_attention.dequant_decode_attention`
+  (raw cache arrays); ``k_side``/``v_side`` describe the storage.
+  Returns ``[B, S, Hq, D]`` in q's dtype.
+  """
+  batch, num_queries, q_heads, head_dim = q.shape
+  kv_heads, capacity = k_codes.shape[1], k_codes.shape[2]
+  dtype = k_residual.dtype
+  group_q = q_heads // kv_heads
+  q_rows = group_q * num_queries
+  out_rows = max(8, -(-q_rows // 8) * 8)
+  bk = config.block_k
+  if capacity % bk:
+    raise ValueError(f"cache capacity {capacity} must be a multiple of block_k={bk}")
+  num_splits = config.num_splits
+  grid_j = num_splits + 1  # the last program of each (b, h) takes the residual
+
+  # Query rows r = h * S + s, scaled by the softmax scale, zero-padded to M.
+  qh = q.reshape(batch, num_queries, kv_heads, group_q, head_dim)
+  qh = qh.transpose(0, 2, 3, 1, 4).reshape(batch, kv_heads, q_rows, head_dim)
+  qh = (qh.astype(jnp.float32) * sm_scale).astype(dtype)
+  qh = jnp.pad(qh, ((0, 0), (0, 0), (0, _M - q_rows), (0, 0)))
+  # Per-token scale/zero with one group per head: [B, H, C] so TMA boxes are rows.
+  def squeeze_token(x, side):
+    if x is None or side.axis != "token":
+      return x
+    return x.reshape(x.shape[:3])
+  k_scale, k_zero = squeeze_token(k_scale, k_side), squeeze_token(k_zero, k_side)
+  v_scale, v_zero = squeeze_token(v_scale, v_side), squeeze_token(v_zero, v_side)
+  lengths = lengths.astype(jnp.int32)
+
+  k_w = k_codes.shape[-1]
+  v_w = v_codes.shape[-1]
+  code_bits = lambda side: 16 if side.bits == 16 else 8
+  dq_transforms = _tiled(head_dim if k_side.bits == 16 and v_side.bits == 16 else
+                         min(head_dim, *(head_dim // (8 // s.bits)
+                                         for s in (k_side, v_side) if s.bits < 16)),
+                         16)
+
+  def side_specs(side, width, scale_arr):
+    """(in_specs, gmem-slicer) of one side's code/scale/zero tiles."""
+    if side.bits == 16:
+      return [plgpu.BlockSpec((bk, head_dim), lambda i: (i, 0), transforms=dq_transforms)]
+    specs = [plgpu.BlockSpec((bk, width), lambda i: (i, 0), transforms=_tiled(width, 8))]
+    if side.axis == "token":
+      specs += [plgpu.BlockSpec((bk,), lambda i: (i,))] * 2
+    else:
+      g = side.group // bk
+      specs += [plgpu.BlockSpec((1, head_dim), lambda i, _g=g: (i // _g, 0))] * 2
+    return specs
+
+  k_specs = side_specs(k_side, k_w, k_scale)
+  v_specs = side_specs(v_side, v_w, v_scale)
+  nk, nv = len(k_specs), len(v_specs)
+
+  def kernel(lengths_gmem, q_gmem, *refs):
+    k_refs = refs[:3]
+    v_refs = refs[3:6]
+    kres_gmem, vres_gmem, o_gmem, l_gmem, m_gmem = refs[6:11]
+    q_smem, kdq_smem, vdq_smem, o_smem, lm_smem, barrier = refs[11:]
+    b = lax.axis_index("b")
+    h = lax.axis_index("h")
+    j = lax.axis_index("j")
+    length = lengths_gmem[b]
+    packed = token_group * jnp.maximum(0, (length - residual + token_group) // token_group)
+    row = plgpu.broadcasted_iota(jnp.int32, (_M,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
+    row_limit = length - num_queries + (row % q_rows) % num_queries
+
+    plgpu.copy_gmem_to_smem(q_gmem.at[b, h], q_smem, barrier)
+    plgpu.barrier_wait(barrier)
+
+    acc0 = plgpu.layout_cast(jnp.zeros((_M, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+    m0 = plgpu.layout_cast(jnp.full((_M,), -jnp.inf, jnp.float32),
+                           plgpu.Layout.WGMMA.reduce(1))
+    l0 = plgpu.layout_cast(jnp.zeros((_M,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+
+    def finish(carry):
+      acc, m_i, l_i = carry
+      o_smem[...] = acc
+      lm_smem[0] = l_i
+      lm_smem[1] = m_i
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, out_rows)], o_gmem.at[b, h, j])
+      plgpu.copy_smem_to_gmem(lm_smem.at[0, pl.ds(0, out_rows)], l_gmem.at[b, h, j])
+      plgpu.copy_smem_to_gmem(lm_smem.at[1, pl.ds(0, out_rows)], m_gmem.at[b, h, j])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(j < num_splits)
+    def _packed():
+      per_split = pl.cdiv(pl.cdiv(packed, num_splits), bk) * bk
+      start = j * per_split
+      stop = jnp.minimum(start + per_split, packed)
+      num_blocks = jnp.maximum(0, pl.cdiv(stop - start, bk))
+      first = start // bk
+
+      def body(idx, *tiles_and_carry):
+        *tiles, carry = tiles_and_carry
+        (i,) = idx
+        kt, vt = tiles[:nk], tiles[nk:]
+        if k_side.bits == 16:
+          k_tile = kt[0]
+        else:
+          _dequant_into(kt[0], kt[1], kt[2], kdq_smem, k_side, dtype)
+          k_tile = kdq_smem
+        if v_side.bits == 16:
+          v_tile = vt[0]
+        else:
+          _dequant_into(vt[0], vt[1], vt[2], vdq_smem, v_side, dtype)
+          v_tile = vdq_smem
+        plgpu.commit_smem()
+        return _attend_block(q_smem, k_tile, v_tile, carry, token0=(first + i) * bk,
+                             valid_below=packed, row_limit=row_limit, dtype=dtype)
+
+      def shifted(spec):
+        im = spec.index_map
+        return dataclasses.replace(spec, index_map=lambda i, _im=im: _im(i + first))
+
+      pipeline = plgpu.emit_pipeline(
+          body, grid=(num_blocks,), in_specs=[shifted(s) for s in k_specs + v_specs],
+          max_concurrent_steps=config.max_concurrent_steps, init_carry=(acc0, m0, l0))
+      gm = [r.at[b, h] for r in k_refs[:nk]] + [r.at[b, h] for r in v_refs[:nv]]
+      finish(pipeline(*gm))
+
+    @pl.when(j == num_splits)
+    def _residual():
+      carry = (acc0, m0, l0)
+      num_res = length - packed
+      for r0 in range(0, residual, bk):
+        plgpu.copy_gmem_to_smem(kres_gmem.at[b, h, pl.ds(r0, bk)], kdq_smem, barrier)
+        plgpu.barrier_wait(barrier)
+        plgpu.copy_gmem_to_smem(vres_gmem.at[b, h, pl.ds(r0, bk)], vdq_smem, barrier)
+        plgpu.barrier_wait(barrier)
+        # Residual row r holds token packed + r.
+        carry = _attend_block(q_smem, kdq_smem, vdq_smem, carry, token0=packed + r0,
+                              valid_below=packed + num_res, row_limit=row_limit, dtype=dtype)
+      finish(carry)
+
+  def arrays(codes, scale, zero, side):
+    return [codes] if side.bits == 16 else [codes, scale, zero]
+
+  k_in = arrays(k_codes, k_scale, k_zero, k_side)
+  v_in = arrays(v_codes, v_scale, v_zero, v_side)
+  k_in += [k_in[0]] * (3 - len(k_in))  # unused slots (16-bit sides) repeat the codes
+  v_in += [v_in[0]] * (3 - len(v_in))
+  scratch = [
+      plgpu.SMEM((_M, head_dim), dtype, transforms=dq_transforms),          # q
+      plgpu.SMEM((bk, head_dim), dtype, transforms=dq_transforms),          # K tile
+      plgpu.SMEM((bk, head_dim), dtype, transforms=dq_transforms),          # V tile
+      plgpu.SMEM((_M, head_dim), jnp.float32),                              # o
+      plgpu.SMEM((2, _M), jnp.float32),                                     # l, m
+      plgpu.Barrier(),
+  ]
+  o_part, l_part, m_part = plgpu.kernel(
+      kernel,
+      out_type=[
+          jax.ShapeDtypeStruct((batch, kv_heads, grid_j, out_rows, head_dim), jnp.float32),
+          jax.ShapeDtypeStruct((batch, kv_heads, grid_j, out_rows), jnp.float32),
+          jax.ShapeDtypeStruct((batch, kv_heads, grid_j, out_rows), jnp.float32),
+      ],
+      grid=(batch, kv_heads, grid_j),
+      grid_names=("b", "h", "j"),
+      scratch_types=scratch,
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      kernel_name=f"jaxkv_mosaic_dequant_attention_k{k_side.bits}v{v_side.bits}",
+  )(lengths, qh, *k_in, *v_in, k_residual, v_residual)
+  out = _combine(o_part, l_part, m_part)[:, :, :q_rows]   # [B, H, rows, D]
+  out = out.reshape(batch, kv_heads, group_q, num_queries, head_dim)
+  return out.transpose(0, 3, 1, 2, 4).reshape(batch, num_queries, q_heads, head_dim).astype(
+      q.dtype)
+
+
+def _combine(o, l, m):
+  """Log-sum-exp merge over the split axis: ``o [B,H,J,M,D], l/m [B,H,J,M]``."""
+  m_max = jnp.max(m, axis=2, keepdims=True)
+  m_max = jnp.where(jnp.isfinite(m_max), m_max, 0.0)
+  w = jnp.exp(m - m_max)                                 # [B, H, J, M]
+  num = jnp.sum(w[..., None] * o, axis=2)
+  den = jnp.sum(w * l, axis=2)
+  return jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
