@@ -43,6 +43,10 @@ except ImportError:  # pragma: no cover
 from pallas_kernels.side_spec import SideSpec
 
 _M = 64  # rows of one warpgroup MMA
+# Lane semantics (explicit layouts, as `attention_mgpu.py`): jax 0.11 defaults
+# to Warpgroup semantics, whose layout-inference search did not finish on
+# this kernel within minutes (H100, jax 0.11.2).
+_SEMANTICS = plgpu.LoweringSemantics.Lane if plgpu is not None else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,7 +371,7 @@ def mosaic_decode_attention(
       grid=(batch, kv_heads, grid_j),
       grid_names=("b", "h", "j"),
       scratch_types=scratch,
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=_SEMANTICS),
       kernel_name=f"jaxkv_mosaic_dequant_attention_k{k_side.bits}v{v_side.bits}",
   )(lengths, qh, *k_in, *v_in, k_residual, v_residual)
   out = _combine(o_part, l_part, m_part)[:, :, :q_rows]   # [B, H, rows, D]
