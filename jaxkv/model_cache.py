@@ -224,24 +224,44 @@ class ModelCache:
     Lengths are not advanced (all layers append at the same positions; call
     `commit` once after the last layer).
     """
+    return self.append_layer_with_history(index, k_new, v_new, plan)[0]
+
+  def append_layer_with_history(self, index, k_new: jax.Array, v_new: jax.Array,
+                                plan: AppendPlan) -> tuple["ModelCache", KVCache]:
+    """`append_layer`, also returning the layer's `KVCache` view *before* the append.
+
+    The view is what a prefill chunk attends to. It is read after the write
+    (packed rows ``< old_packed`` are never written by an append) except for
+    the residual block, whose valid rows are taken from the staging
+    temporary (computed before the write). Reading the stacked storage
+    before writing it would make XLA copy the whole stacked array to keep
+    the old version.
+    """
     fmt, g, r = self.fmt, self.fmt.token_group, self.fmt.residual
     t = k_new.shape[1]
     n_groups = flush_groups(fmt, t)
     res_len = plan.old_lengths - plan.old_packed
     keep = plan.new_lengths - plan.old_packed - plan.flush
-    out = {}
+    out, old_res = {}, {}
     for name, side, new in (("k", self.k, k_new), ("v", self.v, v_new)):
       residual = getattr(self, f"{name}_residual")
       layer_res = jax.lax.dynamic_index_in_dim(residual, index, 0, keepdims=False)
       staged = stage_residual(layer_res, new.astype(residual.dtype), res_len, plan.num_new,
                               n_groups * g + r)                     # [B, H, S, D]
+      # The history's residual rows [0, res_len) are the first staged rows: a
+      # temporary computed before the write (rows past res_len are masked).
+      old_res[name] = staged[:, :, :r]
       codes, scale, zero = side.quantize(  # reads only static fields and dtypes
           staged[:, :, : n_groups * g], fmt.scale_dtype, use_kernel=self.use_kernel)
       out[name] = _write_rows(side, index, codes, scale, zero, plan.old_packed, plan.flush)
       new_res = shift_residual(staged, plan.flush, keep, r)         # [B, H, R, D]
       out[f"{name}_residual"] = jax.lax.dynamic_update_index_in_dim(
           residual, new_res.astype(residual.dtype), index, 0)
-    return dataclasses.replace(self, **out)
+    new = dataclasses.replace(self, **out)
+    history = dataclasses.replace(new.layer(index), k_residual=old_res["k"],
+                                  v_residual=old_res["v"], lengths=self.lengths,
+                                  overflow=self.overflow)
+    return new, history
 
   def commit(self, plan: AppendPlan) -> "ModelCache":
     """Advances ``lengths`` and ``overflow`` after every layer's `append_layer`."""

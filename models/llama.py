@@ -633,11 +633,11 @@ class Llama(nnx.Module):
 
         def attend(q, k, v, _):
           k, v = k.astype(cache.dtype), v.astype(cache.dtype)
-          # History: this layer of the carry before its write (lengths are
-          # committed after the last layer), read in place, not from a copy.
-          o = jaxkv.chunk_attention(q, new_cache.layer(index), k, v, n_real,
-                                    implementation=attention_impl)
-          return o, new_cache.append_layer(index, k, v, plan)
+          # Write first, then attend to the layer's history as it was before
+          # the write (see `append_layer_with_history`): nothing is copied.
+          written, history = new_cache.append_layer_with_history(index, k, v, plan)
+          o = jaxkv.chunk_attention(q, history, k, v, n_real, implementation=attention_impl)
+          return o, written
 
         return layer(x, positions, attend)
 
