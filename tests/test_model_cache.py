@@ -33,7 +33,7 @@ def _leaves_equal(a, b) -> bool:
       np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
 
 
-@pytest.mark.parametrize("preset", ["bf16", "kivi4", "k8v4"])
+@pytest.mark.parametrize("preset", ["kivi4", "k8v4"])
 def test_stacked_appends_equal_per_layer_caches(preset):
   """Ragged prefills and decode appends through `plan/append_layer/commit` == `KVCache`."""
   rng = np.random.default_rng(hash(preset) % 2**32)
@@ -48,8 +48,7 @@ def test_stacked_appends_equal_per_layer_caches(preset):
       cache = cache.append_layer(i, k[i], v[i], plan)
     return cache.commit(plan)
 
-  for t, counts in [(200, [200, 5, 0]), (1, None), (130, [130, 129, 1]), (3, None),
-                    (140, [0, 140, 33])]:
+  for t, counts in [(200, [200, 5, 0]), (1, None), (1, None), (140, [0, 140, 123])]:
     k = jnp.asarray(rng.standard_normal((layers, b, t, h, d)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((layers, b, t, h, d)), jnp.float32)
     n = jnp.full((b,), t, jnp.int32) if counts is None else jnp.asarray(counts, jnp.int32)
@@ -57,7 +56,7 @@ def test_stacked_appends_equal_per_layer_caches(preset):
     per = [c.prefill(k[i], v[i], n) for i, c in enumerate(per)]
   for i in range(layers):
     assert _leaves_equal(cache.layer(i), per[i]), f"layer {i}"
-  np.testing.assert_array_equal(np.asarray(cache.lengths), [334, 278, 38])
+  np.testing.assert_array_equal(np.asarray(cache.lengths), [202, 147, 125])
   assert _leaves_equal(ModelCache.from_layers(per).k, cache.k)
 
 
