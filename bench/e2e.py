@@ -1,29 +1,39 @@
-"""End-to-end Llama decode on quantized KV caches (GPU benchmark).
+"""End-to-end Llama decode on quantized KV caches, against its bytes floor.
 
-Llama-3.1-8B shapes with random bf16 weights (`models.llama.random_model`):
+Llama-3.1-8B shapes with random bf16 weights (`models.llama.random_model`),
+the model-level cache `jaxkv.ModelCache`, per format (bf16, int8, k8v4,
+kivi4, kivi2):
 
-1. B=1 per-token decode latency (one `jaxkv.decode_step` of the whole model,
-   jitted, caches donated) at contexts 4K..128K for the bf16 cache and the
-   int8 / kivi4 / kivi2 presets.
-2. At 32K context: the largest batch whose caches fit next to the weights, per
-   format, and the decode tokens/s it reaches.
-3. Prompt prefill time (the model's `prefill`: cuDNN causal attention + cache
-   quantization), separately.
+1. B=1 decode step at contexts 4K..128K, timed two ways: inside one jitted
+   multi-step loop (`jaxkv.decode_steps`, the way `generate` runs: no host
+   dispatch between steps) and per call of one jitted, cache-donating step
+   (adds the host dispatch of every call). Each is printed beside its bytes
+   floor: (weight bytes + cache bytes the step reads) / HBM read bandwidth,
+   the bandwidth measured in the same run by a large bf16 `jnp.sum`.
+2. At 32K context: the largest batch whose cache fits next to the weights,
+   per format, and the decode tokens/s it reaches (loop timing).
+3. Prompt prefill, one shot vs in chunks (``--prefill-chunk``, 4K), 8K..128K.
 
-To keep the run short the caches for (1) and (2) are filled with random
-N(0, 1) K/V written through `KVCache.prefill` in chunks, not by running the
-model over a 128K prompt (recorded in the JSON as ``cache_fill``). Decode
-work does not depend on the values.
+The decode caches are filled with random N(0, 1) K/V written through
+`ModelCache.append_layer` in chunks (recorded as ``cache_fill``), not by
+running the model over a 128K prompt. Compile time is measured apart; step
+times are medians over ``--steps`` (min and max kept in the JSON).
 
-Compile time is measured apart from run time; step times are per call with
-`block_until_ready` (median, min, max over ``--steps`` calls after
-``--warmup``). Results: ``bench/results/e2e-<gpu>-<date>.json`` plus two PNG
-plots; the table is printed last. ``--quick`` runs the contexts and formats
-the issue's targets need. A ``--time-budget`` skips (and records) whatever
-does not fit; the most important cases run first.
+``--profile DIR`` writes a `jax.profiler` trace of a few decode steps per
+format and prints device time per step grouped by kernel family (weight
+GEMV/matmul, attention kernels, cache update/flush/pack, copies, other),
+parsed from the trace (GPU stream events; on CPU the XLA thunk events).
 
-CPU smoke run (tiny model): ``python bench/e2e.py --config tiny --contexts 512,1024
---batch-context 1024 --max-batch 4 --prefill-lens 256``.
+Results: ``bench/results/e2e-<gpu>-<date>.json`` (GPU name and versions
+inside) plus PNG plots; a short table is printed last. ``--quick`` runs the
+cases the issue's targets need. A ``--time-budget`` skips (and records)
+whatever does not fit; the most important cases run first.
+
+CPU smoke run (tiny model, a minute)::
+
+  python bench/e2e.py --config tiny --contexts 512,1024 --batch-context 1024 \
+      --max-batch 4 --prefill-lens 1024 --prefill-chunk 256 --steps 3 \
+      --profile /tmp/e2e-trace
 """
 
 from __future__ import annotations
@@ -33,9 +43,11 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")  # before jax starts
 
 import argparse  # noqa: E402
+import collections  # noqa: E402
 import datetime  # noqa: E402
 import functools  # noqa: E402
 import gc  # noqa: E402
+import glob  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import sys  # noqa: E402
@@ -48,14 +60,16 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+import jaxkv  # noqa: E402
+from jaxkv.decoding import cache_nbytes, decode_step  # noqa: E402
 from jaxkv.formats import KVFormat  # noqa: E402
-from jaxkv.generate import cache_nbytes, decode_step  # noqa: E402
 from models import llama  # noqa: E402
 
 CONTEXTS = (4096, 16384, 32768, 65536, 131072)
-FORMATS = ("bf16", "int8", "kivi4", "kivi2")
+FORMATS = ("bf16", "int8", "k8v4", "kivi4", "kivi2")
 QUICK_CONTEXTS = (32768, 131072)
 QUICK_FORMATS = ("bf16", "kivi4", "kivi2")
+PREFILL_LENS = "8192,32768,131072"
 BATCH_CONTEXT = 32768
 TARGETS = {  # issue 4
     "b1_128k_kivi4_speedup_vs_bf16": 1.45,
@@ -63,6 +77,7 @@ TARGETS = {  # issue 4
     "maxbatch_32k_kivi2_throughput_vs_bf16": 4.2,
 }
 FILL_TOKENS = 1 << 18  # batch * chunk tokens of random K/V generated per fill call
+FAMILIES = ("weights", "attention", "cache_update", "copies", "other")
 
 
 def _jaxlib_version():
@@ -78,46 +93,82 @@ def _is_oom(e: Exception) -> bool:
   return "RESOURCE_EXHAUSTED" in msg or "Out of memory" in msg or "out of memory" in msg
 
 
+# ------------------------------------------------------------- bandwidth
+def measure_read_bandwidth(nbytes: int, reps: int = 5) -> float:
+  """HBM read bandwidth (bytes/s) of a jitted bf16 `jnp.sum` over ``nbytes``."""
+  x = jnp.ones((nbytes // 2 // 4096, 4096), jnp.bfloat16)
+  total = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+  total(x).block_until_ready()
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    total(x).block_until_ready()
+    times.append(time.perf_counter() - t0)
+  del x
+  return x_bytes(nbytes) / float(np.median(times))
+
+
+def x_bytes(nbytes: int) -> int:
+  return (nbytes // 2 // 4096) * 4096 * 2
+
+
+def weight_bytes(model) -> int:
+  return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(nnx.state(model)))
+
+
+def cache_read_bytes(cache: jaxkv.ModelCache, context: int) -> int:
+  """Bytes one decode step reads from the cache: packed tokens plus the residual block."""
+  fmt = cache.fmt
+  dtype_bytes = jnp.dtype(cache.dtype).itemsize
+  packed = fmt.packed_len(context)
+  per_token = fmt.bytes_per_token(cache.kv_heads, cache.head_dim, dtype_bytes)
+  residual = 2 * cache.kv_heads * fmt.residual * cache.head_dim * dtype_bytes
+  return int(cache.num_layers * cache.batch * (per_token * packed + residual))
+
+
 # ------------------------------------------------------------------ jitted
 @functools.partial(jax.jit, donate_argnames="cache", static_argnames="chunk")
 def _fill_chunk(cache, key, *, chunk: int):
-  """Appends ``chunk`` random N(0,1) tokens to every sequence of one layer's cache."""
-  kk, kv = jax.random.split(key)
+  """Appends ``chunk`` random N(0,1) tokens to every sequence of every layer."""
+  plan = cache.plan_append(jnp.full((cache.batch,), chunk, jnp.int32))
   shape = (cache.batch, chunk, cache.kv_heads, cache.head_dim)
-  k = jax.random.normal(kk, shape, jnp.float32).astype(cache.dtype)
-  v = jax.random.normal(kv, shape, jnp.float32).astype(cache.dtype)
-  return cache.prefill(k, v, jnp.full((cache.batch,), chunk, jnp.int32))
+
+  def layer(i, cache):
+    kk, kv = jax.random.split(jax.random.fold_in(key, i))
+    k = jax.random.normal(kk, shape, jnp.float32).astype(cache.dtype)
+    v = jax.random.normal(kv, shape, jnp.float32).astype(cache.dtype)
+    return cache.append_layer(i, k, v, plan)
+
+  return jax.lax.fori_loop(0, cache.num_layers, layer, cache).commit(plan)
 
 
-@functools.partial(jax.jit, donate_argnames="caches", static_argnames="implementation")
-def _decode(graphdef, state, tokens, caches, *, implementation=None):
-  logits, caches = decode_step(nnx.merge(graphdef, state), tokens, caches,
-                               implementation=implementation)
-  return jnp.argmax(logits, axis=-1).astype(jnp.int32), caches
+@functools.partial(jax.jit, donate_argnames="cache", static_argnames="implementation")
+def _decode(graphdef, state, tokens, cache, *, implementation=None):
+  logits, cache = decode_step(nnx.merge(graphdef, state), tokens, cache,
+                              implementation=implementation)
+  return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
 
-@functools.partial(jax.jit, donate_argnames="caches")
-def _prefill(graphdef, state, tokens, lengths, caches):
-  logits, caches = nnx.merge(graphdef, state).prefill(tokens, lengths, caches)
-  return jnp.argmax(logits, axis=-1).astype(jnp.int32), caches
+@functools.partial(jax.jit, donate_argnames="cache", static_argnames="chunk_size")
+def _prefill(graphdef, state, tokens, lengths, cache, *, chunk_size=None):
+  logits, cache = nnx.merge(graphdef, state).prefill(tokens, lengths, cache,
+                                                     chunk_size=chunk_size)
+  return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
 
-def fill_caches(model, fmt, batch: int, context: int, capacity: int, seed: int):
-  """Per-layer caches holding ``context`` random tokens per sequence."""
-  caches = []
+def fill_cache(model, fmt, batch: int, context: int, capacity: int, seed: int):
+  """A `ModelCache` holding ``context`` random tokens per sequence."""
+  cache = model.init_cache(fmt, batch, capacity)
   key = jax.random.key(seed)
   chunk = max(128, min(context, (FILL_TOKENS // batch) // 128 * 128))
-  for layer_cache in model.init_cache(fmt, batch, capacity):
-    done = 0
-    while done < context:
-      n = min(chunk, context - done)
-      key, sub = jax.random.split(key)
-      layer_cache = _fill_chunk(layer_cache, sub, chunk=n)
-      done += n
-    caches.append(layer_cache)
-  caches = tuple(caches)
-  jax.block_until_ready(caches)
-  return caches
+  done = 0
+  while done < context:
+    n = min(chunk, context - done)
+    key, sub = jax.random.split(key)
+    cache = _fill_chunk(cache, sub, chunk=n)
+    done += n
+  jax.block_until_ready(cache)
+  return cache
 
 
 def _stats(times_s) -> dict:
@@ -126,39 +177,120 @@ def _stats(times_s) -> dict:
               steps=len(t))
 
 
-def time_decode(graphdef, state, caches, batch: int, vocab: int, *, steps: int, warmup: int,
-                implementation=None, seed: int = 0) -> tuple[dict, tuple]:
-  """Compiles and times single decode steps; returns (stats, caches)."""
-  tokens = jnp.asarray(np.random.default_rng(seed).integers(0, vocab, (batch,)), jnp.int32)
+def time_decode_calls(graphdef, state, cache, tokens, *, steps: int, warmup: int,
+                      implementation=None):
+  """Per-call time of one jitted, cache-donating decode step (host dispatch included)."""
   t0 = time.perf_counter()
-  tokens, caches = _decode(graphdef, state, tokens, caches, implementation=implementation)
+  tokens, cache = _decode(graphdef, state, tokens, cache, implementation=implementation)
   tokens.block_until_ready()
   compile_s = time.perf_counter() - t0
   for _ in range(warmup):
-    tokens, caches = _decode(graphdef, state, tokens, caches, implementation=implementation)
+    tokens, cache = _decode(graphdef, state, tokens, cache, implementation=implementation)
   tokens.block_until_ready()
   times = []
   for _ in range(steps):
     t0 = time.perf_counter()
-    tokens, caches = _decode(graphdef, state, tokens, caches, implementation=implementation)
+    tokens, cache = _decode(graphdef, state, tokens, cache, implementation=implementation)
     tokens.block_until_ready()
     times.append(time.perf_counter() - t0)
-  if bool(np.any(np.asarray(caches[0].overflow))):
-    raise RuntimeError("cache overflow during timing (capacity too small)")
-  return dict(compile_plus_first_step_s=compile_s, **_stats(times)), caches
+  return dict(compile_plus_first_step_s=compile_s, **_stats(times)), tokens, cache
+
+
+def time_decode_loop(model, cache, tokens, *, loop_steps: int, reps: int, implementation=None):
+  """Per-step time inside one jitted `decode_steps` loop of ``loop_steps`` steps."""
+  t0 = time.perf_counter()
+  out, _, cache = jaxkv.decode_steps(model, tokens, cache, loop_steps,
+                                     implementation=implementation)
+  out.block_until_ready()
+  compile_s = time.perf_counter() - t0
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    out, _, cache = jaxkv.decode_steps(model, out[:, -1], cache, loop_steps,
+                                       implementation=implementation)
+    out.block_until_ready()
+    times.append((time.perf_counter() - t0) / loop_steps)
+  return dict(compile_plus_first_loop_s=compile_s, loop_steps=loop_steps,
+              **_stats(times)), out[:, -1], cache
+
+
+# ----------------------------------------------------------------- profile
+def _classify(name: str) -> str:
+  n = name.lower()
+  if any(k in n for k in ("dequant", "attention", "combine", "flash", "fmha", "cudnn")):
+    return "attention"
+  if any(k in n for k in ("gemv", "gemm", "matmul", "dot", "cublas", "cutlass", "nvjet",
+                          "xmma", "ynn_fusion")):
+    return "weights"
+  if any(k in n for k in ("scatter", "dynamic_update_slice", "dynamic-update-slice",
+                          "quantize", "pack", "flush")):
+    return "cache_update"
+  if "copy" in n or "memcpy" in n or "memset" in n:
+    return "copies"
+  return "other"
+
+
+def _trace_events(trace_dir: str) -> tuple[list[tuple[str, float]], str]:
+  """``[(name, duration_ns)]`` of device kernels (GPU) or XLA thunks (CPU), and the source."""
+  from jax.profiler import ProfileData  # pylint: disable=import-outside-toplevel
+  from jaxkv.autotune import _gpu_kernel_events  # pylint: disable=import-outside-toplevel
+  gpu = _gpu_kernel_events(trace_dir)
+  if gpu:
+    return [(n, d) for n, _, d in gpu], "gpu streams (CUPTI)"
+  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
+  events = []
+  for plane in ProfileData.from_file(paths[-1]).planes if paths else []:
+    if not plane.name.startswith("/host:CPU"):
+      continue
+    for line in plane.lines:
+      if not line.name.startswith("tf_XLA"):
+        continue
+      for ev in line.events:
+        if ev.name.startswith(("ThreadpoolListener", "ThunkExecutor", "end: ")):
+          continue
+        events.append((ev.name, ev.duration_ns))
+  return events, "host XLA thunks (CPU)"
+
+
+def profile_decode(graphdef, state, cache, tokens, trace_dir: str, steps: int,
+                   implementation=None) -> dict:
+  """Traces ``steps`` decode steps (after a warm call); device time per step by family."""
+  tokens, cache = _decode(graphdef, state, tokens, cache, implementation=implementation)
+  tokens.block_until_ready()
+  os.makedirs(trace_dir, exist_ok=True)
+  jax.profiler.start_trace(trace_dir)
+  try:
+    for _ in range(steps):
+      tokens, cache = _decode(graphdef, state, tokens, cache, implementation=implementation)
+    tokens.block_until_ready()
+  finally:
+    jax.profiler.stop_trace()
+  events, source = _trace_events(trace_dir)
+  per_family = collections.defaultdict(float)
+  top = collections.defaultdict(float)
+  for name, dur in events:
+    per_family[_classify(name)] += dur / steps / 1e3  # us per step
+    top[name] += dur / steps / 1e3
+  return dict(source=source, trace_dir=trace_dir, steps=steps,
+              family_us_per_step={f: per_family.get(f, 0.0) for f in FAMILIES},
+              top_kernels_us_per_step=dict(sorted(top.items(), key=lambda kv: -kv[1])[:15]),
+              kernels_per_step=len(events) / steps), cache
 
 
 # ------------------------------------------------------------------- cases
 class Runner:
   """Runs cases in priority order under a time budget; records every outcome."""
 
-  def __init__(self, args, model):
+  def __init__(self, args, model, bandwidth: float):
     self.args = args
     self.model = model
     self.graphdef, self.state = nnx.split(model)
+    self.weight_bytes = weight_bytes(model)
+    self.bandwidth = bandwidth
     self.start = time.perf_counter()
     self.skipped = []
     self.memory_note = {}
+    self.profiles = []
 
   def over_budget(self, what: str) -> bool:
     elapsed = time.perf_counter() - self.start
@@ -168,32 +300,51 @@ class Runner:
       return True
     return False
 
+  def _capacity(self, context: int) -> int:
+    a = self.args
+    return context + (a.reps + 1) * a.loop_steps + a.warmup + a.steps + a.profile_steps + 8
+
   def decode_case(self, fmt_name: str, context: int, batch: int) -> dict:
     a = self.args
     fmt = KVFormat.preset(fmt_name)
-    capacity = context + a.warmup + a.steps + 2
+    capacity = self._capacity(context)
     row = dict(format=fmt_name, context=context, batch=batch, capacity=capacity,
-               cache_bytes=cache_nbytes(self.model, fmt, batch, capacity),
-               bytes_per_token_all_layers=fmt.bytes_per_token(
-                   self.model.config.num_kv_heads, self.model.config.head_dim)
-               * self.model.config.num_layers)
+               cache_bytes=cache_nbytes(self.model, fmt, batch, capacity))
     t0 = time.perf_counter()
-    caches = fill_caches(self.model, fmt, batch, context, capacity, seed=context + batch)
+    cache = fill_cache(self.model, fmt, batch, context, capacity, seed=context + batch)
     row["fill_s"] = time.perf_counter() - t0
-    stats, caches = time_decode(self.graphdef, self.state, caches, batch,
-                                self.model.config.vocab_size, steps=a.steps,
-                                warmup=a.warmup, implementation=a.implementation)
-    del caches
-    row.update(stats)
+    row["cache_read_bytes"] = cache_read_bytes(cache, context)
+    row["weight_bytes"] = self.weight_bytes
+    row["floor_us"] = (self.weight_bytes + row["cache_read_bytes"]) / self.bandwidth * 1e6
+    tokens = jnp.asarray(np.random.default_rng(context).integers(
+        0, self.model.config.vocab_size, (batch,)), jnp.int32)
+    loop, tokens, cache = time_decode_loop(self.model, cache, tokens, loop_steps=a.loop_steps,
+                                           reps=a.reps, implementation=a.implementation)
+    calls, tokens, cache = time_decode_calls(self.graphdef, self.state, cache, tokens,
+                                             steps=a.steps, warmup=a.warmup,
+                                             implementation=a.implementation)
+    if a.profile and batch == 1 and context == max(self.args.context_list):
+      prof, cache = profile_decode(
+          self.graphdef, self.state, cache, tokens,
+          os.path.join(a.profile, f"{fmt_name}-{context}"), a.profile_steps,
+          implementation=a.implementation)
+      prof.update(format=fmt_name, context=context, batch=batch)
+      self.profiles.append(prof)
+    cache.check()
+    del cache
+    row["loop"] = loop
+    row["per_call"] = calls
+    row["median_us"] = loop["median_us"]
+    row["per_call_median_us"] = calls["median_us"]
+    row["x_floor"] = row["median_us"] / row["floor_us"]
     row["tokens_per_s"] = batch / (row["median_us"] * 1e-6)
     return row
 
   def max_batch(self, fmt_name: str, context: int) -> int:
-    """Largest batch whose caches fit in free device memory (estimate)."""
+    """Largest batch whose cache fits in free device memory (estimate)."""
     a = self.args
     fmt = KVFormat.preset(fmt_name)
-    capacity = context + a.warmup + a.steps + 2
-    per_seq = cache_nbytes(self.model, fmt, 1, capacity)
+    per_seq = cache_nbytes(self.model, fmt, 1, self._capacity(context))
     stats = jax.devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
     if not limit:
@@ -225,7 +376,7 @@ class Runner:
         batch = max(1, int(batch * 0.85))
     raise RuntimeError(f"OOM after retries {tries}")
 
-  def prefill_case(self, fmt_name: str, prompt_len: int, repeats: int = 3) -> dict:
+  def prefill_case(self, fmt_name: str, prompt_len: int, chunk_size, repeats: int = 2) -> dict:
     fmt = KVFormat.preset(fmt_name)
     vocab = self.model.config.vocab_size
     tokens = jnp.asarray(np.random.default_rng(prompt_len).integers(0, vocab, (1, prompt_len)),
@@ -233,20 +384,21 @@ class Runner:
     lengths = jnp.full((1,), prompt_len, jnp.int32)
     times, compile_s = [], None
     for i in range(repeats + 1):
-      caches = self.model.init_cache(fmt, 1, prompt_len + 128)
-      jax.block_until_ready(caches)
+      cache = self.model.init_cache(fmt, 1, prompt_len + 128)
+      jax.block_until_ready(cache)
       t0 = time.perf_counter()
-      out, caches = _prefill(self.graphdef, self.state, tokens, lengths, caches)
+      out, cache = _prefill(self.graphdef, self.state, tokens, lengths, cache,
+                            chunk_size=chunk_size)
       out.block_until_ready()
       if i == 0:
         compile_s = time.perf_counter() - t0
       else:
         times.append(time.perf_counter() - t0)
-      del caches
+      del cache
     s = _stats(times)
-    return dict(format=fmt_name, prompt_len=prompt_len, compile_plus_first_s=compile_s,
-                median_ms=s["median_us"] / 1e3, min_ms=s["min_us"] / 1e3,
-                max_ms=s["max_us"] / 1e3,
+    return dict(format=fmt_name, prompt_len=prompt_len, chunk_size=chunk_size,
+                compile_plus_first_s=compile_s, median_ms=s["median_us"] / 1e3,
+                min_ms=s["min_us"] / 1e3, max_ms=s["max_us"] / 1e3,
                 tokens_per_s=prompt_len / (s["median_us"] * 1e-6))
 
 
@@ -262,8 +414,11 @@ def _guard(runner: Runner, what: str, fn, sink: list, errors: list):
     gc.collect()
     return
   sink.append(row)
-  summary = (f"{row['median_us']:.0f} us/step" if "median_us" in row
-             else f"{row['median_ms']:.1f} ms")
+  if "median_us" in row:
+    summary = (f"{row['median_us']:.0f} us/step in loop, {row['per_call_median_us']:.0f} us "
+               f"per call, floor {row['floor_us']:.0f} us ({row['x_floor']:.2f}x)")
+  else:
+    summary = f"{row['median_ms']:.1f} ms"
   print(f"  {what}: {summary} (case {time.perf_counter() - t0:.1f}s)", flush=True)
 
 
@@ -303,26 +458,26 @@ def plot(latency, batch_rows, prefix: str, model_name: str) -> list[str]:
   files = []
   if latency:
     fig, ax = plt.subplots(figsize=(6, 4))
-    for f in FORMATS:
-      pts = sorted((r["context"], r["median_us"]) for r in latency
+    for i, f in enumerate(FORMATS):
+      pts = sorted((r["context"], r["median_us"], r["floor_us"]) for r in latency
                    if r["format"] == f and r["batch"] == 1)
       if pts:
-        ax.plot([p[0] for p in pts], [p[1] / 1e3 for p in pts], marker="o", label=f)
+        line, = ax.plot([p[0] for p in pts], [p[1] / 1e3 for p in pts], marker="o", label=f)
+        ax.plot([p[0] for p in pts], [p[2] / 1e3 for p in pts], ls=":",
+                color=line.get_color(), label=f"{f} floor" if i == 0 else None)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context (tokens)")
-    ax.set_ylabel("decode step, B=1 (ms)")
+    ax.set_ylabel("decode step, B=1 (ms); dotted: bytes floor")
     ax.set_title(f"{model_name} decode latency")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     files.append(prefix + "-latency.png")
     fig.savefig(files[-1], dpi=120)
     plt.close(fig)
   if batch_rows:
     fig, ax = plt.subplots(figsize=(6, 4))
-    names = [r["format"] for r in batch_rows]
-    vals = [r["tokens_per_s"] for r in batch_rows]
-    bars = ax.bar(names, vals)
+    bars = ax.bar([r["format"] for r in batch_rows], [r["tokens_per_s"] for r in batch_rows])
     for bar, r in zip(bars, batch_rows):
       ax.annotate(f"B={r['batch']}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                   ha="center", va="bottom", fontsize=8)
@@ -339,28 +494,39 @@ def _ctx(c: int) -> str:
   return f"{c // 1024}K" if c % 1024 == 0 else str(c)
 
 
-def print_table(latency, batch_rows, prefill_rows, summary, skipped, errors):
-  print("\n== decode step, B=1 (median us; compile excluded) ==")
+def print_table(latency, batch_rows, prefill_rows, profiles, summary, skipped, errors, bw):
+  print(f"\n== decode step, B=1: loop us / per-call us / floor us "
+        f"(HBM read {bw / 1e9:.0f} GB/s) ==")
   contexts = sorted({r["context"] for r in latency})
-  print(f"{'format':<8}" + "".join(f"{_ctx(c):>10}" for c in contexts))
+  print(f"{'format':<8}" + "".join(f"{_ctx(c):>22}" for c in contexts))
   for f in FORMATS:
     cells = []
     for c in contexts:
       r = [x for x in latency if x["format"] == f and x["context"] == c]
-      cells.append(f"{r[0]['median_us']:>10.0f}" if r else f"{'-':>10}")
+      cells.append(f"{r[0]['median_us']:>8.0f}/{r[0]['per_call_median_us']:.0f}/"
+                   f"{r[0]['floor_us']:.0f}".rjust(22) if r else f"{'-':>22}")
     if any(c.strip() != "-" for c in cells):
       print(f"{f:<8}" + "".join(cells))
   if batch_rows:
     print(f"\n== largest batch at {_ctx(batch_rows[0]['context'])} ==")
-    print(f"{'format':<8}{'batch':>7}{'step ms':>10}{'tok/s':>10}{'cache GiB':>11}")
+    print(f"{'format':<8}{'batch':>7}{'step ms':>10}{'floor ms':>10}{'tok/s':>10}"
+          f"{'cache GiB':>11}")
     for r in batch_rows:
       print(f"{r['format']:<8}{r['batch']:>7}{r['median_us'] / 1e3:>10.2f}"
-            f"{r['tokens_per_s']:>10.0f}{r['cache_bytes'] / 2**30:>11.1f}")
+            f"{r['floor_us'] / 1e3:>10.2f}{r['tokens_per_s']:>10.0f}"
+            f"{r['cache_bytes'] / 2**30:>11.1f}")
   if prefill_rows:
     print("\n== prefill (model, B=1) ==")
     for r in prefill_rows:
-      print(f"{r['format']:<8}{r['prompt_len']:>7} tokens {r['median_ms']:>9.1f} ms "
+      how = "one shot" if r["chunk_size"] is None else f"chunks of {r['chunk_size']}"
+      print(f"{r['format']:<8}{r['prompt_len']:>8} tokens {how:<16}{r['median_ms']:>10.1f} ms "
             f"({r['tokens_per_s']:.0f} tok/s)")
+  if profiles:
+    print("\n== device time per decode step by kernel family (us) ==")
+    print(f"{'format':<8}{'context':>8}" + "".join(f"{f:>14}" for f in FAMILIES))
+    for p in profiles:
+      print(f"{p['format']:<8}{_ctx(p['context']):>8}"
+            + "".join(f"{p['family_us_per_step'][f]:>14.0f}" for f in FAMILIES))
   print("\n== targets ==")
   for k, t in summary["targets"].items():
     m = "n/a" if t["measured"] is None else f"{t['measured']:.2f}x"
@@ -377,12 +543,22 @@ def main(argv=None) -> int:
   p.add_argument("--formats", default=None, help="comma-separated presets")
   p.add_argument("--contexts", default=None, help="comma-separated B=1 contexts")
   p.add_argument("--batch-context", type=int, default=BATCH_CONTEXT)
-  p.add_argument("--prefill-lens", default="4096", help="comma-separated; '' = none")
-  p.add_argument("--steps", type=int, default=None, help="timed steps per case")
+  p.add_argument("--prefill-lens", default=None,
+                 help=f"comma-separated prompt lengths (default {PREFILL_LENS}); '' = none")
+  p.add_argument("--prefill-chunk", type=int, default=4096, help="chunk size of chunked prefill")
+  p.add_argument("--steps", type=int, default=None, help="timed per-call steps per case")
+  p.add_argument("--loop-steps", type=int, default=16, help="steps per jitted decode loop")
+  p.add_argument("--reps", type=int, default=3, help="timed decode loops per case")
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--max-batch", type=int, default=512)
   p.add_argument("--headroom-gb", type=float, default=3.0, help="memory kept free at max batch")
   p.add_argument("--implementation", default=None, help="decode_attention implementation")
+  p.add_argument("--bandwidth-gib", type=float, default=None,
+                 help="size of the bandwidth probe (default 4 GiB on GPU, 0.25 on CPU)")
+  p.add_argument("--profile", default=None, metavar="DIR",
+                 help="write a profiler trace of decode steps (B=1, longest context) per "
+                      "format under DIR and print time per kernel family")
+  p.add_argument("--profile-steps", type=int, default=5)
   p.add_argument("--time-budget", type=float, default=380.0,
                  help="seconds after model init; cases starting later are skipped")
   p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
@@ -392,20 +568,29 @@ def main(argv=None) -> int:
              else list(QUICK_FORMATS if args.quick else FORMATS))
   contexts = ([int(c) for c in args.contexts.split(",")] if args.contexts
               else list(QUICK_CONTEXTS if args.quick else CONTEXTS))
-  prefill_lens = [int(x) for x in args.prefill_lens.split(",") if x.strip()]
+  args.context_list = contexts
+  lens = PREFILL_LENS if args.prefill_lens is None else args.prefill_lens
+  prefill_lens = [int(x) for x in lens.split(",") if x.strip()]
+  if args.quick and args.prefill_lens is None:
+    prefill_lens = [32768]
   args.steps = args.steps or (10 if args.quick else 20)
+  if not args.profile:
+    args.profile_steps = 0
 
   dev = jax.devices()[0]
   print(f"e2e: {args.config} random bf16 weights on {dev.device_kind} ({dev.platform}), "
         f"jax {jax.__version__}", flush=True)
+  gib = args.bandwidth_gib or (4.0 if dev.platform == "gpu" else 0.25)
+  bandwidth = measure_read_bandwidth(int(gib * 2**30))
+  print(f"HBM read bandwidth ({gib:g} GiB bf16 sum): {bandwidth / 1e9:.0f} GB/s", flush=True)
   t0 = time.perf_counter()
   model = llama.random_model(args.config, seed=0, dtype=jnp.bfloat16)
   jax.block_until_ready(nnx.state(model))
   init_s = time.perf_counter() - t0
-  runner = Runner(args, model)
+  runner = Runner(args, model, bandwidth)
   latency, batch_rows, prefill_rows, errors = [], [], [], []
 
-  # Priority: the target cases first (128K B=1, max batch at 32K), then the rest.
+  # Priority: the target cases first (longest context B=1, max batch), then the rest.
   top = max(contexts)
   for f in formats:
     _guard(runner, f"decode {f} ctx={top} B=1", lambda f=f: runner.decode_case(f, top, 1),
@@ -418,9 +603,13 @@ def main(argv=None) -> int:
       _guard(runner, f"decode {f} ctx={c} B=1", lambda f=f, c=c: runner.decode_case(f, c, 1),
              latency, errors)
   for n in prefill_lens:
-    for f in (formats if not args.quick else formats[:2]):
-      _guard(runner, f"prefill {f} T={n}", lambda f=f, n=n: runner.prefill_case(f, n),
-             prefill_rows, errors)
+    for f in formats[:2]:
+      for chunk in (None, args.prefill_chunk):
+        if chunk is not None and chunk >= n:
+          continue
+        _guard(runner, f"prefill {f} T={n} chunk={chunk}",
+               lambda f=f, n=n, chunk=chunk: runner.prefill_case(f, n, chunk),
+               prefill_rows, errors)
 
   summary = summarize(latency, batch_rows)
   os.makedirs(args.out, exist_ok=True)
@@ -436,19 +625,26 @@ def main(argv=None) -> int:
           flax_version=flax.__version__, python=platform.python_version(),
           date=datetime.datetime.now().isoformat(timespec="seconds"),
           model=args.config, weights="random bf16 (models.llama.random_model, seed 0)",
-          model_init_s=init_s,
-          cache_fill=("random N(0,1) K/V written with KVCache.prefill in chunks (the model's "
-                      "prefill is not run for the decode cases; see 'prefill' for its time)"),
-          decode_timing=("one jitted decode_step (whole model, caches donated) per call, "
-                         "block_until_ready per step; compile excluded"),
+          model_init_s=init_s, hbm_read_bytes_per_s=bandwidth, bandwidth_probe_gib=gib,
+          weight_bytes=runner.weight_bytes,
+          cache_fill=("random N(0,1) K/V written with ModelCache.append_layer in chunks (the "
+                      "model's prefill is not run for the decode cases; see 'prefill')"),
+          decode_timing=("'loop': per step inside one jitted jaxkv.decode_steps loop of "
+                         "--loop-steps steps (how generate runs); 'per_call': one jitted "
+                         "decode step per call, cache donated, block_until_ready each; "
+                         "compile excluded"),
+          floor=("(weight bytes + cache bytes read: packed tokens at the format's "
+                 "bytes/token + the residual block) / measured HBM read bandwidth"),
           implementation=args.implementation or "default (Pallas on GPU)",
-          args=vars(args), total_s=time.perf_counter() - runner.start),
-      decode_b1=latency, max_batch=batch_rows, prefill=prefill_rows, summary=summary,
-      skipped=runner.skipped, errors=errors, plots=[os.path.basename(f) for f in plots])
+          args={k: v for k, v in vars(args).items()}, total_s=time.perf_counter() - runner.start),
+      decode_b1=latency, max_batch=batch_rows, prefill=prefill_rows, profile=runner.profiles,
+      summary=summary, skipped=runner.skipped, errors=errors,
+      plots=[os.path.basename(f) for f in plots])
   with open(prefix + ".json", "w") as fh:
     json.dump(result, fh, indent=2)
   print(f"\nwrote {prefix}.json" + "".join(f", {os.path.basename(f)}" for f in plots))
-  print_table(latency, batch_rows, prefill_rows, summary, runner.skipped, errors)
+  print_table(latency, batch_rows, prefill_rows, runner.profiles, summary, runner.skipped,
+              errors, bandwidth)
   return 0 if not errors else 1
 
 

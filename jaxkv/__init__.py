@@ -2,10 +2,14 @@
 
 Public API:
   KVFormat, PRESETS         storage formats (`jaxkv.formats`)
-  KVCache                   functional quantized cache (`jaxkv.cache`)
+  KVCache                   functional quantized cache, one layer (`jaxkv.cache`)
+  ModelCache                all layers' caches stacked on a layer axis (`jaxkv.model_cache`)
   decode_attention          attention over a cache, `implementation=` switch
+  chunk_attention           a prefill chunk over a cached history plus itself
+                            (`jaxkv.chunked_attention`)
   reference_attention       exact attention on plain K/V
-  generate, decode_step     jitted decoding with a model (`jaxkv.generate`)
+  generate, decode_steps,   jitted decoding with a model (`jaxkv.decoding`)
+  decode_step
   autotune                  kernel config search on the current GPU
   quant                     reference quantize/dequantize/pack/unpack
 """
@@ -14,19 +18,24 @@ from jaxkv import quant
 from jaxkv.attention import decode_attention, reference_attention
 from jaxkv.autotune import autotune
 from jaxkv.cache import KVCache, QuantizedKV
+from jaxkv.chunked_attention import chunk_attention
+from jaxkv.decoding import decode_step, decode_steps, generate
 from jaxkv.formats import PRESETS, KVFormat
-from jaxkv.generate import decode_step, generate
+from jaxkv.model_cache import ModelCache
 
 __version__ = "0.1.0"
 
 __all__ = [
     "KVCache",
     "KVFormat",
+    "ModelCache",
     "PRESETS",
     "QuantizedKV",
     "autotune",
+    "chunk_attention",
     "decode_attention",
     "decode_step",
+    "decode_steps",
     "generate",
     "quant",
     "reference_attention",

@@ -319,22 +319,9 @@ class KVCache:
     new_packed = fmt.packed_len(new_len)
     res_len = old_len - old_packed
     flush = new_packed - old_packed           # [B], multiple of G
-    n_groups = (r + t - 1) // g               # static bound on flushed groups
-    stage_len = max(n_groups * g + r, r + t)  # residual slice never clamps
-
-    def stage(residual, new, rlen, n):
-      # residual [H, R, D], new [T, H, D] -> [H, stage_len, D] with the valid
-      # residual rows followed directly by the n new tokens.
-      new = jnp.swapaxes(new, 0, 1)
-      h, _, d = residual.shape
-      pad = jnp.zeros((h, stage_len, d), residual.dtype)
-      old = pad.at[:, :r].set(residual)
-      shifted = jax.lax.dynamic_update_slice(pad, new, (0, rlen, 0))
-      pos = jnp.arange(stage_len)[None, :, None]
-      return jnp.where(pos < rlen, old, jnp.where(pos < rlen + n, shifted, 0))
-
-    k_stage = jax.vmap(stage)(self.k_residual, k_new, res_len, num_new)
-    v_stage = jax.vmap(stage)(self.v_residual, v_new, res_len, num_new)
+    n_groups = flush_groups(fmt, t)
+    k_stage = stage_residual(self.k_residual, k_new, res_len, num_new, n_groups * g + r)
+    v_stage = stage_residual(self.v_residual, v_new, res_len, num_new, n_groups * g + r)
 
     def do_flush(sides):
       k_side, v_side = sides
@@ -348,15 +335,10 @@ class KVCache:
     k_side, v_side = jax.lax.cond(jnp.any(flush > 0), do_flush, lambda s: s, (self.k, self.v))
 
     new_res_len = new_len - new_packed
-
-    def shift(staged, sh, keep):  # [H, stage_len, D] -> [H, R, D]
-      out = jax.lax.dynamic_slice_in_dim(staged, sh, r, axis=1)
-      return jnp.where(jnp.arange(r)[None, :, None] < keep, out, 0)
-
     return dataclasses.replace(
         self, k=k_side, v=v_side,
-        k_residual=jax.vmap(shift)(k_stage, flush, new_res_len),
-        v_residual=jax.vmap(shift)(v_stage, flush, new_res_len),
+        k_residual=shift_residual(k_stage, flush, new_res_len, r),
+        v_residual=shift_residual(v_stage, flush, new_res_len, r),
         lengths=new_len, overflow=self.overflow | ~fits)
 
   # ---------------------------------------------------------------- readback
@@ -380,6 +362,53 @@ class KVCache:
       return jnp.swapaxes(out, 1, 2)                     # [B, C, H, D]
 
     return assemble(self.k, self.k_residual), assemble(self.v, self.v_residual)
+
+
+# ------------------------------------------------- staging (shared helpers)
+# `KVCache` and the model-level `jaxkv.model_cache.ModelCache` append through
+# the same three steps, so both reach bitwise the same storage: stage the valid
+# residual rows followed by the new tokens, quantize the first
+# ``flush_groups * G`` staged rows (only ``flush_b`` of them are written), and
+# keep the rows after the flushed ones as the new residual.
+def flush_groups(fmt: KVFormat, num_new: int) -> int:
+  """Static bound on the token groups one append of ``num_new`` tokens can flush."""
+  return (fmt.residual + num_new - 1) // fmt.token_group
+
+
+def stage_residual(residual, new, res_len, num_new, min_len: int) -> jax.Array:
+  """Valid residual rows followed directly by the new tokens.
+
+  Args:
+    residual: ``[B, H, R, D]``.
+    new: ``[B, T, H, D]`` new tokens; only the first ``num_new[b]`` are used.
+    res_len: ``[B]`` valid residual rows.
+    num_new: ``[B]`` new tokens per sequence.
+    min_len: staged rows wanted (the result has ``max(min_len, R + T)``).
+  Returns:
+    ``[B, H, S, D]``; rows past ``res_len + num_new`` are zero.
+  """
+  r, t = residual.shape[2], new.shape[1]
+  stage_len = max(min_len, r + t)  # the residual slice never clamps
+
+  def one(residual, new, rlen, n):  # [H, R, D], [T, H, D] -> [H, S, D]
+    new = jnp.swapaxes(new, 0, 1)
+    h, _, d = residual.shape
+    pad = jnp.zeros((h, stage_len, d), residual.dtype)
+    old = pad.at[:, :r].set(residual)
+    shifted = jax.lax.dynamic_update_slice(pad, new, (0, rlen, 0))
+    pos = jnp.arange(stage_len)[None, :, None]
+    return jnp.where(pos < rlen, old, jnp.where(pos < rlen + n, shifted, 0))
+
+  return jax.vmap(one)(residual, new, res_len, num_new)
+
+
+def shift_residual(staged, flushed, keep, r: int) -> jax.Array:
+  """``staged [B, H, S, D]`` -> new residual ``[B, H, R, D]``: rows ``[flushed, flushed + keep)``."""
+  def one(staged, sh, keep):
+    out = jax.lax.dynamic_slice_in_dim(staged, sh, r, axis=1)
+    return jnp.where(jnp.arange(r)[None, :, None] < keep, out, 0)
+
+  return jax.vmap(one)(staged, flushed, keep)
 
 
 # Jitted once per (format, shapes): eager calls do not dispatch op by op, and

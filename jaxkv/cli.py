@@ -91,7 +91,7 @@ def _demo(args) -> int:
   import numpy as np
 
   from jaxkv.formats import PRESETS, KVFormat
-  from jaxkv.generate import cache_nbytes, generate
+  from jaxkv.decoding import cache_nbytes, generate
   from models import llama
 
   config = llama.LlamaConfig.named(args.config)
@@ -188,7 +188,7 @@ def _generate(args) -> int:
   import numpy as np
 
   from jaxkv.formats import KVFormat
-  from jaxkv.generate import cache_nbytes, generate
+  from jaxkv.decoding import cache_nbytes, generate
   from models import llama
 
   fmt = KVFormat.preset(args.kv)

@@ -17,6 +17,7 @@ from typing import Any, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from models.llama import Llama, LlamaConfig
@@ -105,12 +106,15 @@ def load_llama(path, dtype=None) -> Llama:
 
   Args:
     path: directory with ``config.json`` and safetensors weights.
-    dtype: parameter dtype; None keeps the checkpoint's (config ``dtype`` /
-      ``torch_dtype``, else the embedding's stored dtype).
+    dtype: parameter dtype (floating); None keeps the checkpoint's (config
+      ``dtype`` / ``torch_dtype``, else the embedding's stored dtype).
   Raises:
+    TypeError: ``dtype`` is not a floating dtype (checked before any file is read).
     ValueError: unsupported config, missing files, or missing / unexpected /
       mis-shaped tensors (all named).
   """
+  if dtype is not None:
+    _check_float_dtype(dtype, "dtype")
   path = os.fspath(path)
   config = read_config(path)
   files = weight_files(path)
@@ -142,18 +146,26 @@ def build_llama(config: LlamaConfig, tensors: Iterable[tuple[str, Any]], *, dtyp
 
   The one place every loader (HF safetensors, GGUF) fills a model: names and
   shapes are those of `expected_tensors` (projection weights ``[out, in]``).
+  Per-layer tensors (``model.layers.{i}.*``) are written into slice ``i`` of
+  the model's stacked layer parameters (host buffers, moved to the device
+  once at the end).
 
   Args:
     config: the model config.
-    tensors: every tensor of `expected_tensors(config)` exactly once.
-    dtype: parameter dtype; None = the first tensor's dtype.
+    tensors: every tensor of `expected_tensors(config)` exactly once (jax or
+      numpy arrays).
+    dtype: parameter dtype (floating); None = the first tensor's dtype.
     source: named in error messages.
   Raises:
-    ValueError: missing or mis-shaped tensors (all named).
+    TypeError: ``dtype`` (given or taken from the first tensor) is not floating.
+    ValueError: missing, unexpected or mis-shaped tensors (all named).
   """
+  if dtype is not None:
+    _check_float_dtype(dtype, "dtype")
   expected = expected_tensors(config)
   model = nnx.eval_shape(lambda: Llama(config, dtype=dtype or jnp.float32, rngs=nnx.Rngs(0)))
   targets = _param_targets(model)
+  buffers: dict[int, np.ndarray] = {}  # id(param) -> host buffer in the final dtype
   bad_shapes, seen = [], set()
   for name, tensor in tensors:
     if name not in expected:
@@ -162,19 +174,39 @@ def build_llama(config: LlamaConfig, tensors: Iterable[tuple[str, Any]], *, dtyp
       bad_shapes.append(f"{name}: stored {tuple(tensor.shape)}, expected {expected[name]}")
       continue
     if dtype is None:  # first tensor decides
-      dtype = tensor.dtype
+      dtype = _check_float_dtype(tensor.dtype, f"dtype of tensor {name!r}")
       model = nnx.eval_shape(lambda: Llama(config, dtype=dtype, rngs=nnx.Rngs(0)))
       targets = _param_targets(model)
-    param, transpose = targets[name]
+    param, layer, transpose = targets[name]
     value = tensor.T if transpose else tensor
-    _set(param, jnp.asarray(value, dtype))
+    value = np.asarray(jnp.asarray(value, dtype))  # round as jnp does, then host
+    if layer is None:
+      buffers[id(param)] = value
+    else:
+      if id(param) not in buffers:
+        buffers[id(param)] = np.zeros(param.shape, value.dtype)
+      buffers[id(param)][layer] = value
     seen.add(name)
   if bad_shapes:
     raise ValueError(f"checkpoint {source!r} has mis-shaped tensors: " + "; ".join(bad_shapes))
   missing = set(expected) - seen
   if missing:
     raise ValueError(f"checkpoint {source!r} lacks tensors: {_fmt_list(missing)}")
+  for param, _, _ in targets.values():
+    if id(param) in buffers:
+      _set(param, jnp.asarray(buffers.pop(id(param))))
   return model
+
+
+def _check_float_dtype(dtype, what: str):
+  """``jnp.dtype(dtype)``; TypeError naming ``what`` unless it is a floating dtype."""
+  try:
+    dt = jnp.dtype(dtype)
+  except TypeError:
+    raise TypeError(f"{what}={dtype!r} is not a dtype") from None
+  if not jnp.issubdtype(dt, jnp.floating):
+    raise TypeError(f"{what}={dt} must be a floating dtype (float32, bfloat16, float16)")
+  return dt
 
 
 def _set(param: nnx.Variable, value: jax.Array) -> None:
@@ -184,20 +216,22 @@ def _set(param: nnx.Variable, value: jax.Array) -> None:
     param.value = value
 
 
-def _param_targets(model: Llama) -> dict[str, tuple[nnx.Param, bool]]:
-  """HF tensor name -> (model Param, whether to transpose)."""
-  t = {"model.embed_tokens.weight": (model.embed_tokens, False),
-       "model.norm.weight": (model.norm.weight, False)}
+def _param_targets(model: Llama) -> dict[str, tuple[nnx.Param, int | None, bool]]:
+  """HF tensor name -> (model Param, layer slice or None, whether to transpose)."""
+  t = {"model.embed_tokens.weight": (model.embed_tokens, None, False),
+       "model.norm.weight": (model.norm.weight, None, False)}
   if model.lm_head is not None:
-    t["lm_head.weight"] = (model.lm_head.kernel, True)
-  for i, layer in enumerate(model.layers):
+    t["lm_head.weight"] = (model.lm_head.kernel, None, True)
+  layers = model.layers  # one DecoderLayer, parameters stacked on axis 0
+  for i in range(model.config.num_layers):
     p = f"model.layers.{i}."
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-      t[p + f"self_attn.{proj}.weight"] = (getattr(layer.self_attn, proj).kernel, True)
+      t[p + f"self_attn.{proj}.weight"] = (getattr(layers.self_attn, proj).kernel, i, True)
     for proj in ("gate_proj", "up_proj", "down_proj"):
-      t[p + f"mlp.{proj}.weight"] = (getattr(layer.mlp, proj).kernel, True)
-    t[p + "input_layernorm.weight"] = (layer.input_layernorm.weight, False)
-    t[p + "post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, False)
+      t[p + f"mlp.{proj}.weight"] = (getattr(layers.mlp, proj).kernel, i, True)
+    t[p + "input_layernorm.weight"] = (layers.input_layernorm.weight, i, False)
+    t[p + "post_attention_layernorm.weight"] = (layers.post_attention_layernorm.weight, i,
+                                                False)
   return t
 
 
@@ -230,7 +264,7 @@ def save_llama(model: Llama, path) -> None:
   with open(os.path.join(path, "config.json"), "w") as f:
     json.dump(cfg, f, indent=2)
   tensors = {}
-  for name, (param, transpose) in _param_targets(model).items():
-    arr = param[...]
+  for name, (param, layer, transpose) in _param_targets(model).items():
+    arr = param[...] if layer is None else param[...][layer]  # one layer's slice
     tensors[name] = jnp.asarray(arr.T if transpose else arr)
   save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})

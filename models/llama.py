@@ -43,8 +43,6 @@ from flax import nnx
 import jaxkv
 from jaxkv.formats import KVFormat
 
-Caches = tuple  # tuple[jaxkv.KVCache, ...], one per layer
-
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -331,10 +329,6 @@ def _cudnn_compiles(dtype: str, q_heads: int, kv_heads: int, head_dim: int) -> b
 
 
 # ------------------------------------------------------------------ modules
-# flax >= 0.12 wants `nnx.List` for lists of modules; older NNX takes plain lists.
-_ModuleList = getattr(nnx, "List", list)
-
-
 def _normal(rngs: nnx.Rngs, shape, std: float, dtype) -> jax.Array:
   return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
@@ -420,6 +414,35 @@ class DecoderLayer(nnx.Module):
     return x, cache
 
 
+def _check_int_array(name: str, value, shape, low: int, high: int) -> None:
+  """ValueError naming ``name`` if a concrete integer array leaves ``[low, high]``.
+
+  Traced values are not checked here (callers flag them in the cache instead).
+  """
+  if isinstance(value, jax.core.Tracer):
+    return
+  arr = np.asarray(value)
+  if shape is not None and arr.shape != tuple(shape):
+    raise ValueError(f"{name}.shape={arr.shape} must be {tuple(shape)}")
+  if arr.size and not np.issubdtype(arr.dtype, np.integer):
+    raise ValueError(f"{name}.dtype={arr.dtype} must be an integer dtype")
+  if arr.size and (arr.min() < low or arr.max() > high):
+    bad = arr[(arr < low) | (arr > high)]
+    raise ValueError(f"{name} must lie in [{low}, {high}]; got out-of-range values "
+                     f"{bad.ravel()[:8].tolist()}")
+
+
+def check_token_ids(name: str, tokens, vocab_size: int) -> jax.Array:
+  """``tokens`` as int32; ValueError naming ``name`` when concrete ids leave ``[0, vocab)``."""
+  if isinstance(tokens, (list, tuple)):
+    tokens = np.asarray(tokens)
+  if not isinstance(tokens, jax.core.Tracer):
+    if getattr(tokens, "ndim", None) != 2:
+      raise ValueError(f"{name}.shape={getattr(tokens, 'shape', None)} must be [B, T]")
+    _check_int_array(name, tokens, None, 0, vocab_size - 1)
+  return jnp.asarray(tokens, jnp.int32)
+
+
 class Llama(nnx.Module):
   """Llama causal LM (HF ``LlamaForCausalLM`` semantics).
 
@@ -427,7 +450,11 @@ class Llama(nnx.Module):
     config: the `LlamaConfig` (static).
     dtype: parameter and activation dtype.
     embed_tokens: ``[vocab, hidden]`` embedding.
-    layers: `DecoderLayer` list.
+    layers: one `DecoderLayer` whose parameters are stacked on a leading
+      ``[num_layers]`` axis (made with ``nnx.vmap``, applied with
+      `jax.lax.scan`), e.g. ``layers.self_attn.q_proj.kernel[...]`` is
+      ``[num_layers, hidden, Hq * D]`` and ``[...][i]`` is layer ``i``'s
+      kernel. `layer_params(i)` returns layer ``i`` as a plain `DecoderLayer`.
     norm: final RMSNorm.
     lm_head: `Linear` ``[hidden, vocab]``, or None when embeddings are tied.
   """
@@ -437,30 +464,74 @@ class Llama(nnx.Module):
     self.config = c
     self.dtype = jnp.dtype(dtype)
     self.embed_tokens = nnx.Param(_normal(rngs, (c.vocab_size, c.hidden_size), 1.0, dtype))
-    self.layers = _ModuleList(
-        [DecoderLayer(c, dtype=dtype, rngs=rngs) for _ in range(c.num_layers)])
+
+    @nnx.split_rngs(splits=c.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make_layers(rngs: nnx.Rngs) -> DecoderLayer:
+      return DecoderLayer(c, dtype=dtype, rngs=rngs)
+
+    self.layers = make_layers(rngs)
     self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=dtype)
     self.lm_head = (None if c.tie_word_embeddings
                     else Linear(c.hidden_size, c.vocab_size, dtype=dtype, rngs=rngs))
 
   # --------------------------------------------------------------- helpers
+  def layer_params(self, index: int) -> DecoderLayer:
+    """Layer ``index`` as a `DecoderLayer` holding its slice of the stacked parameters.
+
+    A read-only copy: to change layer ``i``'s weights write the slice of the
+    stacked parameter, e.g. ``p = model.layers.mlp.up_proj.kernel;
+    p[...] = p[...].at[i].set(w)``.
+    """
+    if not 0 <= index < self.config.num_layers:
+      raise ValueError(f"index={index} must be in [0, {self.config.num_layers})")
+    graphdef, state = nnx.split(self.layers)
+    return nnx.merge(graphdef, jax.tree_util.tree_map(lambda x: x[index], state))
+
+  def _scan_layers(self, body: Callable, carry):
+    """``carry = body(layer, index, carry)`` for every layer, as one `jax.lax.scan`."""
+    graphdef, params = nnx.split(self.layers)
+
+    def step(carry, xs):
+      layer_state, index = xs
+      return body(nnx.merge(graphdef, layer_state), index, carry), None
+
+    carry, _ = jax.lax.scan(step, carry, (params, jnp.arange(self.config.num_layers)))
+    return carry
+
   def _embed(self, tokens: jax.Array) -> jax.Array:  # [B, T] -> [B, T, hidden]
-    return jnp.take(self.embed_tokens[...], tokens, axis=0)
+    ids = jnp.clip(tokens, 0, self.config.vocab_size - 1)  # invalid ids are flagged, not read OOB
+    return jnp.take(self.embed_tokens[...], ids, axis=0)
 
   def _logits(self, h: jax.Array) -> jax.Array:  # [..., hidden] -> float32 [..., vocab]
     h = self.norm(h)
-    w = self.embed_tokens[...].T if self.lm_head is None else self.lm_head.kernel[...]
-    return jnp.dot(h, w, preferred_element_type=jnp.float32)
+    if self.lm_head is None:  # tied: contract with the [vocab, hidden] embedding directly
+      return jnp.einsum("...h,vh->...v", h, self.embed_tokens[...],
+                        preferred_element_type=jnp.float32)
+    return jnp.dot(h, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
 
-  def _check_caches(self, caches) -> None:
-    if not isinstance(caches, tuple) or len(caches) != self.config.num_layers:
-      raise ValueError(f"caches must be a tuple of {self.config.num_layers} KVCache "
-                       f"(one per layer), got {type(caches).__name__} of "
-                       f"length {len(caches) if hasattr(caches, '__len__') else '?'}")
+  def _check_cache(self, cache) -> None:
+    c = self.config
+    if not isinstance(cache, jaxkv.ModelCache):
+      raise TypeError(f"cache must be a jaxkv.ModelCache from init_cache, got "
+                      f"{type(cache).__name__}")
+    if (cache.num_layers, cache.kv_heads, cache.head_dim) != (
+        c.num_layers, c.num_kv_heads, c.head_dim):
+      raise ValueError(
+          f"cache (num_layers={cache.num_layers}, kv_heads={cache.kv_heads}, "
+          f"head_dim={cache.head_dim}) does not fit the model (num_layers={c.num_layers}, "
+          f"kv_heads={c.num_kv_heads}, head_dim={c.head_dim})")
+
+  def _invalid_ids(self, tokens, real=None) -> jax.Array:
+    """``[B]`` bool: a (real) token id outside ``[0, vocab)``."""
+    bad = (tokens < 0) | (tokens >= self.config.vocab_size)
+    if real is not None:
+      bad = bad & real
+    return jnp.any(bad, axis=1)
 
   def init_cache(self, kv_format: KVFormat | str, batch: int, capacity: int, dtype=None,
-                 **kwargs) -> Caches:
-    """Empty caches, one `jaxkv.KVCache` per layer.
+                 **kwargs) -> "jaxkv.ModelCache":
+    """An empty `jaxkv.ModelCache` for every layer of this model.
 
     Args:
       kv_format: a `jaxkv.KVFormat` or preset name.
@@ -468,12 +539,12 @@ class Llama(nnx.Module):
       capacity: tokens per sequence (prompt + generated).
       dtype: full-precision K/V dtype (residual block, 16-bit sides);
         default: the model dtype.
-      **kwargs: forwarded to `KVCache.init` (e.g. ``use_kernel``).
+      **kwargs: forwarded to `jaxkv.ModelCache.init` (e.g. ``use_kernel``).
     """
     c = self.config
     dtype = self.dtype if dtype is None else dtype
-    return tuple(jaxkv.KVCache.init(kv_format, batch, c.num_kv_heads, c.head_dim, capacity,
-                                    dtype, **kwargs) for _ in range(c.num_layers))
+    return jaxkv.ModelCache.init(kv_format, c.num_layers, batch, c.num_kv_heads, c.head_dim,
+                                 capacity, dtype, **kwargs)
 
   # --------------------------------------------------------------- forward
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, *,
@@ -481,12 +552,13 @@ class Llama(nnx.Module):
     """Full causal forward without a cache.
 
     Args:
-      tokens: ``[B, T]`` int32.
+      tokens: ``[B, T]`` int32 in ``[0, vocab)``.
       positions: ``[B, T]`` positions; default ``arange(T)``.
       attention_impl: see `causal_attention`.
     Returns:
       float32 logits ``[B, T, vocab]``.
     """
+    tokens = check_token_ids("tokens", tokens, self.config.vocab_size)
     b, t = tokens.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -494,69 +566,129 @@ class Llama(nnx.Module):
     def attend(q, k, v, cache):
       return causal_attention(q, k, v, implementation=attention_impl), cache
 
-    x = self._embed(tokens)
-    for layer in self.layers:
-      x, _ = layer(x, positions, attend)
-    return self._logits(x)
+    def body(layer, index, x):
+      return layer(x, positions, attend)[0]
 
-  def prefill(self, tokens: jax.Array, prompt_lengths: jax.Array, caches: Caches, *,
-              attention_impl: str | None = None) -> tuple[jax.Array, Caches]:
-    """Runs right-padded prompts and stores their K/V in empty caches.
+    return self._logits(self._scan_layers(body, self._embed(tokens)))
+
+  def prefill(self, tokens: jax.Array, prompt_lengths: jax.Array, cache: "jaxkv.ModelCache",
+              chunk_size: int | None = None, *, attention_impl: str | None = None
+              ) -> tuple[jax.Array, "jaxkv.ModelCache"]:
+    """Appends right-padded prompts to a cache (empty or holding earlier turns).
+
+    Row ``b`` continues sequence ``b`` at position ``cache.lengths[b]``; its
+    ``prompt_lengths[b]`` real tokens attend to everything the cache holds
+    (exactly as stored: `jaxkv.KVCache.dequantize` semantics) and causally to
+    each other in full precision (`jaxkv.chunk_attention`), then their K/V
+    are appended. Long prompts run in chunks of ``chunk_size`` tokens (one
+    `jax.lax.scan` over chunks, so compile time does not grow with T); the
+    result is the same as one chunk, up to float rounding, and the cache
+    bitwise the same.
 
     Args:
       tokens: ``[B, T]`` int32, row ``b`` = ``prompt_lengths[b]`` real tokens
-        then padding (any ids).
-      prompt_lengths: ``[B]`` int32 in ``[1, T]``.
-      caches: empty caches from `init_cache`, capacity >= T.
-      attention_impl: see `causal_attention`.
+        in ``[0, vocab)`` then padding (any ids).
+      prompt_lengths: ``[B]`` ints in ``[0, T]`` (0 leaves a sequence as is).
+      cache: a `jaxkv.ModelCache` from `init_cache` (with room for the tokens).
+      chunk_size: tokens per chunk; None = all T at once.
+      attention_impl: `jaxkv.chunk_attention` implementation.
     Returns:
-      ``(logits [B, vocab] float32 at each prompt's last real token, caches)``.
+      ``(logits [B, vocab] float32 at each prompt's last real token (zeros for
+      an empty prompt), cache)``. Under `jit`, out-of-range ids or lengths set
+      ``cache.invalid`` for their sequences (lengths are clipped to [0, T]).
     """
-    self._check_caches(caches)
+    self._check_cache(cache)
+    tokens = check_token_ids("tokens", tokens, self.config.vocab_size)
     b, t = tokens.shape
-    prompt_lengths = jnp.asarray(prompt_lengths, jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    if isinstance(prompt_lengths, (list, tuple)):
+      prompt_lengths = np.asarray(prompt_lengths)
+    _check_int_array("prompt_lengths", prompt_lengths, (b,), 0, t)
+    lengths = jnp.asarray(prompt_lengths, jnp.int32)
+    if lengths.shape != (b,):
+      raise ValueError(f"prompt_lengths.shape={lengths.shape} must be ({b},)")
+    if chunk_size is None:
+      chunk_size = t
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) \
+        or chunk_size < 1:
+      raise ValueError(f"chunk_size={chunk_size!r} must be an int >= 1 or None")
+    c = int(min(chunk_size, t))
+    bad = (lengths < 0) | (lengths > t)
+    lengths = jnp.clip(lengths, 0, t)
+    real = jnp.arange(t)[None, :] < lengths[:, None]
+    cache = cache.flag_invalid(bad | self._invalid_ids(tokens, real))
 
-    def attend(q, k, v, cache):
-      o = causal_attention(q, k, v, implementation=attention_impl)
-      cache = cache.prefill(k.astype(cache.dtype), v.astype(cache.dtype), prompt_lengths)
-      return o, cache
+    n = -(-t // c)
+    chunks = jnp.pad(tokens, ((0, 0), (0, n * c - t))).reshape(b, n, c).swapaxes(0, 1)
+    x_last = jnp.zeros((b, self.config.hidden_size), self.dtype)
 
-    x = self._embed(tokens)
-    new_caches = []
-    for layer, cache in zip(self.layers, caches):
-      x, cache = layer(x, positions, attend, cache)
-      new_caches.append(cache)
-    last = jnp.clip(prompt_lengths - 1, 0, t - 1)
-    x_last = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [B, hidden]
-    return self._logits(x_last), tuple(new_caches)
+    def chunk_step(carry, xs):
+      cache, x_last = carry
+      chunk_tokens, j = xs                                         # [B, c], scalar
+      n_real = jnp.clip(lengths - j * c, 0, c)                     # [B]
+      positions = cache.lengths[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
+      plan = cache.plan_append(n_real)
 
-  def decode(self, tokens: jax.Array, caches: Caches, *,
-             implementation: str | None = None) -> tuple[jax.Array, Caches]:
-    """Runs ``S`` new tokens per sequence against the caches.
+      def body(layer, index, carry):
+        x, new_cache = carry
+
+        def attend(q, k, v, _):
+          k, v = k.astype(cache.dtype), v.astype(cache.dtype)
+          # Write first, then attend to the layer's history as it was before
+          # the write (see `append_layer_with_history`): nothing is copied.
+          written, history = new_cache.append_layer_with_history(index, k, v, plan)
+          o = jaxkv.chunk_attention(q, history, k, v, n_real, implementation=attention_impl)
+          return o, written
+
+        return layer(x, positions, attend)
+
+      x, new_cache = self._scan_layers(body, (self._embed(chunk_tokens), cache))
+      last = lengths - 1 - j * c                                   # [B]
+      here = (last >= 0) & (last < c)
+      x_at = jnp.take_along_axis(x, jnp.clip(last, 0, c - 1)[:, None, None], axis=1)[:, 0]
+      return (new_cache.commit(plan), jnp.where(here[:, None], x_at, x_last)), None
+
+    if n == 1:  # one chunk: no loop around the layer scan
+      (cache, x_last), _ = chunk_step((cache, x_last), (chunks[0], jnp.int32(0)))
+    else:
+      (cache, x_last), _ = jax.lax.scan(chunk_step, (cache, x_last),
+                                        (chunks, jnp.arange(n, dtype=jnp.int32)))
+    logits = self._logits(x_last)
+    return jnp.where((lengths > 0)[:, None], logits, 0.0), cache
+
+  def decode(self, tokens: jax.Array, cache: "jaxkv.ModelCache", *,
+             implementation: str | None = None) -> tuple[jax.Array, "jaxkv.ModelCache"]:
+    """Runs ``S`` new tokens per sequence against the cache.
 
     Args:
-      tokens: ``[B, S]`` int32, placed at positions ``caches[0].lengths + [0, S)``.
-      caches: per-layer caches (from `prefill` or earlier `decode` calls).
+      tokens: ``[B, S]`` int32 in ``[0, vocab)``, placed at positions
+        ``cache.lengths + [0, S)``.
+      cache: the `jaxkv.ModelCache` (from `prefill` or earlier `decode` calls).
       implementation: `jaxkv.decode_attention` implementation (None = Pallas
         on GPU, reference elsewhere).
     Returns:
-      ``(logits [B, S, vocab] float32, caches)`` with every cache grown by S.
+      ``(logits [B, S, vocab] float32, cache)`` with every sequence grown by S
+      (out-of-range ids under `jit` set ``cache.invalid``).
     """
-    self._check_caches(caches)
+    self._check_cache(cache)
+    tokens = check_token_ids("tokens", tokens, self.config.vocab_size)
     b, s = tokens.shape
-    positions = caches[0].lengths[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]
+    cache = cache.flag_invalid(self._invalid_ids(tokens))
+    positions = cache.lengths[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]
+    plan = cache.plan_append(jnp.full((b,), s, jnp.int32))         # once for all layers
 
-    def attend(q, k, v, cache):
-      cache = cache.append(k.astype(cache.dtype), v.astype(cache.dtype))
-      return jaxkv.decode_attention(q, cache, implementation=implementation), cache
+    def body(layer, index, carry):
+      x, cache = carry
 
-    x = self._embed(tokens)
-    new_caches = []
-    for layer, cache in zip(self.layers, caches):
-      x, cache = layer(x, positions, attend, cache)
-      new_caches.append(cache)
-    return self._logits(x), tuple(new_caches)
+      def attend(q, k, v, _):
+        new_cache = cache.append_layer(index, k, v, plan)
+        o = jaxkv.decode_attention(q, new_cache.layer(index, plan),
+                                   implementation=implementation)
+        return o, new_cache
+
+      return layer(x, positions, attend)
+
+    x, cache = self._scan_layers(body, (self._embed(tokens), cache))
+    return self._logits(x), cache.commit(plan)
 
 
 # ---------------------------------------------------------------- factories
@@ -586,5 +718,5 @@ def param_count(model: Llama) -> int:
 
 __all__ = [
     "CONFIGS", "Llama", "LlamaConfig", "RopeScaling", "apply_rope", "causal_attention",
-    "from_pretrained", "param_count", "random_model",
+    "check_token_ids", "from_pretrained", "param_count", "random_model",
 ]

@@ -1,9 +1,8 @@
-"""`jaxkv.generate` / `decode_step` on a small random Llama (CPU, float32)."""
+"""`jaxkv.generate` / `decode_step` (`jaxkv.decoding`) on a small random Llama (CPU, float32)."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -13,11 +12,9 @@ from flax import nnx
 
 import jaxkv
 from jaxkv.formats import PRESETS, KVFormat
-from jaxkv.generate import decode_step, generate, sample_logits
+from jaxkv import decoding as gen_mod
+from jaxkv.decoding import decode_step, generate, sample_logits
 from models import llama
-
-# `jaxkv.generate` is re-exported as the function; reach the module itself.
-gen_mod = importlib.import_module("jaxkv.generate")
 
 CFG = llama.LlamaConfig(
     vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -52,7 +49,7 @@ def test_every_preset_end_to_end(model, preset):
   assert out.shape == (2, n) and out.dtype == np.int32
   assert out.min() >= 0 and out.max() < CFG.vocab_size
   np.testing.assert_array_equal(np.asarray(out_len), [n, n])
-  for cache in caches:
+  for cache in caches.layers():
     assert cache.fmt == PRESETS[preset]
     np.testing.assert_array_equal(np.asarray(cache.lengths), lengths + n - 1)
     assert not np.asarray(cache.overflow).any()
@@ -132,18 +129,19 @@ def test_kivi4_first_step_logits_within_derived_bound(model):
   logits_x, caches_x = first_step("bf16")
   logits_q, caches_q = first_step(fmt)
   t = tokens.shape[1]
-  kx, vx = zip(*[[a[:, :t] for a in c.dequantize()] for c in caches_x])
-  kq, vq = zip(*[[a[:, :t] for a in c.dequantize()] for c in caches_q])
+  kx, vx = zip(*[[a[:, :t] for a in c.dequantize()] for c in caches_x.layers()])
+  kq, vq = zip(*[[a[:, :t] for a in c.dequantize()] for c in caches_q.layers()])
 
   def logits_from_kv(ks, vs):  # F: per-layer K/V -> first-step logits
-    caches = tuple(jaxkv.KVCache.init("bf16", b, CFG.num_kv_heads, CFG.head_dim, cap,
-                                      jnp.float32).prefill(k, v, jnp.asarray(lengths))
-                   for k, v in zip(ks, vs))
+    caches = jaxkv.ModelCache.from_layers(
+        [jaxkv.KVCache.init("bf16", b, CFG.num_kv_heads, CFG.head_dim, cap,
+                            jnp.float32).prefill(k, v, jnp.asarray(lengths))
+         for k, v in zip(ks, vs)])
     return decode_step(model, tok, caches, implementation="reference")[0]
 
   assert rel_err(logits_from_kv(kx, vx), logits_x) < 1e-6  # F reproduces the exact step
   assert rel_err(logits_q, logits_from_kv(kq, vq)) < 1e-5  # oracle (1)
-  for c in caches_q:
+  for c in caches_q.layers():
     np.testing.assert_array_equal(np.asarray(c.packed_lens), [128, 128])
 
   jac_k, jac_v = jax.jacrev(logits_from_kv, argnums=(0, 1))(kx, vx)
@@ -201,7 +199,7 @@ def test_generate_program_donates_caches(model):
       caches, jax.random.key(0), jnp.zeros((2, 0), jnp.int32), jnp.float32(1), jnp.float32(1),
       jnp.int32(0), jnp.int32(8), settings=settings)
   assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(caches))
-  np.testing.assert_array_equal(np.asarray(new_caches[0].lengths), lengths + 7)
+  np.testing.assert_array_equal(np.asarray(new_caches.lengths), lengths + 7)
   want, _ = generate(model, tokens, lengths, kv_format="kivi4", max_new_tokens=8,
                      capacity=40, cache_dtype=jnp.float32)
   np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
@@ -325,8 +323,8 @@ def test_argument_errors(model):
 
 def test_cache_nbytes_matches_allocation(model):
   for preset in ("bf16", "kivi2"):
-    caches = model.init_cache(preset, 2, 300)
-    assert gen_mod.cache_nbytes(model, preset, 2, 300) == sum(c.nbytes for c in caches)
+    cache = model.init_cache(preset, 2, 300)
+    assert gen_mod.cache_nbytes(model, preset, 2, 300) == cache.nbytes
   assert gen_mod.cache_nbytes(model, "kivi2", 2, 4096) < gen_mod.cache_nbytes(
       model, "bf16", 2, 4096) / 3
 

@@ -193,7 +193,7 @@ def test_prefill_then_decode_matches_full_forward(tied):
                                 implementation="reference")
   for i in range(3):
     assert rel_err(logits[:, i], full[rows, lengths + 1 + i]) < 1e-5
-  np.testing.assert_array_equal(np.asarray(caches[1].lengths), lengths + 4)
+  np.testing.assert_array_equal(np.asarray(caches.lengths), lengths + 4)
 
 
 def test_bf16_model_close_to_f32():
@@ -208,7 +208,11 @@ def test_bf16_model_close_to_f32():
 
 def test_bad_cache_argument():
   model = llama.random_model(SMALL, seed=0, dtype=jnp.float32)
-  caches = model.init_cache("bf16", 1, 16)
-  with pytest.raises(ValueError, match="tuple of 2 KVCache"):
-    model.decode(jnp.zeros((1, 1), jnp.int32), caches[:1])
-  assert all(c.dtype == jnp.float32 for c in caches)  # default: the model dtype
+  cache = model.init_cache("bf16", 1, 16)
+  with pytest.raises(TypeError, match="cache must be a jaxkv.ModelCache"):
+    model.decode(jnp.zeros((1, 1), jnp.int32), cache.layers())
+  other = llama.random_model(dataclasses.replace(SMALL, num_layers=3), seed=0).init_cache(
+      "bf16", 1, 16)
+  with pytest.raises(ValueError, match=r"cache \(num_layers=3.*does not fit the model"):
+    model.decode(jnp.zeros((1, 1), jnp.int32), other)
+  assert cache.dtype == jnp.float32  # default: the model dtype

@@ -23,7 +23,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxkv.generate import generate  # noqa: E402
+from jaxkv.decoding import generate  # noqa: E402
 from models import llama  # noqa: E402
 
 VOCAB = 160
@@ -138,7 +138,7 @@ def test_prefill_logits_match_hf(hf_pair):
   tokens = rng.integers(0, VOCAB, (3, 40))
   caches = ours.init_cache("bf16", 3, 64, dtype=jnp.float32)
   got, caches = ours.prefill(jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths), caches)
-  np.testing.assert_array_equal(np.asarray(caches[0].lengths), lengths)
+  np.testing.assert_array_equal(np.asarray(caches.lengths), lengths)
   for b, n in enumerate(lengths):
     with torch.no_grad():
       want = hf(torch.tensor(tokens[b:b + 1, :n])).logits.numpy()[0, -1]

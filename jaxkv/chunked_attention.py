@@ -1,0 +1,223 @@
+"""Attention of a prefill chunk over a (quantized) cached history plus itself.
+
+Chunked and multi-turn prefill run a block of ``c`` new tokens per sequence
+against a cache that already holds ``L_b`` tokens. Query ``i`` of sequence
+``b`` (position ``L_b + i``) attends to
+
+* the history ``[0, L_b)`` exactly as stored (`KVCache.dequantize()`:
+  packed tokens dequantized, residual tokens exact), and
+* the chunk's own keys ``j <= i`` in full precision (causal),
+
+with one softmax over both. The chunk's K/V are written to the cache after
+this attention (so they are never read back quantized by their own chunk).
+
+Two implementations:
+
+* ``"xla"``: flash-style online softmax in jnp, float32, blocked
+  over queries (``block_q``) and keys (``block_k``) so memory stays
+  ``O(B * Hq * block_q * block_k)`` whatever the history and chunk lengths;
+  history blocks past the longest packed length are skipped. Each key source
+  (packed history blocks, residual block, chunk blocks) yields an
+  unnormalized ``(o, (l, m))`` partial merged by log-sum-exp, the structure a
+  Pallas kernel would follow.
+* ``"reference"``: dense jnp over ``cache.dequantize()`` (the spec; memory
+  ``O(B * Hq * c * (capacity + c))``).
+
+``implementation=None`` picks the reference while its logits take at most
+`DENSE_LOGITS_BYTES`, the blocked path otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv import quant
+from jaxkv.cache import KVCache, QuantizedKV
+
+IMPLEMENTATIONS = ("xla", "reference")
+# implementation=None runs the dense reference while its float32 logits stay
+# below this many bytes (small problems: less work, much faster to compile),
+# the blocked "xla" path beyond.
+DENSE_LOGITS_BYTES = 32 << 20
+_HI = jax.lax.Precision.HIGHEST
+
+
+def _check(q, cache, k_chunk, v_chunk, chunk_lengths):
+  if not isinstance(cache, KVCache):
+    raise TypeError(f"cache must be a jaxkv.KVCache, got {type(cache).__name__}")
+  for name, x in (("q", q), ("k_chunk", k_chunk), ("v_chunk", v_chunk)):
+    if getattr(x, "ndim", None) != 4:
+      raise ValueError(f"{name} must be rank 4, got shape {getattr(x, 'shape', type(x))}")
+  b, c, hq, d = q.shape
+  if k_chunk.shape != v_chunk.shape or k_chunk.shape != (b, c, cache.kv_heads, d):
+    raise ValueError(f"k_chunk.shape={k_chunk.shape} and v_chunk.shape={v_chunk.shape} must "
+                     f"be {(b, c, cache.kv_heads, d)}")
+  if (b, d) != (cache.batch, cache.head_dim) or hq % cache.kv_heads:
+    raise ValueError(f"q.shape={q.shape} does not match the cache (batch={cache.batch}, "
+                     f"kv_heads={cache.kv_heads}, head_dim={cache.head_dim})")
+  if getattr(chunk_lengths, "shape", None) != (b,):
+    raise ValueError(f"chunk_lengths must be [B]={b}, got {getattr(chunk_lengths, 'shape', None)}")
+
+
+def chunk_attention_reference(q: jax.Array, cache: KVCache, k_chunk: jax.Array,
+                              v_chunk: jax.Array, *, scale: float | None = None) -> jax.Array:
+  """Dense spec of `chunk_attention`: float32 softmax over ``[history; chunk]``.
+
+  Args:
+    q: ``[B, c, Hq, D]`` queries of the chunk (positions ``L_b + i``).
+    cache: the history (`KVCache`, lengths ``L_b``); not changed.
+    k_chunk, v_chunk: ``[B, c, Hkv, D]`` the chunk's own keys and values.
+    scale: softmax scale, default ``D ** -0.5``.
+  Returns:
+    ``[B, c, Hq, D]`` in q's dtype.
+  """
+  b, c, hq, d = q.shape
+  hkv = cache.kv_heads
+  scale = d ** -0.5 if scale is None else scale
+  k_hist, v_hist = cache.dequantize()                                   # [B, C, Hkv, D]
+  k = jnp.concatenate([k_hist, k_chunk.astype(jnp.float32)], axis=1)    # [B, C + c, Hkv, D]
+  v = jnp.concatenate([v_hist, v_chunk.astype(jnp.float32)], axis=1)
+  cap = k_hist.shape[1]
+  qf = q.astype(jnp.float32).reshape(b, c, hkv, hq // hkv, d)
+  logits = jnp.einsum("bihgd,bthd->bhgit", qf, k, precision=_HI) * scale
+  pos = jnp.arange(cap + c)[None, None, :]                               # [1, 1, C + c]
+  i = jnp.arange(c)[None, :, None]                                       # [1, c, 1]
+  mask = jnp.where(pos < cap, pos < cache.lengths[:, None, None], pos - cap <= i)  # [B, c, C+c]
+  logits = jnp.where(mask[:, None, None], logits, -jnp.inf)
+  p = jax.nn.softmax(logits, axis=-1)
+  out = jnp.einsum("bhgit,bthd->bihgd", p, v, precision=_HI)
+  return out.reshape(b, c, hq, d).astype(q.dtype)
+
+
+def _dequant_rows(side: QuantizedKV, start, n: int) -> jax.Array:
+  """Rows ``[start, start + n)`` of a packed side as float32 ``[B, H, n, D]``."""
+  codes = jax.lax.dynamic_slice_in_dim(side.codes, start, n, axis=2)
+  if side.bits == 16:
+    return codes.astype(jnp.float32)
+  if side.axis == "channel":
+    s0, ns = start // side.group, n // side.group
+  else:
+    s0, ns = start, n
+  scale = jax.lax.dynamic_slice_in_dim(side.scale, s0, ns, axis=2)
+  zero = jax.lax.dynamic_slice_in_dim(side.zero, s0, ns, axis=2)
+  return quant.dequantize(codes, scale, zero, side.bits, axis=side.axis)
+
+
+def _partial(q, k, v, mask, state):
+  """Online-softmax update with one key block.
+
+  q: ``[B, Hkv, g, bq, D]`` (pre-scaled); k, v: ``[B, Hkv, bk, D]`` float32;
+  mask: broadcastable to ``[B, Hkv, g, bq, bk]``; state: ``(acc, l, m)`` with
+  acc ``[B, Hkv, g, bq, D]``, l/m ``[B, Hkv, g, bq]``.
+  """
+  acc, l, m = state
+  s = jnp.einsum("bhgqd,bhkd->bhgqk", q, k, precision=_HI)
+  s = jnp.where(mask, s, -jnp.inf)
+  m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+  m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+  p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
+  alpha = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
+  acc = acc * alpha[..., None] + jnp.einsum("bhgqk,bhkd->bhgqd", p, v, precision=_HI)
+  return acc, l * alpha + jnp.sum(p, axis=-1), m_new
+
+
+def _blocked(q, cache: KVCache, k_chunk, v_chunk, scale, block_q: int, block_k: int):
+  b, c, hq, d = q.shape
+  hkv, g = cache.kv_heads, hq // cache.kv_heads
+  fmt = cache.fmt
+  bq = min(block_q, c)
+  pad = -c % bq
+  if pad:
+    widen = lambda x: jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))  # noqa: E731
+    q, k_chunk, v_chunk = widen(q), widen(k_chunk), widen(v_chunk)
+  cp = c + pad
+  nq = cp // bq
+  # [B, Hkv, g, c, D], pre-scaled; chunk K/V head-major [B, Hkv, c, D].
+  qf = jnp.moveaxis(q.astype(jnp.float32).reshape(b, cp, hkv, g, d), 1, 3) * scale
+  kc = jnp.swapaxes(k_chunk.astype(jnp.float32), 1, 2)
+  vc = jnp.swapaxes(v_chunk.astype(jnp.float32), 1, 2)
+  # History blocks: a multiple of G dividing the storage (power-of-two aligned).
+  bk = math.gcd(cache.storage_len, max(block_k, fmt.token_group))
+  packed = cache.packed_lens                                            # [B]
+  n_hist = (jnp.max(packed) + bk - 1) // bk
+  res_len = cache.lengths - packed
+  k_res = cache.k_residual.astype(jnp.float32)                          # [B, Hkv, R, D]
+  v_res = cache.v_residual.astype(jnp.float32)
+  res_mask = (jnp.arange(fmt.residual)[None, :] < res_len[:, None])[:, None, None, None, :]
+
+  def one_query_block(qi):
+    qb = jax.lax.dynamic_slice_in_dim(qf, qi * bq, bq, axis=3)           # [B, Hkv, g, bq, D]
+    state = (jnp.zeros(qb.shape, jnp.float32), jnp.zeros(qb.shape[:-1], jnp.float32),
+             jnp.full(qb.shape[:-1], -jnp.inf, jnp.float32))
+
+    def hist(j, state):
+      kb, vb = _dequant_rows(cache.k, j * bk, bk), _dequant_rows(cache.v, j * bk, bk)
+      mask = (j * bk + jnp.arange(bk)[None, :] < packed[:, None])[:, None, None, None, :]
+      return _partial(qb, kb, vb, mask, state)
+
+    state = jax.lax.fori_loop(0, n_hist, hist, state)
+    state = _partial(qb, k_res, v_res, res_mask, state)
+
+    def own(j, state):  # chunk key block j <= qi, causal inside the diagonal block
+      kb = jax.lax.dynamic_slice_in_dim(kc, j * bq, bq, axis=2)
+      vb = jax.lax.dynamic_slice_in_dim(vc, j * bq, bq, axis=2)
+      mask = (j * bq + jnp.arange(bq))[None, :] <= (qi * bq + jnp.arange(bq))[:, None]
+      return _partial(qb, kb, vb, mask, state)
+
+    if nq == 1:  # one block: skip the loop (smaller program, faster compile)
+      acc, l, _ = own(0, state)
+    else:
+      acc, l, _ = jax.lax.fori_loop(0, qi + 1, own, state)
+    return acc / jnp.where(l > 0, l, 1.0)[..., None]                    # [B, Hkv, g, bq, D]
+
+  if nq == 1:
+    out = one_query_block(0)[None]
+  else:
+    out = jax.lax.map(one_query_block, jnp.arange(nq))                  # [nq, B, Hkv, g, bq, D]
+  out = jnp.moveaxis(out, 0, 3).reshape(b, hkv, g, cp, d)
+  out = jnp.moveaxis(out, 3, 1).reshape(b, cp, hq, d)[:, :c]
+  return out.astype(q.dtype)
+
+
+def chunk_attention(q: jax.Array, cache: KVCache, k_chunk: jax.Array, v_chunk: jax.Array,
+                    chunk_lengths: jax.Array | None = None, *, scale: float | None = None,
+                    implementation: str | None = None, block_q: int = 256,
+                    block_k: int = 256) -> jax.Array:
+  """Attention of a chunk of new tokens over the cached history and themselves.
+
+  Args:
+    q: ``[B, c, Hq, D]`` queries of the chunk; query ``i`` sits at position
+      ``cache.lengths[b] + i``.
+    cache: `KVCache` holding the history (the chunk is *not* in it yet).
+    k_chunk, v_chunk: ``[B, c, Hkv, D]`` the chunk's keys and values.
+    chunk_lengths: ``[B]`` real tokens per sequence (optional; queries past it
+      are padding and their rows are unspecified but finite). Checked for shape.
+    scale: softmax scale, default ``D ** -0.5``.
+    implementation: ``"xla"`` (blocked, bounded memory), ``"reference"``
+      (dense) or None (dense when small, see `DENSE_LOGITS_BYTES`).
+    block_q, block_k: query / key block sizes of the ``"xla"`` path.
+  Returns:
+    ``[B, c, Hq, D]`` in q's dtype; float32 softmax and accumulation.
+  """
+  if chunk_lengths is None:
+    chunk_lengths = jnp.full((q.shape[0],), q.shape[1], jnp.int32)
+  _check(q, cache, k_chunk, v_chunk, chunk_lengths)
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  impl = implementation
+  if impl is None:
+    b, c, hq, _ = q.shape
+    impl = "reference" if 4 * b * hq * c * (cache.capacity + c) <= DENSE_LOGITS_BYTES else "xla"
+  if impl not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation={impl!r} must be one of {IMPLEMENTATIONS} or None")
+  for name, blk in (("block_q", block_q), ("block_k", block_k)):
+    if not isinstance(blk, int) or blk < 1 or blk & (blk - 1):
+      raise ValueError(f"{name}={blk!r} must be a positive power of two")
+  if impl == "reference":
+    return chunk_attention_reference(q, cache, k_chunk, v_chunk, scale=scale)
+  return _blocked(q, cache, k_chunk, v_chunk, scale, block_q, block_k)
+
+
+__all__ = ["chunk_attention", "chunk_attention_reference"]

@@ -1,0 +1,433 @@
+"""Autoregressive decoding on a quantized KV cache: jitted loops.
+
+`generate` splits an NNX model (``nnx.split``) and runs a single jitted pure
+function of ``(graphdef, state, prompts, cache, ...)``: prefill of the
+right-padded prompts, then a `lax.while_loop` that decodes one token per
+sequence per iteration until every sequence has hit a stop token or
+``max_new_tokens`` are out. The loop carry is a named `DecodeState`. The
+model-level cache (`jaxkv.ModelCache`) is created empty, passed in and
+donated, so the loop updates it in place. Static settings (sampler,
+``top_k``, loop length, attention implementation) form one hashable
+`GenerateSettings`; repeated calls with the same shapes and settings reuse the
+compiled program.
+
+`decode_steps` is the same loop for users who drive decoding themselves: N
+greedy or sampled steps from a cache they hold, one jitted program, cache
+donated. `decode_step` is one step, pure, for the user's own `jit`.
+
+The model contract (met by `models.llama.Llama`):
+  ``model.init_cache(kv_format, batch, capacity, dtype) -> cache``,
+  ``model.prefill(tokens [B,T], lengths [B], cache) -> (logits [B,V], cache)``,
+  ``model.decode(tokens [B,S], cache, implementation=) -> (logits [B,S,V], cache)``,
+  ``model.config.vocab_size``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxkv.formats import KVFormat
+
+SAMPLERS = ("greedy", "sample", "temperature", "top_k", "top_p")
+
+
+# ------------------------------------------------------------------ samplers
+def greedy(logits: jax.Array) -> jax.Array:
+  """``[B, V]`` logits -> ``[B]`` int32 argmax tokens."""
+  return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def sample_logits(logits: jax.Array, rng: jax.Array, *, temperature=1.0,
+                  top_k: int | None = None, top_p=None) -> jax.Array:
+  """Samples one token per row from ``softmax(logits / temperature)``.
+
+  Optionally restricted to the ``top_k`` most likely tokens (static int) and
+  then to the smallest prefix of the sorted distribution whose probability
+  reaches ``top_p`` (nucleus sampling; the most likely token is always kept).
+
+  Args:
+    logits: ``[B, V]`` float.
+    rng: a PRNG key.
+    temperature: scalar > 0 (may be traced).
+    top_k: None or an int in ``[1, V]``.
+    top_p: None or a scalar in ``(0, 1]`` (may be traced).
+  Returns:
+    ``[B]`` int32 tokens.
+  """
+  logits = logits.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)
+  vocab = logits.shape[-1]
+  if top_k is not None:
+    if not 1 <= top_k <= vocab:
+      raise ValueError(f"top_k={top_k} must be in [1, {vocab}]")
+    vals, idx = jax.lax.top_k(logits, top_k)  # sorted descending
+  elif top_p is not None:
+    idx = jnp.argsort(-logits, axis=-1)
+    vals = jnp.take_along_axis(logits, idx, axis=-1)
+  else:
+    return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
+  if top_p is not None:
+    probs = jax.nn.softmax(vals, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # exclusive cumsum
+    keep = mass_before < jnp.asarray(top_p, jnp.float32)
+    keep = keep.at[..., 0].set(True)
+    vals = jnp.where(keep, vals, -jnp.inf)
+  choice = jax.random.categorical(rng, vals, axis=-1)
+  return jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateSettings:
+  """Static settings of the generation program (hashable; one jit cache entry each).
+
+  Attributes:
+    max_new_tokens: tokens generated per sequence (loop bound).
+    sampler: ``"greedy"``, ``"sample"``, or a callable
+      ``(logits [B, V] float32, rng) -> tokens [B] int32``.
+    top_k: static top-k for ``"sample"`` (None = off).
+    use_top_p: whether ``"sample"`` applies nucleus filtering.
+    implementation: `jaxkv.decode_attention` implementation.
+    progress: optional host callback ``progress(step)`` called once per
+      generated token (through `jax.debug.callback`).
+  """
+
+  max_new_tokens: int
+  sampler: Any = "greedy"
+  top_k: int | None = None
+  use_top_p: bool = False
+  implementation: str | None = None
+  progress: Callable[[Any], None] | None = None
+
+  def sample(self, logits, rng, temperature, top_p):
+    if self.sampler == "greedy":
+      return greedy(logits)
+    if callable(self.sampler):
+      return self.sampler(logits, rng).astype(jnp.int32)
+    return sample_logits(logits, rng, temperature=temperature, top_k=self.top_k,
+                         top_p=top_p if self.use_top_p else None)
+
+
+# --------------------------------------------------------------- decode step
+def decode_step(model, tokens: jax.Array, cache, *, implementation: str | None = None):
+  """One decode step: feeds one token per sequence, returns next-token logits.
+
+  Pure and traceable: put it in your own `jax.jit` / `lax.scan`, e.g.::
+
+    graphdef, state = nnx.split(model)
+
+    @functools.partial(jax.jit, donate_argnames="cache")
+    def step(state, tokens, cache):
+      return jaxkv.decode_step(nnx.merge(graphdef, state), tokens, cache)
+
+  Args:
+    model: a model meeting the contract in this module's docstring.
+    tokens: ``[B]`` int32, the latest token of each sequence.
+    cache: the model's cache (the K/V of ``tokens`` are appended here).
+    implementation: `jaxkv.decode_attention` implementation.
+  Returns:
+    ``(logits [B, V] float32, cache)``.
+  """
+  logits, cache = model.decode(tokens[:, None], cache, implementation=implementation)
+  return logits[:, 0], cache
+
+
+def _is_stop(tokens, stop_tokens):
+  """``tokens [B]``, ``stop_tokens [B, K]`` (-1 = unused) -> ``[B]`` bool."""
+  if stop_tokens.shape[1] == 0:
+    return jnp.zeros(tokens.shape, bool)
+  return jnp.any(tokens[:, None] == stop_tokens, axis=-1)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+  """Carry of the decode loop.
+
+  Attributes:
+    step: int32 scalar, next column of ``out`` to write.
+    cache: the model's cache (updated in place).
+    out: ``[B, N]`` int32 tokens produced so far (padding after).
+    token: ``[B]`` int32, the latest token (fed to the next step).
+    rng: PRNG key.
+    done: ``[B]`` bool, the sequence has emitted a stop token.
+    num_generated: ``[B]`` int32 tokens counted up to and including the stop.
+  """
+
+  step: jax.Array
+  cache: Any
+  out: jax.Array
+  token: jax.Array
+  rng: jax.Array
+  done: jax.Array
+  num_generated: jax.Array
+
+
+def _decode_loop(model, state: DecodeState, stop_tokens, temperature, top_p, pad_token_id,
+                 num_steps, settings: GenerateSettings) -> DecodeState:
+  """Decodes while ``state.step < min(num_steps, N)`` and some sequence is not done."""
+  n = state.out.shape[1]
+
+  def cond(s: DecodeState):
+    return (s.step < jnp.minimum(num_steps, n)) & ~jnp.all(s.done)
+
+  def body(s: DecodeState) -> DecodeState:
+    logits, cache = decode_step(model, s.token, s.cache, implementation=settings.implementation)
+    rng, key = jax.random.split(s.rng)
+    token = settings.sample(logits, key, temperature, top_p)
+    token = jnp.where(s.done, pad_token_id, token)
+    out = jax.lax.dynamic_update_slice(s.out, token[:, None], (0, s.step))
+    if settings.progress is not None:
+      jax.debug.callback(settings.progress, s.step)
+    return DecodeState(step=s.step + 1, cache=cache, out=out, token=token, rng=rng,
+                       done=s.done | _is_stop(token, stop_tokens),
+                       num_generated=s.num_generated + (~s.done).astype(jnp.int32))
+
+  return jax.lax.while_loop(cond, body, state)
+
+
+@functools.partial(jax.jit, static_argnames=("settings",), donate_argnames=("cache",))
+def _generate_program(graphdef, state, prompt_tokens, prompt_lengths, cache, rng, stop_tokens,
+                      temperature, top_p, pad_token_id, num_steps, *,
+                      settings: GenerateSettings):
+  """Prefill + while-loop decode. Returns ``(tokens [B, N], lengths [B], cache)``."""
+  model = nnx.merge(graphdef, state)
+  batch = prompt_tokens.shape[0]
+  logits, cache = model.prefill(prompt_tokens, prompt_lengths, cache)
+  rng, key = jax.random.split(rng)
+  token = settings.sample(logits, key, temperature, top_p)
+  out = jnp.full((batch, settings.max_new_tokens), pad_token_id, jnp.int32).at[:, 0].set(token)
+  if settings.progress is not None:
+    jax.debug.callback(settings.progress, 0)
+  loop = DecodeState(step=jnp.int32(1), cache=cache, out=out, token=token, rng=rng,
+                     done=_is_stop(token, stop_tokens),
+                     num_generated=jnp.ones((batch,), jnp.int32))
+  loop = _decode_loop(model, loop, stop_tokens, temperature, top_p, pad_token_id, num_steps,
+                      settings)
+  return loop.out, loop.num_generated, loop.cache
+
+
+@functools.partial(jax.jit, static_argnames=("settings",), donate_argnames=("cache",))
+def _decode_steps_program(graphdef, state, tokens, cache, rng, stop_tokens, temperature, top_p,
+                          pad_token_id, *, settings: GenerateSettings):
+  """``settings.max_new_tokens`` decode steps from ``tokens [B]``: ``(out [B, N], lengths, cache)``."""
+  model = nnx.merge(graphdef, state)
+  batch = tokens.shape[0]
+  n = settings.max_new_tokens
+  loop = DecodeState(step=jnp.int32(0), cache=cache,
+                     out=jnp.full((batch, n), pad_token_id, jnp.int32), token=tokens, rng=rng,
+                     done=jnp.zeros((batch,), bool), num_generated=jnp.zeros((batch,), jnp.int32))
+  loop = _decode_loop(model, loop, stop_tokens, temperature, top_p, pad_token_id, jnp.int32(n),
+                      settings)
+  return loop.out, loop.num_generated, loop.cache
+
+
+def _settings(model, max_new_tokens, sampler, temperature, top_k, top_p, implementation,
+              progress) -> GenerateSettings:
+  """Validates the sampling arguments shared by `generate` and `decode_steps`."""
+  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
+      or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
+  if sampler in ("temperature", "top_k", "top_p"):
+    if sampler == "top_k" and top_k is None:
+      raise ValueError("sampler='top_k' needs top_k")
+    if sampler == "top_p" and top_p is None:
+      raise ValueError("sampler='top_p' needs top_p")
+    sampler = "sample"
+  if not (sampler in ("greedy", "sample") or callable(sampler)):
+    raise ValueError(f"sampler={sampler!r} must be one of {SAMPLERS} or a callable")
+  if sampler == "sample":
+    if not temperature > 0:
+      raise ValueError(f"temperature={temperature!r} must be > 0")
+    if top_p is not None and not 0 < top_p <= 1:
+      raise ValueError(f"top_p={top_p!r} must be in (0, 1]")
+    if top_k is not None and not 1 <= top_k <= model.config.vocab_size:
+      raise ValueError(f"top_k={top_k!r} must be in [1, {model.config.vocab_size}]")
+  return GenerateSettings(
+      max_new_tokens=int(max_new_tokens), sampler=sampler,
+      top_k=None if sampler != "sample" or top_k is None else int(top_k),
+      use_top_p=sampler == "sample" and top_p is not None,
+      implementation=implementation, progress=progress)
+
+
+def _check_ids(name: str, tokens, vocab_size: int) -> None:
+  """ValueError naming ``name`` for concrete ids outside ``[0, vocab_size)``."""
+  if isinstance(tokens, jax.core.Tracer):
+    return
+  arr = np.asarray(tokens)
+  if arr.size and not np.issubdtype(arr.dtype, np.integer):
+    raise ValueError(f"{name}.dtype={arr.dtype} must be an integer dtype")
+  if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
+    bad = arr[(arr < 0) | (arr >= vocab_size)]
+    raise ValueError(f"{name} must lie in [0, {vocab_size}); got out-of-range ids "
+                     f"{bad.ravel()[:8].tolist()}")
+
+
+def decode_steps(model, tokens, cache, num_steps: int, *, sampler: str | Callable = "greedy",
+                 temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, stop_tokens=None, rng: jax.Array | None = None,
+                 implementation: str | None = None, pad_token_id: int = 0):
+  """Runs ``num_steps`` decode steps in one jitted loop; the cache is donated.
+
+  For users who hold a cache (e.g. after `model.prefill`) and drive decoding
+  themselves: step ``i`` feeds the latest token of each sequence and samples
+  the next. Compiled once per (shapes, ``num_steps``, sampler settings).
+
+  Args:
+    model: a model meeting this module's contract (`models.llama.Llama`).
+    tokens: ``[B]`` int, the latest token of each sequence (not yet in the cache).
+    cache: the model's cache; consumed (donated), use the returned one.
+    num_steps: steps to run (static, >= 1).
+    sampler, temperature, top_k, top_p, stop_tokens, rng, pad_token_id: as in
+      `generate`.
+    implementation: `jaxkv.decode_attention` implementation.
+  Returns:
+    ``(tokens [B, num_steps] int32, lengths [B] int32, cache)``: the next
+    tokens (``pad_token_id`` after a sequence's stop token), tokens counted up
+    to and including the stop token, the cache grown by the steps run.
+  """
+  tokens = jnp.asarray(tokens) if isinstance(tokens, (list, tuple)) else tokens
+  if getattr(tokens, "ndim", None) != 1:
+    raise ValueError(f"tokens.shape={getattr(tokens, 'shape', None)} must be [B]")
+  _check_ids("tokens", tokens, model.config.vocab_size)
+  tokens = jnp.asarray(tokens, jnp.int32)
+  if tokens.shape[0] != cache.batch:
+    raise ValueError(f"tokens.shape={tokens.shape} must be [{cache.batch}] (the cache batch)")
+  settings = _settings(model, num_steps, sampler, temperature, top_k, top_p, implementation,
+                       None)
+  graphdef, state = nnx.split(model)
+  rng = jax.random.key(0) if rng is None else rng
+  stops = jnp.asarray(_stop_array(stop_tokens, tokens.shape[0]))
+  return _decode_steps_program(graphdef, state, tokens, cache, rng, stops,
+                               jnp.float32(temperature),
+                               jnp.float32(1.0 if top_p is None else top_p),
+                               jnp.int32(pad_token_id), settings=settings)
+
+
+def _stop_array(stop_tokens, batch: int) -> np.ndarray:
+  """None | int | [ints] (shared) | [[ints] per sequence] -> ``[B, K]`` int32, -1 padded."""
+  if stop_tokens is None:
+    return np.zeros((batch, 0), np.int32)
+  if isinstance(stop_tokens, (int, np.integer)):
+    return np.full((batch, 1), int(stop_tokens), np.int32)
+  if isinstance(stop_tokens, (jax.Array, np.ndarray)) and np.ndim(stop_tokens) == 2:
+    arr = np.asarray(stop_tokens, np.int32)
+    if arr.shape[0] != batch:
+      raise ValueError(f"stop_tokens.shape={arr.shape} must be [{batch}, K]")
+    return arr
+  items = list(stop_tokens)
+  if all(isinstance(t, (int, np.integer)) for t in items):
+    return np.tile(np.asarray(items, np.int32).reshape(1, -1), (batch, 1))
+  if len(items) != batch:
+    raise ValueError(f"per-sequence stop_tokens need {batch} entries, got {len(items)}")
+  rows = [[int(t) for t in ([s] if isinstance(s, (int, np.integer)) else (s or []))]
+          for s in items]
+  k = max(1, max(len(r) for r in rows))
+  return np.asarray([r + [-1] * (k - len(r)) for r in rows], np.int32)
+
+
+def generate(model, prompt_tokens, prompt_lengths, *, kv_format: KVFormat | str = "bf16",
+             max_new_tokens: int, sampler: str | Callable = "greedy", temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, stop_tokens=None,
+             rng: jax.Array | None = None, capacity: int | None = None,
+             implementation: str | None = None, cache_dtype=None, pad_token_id: int = 0,
+             return_cache: bool = False, progress: Callable[[Any], None] | None = None,
+             num_steps: int | None = None):
+  """Generates ``max_new_tokens`` tokens per prompt with a (quantized) KV cache.
+
+  Args:
+    model: an NNX model meeting this module's contract (`models.llama.Llama`).
+    prompt_tokens: ``[B, T]`` int, right-padded: row ``b`` holds
+      ``prompt_lengths[b]`` real tokens first.
+    prompt_lengths: ``[B]`` int in ``[1, T]``.
+    kv_format: `KVFormat` or preset name for every layer's cache.
+    max_new_tokens: tokens to generate per sequence (>= 1).
+    sampler: ``"greedy"``; ``"sample"`` (temperature, then optional top-k and
+      top-p); ``"temperature"``, ``"top_k"``, ``"top_p"`` as aliases of
+      ``"sample"``; or a callable ``(logits [B, V], rng) -> [B] int32`` (it
+      is a static setting: pass the same object to reuse the compiled program).
+    temperature: softmax temperature for sampling.
+    top_k: keep the k most likely tokens (static).
+    top_p: nucleus mass in ``(0, 1]``.
+    stop_tokens: None; an int or list of ints shared by all sequences; or a
+      list of B lists / a ``[B, K]`` array (-1 = unused) per sequence. A
+      sequence stops after emitting one (it is included in the output).
+    rng: PRNG key for sampling (default ``jax.random.key(0)``).
+    capacity: cache tokens per sequence; default ``T + max_new_tokens``.
+    implementation: `jaxkv.decode_attention` implementation.
+    cache_dtype: full-precision K/V dtype of the cache; default the model's.
+    pad_token_id: written after a sequence's stop token.
+    return_cache: also return the final cache (`jaxkv.ModelCache`).
+    progress: host callback ``progress(step)`` once per generated token.
+    num_steps: generate only the first ``num_steps`` tokens (the rest of the
+      output is padding). Passed as data, so it reuses the program compiled
+      for ``max_new_tokens``: benchmarks time ``num_steps=1`` (prefill and
+      first token) against the full run.
+  Returns:
+    ``(tokens [B, max_new_tokens] int32, lengths [B] int32)`` where
+    ``lengths[b]`` counts generated tokens up to and including the stop
+    token; with ``return_cache`` a third element, the cache.
+  Raises:
+    ValueError: bad shapes, ``prompt_lengths`` outside ``[1, T]`` (numpy or
+      concrete jax arrays), real prompt token ids outside ``[0, vocab)``.
+  """
+  if isinstance(prompt_tokens, (list, tuple)):
+    prompt_tokens = np.asarray(prompt_tokens)
+  if getattr(prompt_tokens, "ndim", None) != 2:
+    raise ValueError(f"prompt_tokens.shape={getattr(prompt_tokens, 'shape', None)} must be [B, T]")
+  batch, prompt_len = prompt_tokens.shape
+  if isinstance(prompt_lengths, (list, tuple)):
+    prompt_lengths = np.asarray(prompt_lengths)
+  if not isinstance(prompt_lengths, jax.core.Tracer):  # numpy or concrete jax array
+    lengths_np = np.asarray(prompt_lengths)
+    if lengths_np.shape != (batch,):
+      raise ValueError(f"prompt_lengths.shape={lengths_np.shape} must be ({batch},)")
+    if not np.issubdtype(lengths_np.dtype, np.integer):
+      raise ValueError(f"prompt_lengths.dtype={lengths_np.dtype} must be an integer dtype")
+    if lengths_np.min() < 1 or lengths_np.max() > prompt_len:
+      raise ValueError(f"prompt_lengths={lengths_np.tolist()} must lie in [1, T={prompt_len}]")
+    # Only the real tokens of each row must be valid ids; padding may be anything.
+    real = np.arange(prompt_len)[None, :] < lengths_np[:, None]
+    if not isinstance(prompt_tokens, jax.core.Tracer):
+      _check_ids("prompt_tokens", np.asarray(prompt_tokens)[real], model.config.vocab_size)
+  prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
+  prompt_lengths = jnp.asarray(prompt_lengths, jnp.int32)
+  if prompt_lengths.shape != (batch,):
+    raise ValueError(f"prompt_lengths.shape={prompt_lengths.shape} must be ({batch},)")
+  settings = _settings(model, max_new_tokens, sampler, temperature, top_k, top_p,
+                       implementation, progress)
+  if isinstance(kv_format, str):
+    kv_format = KVFormat.preset(kv_format)
+  needed = prompt_len + max_new_tokens - 1  # the last token is never appended
+  capacity = prompt_len + max_new_tokens if capacity is None else capacity
+  if capacity < needed:
+    raise ValueError(f"capacity={capacity} < prompt length {prompt_len} + "
+                     f"max_new_tokens {max_new_tokens} - 1")
+
+  rng = jax.random.key(0) if rng is None else rng
+  stops = jnp.asarray(_stop_array(stop_tokens, batch))
+  cache = model.init_cache(kv_format, batch, capacity, dtype=cache_dtype)
+  graphdef, state = nnx.split(model)
+  tokens, lengths, cache = _generate_program(
+      graphdef, state, prompt_tokens, prompt_lengths, cache, rng, stops,
+      jnp.float32(temperature), jnp.float32(1.0 if top_p is None else top_p),
+      jnp.int32(pad_token_id), jnp.int32(max_new_tokens if num_steps is None else num_steps),
+      settings=settings)
+  if return_cache:
+    return tokens, lengths, cache
+  return tokens, lengths
+
+
+def cache_nbytes(model, kv_format: KVFormat | str, batch: int, capacity: int, dtype=None) -> int:
+  """Device bytes of the cache `generate` would allocate (no allocation)."""
+  cache = jax.eval_shape(lambda: model.init_cache(kv_format, batch, capacity, dtype=dtype))
+  return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache))
+
+
+__all__ = ["DecodeState", "GenerateSettings", "cache_nbytes", "decode_step", "decode_steps",
+           "generate", "greedy", "sample_logits"]

@@ -1,0 +1,314 @@
+"""`ModelCache`: every layer's quantized KV cache in one pytree, stacked on a layer axis.
+
+A model scans its decoder layers (`jax.lax.scan` over stacked parameters), so
+its cache is stacked too: each leaf of the per-layer storage (packed codes,
+scales, zeros, full-precision residual; the same storage as `jaxkv.KVCache`)
+gets a leading ``[num_layers]`` axis, while ``lengths``, ``overflow`` and
+``invalid`` are held once for all layers. The cache travels through the scan
+*carry*, never through ``xs``/``ys`` (which would rebuild it every step).
+
+One append (a decode step or a prefill chunk) is three phases:
+
+1. ``plan = cache.plan_append(num_new)``: once per step, for all layers: which
+   sequences fit, their new lengths and how many tokens each flushes into the
+   packed region (DESIGN.md "the residual rule").
+2. In the layer scan body, ``cache = cache.append_layer(layer, k, v, plan)``:
+   writes only what changes: the layer's residual block (a
+   `lax.dynamic_update_slice` of ``[B, Hkv, R, D]``) and the flushed token
+   groups (a scatter of at most ``flush_groups * G`` rows per sequence;
+   sequences that flush nothing scatter out of bounds, which drops the
+   rows). No `lax.cond` and nothing cache-sized is copied: under `jit` with the
+   cache donated (or in a loop carry) both updates happen in place.
+   ``cache.layer(layer, plan)`` is the layer's `jaxkv.KVCache` view (slices of
+   the stacked storage, the new lengths), so `jaxkv.decode_attention` and the
+   Pallas kernels run unchanged.
+3. ``cache = cache.commit(plan)``: the new lengths and flags, once.
+
+The storage after any sequence of appends is bitwise the storage a per-layer
+`KVCache` reaches with the same appends (both use `jaxkv.cache`'s staging
+helpers), hence equal to quantizing the whole history at once.
+
+Flags (per sequence, ``[B]`` bool; `check()` raises on a concrete flagged
+cache): ``overflow``: an append under `jit` would have grown the sequence past
+``capacity`` and was skipped; ``invalid``: a traced call saw out-of-range
+token ids or lengths for the sequence (see `models.llama.Llama.prefill`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.cache import (KVCache, QuantizedKV, flush_groups, shift_residual,
+                         stage_residual)
+from jaxkv.formats import KVFormat
+
+
+def _static(**kw):
+  return dataclasses.field(metadata=dict(static=True), **kw)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AppendPlan:
+  """What one append does to each sequence; computed once per step for all layers.
+
+  Attributes (all ``[B]``):
+    num_new: tokens appended (0 where the append does not fit).
+    old_lengths, new_lengths: lengths before / after.
+    old_packed: packed tokens before (where flushed rows start).
+    flush: tokens moved from the residual into the packed region (multiple of G).
+    fits: False where the append would overflow ``capacity`` (skipped).
+  """
+
+  num_new: jax.Array
+  old_lengths: jax.Array
+  new_lengths: jax.Array
+  old_packed: jax.Array
+  flush: jax.Array
+  fits: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ModelCache:
+  """Quantized KV caches of all layers of a model, stacked on a leading layer axis.
+
+  Attributes:
+    k, v: packed regions (`QuantizedKV`) whose arrays are
+      ``[num_layers, B, Hkv, C, ...]``.
+    k_residual, v_residual: ``[num_layers, B, Hkv, R, D]`` full-precision rows.
+    lengths: ``[B]`` int32 tokens held per sequence (the same in every layer).
+    overflow: ``[B]`` bool, an append was skipped because it did not fit.
+    invalid: ``[B]`` bool, a traced call saw out-of-range ids or lengths.
+    fmt, capacity, use_kernel: as in `jaxkv.KVCache` (static).
+  """
+
+  k: QuantizedKV
+  v: QuantizedKV
+  k_residual: jax.Array
+  v_residual: jax.Array
+  lengths: jax.Array
+  overflow: jax.Array
+  invalid: jax.Array
+  fmt: KVFormat = _static()
+  capacity: int = _static()
+  use_kernel: bool = _static(default=False)
+
+  # ------------------------------------------------------------ construction
+  @classmethod
+  def init(cls, fmt: KVFormat | str, num_layers: int, batch: int, kv_heads: int,
+           head_dim: int, capacity: int, dtype: Any = jnp.bfloat16, *,
+           use_kernel: bool | None = None) -> "ModelCache":
+    """An empty cache; arguments as `jaxkv.KVCache.init` plus ``num_layers``."""
+    if isinstance(num_layers, bool) or not isinstance(num_layers, (int, np.integer)) \
+        or num_layers < 1:
+      raise ValueError(f"num_layers={num_layers!r} must be an int >= 1")
+    one = jax.eval_shape(lambda: KVCache.init(fmt, batch, kv_heads, head_dim, capacity, dtype,
+                                              use_kernel=use_kernel))
+    stacked = lambda s: jnp.zeros((num_layers, *s.shape), s.dtype)  # noqa: E731
+    return cls(
+        k=jax.tree_util.tree_map(stacked, one.k), v=jax.tree_util.tree_map(stacked, one.v),
+        k_residual=stacked(one.k_residual), v_residual=stacked(one.v_residual),
+        lengths=jnp.zeros((batch,), jnp.int32), overflow=jnp.zeros((batch,), bool),
+        invalid=jnp.zeros((batch,), bool),
+        fmt=one.fmt, capacity=one.capacity, use_kernel=one.use_kernel)
+
+  @classmethod
+  def from_layers(cls, caches: Sequence[KVCache]) -> "ModelCache":
+    """Stacks per-layer caches that agree on format, shapes and lengths."""
+    caches = list(caches)
+    if not caches or not all(isinstance(c, KVCache) for c in caches):
+      raise TypeError("caches must be a non-empty sequence of jaxkv.KVCache")
+    first = caches[0]
+    for i, c in enumerate(caches[1:], 1):
+      if (c.fmt, c.capacity, c.k_residual.shape, c.dtype) != (
+          first.fmt, first.capacity, first.k_residual.shape, first.dtype):
+        raise ValueError(f"caches[{i}] differs from caches[0] in format, capacity or shapes")
+      if _is_concrete(c.lengths) and _is_concrete(first.lengths) and not np.array_equal(
+          np.asarray(c.lengths), np.asarray(first.lengths)):
+        raise ValueError(f"caches[{i}].lengths differ from caches[0].lengths")
+    stack = lambda *xs: jnp.stack(xs)  # noqa: E731
+    return cls(
+        k=jax.tree_util.tree_map(stack, *[c.k for c in caches]),
+        v=jax.tree_util.tree_map(stack, *[c.v for c in caches]),
+        k_residual=stack(*[c.k_residual for c in caches]),
+        v_residual=stack(*[c.v_residual for c in caches]),
+        lengths=first.lengths, overflow=first.overflow,
+        invalid=jnp.zeros(first.lengths.shape, bool),
+        fmt=first.fmt, capacity=first.capacity, use_kernel=first.use_kernel)
+
+  # -------------------------------------------------------------- properties
+  @property
+  def num_layers(self) -> int:
+    return self.k_residual.shape[0]
+
+  @property
+  def batch(self) -> int:
+    return self.k_residual.shape[1]
+
+  @property
+  def kv_heads(self) -> int:
+    return self.k_residual.shape[2]
+
+  @property
+  def head_dim(self) -> int:
+    return self.k_residual.shape[4]
+
+  @property
+  def dtype(self):
+    return self.k_residual.dtype
+
+  @property
+  def packed_lens(self) -> jax.Array:
+    """``[B]`` tokens held quantized (every layer)."""
+    return self.fmt.packed_len(self.lengths)
+
+  @property
+  def nbytes(self) -> int:
+    """Device bytes held by the cache's arrays."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self))
+
+  def check(self) -> "ModelCache":
+    """Raises ValueError if a sequence is flagged (overflow, invalid input); returns self."""
+    for name, flags, why in (
+        ("overflow", self.overflow,
+         f"KV cache overflow (capacity={self.capacity}): their appends were not applied"),
+        ("invalid", self.invalid,
+         "out-of-range token ids or lengths were passed under jit: their outputs are garbage")):
+      if _is_concrete(flags) and bool(np.any(np.asarray(flags))):
+        bad = np.nonzero(np.asarray(flags))[0].tolist()
+        raise ValueError(f"{why} (ModelCache.{name} set for sequences {bad})")
+    return self
+
+  # ------------------------------------------------------------------ views
+  def layer(self, index, plan: AppendPlan | None = None) -> KVCache:
+    """Layer ``index``'s `KVCache` (int or traced index; slices of the stacked storage).
+
+    With ``plan`` the view has the lengths after that append (what attention
+    over a layer just written by `append_layer` needs).
+    """
+    take = lambda x: jax.lax.dynamic_index_in_dim(x, index, 0, keepdims=False)  # noqa: E731
+    return KVCache(
+        k=jax.tree_util.tree_map(take, self.k), v=jax.tree_util.tree_map(take, self.v),
+        k_residual=take(self.k_residual), v_residual=take(self.v_residual),
+        lengths=self.lengths if plan is None else plan.new_lengths,
+        overflow=self.overflow if plan is None else self.overflow | ~plan.fits,
+        fmt=self.fmt, capacity=self.capacity, use_kernel=self.use_kernel)
+
+  def layers(self) -> tuple[KVCache, ...]:
+    """Every layer's `KVCache` (copies; for inspection and tests)."""
+    return tuple(self.layer(i) for i in range(self.num_layers))
+
+  # ----------------------------------------------------------------- append
+  def plan_append(self, num_new: jax.Array) -> AppendPlan:
+    """The per-sequence effect of appending ``num_new [B]`` tokens (once per step)."""
+    fmt = self.fmt
+    num_new = jnp.asarray(num_new, jnp.int32)
+    fits = self.lengths + num_new <= self.capacity
+    num_new = jnp.where(fits, num_new, 0)
+    new_len = self.lengths + num_new
+    old_packed = fmt.packed_len(self.lengths)
+    return AppendPlan(num_new=num_new, old_lengths=self.lengths, new_lengths=new_len,
+                      old_packed=old_packed, flush=fmt.packed_len(new_len) - old_packed,
+                      fits=fits)
+
+  def append_layer(self, index, k_new: jax.Array, v_new: jax.Array,
+                   plan: AppendPlan) -> "ModelCache":
+    """Writes the first ``plan.num_new[b]`` rows of ``k_new, v_new [B, T, Hkv, D]`` into a layer.
+
+    Lengths are not advanced (all layers append at the same positions; call
+    `commit` once after the last layer).
+    """
+    return self.append_layer_with_history(index, k_new, v_new, plan)[0]
+
+  def append_layer_with_history(self, index, k_new: jax.Array, v_new: jax.Array,
+                                plan: AppendPlan) -> tuple["ModelCache", KVCache]:
+    """`append_layer`, also returning the layer's `KVCache` view *before* the append.
+
+    The view is what a prefill chunk attends to. It is read after the write
+    (packed rows ``< old_packed`` are never written by an append) except for
+    the residual block, whose valid rows are taken from the staging
+    temporary (computed before the write). Reading the stacked storage
+    before writing it would make XLA copy the whole stacked array to keep
+    the old version.
+    """
+    fmt, g, r = self.fmt, self.fmt.token_group, self.fmt.residual
+    t = k_new.shape[1]
+    n_groups = flush_groups(fmt, t)
+    res_len = plan.old_lengths - plan.old_packed
+    keep = plan.new_lengths - plan.old_packed - plan.flush
+    out, old_res = {}, {}
+    for name, side, new in (("k", self.k, k_new), ("v", self.v, v_new)):
+      residual = getattr(self, f"{name}_residual")
+      layer_res = jax.lax.dynamic_index_in_dim(residual, index, 0, keepdims=False)
+      staged = stage_residual(layer_res, new.astype(residual.dtype), res_len, plan.num_new,
+                              n_groups * g + r)                     # [B, H, S, D]
+      # The history's residual rows [0, res_len) are the first staged rows: a
+      # temporary computed before the write (rows past res_len are masked).
+      old_res[name] = staged[:, :, :r]
+      codes, scale, zero = side.quantize(  # reads only static fields and dtypes
+          staged[:, :, : n_groups * g], fmt.scale_dtype, use_kernel=self.use_kernel)
+      out[name] = _write_rows(side, index, codes, scale, zero, plan.old_packed, plan.flush)
+      new_res = shift_residual(staged, plan.flush, keep, r)         # [B, H, R, D]
+      out[f"{name}_residual"] = jax.lax.dynamic_update_index_in_dim(
+          residual, new_res.astype(residual.dtype), index, 0)
+    new = dataclasses.replace(self, **out)
+    history = dataclasses.replace(new.layer(index), k_residual=old_res["k"],
+                                  v_residual=old_res["v"], lengths=self.lengths,
+                                  overflow=self.overflow)
+    return new, history
+
+  def commit(self, plan: AppendPlan) -> "ModelCache":
+    """Advances ``lengths`` and ``overflow`` after every layer's `append_layer`."""
+    return dataclasses.replace(self, lengths=plan.new_lengths,
+                               overflow=self.overflow | ~plan.fits)
+
+  def flag_invalid(self, bad: jax.Array) -> "ModelCache":
+    """Sets ``invalid`` for sequences where ``bad [B]`` is True."""
+    return dataclasses.replace(self, invalid=self.invalid | bad)
+
+  # --------------------------------------------------------------- readback
+  def dequantize(self) -> tuple[jax.Array, jax.Array]:
+    """``(k, v)`` float32 ``[num_layers, B, capacity, Hkv, D]``; see `KVCache.dequantize`."""
+    pairs = [c.dequantize() for c in self.layers()]
+    return jnp.stack([p[0] for p in pairs]), jnp.stack([p[1] for p in pairs])
+
+
+def _is_concrete(x) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+def _scatter_rows(dst, index, src, start, count):
+  """Writes rows ``[0, count_b)`` of ``src [B, H, n, X]`` at rows ``start_b`` of layer ``index``.
+
+  ``dst`` is ``[L, B, H, C, X]``; rows past ``count_b`` go out of bounds and
+  are dropped, so nothing else changes and the scatter updates ``dst`` in place.
+  """
+  b, _, n, _ = src.shape
+  pos = jnp.arange(n)[None, :]                                          # [1, n]
+  rows = jnp.where(pos < count[:, None], start[:, None] + pos, dst.shape[3])  # [B, n]
+  seq = jnp.arange(b)[:, None]                                          # [B, 1]
+  # Advanced indices (index, seq, rows) around the head slice: update is [B, n, H, X].
+  return dst.at[index, seq, :, rows].set(jnp.swapaxes(src, 1, 2).astype(dst.dtype),
+                                         mode="drop")
+
+
+def _write_rows(side: QuantizedKV, index, codes, scale, zero, start, count) -> QuantizedKV:
+  """`QuantizedKV.write` into layer ``index`` of a stacked side."""
+  new_codes = _scatter_rows(side.codes, index, codes, start, count)
+  if side.bits == 16:
+    return dataclasses.replace(side, codes=new_codes)
+  if side.axis == "channel":
+    g = side.group
+    start, count = start // g, count // g
+  return dataclasses.replace(
+      side, codes=new_codes, scale=_scatter_rows(side.scale, index, scale, start, count),
+      zero=_scatter_rows(side.zero, index, zero, start, count))
+
+
+__all__ = ["AppendPlan", "ModelCache"]
