@@ -6,14 +6,20 @@ fallback everywhere. ``"pallas"`` runs the fused dequant flash-decoding
 kernels of `pallas_kernels` (compiled on GPU, Pallas interpret mode
 elsewhere). ``None`` picks Pallas on a GPU when the kernels support the
 cache's format, the reference otherwise.
+
+Non-finite inputs give the same result on every implementation (README
+"Input policy"): a query row with a NaN/inf returns NaN, and every output of a
+sequence whose cache holds a non-finite value (``cache.nonfinite``) is NaN.
 """
 
 from __future__ import annotations
 
+import numbers
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxkv.cache import KVCache
 
@@ -24,6 +30,39 @@ def _causal_mask(lengths, num_queries: int, num_keys: int):
   """``[B, S, T]`` bool: query i of sequence b sees keys ``[0, L_b - S + i]``."""
   last = lengths[:, None] - num_queries + jnp.arange(num_queries)[None, :]  # [B, S]
   return jnp.arange(num_keys)[None, None, :] <= last[:, :, None]
+
+
+def check_scale(scale):
+  """Validates a softmax ``scale``: None, a Python/numpy real or a scalar array.
+
+  A concrete value comes back as a Python float (a non-finite one raises
+  ValueError); a traced scalar comes back as a float32 array.
+  """
+  if scale is None:
+    return None
+  if isinstance(scale, (bool, np.bool_)) or isinstance(scale, complex):
+    raise TypeError(f"scale={scale!r} must be a real number")
+  if isinstance(scale, numbers.Real):
+    value = float(scale)
+  else:
+    if not hasattr(scale, "shape") or not hasattr(scale, "dtype"):
+      raise TypeError(f"scale must be a real number or a scalar array, got {type(scale).__name__}")
+    if tuple(scale.shape) != ():
+      raise ValueError(f"scale must be a scalar, got shape {tuple(scale.shape)}")
+    if not (jnp.issubdtype(scale.dtype, jnp.floating) or jnp.issubdtype(scale.dtype, jnp.integer)):
+      raise TypeError(f"scale.dtype={scale.dtype} must be a real (float or int) dtype")
+    if isinstance(scale, jax.core.Tracer):
+      return jnp.asarray(scale, jnp.float32)
+    value = float(np.asarray(scale))
+  if not np.isfinite(value):
+    raise ValueError(f"scale={value!r} must be finite")
+  return value
+
+
+def _poison(out, q, seq_bad):
+  """NaN for query rows holding a NaN/inf and for sequences flagged ``seq_bad [B]``."""
+  bad = ~jnp.all(jnp.isfinite(q), axis=-1, keepdims=True) | seq_bad[:, None, None, None]
+  return jnp.where(bad, jnp.asarray(jnp.nan, out.dtype), out)
 
 
 def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
@@ -37,9 +76,11 @@ def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.A
     scale: softmax scale, default ``D ** -0.5``.
   Returns:
     ``[B, S, Hq, D]`` in q's dtype. Query i attends keys ``[0, L_b - S + i]``;
-    a query with no visible key returns zeros.
+    a query with no visible key returns zeros. A query row with a NaN/inf, and
+    every query of a sequence whose K/V ``[0, L_b)`` hold a NaN/inf, return NaN.
   """
   _check_qkv(q, k, v)
+  scale = check_scale(scale)
   b, s, hq, d = q.shape
   t, hkv = k.shape[1], k.shape[2]
   if scale is None:
@@ -55,7 +96,11 @@ def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.A
   denom = jnp.sum(p, axis=-1, keepdims=True)
   p = p / jnp.where(denom > 0, denom, 1.0)
   out = jnp.einsum("bhgst,bthd->bshgd", p, v.astype(jnp.float32), precision=hi)
-  return out.reshape(b, s, hq, d).astype(q.dtype)
+  in_seq = jnp.arange(t)[None, :] < jnp.asarray(lengths, jnp.int32)[:, None]  # [B, T]
+  kv_bad = jnp.any(~jnp.isfinite(k.astype(jnp.float32)) | ~jnp.isfinite(v.astype(jnp.float32)),
+                   axis=(2, 3))
+  out = _poison(out.reshape(b, s, hq, d), q, jnp.any(in_seq & kv_bad, axis=1))
+  return out.astype(q.dtype)
 
 
 def _check_qkv(q, k, v):
@@ -129,7 +174,8 @@ def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None
   Args:
     q: ``[B, S, Hq, D]``; ``Hq`` a multiple of ``cache.kv_heads``.
     cache: the `KVCache`.
-    scale: softmax scale, default ``D ** -0.5``.
+    scale: softmax scale, default ``D ** -0.5``: a Python/numpy real or a
+      scalar array (traced ones included); a concrete non-finite one raises.
     implementation: ``None`` (best available), ``"reference"``/``"xla"``,
       ``"pallas"``, or a sequence tried in order.
     config: kernel config for ``"pallas"`` (see `pallas_kernels`); None =
@@ -137,14 +183,18 @@ def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None
   Returns:
     ``[B, S, Hq, D]`` in q's dtype: exact attention over ``cache.dequantize()``
     (float32 accumulation), query i of sequence b seeing keys
-    ``[0, L_b - S + i]``.
+    ``[0, L_b - S + i]``. NaN for query rows holding a NaN/inf and for every
+    query of a sequence flagged ``cache.nonfinite`` (README "Input policy").
   """
   _check_q_cache(q, cache)
+  scale = check_scale(scale)
   impl = resolve_implementation(q, cache, implementation)
   if impl == "pallas":
     import pallas_kernels
-    return pallas_kernels.pallas_decode_attention(
+    out = pallas_kernels.pallas_decode_attention(
         q, cache, scale=scale, config=config, interpret=jax.default_backend() != "gpu")
-  k, v = cache.dequantize()
-  return reference_attention(q, k, v, cache.lengths, scale=scale)
+  else:
+    k, v = cache.dequantize()
+    out = reference_attention(q, k, v, cache.lengths, scale=scale)
+  return _poison(out, q, cache.nonfinite)
 
