@@ -291,3 +291,13 @@ def test_use_kernel_unsupported_format_fails_at_init():
     KVCache.init("int8", 1, 1, 48, 64, use_kernel=True)
   KVCache.init("int8", 1, 1, 48, 64, use_kernel=False)  # the jnp path stores it
   KVCache.init("bf16", 1, 1, 48, 64, use_kernel=True)   # nothing to pack
+
+
+def test_kernel_alone_propagates_nan_never_zero():
+  """Without the wrapper's rule: NaN scores reach the output as NaN, not as zeros."""
+  k, v = _kv(11, 1, 200)
+  cache = KVCache.init("kivi4", 1, 1, 64, 256, jnp.float32).prefill(
+      jnp.asarray(k), jnp.asarray(v), [200])
+  q = _q(11, 1).at[0, 0, 1, 0].set(jnp.nan)
+  out = np.asarray(pk.pallas_decode_attention(q, cache, interpret=True))
+  assert np.isnan(out[0, 0, 1]).all() and np.isfinite(out[0, 0, [0, 2, 3]]).all()
