@@ -8,14 +8,20 @@ fallback everywhere. Two Pallas kernel families read the same cache:
 the device. ``None`` picks the first family of `PALLAS_ORDER` that serves the
 case on a GPU (Triton today: it measured faster than the first Mosaic kernel
 on an H100), the reference elsewhere.
+
+Non-finite inputs give the same result on every implementation (README
+"Input policy"): a query row with a NaN/inf returns NaN, and every output of a
+sequence whose cache holds a non-finite value (``cache.nonfinite``) is NaN.
 """
 
 from __future__ import annotations
 
+import numbers
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxkv.cache import KVCache
 
@@ -26,6 +32,39 @@ def _causal_mask(lengths, num_queries: int, num_keys: int):
   """``[B, S, T]`` bool: query i of sequence b sees keys ``[0, L_b - S + i]``."""
   last = lengths[:, None] - num_queries + jnp.arange(num_queries)[None, :]  # [B, S]
   return jnp.arange(num_keys)[None, None, :] <= last[:, :, None]
+
+
+def check_scale(scale):
+  """Validates a softmax ``scale``: None, a Python/numpy real or a scalar array.
+
+  A concrete value comes back as a Python float (a non-finite one raises
+  ValueError); a traced scalar comes back as a float32 array.
+  """
+  if scale is None:
+    return None
+  if isinstance(scale, (bool, np.bool_)) or isinstance(scale, complex):
+    raise TypeError(f"scale={scale!r} must be a real number")
+  if isinstance(scale, numbers.Real):
+    value = float(scale)
+  else:
+    if not hasattr(scale, "shape") or not hasattr(scale, "dtype"):
+      raise TypeError(f"scale must be a real number or a scalar array, got {type(scale).__name__}")
+    if tuple(scale.shape) != ():
+      raise ValueError(f"scale must be a scalar, got shape {tuple(scale.shape)}")
+    if not (jnp.issubdtype(scale.dtype, jnp.floating) or jnp.issubdtype(scale.dtype, jnp.integer)):
+      raise TypeError(f"scale.dtype={scale.dtype} must be a real (float or int) dtype")
+    if isinstance(scale, jax.core.Tracer):
+      return jnp.asarray(scale, jnp.float32)
+    value = float(np.asarray(scale))
+  if not np.isfinite(value):
+    raise ValueError(f"scale={value!r} must be finite")
+  return value
+
+
+def _poison(out, q, seq_bad):
+  """NaN for query rows holding a NaN/inf and for sequences flagged ``seq_bad [B]``."""
+  bad = ~jnp.all(jnp.isfinite(q), axis=-1, keepdims=True) | seq_bad[:, None, None, None]
+  return jnp.where(bad, jnp.asarray(jnp.nan, out.dtype), out)
 
 
 def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
@@ -39,9 +78,11 @@ def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.A
     scale: softmax scale, default ``D ** -0.5``.
   Returns:
     ``[B, S, Hq, D]`` in q's dtype. Query i attends keys ``[0, L_b - S + i]``;
-    a query with no visible key returns zeros.
+    a query with no visible key returns zeros. A query row with a NaN/inf, and
+    every query of a sequence whose K/V ``[0, L_b)`` hold a NaN/inf, return NaN.
   """
   _check_qkv(q, k, v)
+  scale = check_scale(scale)
   b, s, hq, d = q.shape
   t, hkv = k.shape[1], k.shape[2]
   if scale is None:
@@ -57,7 +98,11 @@ def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.A
   denom = jnp.sum(p, axis=-1, keepdims=True)
   p = p / jnp.where(denom > 0, denom, 1.0)
   out = jnp.einsum("bhgst,bthd->bshgd", p, v.astype(jnp.float32), precision=hi)
-  return out.reshape(b, s, hq, d).astype(q.dtype)
+  in_seq = jnp.arange(t)[None, :] < jnp.asarray(lengths, jnp.int32)[:, None]  # [B, T]
+  kv_bad = jnp.any(~jnp.isfinite(k.astype(jnp.float32)) | ~jnp.isfinite(v.astype(jnp.float32)),
+                   axis=(2, 3))
+  out = _poison(out.reshape(b, s, hq, d), q, jnp.any(in_seq & kv_bad, axis=1))
+  return out.astype(q.dtype)
 
 
 def _check_qkv(q, k, v):
@@ -198,7 +243,7 @@ def _mosaic_attention(q, cache, *, scale, config):
     config = mosaic_attention.MosaicAttentionConfig.default(
         batch=cache.batch, tokens=cache.storage_len, kv_heads=cache.kv_heads,
         num_sms=getattr(jax.devices()[0], "core_count", 132))
-  sm_scale = float(cache.head_dim ** -0.5 if scale is None else scale)
+  sm_scale = cache.head_dim ** -0.5 if scale is None else scale
   return mosaic_attention.mosaic_decode_attention(
       q, cache.k.codes, cache.k.scale, cache.k.zero, cache.v.codes, cache.v.scale,
       cache.v.zero, cache.k_residual, cache.v_residual, cache.lengths,
@@ -216,30 +261,36 @@ def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None
   Args:
     q: ``[B, S, Hq, D]``; ``Hq`` a multiple of ``cache.kv_heads``.
     cache: the `KVCache`.
-    scale: softmax scale, default ``D ** -0.5``.
+    scale: softmax scale, default ``D ** -0.5``: a Python/numpy real or a
+      scalar array (traced ones included); a concrete non-finite one raises.
     implementation: ``None`` (best available: the faster Pallas family that
-      serves the input on a GPU, see `PALLAS_ORDER`; the reference elsewhere), ``"reference"``/``"xla"``,
-      ``"triton"``, ``"mosaic"``, ``"pallas"`` (the best Pallas family for
-      the device), or a sequence tried in order.
+      serves the input on a GPU, see `PALLAS_ORDER`; the reference
+      elsewhere), ``"reference"``/``"xla"``, ``"triton"``, ``"mosaic"``,
+      ``"pallas"`` (the best Pallas family for the device), or a sequence
+      tried in order.
     config: a `pallas_kernels.DecodeAttentionConfig` (Triton) or
       `pallas_kernels.MosaicAttentionConfig` (Mosaic); None = heuristic
       default.
   Returns:
     ``[B, S, Hq, D]`` in q's dtype: exact attention over ``cache.dequantize()``
     (float32 accumulation), query i of sequence b seeing keys
-    ``[0, L_b - S + i]``.
+    ``[0, L_b - S + i]``. NaN for query rows holding a NaN/inf and for every
+    query of a sequence flagged ``cache.nonfinite`` (README "Input policy").
   """
   _check_q_cache(q, cache)
+  scale = check_scale(scale)
   impl = resolve_implementation(q, cache, implementation, config)
   if impl == "mosaic":
-    return _mosaic_attention(q, cache, scale=scale,
-                             config=config if _is_mosaic_config(config) else None)
-  if impl == "triton":
+    out = _mosaic_attention(q, cache, scale=scale,
+                            config=config if _is_mosaic_config(config) else None)
+  elif impl == "triton":
     import pallas_kernels  # pylint: disable=import-outside-toplevel
     if config is not None and _is_mosaic_config(config):
       config = None
-    return pallas_kernels.pallas_decode_attention(
+    out = pallas_kernels.pallas_decode_attention(
         q, cache, scale=scale, config=config, interpret=jax.default_backend() != "gpu")
-  k, v = cache.dequantize()
-  return reference_attention(q, k, v, cache.lengths, scale=scale)
+  else:
+    k, v = cache.dequantize()
+    out = reference_attention(q, k, v, cache.lengths, scale=scale)
+  return _poison(out, q, cache.nonfinite)
 

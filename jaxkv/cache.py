@@ -14,7 +14,16 @@ gives the same cache as quantizing the whole history at once.
 Overflow: an eager call that would grow a sequence past ``capacity`` raises
 `ValueError`. Under `jit` the lengths are not known, so such a sequence is left
 unchanged (nothing is written, nothing wraps) and its ``overflow`` flag is set;
-`KVCache.check()` raises on a concrete flagged cache.
+the same holds for a jitted `prefill` whose ``lengths[b]`` lies outside
+``[0, T]``. `KVCache.check()` raises on a concrete flagged cache.
+
+Non-finite values (README "Input policy"): an eager `prefill`/`append` whose
+K or V holds a NaN/inf, or a value that the format's scale dtype cannot
+represent as a zero point or scale, raises `ValueError`. Under `jit` the
+values are stored (a quantized group that holds one stores NaN scale and zero,
+`jaxkv.quant`), the sequence's ``nonfinite`` flag is set, `check()` raises on
+it, and `jaxkv.decode_attention` returns NaN for every output of that sequence
+on every implementation.
 """
 
 from __future__ import annotations
@@ -70,11 +79,12 @@ class QuantizedKV:
     if self.bits == 16:
       return x.astype(self.codes.dtype), None, None
     if use_kernel:
-      from pallas_kernels import quantize_pack  # GPU only; see `KVCache` docs
+      # Compiled on a GPU, Pallas interpret mode elsewhere (same bits, slowly).
+      from pallas_kernels import quantize_pack
       b, h, t, d = x.shape
       codes, scale, zero = quantize_pack(
           x.reshape(b * h, t, d), bits=self.bits, axis=self.axis, group=self.group,
-          scale_dtype=scale_dtype)
+          scale_dtype=scale_dtype, interpret=jax.default_backend() != "gpu")
       return (codes.reshape(b, h, *codes.shape[1:]), scale.reshape(b, h, *scale.shape[1:]),
               zero.reshape(b, h, *zero.shape[1:]))
     return quant.quantize(x, self.bits, axis=self.axis, group=self.group, scale_dtype=scale_dtype)
@@ -143,12 +153,17 @@ class KVCache:
     k_residual, v_residual: ``[B, Hkv, R, D]`` full-precision residual rows;
       row ``i`` holds token ``packed_len(L) + i``; rows past ``L`` are zero.
     lengths: ``[B]`` int32 tokens held per sequence.
-    overflow: ``[B]`` bool, set when an append under `jit` would have grown a
-      sequence past ``capacity`` (that append was not applied to it).
+    overflow: ``[B]`` bool, set when an update under `jit` was not applied to
+      the sequence: it would have grown it past ``capacity``, or (prefill) its
+      ``lengths[b]`` was outside ``[0, T]``.
+    nonfinite: ``[B]`` bool, set when an update under `jit` stored a NaN/inf
+      in the sequence, or a value whose quantization group's scale or zero
+      overflows ``fmt.scale_dtype`` (that group is stored as NaN).
     fmt: the `KVFormat` (static).
     capacity: tokens per sequence the cache can hold (static).
     use_kernel: quantize with the Pallas pack kernel (static; default: on
-      GPU). Results are bitwise identical either way.
+      GPU; Pallas interpret mode elsewhere). Results are bitwise identical
+      either way.
   """
 
   k: QuantizedKV
@@ -157,6 +172,7 @@ class KVCache:
   v_residual: jax.Array
   lengths: jax.Array
   overflow: jax.Array
+  nonfinite: jax.Array
   fmt: KVFormat = _static()
   capacity: int = _static()
   use_kernel: bool = _static(default=False)
@@ -175,7 +191,8 @@ class KVCache:
       head_dim: channels per head D.
       capacity: maximum tokens per sequence.
       dtype: dtype of full-precision K/V (residual, 16-bit sides, inputs).
-      use_kernel: quantize with the Pallas pack kernel; None = only on GPU.
+      use_kernel: quantize with the Pallas pack kernel; None = only on GPU
+        (True elsewhere runs it in Pallas interpret mode).
     """
     if isinstance(fmt, str):
       fmt = KVFormat.preset(fmt)
@@ -192,6 +209,8 @@ class KVCache:
     storage = -(-capacity // align) * align
     if use_kernel is None:
       use_kernel = jax.default_backend() == "gpu" and fmt.is_quantized
+    if use_kernel and fmt.is_quantized:
+      _check_pack_kernel(fmt, head_dim)
     res_shape = (batch, kv_heads, fmt.residual, head_dim)
     return cls(
         k=_empty_side(fmt, fmt.k_bits, fmt.k_axis, batch, kv_heads, head_dim, storage, dtype),
@@ -200,6 +219,7 @@ class KVCache:
         v_residual=jnp.zeros(res_shape, dtype),
         lengths=jnp.zeros((batch,), jnp.int32),
         overflow=jnp.zeros((batch,), bool),
+        nonfinite=jnp.zeros((batch,), bool),
         fmt=fmt, capacity=int(capacity), use_kernel=bool(use_kernel))
 
   # -------------------------------------------------------------- properties
@@ -240,12 +260,23 @@ class KVCache:
     return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self))
 
   def check(self) -> "KVCache":
-    """Raises ValueError if any sequence overflowed under jit; returns self."""
+    """Raises ValueError if any sequence is flagged (``overflow``, ``nonfinite``); returns self.
+
+    A no-op on traced flags (inside `jit`); call it on the returned cache.
+    """
     flags = self.overflow
     if _is_concrete(flags) and bool(np.any(np.asarray(flags))):
       bad = np.nonzero(np.asarray(flags))[0].tolist()
       raise ValueError(f"KV cache overflow (capacity={self.capacity}) in sequences {bad}: "
-                       "their appends were not applied")
+                       "updates that would pass capacity, or prefill lengths outside "
+                       "[0, T], were not applied")
+    flags = self.nonfinite
+    if _is_concrete(flags) and bool(np.any(np.asarray(flags))):
+      bad = np.nonzero(np.asarray(flags))[0].tolist()
+      raise ValueError(
+          f"KV cache holds non-finite values in sequences {bad}: a NaN/inf in k or v, or "
+          f"a value beyond the range of scale_dtype={self.fmt.scale_dtype} (attention "
+          "returns NaN for these sequences)")
     return self
 
   # ------------------------------------------------------------------ update
@@ -289,15 +320,17 @@ class KVCache:
       ln = np.asarray(lengths)
       if ln.min() < 0 or ln.max() > t:
         raise ValueError(f"prefill: lengths={ln.tolist()} must lie in [0, T={t}]")
-    return self._extend(k, v, jnp.asarray(lengths, jnp.int32))
+    # Traced lengths outside [0, T] are rejected per sequence in `_extend_traced`
+    # (``overflow`` set, nothing written).
+    return self._extend(k, v, jnp.asarray(lengths, jnp.int32), "prefill")
 
   def append(self, k_new: jax.Array, v_new: jax.Array) -> "KVCache":
     """Appends ``S`` tokens to every sequence; ``k_new, v_new [B, S, Hkv, D]``."""
     self._validate_kv(k_new, v_new, "append")
     s = k_new.shape[1]
-    return self._extend(k_new, v_new, jnp.full((self.batch,), s, jnp.int32))
+    return self._extend(k_new, v_new, jnp.full((self.batch,), s, jnp.int32), "append")
 
-  def _extend(self, k_new, v_new, num_new) -> "KVCache":
+  def _extend(self, k_new, v_new, num_new, what="append") -> "KVCache":
     cap = self.capacity
     if _is_concrete(self.lengths) and _is_concrete(num_new):
       grown = np.asarray(self.lengths) + np.asarray(num_new)
@@ -305,13 +338,18 @@ class KVCache:
         bad = np.nonzero(grown > cap)[0].tolist()
         raise ValueError(f"KV cache overflow: sequences {bad} would reach lengths "
                          f"{grown[bad].tolist()} > capacity={cap}")
-    return _extend_jit(self, k_new, v_new, num_new)
+    out = _extend_jit(self, k_new, v_new, num_new)
+    if _is_concrete(out.nonfinite) and _is_concrete(self.nonfinite):
+      new_bad = np.asarray(out.nonfinite) & ~np.asarray(self.nonfinite)
+      if new_bad.any():
+        raise ValueError(_nonfinite_message(what, self, k_new, v_new, num_new, new_bad))
+    return out
 
   def _extend_traced(self, k_new, v_new, num_new) -> "KVCache":
     fmt, cap = self.fmt, self.capacity
     g, r = fmt.token_group, fmt.residual
     t = k_new.shape[1]
-    fits = self.lengths + num_new <= cap
+    fits = (self.lengths + num_new <= cap) & (num_new >= 0) & (num_new <= t)
     num_new = jnp.where(fits, num_new, 0)
     old_len = self.lengths
     new_len = old_len + num_new
@@ -333,13 +371,15 @@ class KVCache:
       return tuple(out)
 
     k_side, v_side = jax.lax.cond(jnp.any(flush > 0), do_flush, lambda s: s, (self.k, self.v))
+    nonfinite = (self.nonfinite | _nonfinite_rows(k_new, num_new) | _nonfinite_rows(v_new, num_new)
+                 | _bad_groups(k_side, old_packed, flush) | _bad_groups(v_side, old_packed, flush))
 
     new_res_len = new_len - new_packed
     return dataclasses.replace(
         self, k=k_side, v=v_side,
         k_residual=shift_residual(k_stage, flush, new_res_len, r),
         v_residual=shift_residual(v_stage, flush, new_res_len, r),
-        lengths=new_len, overflow=self.overflow | ~fits)
+        lengths=new_len, overflow=self.overflow | ~fits, nonfinite=nonfinite)
 
   # ---------------------------------------------------------------- readback
   def dequantize(self) -> tuple[jax.Array, jax.Array]:
@@ -409,6 +449,62 @@ def shift_residual(staged, flushed, keep, r: int) -> jax.Array:
     return jnp.where(jnp.arange(r)[None, :, None] < keep, out, 0)
 
   return jax.vmap(one)(staged, flushed, keep)
+
+
+def _check_pack_kernel(fmt: KVFormat, head_dim: int) -> None:
+  """Raises ValueError at `KVCache.init` if the pack kernel cannot store this format."""
+  from pallas_kernels import pack
+  for name, bits, axis in (("k", fmt.k_bits, fmt.k_axis), ("v", fmt.v_bits, "token")):
+    if bits == 16:
+      continue
+    group = fmt.token_group if axis == "channel" else fmt.channel_group_for(head_dim)
+    try:
+      pack._check((fmt.token_group, head_dim), bits, axis, group)
+    except ValueError as e:
+      raise ValueError(f"use_kernel=True: the Pallas pack kernel cannot store {name} of "
+                       f"this format at head_dim={head_dim}: {e}; pass use_kernel=False") from None
+
+
+def _nonfinite_rows(x, count):
+  """``[B]``: any non-finite value in rows ``[0, count_b)`` of ``x [B, T, H, D]``."""
+  rows = jnp.arange(x.shape[1])[None, :] < count[:, None]
+  return jnp.any(rows & jnp.any(~jnp.isfinite(x), axis=(2, 3)), axis=1)
+
+
+def _bad_groups(side: QuantizedKV, start, count):
+  """``[B]``: a group stored in packed rows ``[start_b, start_b + count_b)`` is NaN.
+
+  The quantizer stores NaN scale/zero for a group whose values are finite but
+  overflow the scale dtype (`jaxkv.quant`): that too is a non-finite value.
+  """
+  if side.bits == 16:
+    return jnp.zeros(start.shape, bool)
+  if side.axis == "channel":
+    start, count = start // side.group, count // side.group
+  pos = jnp.arange(side.scale.shape[2])[None, :]
+  rows = (pos >= start[:, None]) & (pos < (start + count)[:, None])      # [B, C']
+  bad = jnp.any(jnp.isnan(side.scale.astype(jnp.float32)), axis=(1, 3))  # [B, C']
+  return jnp.any(rows & bad, axis=1)
+
+
+def _nonfinite_message(what, cache, k_new, v_new, num_new, new_bad) -> str:
+  """The eager error for sequences whose update stored a non-finite value."""
+  seqs = np.nonzero(new_bad)[0].tolist()
+  parts = []
+  sdt = cache.fmt.scale_dtype
+  limit = float(np.finfo(np.dtype(jnp.dtype(sdt))).max) / 2
+  for name, x in (("k", k_new), ("v", v_new)):
+    xs = [np.asarray(x[b, : int(num_new[b])], np.float32) for b in seqs]
+    if any((~np.isfinite(a)).any() for a in xs):
+      parts.append(f"{name} holds NaN/inf")
+    else:
+      peak = max((float(np.abs(a).max()) if a.size else 0.0) for a in xs)
+      if peak > limit:
+        parts.append(f"{name} has |{name}| up to {peak:.4g}")
+  return (f"{what}: {', '.join(parts) or 'k/v'} in sequences {seqs}: quantized groups "
+          f"would store a non-finite scale/zero (scale_dtype={sdt}, float16 holds "
+          f"|x| <= 65504; use KVFormat(scale_dtype='float32') for larger values). "
+          "See README 'Input policy'.")
 
 
 # Jitted once per (format, shapes): eager calls do not dispatch op by op, and

@@ -11,6 +11,13 @@ where ``scale_s``/``zero_s`` are the *stored* (rounded) scale and zero read
 back as float32, so ``x_hat`` is the nearest point of the grid that is
 actually stored. A group whose stored scale is 0 (constant group, or a range
 that underflows the scale dtype) gets codes 0 and ``x_hat == zero_s``.
+
+Non-finite groups (README "Input policy"): a group that holds a NaN or an
+infinity, or whose stored scale or zero is not finite in the scale dtype (a
+float16 zero of -70000, a float32 range past 3.4e38), stores
+``scale_s = zero_s = NaN`` and codes 0, so it dequantizes to NaN: the bad
+value stays visible instead of becoming the group minimum. `group_is_bad`
+is that test; the pack kernel applies the same one.
 The range is multiplied by the float32 constant ``1 / (2^b - 1)``, and the
 code is the exactly rounded quotient of the float32 difference by the stored
 scale (`round_codes`: an approximate division, then an exact correction), so
@@ -90,6 +97,9 @@ def _quantize_groups(x: jax.Array, bits: int, axis: int, scale_dtype):
   hi = jnp.max(x, axis=axis, keepdims=True)
   scale_s = ((hi - lo) * jnp.float32(1.0 / levels)).astype(scale_dtype)
   zero_s = lo.astype(scale_dtype)
+  bad = group_is_bad(jnp.any(~jnp.isfinite(x), axis=axis, keepdims=True), scale_s, zero_s)
+  scale_s = jnp.where(bad, jnp.nan, scale_s).astype(scale_dtype)
+  zero_s = jnp.where(bad, jnp.nan, zero_s).astype(scale_dtype)
   # The codes must be computed from the *stored* (rounded) scale and zero.
   # XLA:GPU (allow_excess_precision) folds a float32 -> float16 -> float32
   # round trip away, which changes codes wherever the rounding matters (tiny
@@ -97,6 +107,16 @@ def _quantize_groups(x: jax.Array, bits: int, axis: int, scale_dtype):
   scale_s, zero_s = lax.optimization_barrier((scale_s, zero_s))
   code = round_codes(x, zero_s.astype(jnp.float32), scale_s.astype(jnp.float32), levels)
   return code, jnp.squeeze(scale_s, axis), jnp.squeeze(zero_s, axis)
+
+
+def group_is_bad(x_nonfinite: jax.Array, scale_s: jax.Array, zero_s: jax.Array) -> jax.Array:
+  """Groups stored as NaN: non-finite input, or a scale/zero that overflowed its dtype.
+
+  ``x_nonfinite`` is ``any(~isfinite(x))`` over the group (a separate input
+  because a GPU ``min``/``max`` may skip NaNs); ``scale_s``/``zero_s`` are
+  the rounded, stored values.
+  """
+  return x_nonfinite | ~jnp.isfinite(scale_s) | ~jnp.isfinite(zero_s)
 
 
 def round_codes(x: jax.Array, zero: jax.Array, scale: jax.Array, levels: int) -> jax.Array:
@@ -126,6 +146,7 @@ def round_codes(x: jax.Array, zero: jax.Array, scale: jax.Array, levels: int) ->
   code = jnp.floor(d * (1.0 / safe) + 0.5)
   code = code - jnp.where(at_least(code + code - 1.0), 0.0, 1.0)
   code = code + jnp.where(at_least(code + code + 1.0), 1.0, 0.0)
+  # NaN scale (a non-finite group) fails ``scale > 0``: codes 0, never NaN -> uint8.
   code = jnp.where(scale > 0, jnp.clip(code, 0.0, float(levels)), 0.0)
   return code.astype(jnp.uint8)
 

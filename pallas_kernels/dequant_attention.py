@@ -20,6 +20,14 @@ goes"), so each code only needs an int -> float conversion before the dot:
 - V per token: ``o_grp += (p * scale_t) @ codes_grp`` and a rank-1 term
   ``(p @ zero_t)`` added once at the end.
 
+Range (README "Input policy"): the softmax scale is a runtime operand applied
+to the float32 scores, never folded into a low-precision operand. A float16
+dot operand holds only ``|x| <= 65504`` and loses precision below ``6e-5``,
+so wherever one is built from other values (q of another dtype, ``q * scale_g``,
+``p * scale_t``) its factors are first divided by their largest magnitude
+(q per row, scales per step) and the float32 dot result is multiplied back.
+A NaN partial denominator makes the combined output NaN, never zero.
+
 The planar layout of `jaxkv.quant` unpacks a byte column block into ``8/bits``
 contiguous channel blocks of width ``W = D*bits/8``; the kernel multiplies
 block ``i`` with ``q_ref[:, i*W : (i+1)*W]`` and keeps one output
@@ -260,6 +268,7 @@ class _Side:
 def _split_kernel(
     # inputs
     lengths_ref,   # [] int32: L_b
+    scale_ref,     # [] float32: softmax scale
     q_ref,         # [Mq, D]
     k_codes_ref,   # [C, D*kb/8] uint8 | [C, D] when 16-bit
     k_scale_ref,   # [C//G, D] (channel) | [C, D//Gd] (token) | None
@@ -282,7 +291,6 @@ def _split_kernel(
     num_splits: int,
     block_k: int,
     res_block: int,
-    sm_scale: float,
     use_asm: bool,
     defer_sums: bool,
 ):
@@ -291,6 +299,7 @@ def _split_kernel(
   dtype = k_res_ref.dtype
   split = pl.program_id(2)
   length = lengths_ref[()]
+  sm_scale = scale_ref[()]
   packed = token_group * jnp.maximum(0, (length - residual + token_group) // token_group)
   # Query row r is (query head h, new token s) with r = h * S + s; it sees keys
   # [0, L - S + s] (causal among the S new tokens).
@@ -311,13 +320,37 @@ def _split_kernel(
   v_dt = dtype if v_side.bits == 16 else _code_dtype(v_side.bits, dtype)
   # q per K plane, [rows, w] in q's dtype (kept in registers across the loop).
   q_vals = [q_ref[:, pl.ds(col, w)] for _, w, _, col, _ in k_flat]
+  q_abs = None
+  for qv in q_vals:
+    part = jnp.max(jnp.abs(qv.astype(jnp.float32)), axis=1)
+    q_abs = part if q_abs is None else jnp.maximum(q_abs, part)
+  q_norm = jnp.where(q_abs > 0, q_abs, 1.0)  # [rows] largest |q| of each row
+  ones = jnp.ones((rows,), jnp.float32)
 
-  def q_scaled(dt):
-    return [(qv.astype(jnp.float32) * sm_scale).astype(dt) for qv in q_vals]
+  def q_operands(dt, normalize):
+    """q per plane as dot operands in ``dt``, and the [rows] factor of their scores.
 
+    ``normalize``: q / (its row's largest |q|), so a float16 operand neither
+    overflows nor goes subnormal; the scores are multiplied back in float32.
+    """
+    if not normalize:
+      return [qv.astype(dt) for qv in q_vals], sm_scale * ones
+    return ([(qv.astype(jnp.float32) / q_norm[:, None]).astype(dt) for qv in q_vals],
+            sm_scale * q_norm)
+
+  q_dtype = q_ref.dtype
   k_token = k_side.bits < 16 and k_side.axis == "token"
+  # Per-channel K folds its scale into a float16 operand: both factors normalized.
+  k_channel_norm = k_side.bits < 16 and k_side.axis == "channel" and k_dt == jnp.float16
   if k_token or k_side.bits == 16:
-    q_dots = q_scaled(k_dt)
+    q_dots, k_mult = q_operands(k_dt, k_dt == jnp.float16 and q_dtype != jnp.float16)
+  elif k_channel_norm:
+    q_f32 = [qv.astype(jnp.float32) / q_norm[:, None] for qv in q_vals]
+    k_mult = sm_scale * q_norm
+  else:
+    q_f32 = [qv.astype(jnp.float32) for qv in q_vals]
+    k_mult = sm_scale * ones
+  v_norm = v_side.bits < 16 and v_dt == jnp.float16
   if k_token:
     num_k_groups = head_dim // k_side.group
     q_sums = [None] * num_k_groups  # sums of the rounded q the dots consume
@@ -344,10 +377,15 @@ def _split_kernel(
       for bcol, w, planes in k_side.chunks(head_dim):
         codes = unpack(k_codes_ref, tok, bcol, w, k_side.bits, k_dt)
         for plane, col, _ in planes:
-          qf = q_vals[k_flat.index((bcol, w, plane, col, 0))].astype(jnp.float32)
-          scale = k_scale_ref[pl.ds(grp, 1), pl.ds(col, w)].astype(jnp.float32) * sm_scale
-          zero = k_zero_ref[pl.ds(grp, 1), pl.ds(col, w)].astype(jnp.float32) * sm_scale
-          part = _dot_t((qf * scale).astype(k_dt), codes[plane])
+          qf = q_f32[k_flat.index((bcol, w, plane, col, 0))]
+          scale = k_scale_ref[pl.ds(grp, 1), pl.ds(col, w)].astype(jnp.float32)
+          zero = k_zero_ref[pl.ds(grp, 1), pl.ds(col, w)].astype(jnp.float32)
+          if k_channel_norm:
+            s_max = jnp.max(jnp.abs(scale))
+            s_max = jnp.where(s_max > 0, s_max, 1.0)
+            part = _dot_t((qf * (scale / s_max)).astype(k_dt), codes[plane]) * s_max
+          else:
+            part = _dot_t((qf * scale).astype(k_dt), codes[plane])
           part = part + jnp.sum(qf * zero, axis=1)[:, None]
           s = part if s is None else s + part
       return s
@@ -371,7 +409,7 @@ def _split_kernel(
     t = t0 + lax.broadcasted_iota(jnp.int32, (kb,), 0)
     in_packed = t < packed
     valid = in_packed[None, :] & (t[None, :] <= row_limit[:, None])
-    s = jnp.where(valid, k_scores(t0, kb), -jnp.inf)
+    s = jnp.where(valid, k_scores(t0, kb) * k_mult[:, None], -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp(m - m_safe)
@@ -384,11 +422,18 @@ def _split_kernel(
     if v_side.bits == 16:
       v = jnp.where(in_packed[:, None], v_codes_ref[tok, :].astype(dtype), 0)
       return m_new, l, [alpha[:, None] * accs[0] + _dot(p.astype(dtype), v)], zaccs
-    p_scaled, new_zaccs = [], []
+    p_scaled, v_mult, new_zaccs = [], [], []
     for g in range(v_groups):
       scale = jnp.where(in_packed, v_scale_ref[tok, g].astype(jnp.float32), 0.0)
       zero = jnp.where(in_packed, v_zero_ref[tok, g].astype(jnp.float32), 0.0)
-      p_scaled.append((p * scale[None, :]).astype(v_dt))
+      if v_norm:  # p * scale in float16: divide by the step's largest scale
+        s_max = jnp.max(jnp.abs(scale))
+        s_max = jnp.where(s_max > 0, s_max, 1.0)
+        p_scaled.append((p * (scale / s_max)[None, :]).astype(v_dt))
+        v_mult.append(s_max)
+      else:
+        p_scaled.append((p * scale[None, :]).astype(v_dt))
+        v_mult.append(None)
       if defer_sums:
         new_zaccs.append(alpha[:, None] * zaccs[g] + p * zero[None, :])
       else:
@@ -398,7 +443,10 @@ def _split_kernel(
       codes = unpack(v_codes_ref, tok, bcol, w, v_side.bits, v_dt)
       for plane, col, g in planes:
         idx = v_flat.index((bcol, w, plane, col, g))
-        new_accs[idx] = alpha[:, None] * accs[idx] + _dot(p_scaled[g], codes[plane])
+        part = _dot(p_scaled[g], codes[plane])
+        if v_mult[g] is not None:
+          part = part * v_mult[g]
+        new_accs[idx] = alpha[:, None] * accs[idx] + part
     return m_new, l, new_accs, new_zaccs
 
   # Per-channel K: a step never crosses a token group (one scale row per step).
@@ -432,7 +480,7 @@ def _split_kernel(
   # per stage) would take shared memory from every program for a block that
   # only the last split reads once.
   num_res = length - packed
-  q_res = q_scaled(dtype)
+  q_res, res_mult = q_operands(dtype, dtype == jnp.float16 and q_dtype != jnp.float16)
 
   def res_block_step(r0, carry):
     m, l, accs = carry
@@ -444,7 +492,7 @@ def _split_kernel(
     for (_, w, _, col, _), qr in zip(k_flat, q_res):
       part = _dot_t(qr, k_res_ref[tok, pl.ds(col, w)])
       s = part if s is None else s + part
-    p, alpha, m, l = online_softmax(s, valid, m, l)
+    p, alpha, m, l = online_softmax(s * res_mult[:, None], valid, m, l)
     p = p.astype(dtype)
     new_accs = []
     for (_, w, _, col, _), acc in zip(v_flat, accs):
@@ -503,8 +551,9 @@ def _combine_kernel(
   acc, l = lax.fori_loop(
       0, num_blocks, sum_body,
       (jnp.zeros(out_ref.shape, jnp.float32), jnp.zeros((out_rows,), jnp.float32)))
-  safe = jnp.where(l > 0, l, 1.0)
-  out_ref[...] = jnp.where((l > 0)[:, None], acc / safe[:, None], 0.0).astype(out_ref.dtype)
+  # l == 0: no visible key (zeros); a NaN l (NaN scores) stays NaN, never 0.
+  safe = jnp.where(l == 0, 1.0, l)
+  out_ref[...] = jnp.where((l == 0)[:, None], 0.0, acc / safe[:, None]).astype(out_ref.dtype)
 
 
 def _side_arrays(codes, scale, zero, bits):
@@ -512,7 +561,7 @@ def _side_arrays(codes, scale, zero, bits):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("fmt", "scale", "config", "interpret"))
+    jax.jit, static_argnames=("fmt", "config", "interpret"))
 def dequant_decode_attention(
     q: jax.Array,           # [B, S, Hq, D]
     k_codes: jax.Array,     # [B, H, C, D*kb/8] uint8 | [B, H, C, D]
@@ -526,7 +575,7 @@ def dequant_decode_attention(
     lengths: jax.Array,     # [B] int32, total tokens per sequence
     *,
     fmt: KVFormat,
-    scale: float | None = None,
+    scale: float | jax.Array | None = None,
     config: DecodeAttentionConfig | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -539,7 +588,8 @@ def dequant_decode_attention(
     k_residual, v_residual: ``[B, H, R, D]`` full-precision newest tokens.
     lengths: ``[B]`` total tokens ``L_b`` per sequence.
     fmt: the cache format.
-    scale: softmax scale, default ``D ** -0.5``.
+    scale: softmax scale, default ``D ** -0.5``: a float or a (possibly
+      traced) scalar array; a runtime operand, so new values do not recompile.
     config: launch parameters; `DecodeAttentionConfig.default` when None.
     interpret: run in Pallas interpret mode (CPU).
 
@@ -556,7 +606,9 @@ def dequant_decode_attention(
   q_rows = group_q * num_queries
   rows = max(_MIN_ROWS, _triton.next_pow2(q_rows))
   residual = k_residual.shape[2]
-  sm_scale = float(head_dim ** -0.5 if scale is None else scale)
+  sm_scale = jnp.asarray(head_dim ** -0.5 if scale is None else scale, jnp.float32)
+  if sm_scale.shape != ():
+    raise ValueError(f"scale must be a scalar, got shape {sm_scale.shape}")
   if config is None:
     config = DecodeAttentionConfig.default(
         batch=batch, tokens=capacity, q_heads=q_heads, kv_heads=kv_heads,
@@ -587,21 +639,23 @@ def dequant_decode_attention(
 
   k_arrays = _side_arrays(k_codes, k_scale, k_zero, fmt.k_bits)
   v_arrays = _side_arrays(v_codes, v_scale, v_zero, fmt.v_bits)
-  inputs = [lengths.astype(jnp.int32), qh, *k_arrays, *v_arrays, k_residual, v_residual]
-  in_specs = [pl.BlockSpec((None,), lambda b, h, j: (b,))] + [full(x) for x in inputs[1:]]
+  inputs = [lengths.astype(jnp.int32), jnp.broadcast_to(sm_scale, (batch,)), qh,
+            *k_arrays, *v_arrays, k_residual, v_residual]
+  per_seq = pl.BlockSpec((None,), lambda b, h, j: (b,))
+  in_specs = [per_seq, per_seq] + [full(x) for x in inputs[2:]]
 
   kernel = functools.partial(
       _split_kernel, k_side=k_side, v_side=v_side, token_group=fmt.token_group,
       residual=fmt.residual, num_queries=num_queries, num_splits=config.num_splits,
-      block_k=block_k, res_block=res_block, sm_scale=sm_scale, use_asm=not interpret,
+      block_k=block_k, res_block=res_block, use_asm=not interpret,
       defer_sums=config.defer_sums)
   num_k, num_v = len(k_arrays), len(v_arrays)
 
-  def kernel_with_nones(lengths_ref, q_ref, *refs):
+  def kernel_with_nones(lengths_ref, scale_ref, q_ref, *refs):
     k_refs = list(refs[:num_k]) + [None] * (3 - num_k)
     v_refs = list(refs[num_k:num_k + num_v]) + [None] * (3 - num_v)
     rest = refs[num_k + num_v:]
-    kernel(lengths_ref, q_ref, *k_refs, *v_refs, *rest)
+    kernel(lengths_ref, scale_ref, q_ref, *k_refs, *v_refs, *rest)
 
   o_part, l_part, m_part = pl.pallas_call(
       kernel_with_nones,
@@ -729,7 +783,7 @@ def dequant_decode_attention_reference(
 
 
 
-def pallas_decode_attention(q: jax.Array, cache, *, scale: float | None = None,
+def pallas_decode_attention(q: jax.Array, cache, *, scale: float | jax.Array | None = None,
                             config: DecodeAttentionConfig | None = None,
                             interpret: bool = False) -> jax.Array:
   """`dequant_decode_attention` over a `jaxkv.cache.KVCache`.
@@ -737,7 +791,7 @@ def pallas_decode_attention(q: jax.Array, cache, *, scale: float | None = None,
   Args:
     q: ``[B, S, Hq, D]``; the K/V of the S query tokens are already appended.
     cache: the `KVCache`.
-    scale: softmax scale, default ``D ** -0.5``.
+    scale: softmax scale, default ``D ** -0.5`` (a float or a scalar array).
     config: launch parameters; heuristic default when None.
     interpret: run in Pallas interpret mode (CPU).
 

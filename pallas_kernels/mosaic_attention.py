@@ -187,8 +187,7 @@ def _attend_block(q_smem, kdq_smem, vdq_smem, carry, *, token0, valid_below, row
 
 
 @functools.partial(
-    jax.jit, static_argnames=("k_side", "v_side", "token_group", "residual", "sm_scale",
-                              "config"))
+    jax.jit, static_argnames=("k_side", "v_side", "token_group", "residual", "config"))
 def mosaic_decode_attention(
     q: jax.Array,           # [B, S, Hq, D]
     k_codes: jax.Array,     # [B, H, C, D*kb/8] uint8 | [B, H, C, D]
@@ -205,13 +204,14 @@ def mosaic_decode_attention(
     v_side: SideSpec,
     token_group: int,
     residual: int,
-    sm_scale: float,
+    sm_scale: float | jax.Array,
     config: MosaicAttentionConfig,
 ) -> jax.Array:
   """Decode attention of S new queries over a packed cache (Hopper kernel).
 
   Same arguments and result as `dequant_attention.dequant_decode_attention`
-  (raw cache arrays); ``k_side``/``v_side`` describe the storage.
+  (raw cache arrays); ``k_side``/``v_side`` describe the storage;
+  ``sm_scale`` may be a traced scalar (it scales q before the kernel).
   Returns ``[B, S, Hq, D]`` in q's dtype.
   """
   batch, num_queries, q_heads, head_dim = q.shape

@@ -2,7 +2,9 @@
 
 Bitwise equal to `jaxkv.quant.quantize` (the spec, `quantize_pack_reference`
 below): the same float32 operations in the same order, including the
-reciprocal-multiply XLA uses for ``/ levels``.
+reciprocal-multiply XLA uses for ``/ levels``, and the same non-finite rule
+(`jaxkv.quant.group_is_bad`: a group with a NaN/inf, or whose stored scale or
+zero overflows, stores NaN scale and zero and codes 0).
 
 The planar bit layout (see `jaxkv.quant`) makes packing elementwise: byte
 ``j`` of a row is ``OR_i code[j + i*W] << i*bits``, so a kernel loads ``p``
@@ -89,8 +91,11 @@ def _pack_per_token_kernel(
     xg = x_ref[:, pl.ds(g * channel_group, channel_group)].astype(jnp.float32)
     lo = jnp.min(xg, axis=1)
     hi = jnp.max(xg, axis=1)
-    scales.append(((hi - lo) * inv_levels).astype(scale_dtype))
-    zeros.append(lo.astype(scale_dtype))
+    scale_s = ((hi - lo) * inv_levels).astype(scale_dtype)
+    zero_s = lo.astype(scale_dtype)
+    bad = quant.group_is_bad(jnp.any(~jnp.isfinite(xg), axis=1), scale_s, zero_s)
+    scales.append(jnp.where(bad, jnp.nan, scale_s).astype(scale_dtype))
+    zeros.append(jnp.where(bad, jnp.nan, zero_s).astype(scale_dtype))
   scale_ref[...] = _triton.stack_last(scales)
   zero_ref[...] = _triton.stack_last(zeros)
 
@@ -134,6 +139,9 @@ def _pack_per_channel_kernel(
     hi = jnp.max(x, axis=0)
     scale_s = ((hi - lo) * inv_levels).astype(scale_ref.dtype)
     zero_s = lo.astype(zero_ref.dtype)
+    bad = quant.group_is_bad(jnp.any(~jnp.isfinite(x), axis=0), scale_s, zero_s)
+    scale_s = jnp.where(bad, jnp.nan, scale_s).astype(scale_ref.dtype)
+    zero_s = jnp.where(bad, jnp.nan, zero_s).astype(zero_ref.dtype)
     scale_ref[cols] = scale_s
     zero_ref[cols] = zero_s
     code = _codes(x, zero_s.astype(jnp.float32)[None, :],

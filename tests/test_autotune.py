@@ -122,3 +122,23 @@ def test_default_splits_fill_the_gpu_without_over_splitting(batch, kv_heads, bit
 def test_prev_pow2():
   from pallas_kernels import _triton
   assert [_triton.prev_pow2(n) for n in (0, 1, 2, 3, 8, 9, 1000)] == [1, 1, 2, 2, 8, 8, 512]
+
+
+@pytest.mark.parametrize("fastest", [0, 1, 2])
+def test_autotune_picks_the_fastest_by_a_fake_timer(fastest, monkeypatch, tmp_path):
+  """The timer is faked, so the pick is known: the smallest "kernel" time wins."""
+  q, cache = _cache_and_q()
+  cands = CANDIDATES + [pk.DecodeAttentionConfig(block_k=32, num_splits=4, num_warps=2)]
+  times = {c: 3e-3 + 1e-3 * i for i, c in enumerate(cands)}
+  times[cands[fastest]] = 1e-3
+  timed = []
+
+  def fake_kernel_time(fn, args_list, *, calls=20, warmup=1):
+    config = fn.keywords["config"]
+    timed.append(config)
+    return {"kernel": times[config], "span": 1.0, "kernels": 1, "wall": 1.0, "compile": 0.0}
+  monkeypatch.setattr(at, "kernel_time", fake_kernel_time)
+  path = str(tmp_path / "t.json")
+  assert jaxkv.autotune(q, cache, candidates=cands, path=path) == cands[fastest]
+  assert timed == cands                      # every candidate timed once, in order
+  assert at.load_config(path, q, cache) == cands[fastest]

@@ -24,7 +24,9 @@ import pallas_kernels as pk
 INTERPRET = os.environ.get("JAXKV_TEST_GPU", "0") != "1"
 
 # Attention tolerance: base[dtype] * sqrt(T) (T = keys attended).
-_TOL_BASE = {jnp.float32: 2e-6, jnp.bfloat16: 2e-3}
+# float32 cases are the tight check (a 1e-3 error in the softmax scale fails
+# them); bf16/f16 ones check the low-precision operand paths.
+_TOL_BASE = {jnp.float32: 2e-6, jnp.bfloat16: 2e-3, jnp.float16: 5e-4}
 
 
 def _fmt(name):
@@ -93,16 +95,24 @@ ATTN_CASES = [
     ("kivi2-g32", 1, 2, 1, 64, 7, (256,), 256, jnp.bfloat16),    # full packed region
     ("int4-token-g4-g32", 2, 1, 3, 128, 2, (200, 95), 256, jnp.bfloat16),
     ("kivi4-r2g", 2, 2, 4, 128, 1, (600, 190), 768, jnp.float32),  # R = 2G
+    # float32 twins of bf16 cases (tight tolerance on the same shapes/paths).
+    ("kivi4", 2, 1, 8, 128, 1, (512, 60), 512, jnp.float32),
+    ("int8", 1, 1, 4, 128, 8, (520,), 768, jnp.float32),
+    ("k8v4", 2, 2, 1, 128, 4, (256, 5), 512, jnp.float32),
+    ("kivi2-g32", 1, 2, 1, 64, 7, (256,), 256, jnp.float32),
+    # float16 caches: float16 code operands on every side.
+    ("kivi4", 2, 1, 4, 64, 1, (300, 60), 512, jnp.float16),
+    ("int8", 2, 1, 4, 64, 2, (300, 77), 512, jnp.float16),
 ]
 
 
-def _oracle(q, cache):
+def _oracle(q, cache, scale=None):
   """Float64 numpy attention over `cache.dequantize()` (the contract)."""
   k, v = (np.asarray(x, np.float64) for x in cache.dequantize())
   b, s, hq, d = q.shape
   h = k.shape[2]
   qf = np.asarray(q.astype(jnp.float32), np.float64).reshape(b, s, h, hq // h, d)
-  logits = np.einsum("bshgd,bthd->bshgt", qf, k) * d ** -0.5
+  logits = np.einsum("bshgd,bthd->bshgt", qf, k) * (d ** -0.5 if scale is None else scale)
   limit = np.asarray(cache.lengths)[:, None] - s + np.arange(s)[None, :]
   mask = np.arange(k.shape[1])[None, None, :] <= limit[:, :, None]
   logits = np.where(mask[:, :, None, None], logits, -np.inf)
@@ -141,6 +151,27 @@ def test_attention_matches_oracle(name, batch, kv_heads, group_q, head_dim, num_
   assert not np.isnan(got).any()
   tol = _TOL_BASE[dtype] * np.sqrt(max(lengths))
   np.testing.assert_allclose(got, _oracle(q, cache), atol=tol, rtol=tol)
+
+
+SCALE_CASES = [
+    # (format, head_dim, dtype, scale)
+    ("kivi4", 128, jnp.float32, 0.3),
+    ("int4-token-g4", 128, jnp.float32, 0.0125),
+    ("k8v4", 64, jnp.float32, 1.7),
+    ("kivi2-g32", 64, jnp.float16, 0.5),
+]
+
+
+@pytest.mark.parametrize("name,head_dim,dtype,scale", SCALE_CASES,
+                         ids=[f"{c[0]}_D{c[1]}_{jnp.dtype(c[2]).name}_scale{c[3]}" for c in SCALE_CASES])
+def test_attention_custom_scale(name, head_dim, dtype, scale):
+  q, cache = _make_case(name, 2, 1, 4, head_dim, 2, (300, 45), 512, dtype)
+  out = pk.pallas_decode_attention(q, cache, scale=scale, interpret=INTERPRET)
+  tol = _TOL_BASE[dtype] * np.sqrt(300)
+  got = np.asarray(out.astype(jnp.float32), np.float64)
+  np.testing.assert_allclose(got, _oracle(q, cache, scale), atol=tol, rtol=tol)
+  # The default scale gives a different answer (the scale is really used).
+  assert np.abs(got - _oracle(q, cache)).max() > 10 * tol
 
 
 CONFIG_CASES = [

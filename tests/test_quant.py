@@ -1,5 +1,7 @@
 """Reference quantization and packing against the numpy oracle."""
 
+import zlib
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -55,7 +57,8 @@ def _data(rng, kind, shape):
 @pytest.mark.parametrize("bits,axis,group,sdt", CASES)
 @pytest.mark.parametrize("kind", ["normal", "big", "tiny", "constant"])
 def test_quantize_matches_oracle_and_error_bound(bits, axis, group, sdt, kind):
-  rng = np.random.default_rng(hash((bits, axis, group, kind)) % 2 ** 32)
+  # zlib.crc32, not hash(): str hashes change per process (PYTHONHASHSEED).
+  rng = np.random.default_rng(zlib.crc32(repr((bits, axis, group, kind)).encode()))
   x = _data(rng, kind, (128, 64))
   packed, scale, zero = quant.quantize(jnp.asarray(x), bits, axis=axis, group=group,
                                        scale_dtype=sdt)
