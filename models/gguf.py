@@ -114,7 +114,7 @@ def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 # ------------------------------------------------------------------ config
-def _field(reader, key: str, default: Any = None) -> Any:
+def metadata_value(reader, key: str, default: Any = None) -> Any:
   """A metadata value as a Python scalar / str / list, or ``default``."""
   fld = reader.fields.get(key)
   if fld is None:
@@ -133,7 +133,8 @@ def _field(reader, key: str, default: Any = None) -> Any:
   return fld.parts[fld.data[0]].tolist()[0]
 
 
-def _open(path):
+def open_gguf(path):
+  """A `gguf.GGUFReader` of ``path``; ValueError if it is missing or not GGUF."""
   try:
     import gguf  # pylint: disable=import-outside-toplevel
   except ImportError as e:
@@ -162,9 +163,9 @@ def llama3_rope_factors(head_dim: int, theta: float, scaling: RopeScaling) -> np
 def _rope_scaling(reader, arch: str, head_dim: int, theta: float,
                   rope_freqs: np.ndarray | None) -> RopeScaling | None:
   """RoPE scaling from ``{arch}.rope.scaling.*`` or llama.cpp's ``rope_freqs`` tensor."""
-  kind = _field(reader, f"{arch}.rope.scaling.type", "none")
+  kind = metadata_value(reader, f"{arch}.rope.scaling.type", "none")
   if kind == "linear":
-    return RopeScaling("linear", factor=float(_field(reader, f"{arch}.rope.scaling.factor")))
+    return RopeScaling("linear", factor=float(metadata_value(reader, f"{arch}.rope.scaling.factor")))
   if kind not in ("none", None):
     raise ValueError(f"GGUF rope scaling type {kind!r} is not supported (none, linear)")
   if rope_freqs is None:
@@ -182,49 +183,49 @@ def _rope_scaling(reader, arch: str, head_dim: int, theta: float,
 
 def read_config(reader) -> LlamaConfig:
   """`LlamaConfig` from a GGUF reader's ``general.*`` / ``{arch}.*`` / tokenizer metadata."""
-  arch = _field(reader, "general.architecture")
+  arch = metadata_value(reader, "general.architecture")
   if arch not in SUPPORTED_ARCHITECTURES:
     raise ValueError(f"GGUF architecture {arch!r} is not supported; "
                      f"supported: {SUPPORTED_ARCHITECTURES}")
-  required = {k: _field(reader, f"{arch}.{k}") for k in (
+  required = {k: metadata_value(reader, f"{arch}.{k}") for k in (
       "block_count", "embedding_length", "feed_forward_length", "attention.head_count")}
   missing = [f"{arch}.{k}" for k, v in required.items() if v is None]
   if missing:
     raise ValueError(f"GGUF metadata lacks {missing}")
   heads = int(required["attention.head_count"])
   hidden = int(required["embedding_length"])
-  kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
-  head_dim = int(_field(reader, f"{arch}.attention.key_length", 0) or
-                 _field(reader, f"{arch}.rope.dimension_count", 0) or hidden // heads)
-  rope_dims = _field(reader, f"{arch}.rope.dimension_count", head_dim)
+  kv_heads = int(metadata_value(reader, f"{arch}.attention.head_count_kv", heads))
+  head_dim = int(metadata_value(reader, f"{arch}.attention.key_length", 0) or
+                 metadata_value(reader, f"{arch}.rope.dimension_count", 0) or hidden // heads)
+  rope_dims = metadata_value(reader, f"{arch}.rope.dimension_count", head_dim)
   if int(rope_dims) != head_dim:
     raise ValueError(f"partial RoPE ({arch}.rope.dimension_count={rope_dims} < "
                      f"head_dim={head_dim}) is not supported")
-  vocab = _field(reader, f"{arch}.vocab_size")
+  vocab = metadata_value(reader, f"{arch}.vocab_size")
   if vocab is None:
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     if tokens is None:
       raise ValueError(f"GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
     vocab = len(tokens.data)
   names = {t.name for t in reader.tensors}
-  theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
+  theta = float(metadata_value(reader, f"{arch}.rope.freq_base", 10000.0))
   rope_freqs = None
   if "rope_freqs.weight" in names:
     t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
     rope_freqs = dequantize(t.data, int(t.tensor_type), tuple(int(n) for n in t.shape[::-1]))
-  eos = _field(reader, "tokenizer.ggml.eos_token_id")
-  eot = _field(reader, "tokenizer.ggml.eot_token_id")
+  eos = metadata_value(reader, "tokenizer.ggml.eos_token_id")
+  eot = metadata_value(reader, "tokenizer.ggml.eot_token_id")
   eos_ids = tuple(dict.fromkeys(int(x) for x in (eos, eot) if x is not None))
-  bos = _field(reader, "tokenizer.ggml.bos_token_id")
+  bos = metadata_value(reader, "tokenizer.ggml.bos_token_id")
   return LlamaConfig(
       vocab_size=int(vocab), hidden_size=hidden,
       intermediate_size=int(required["feed_forward_length"]),
       num_layers=int(required["block_count"]), num_heads=heads, num_kv_heads=kv_heads,
       head_dim=head_dim,
-      rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+      rms_norm_eps=float(metadata_value(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
       rope_theta=theta, rope_scaling=_rope_scaling(reader, arch, head_dim, theta, rope_freqs),
       tie_word_embeddings="output.weight" not in names,
-      max_position_embeddings=int(_field(reader, f"{arch}.context_length", 4096)),
+      max_position_embeddings=int(metadata_value(reader, f"{arch}.context_length", 4096)),
       bos_token_id=None if bos is None else int(bos), eos_token_ids=eos_ids)
 
 
@@ -275,7 +276,7 @@ def load_gguf(path, dtype=None) -> Llama:
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from models.checkpoint import build_llama  # pylint: disable=import-outside-toplevel
   path = os.fspath(path)
-  reader = _open(path)
+  reader = open_gguf(path)
   config = read_config(reader)
   dtype = jnp.dtype(jnp.float32 if dtype is None else dtype)
   host_dtype = np.float32 if dtype == jnp.bfloat16 else dtype  # cast on device
@@ -284,4 +285,5 @@ def load_gguf(path, dtype=None) -> Llama:
 
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "SUPPORTED_TYPES", "dequantize", "hf_name",
-           "iter_hf_tensors", "load_gguf", "read_config", "unpermute_qk"]
+           "iter_hf_tensors", "llama3_rope_factors", "load_gguf", "metadata_value", "open_gguf",
+           "read_config", "unpermute_qk"]

