@@ -110,17 +110,14 @@ class _CharTokenizer:
   def encode(self, text):
     return [b % CFG.vocab_size for b in text.encode()]
 
-  def encode_chat(self, messages):
-    return self.encode(messages[-1]["content"])
-
 
 def test_evaluate_rows(model):
   formats = {"bf16": fidelity.default_formats(32)["bf16"],
              "kivi2-g32": fidelity.KIVI_FORMATS["kivi2-g32"]}
   result = fidelity.evaluate(model, _CharTokenizer(), formats, contexts=(224,), sequences=1,
-                             steps=16, questions=1, cache_dtype=jnp.float32, log=None)
+                             steps=16, questions=0, cache_dtype=jnp.float32, log=None)
   ref, low = result["rows"]
-  assert ref["kl_vs_bf16"]["224"] == 0.0 and ref["greedy_agreement"] == 1.0
+  assert ref["kl_vs_bf16"]["224"] == 0.0 and "greedy_agreement" not in ref
   assert low["kl_vs_bf16"]["224"] > 0.0  # 96 of 208 prompt tokens quantized
   assert low["bytes_vs_bf16"] == pytest.approx(24 / 128)  # 24 B/head vs 128 B at D=32
   assert 1.0 < ref["perplexity"]["224"] < 10 * CFG.vocab_size
