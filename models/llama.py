@@ -707,6 +707,9 @@ def random_model(config: LlamaConfig | str, *, seed: int = 0, dtype=jnp.bfloat16
 
 def from_pretrained(path, dtype=None) -> Llama:
   """Loads a HF Llama checkpoint directory; see `models.checkpoint.load_llama`."""
+  if str(path).endswith(".gguf"):
+    from models.gguf import load_gguf  # pylint: disable=import-outside-toplevel
+    return load_gguf(path, dtype=dtype)
   from models.checkpoint import load_llama  # pylint: disable=import-outside-toplevel
   return load_llama(path, dtype=dtype)
 

