@@ -198,6 +198,9 @@ class ModelCache:
         k_residual=take(self.k_residual), v_residual=take(self.v_residual),
         lengths=self.lengths if plan is None else plan.new_lengths,
         overflow=self.overflow if plan is None else self.overflow | ~plan.fits,
+        # Non-finite K/V are not flagged per sequence at the model level (they
+        # still propagate: a NaN group dequantizes to NaN), see README.
+        nonfinite=jnp.zeros_like(self.overflow),
         fmt=self.fmt, capacity=self.capacity, use_kernel=self.use_kernel)
 
   def layers(self) -> tuple[KVCache, ...]:
