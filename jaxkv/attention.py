@@ -120,8 +120,10 @@ def _check_qkv(q, k, v):
 
 
 def _check_q_cache(q, cache: KVCache):
-  if not isinstance(cache, KVCache):
-    raise TypeError(f"cache must be a jaxkv.KVCache, got {type(cache).__name__}")
+  from jaxkv.model_cache import LayerView  # pylint: disable=import-outside-toplevel
+  if not isinstance(cache, (KVCache, LayerView)):
+    raise TypeError(f"cache must be a jaxkv.KVCache (or a ModelCache.layer_view), "
+                    f"got {type(cache).__name__}")
   if getattr(q, "ndim", None) != 4:
     raise ValueError(f"q must be [B, S, Hq, D], got shape {getattr(q, 'shape', type(q))}")
   b, s, hq, d = q.shape
@@ -260,7 +262,8 @@ def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None
 
   Args:
     q: ``[B, S, Hq, D]``; ``Hq`` a multiple of ``cache.kv_heads``.
-    cache: the `KVCache`.
+    cache: the `KVCache`, or one layer of a `jaxkv.ModelCache`
+      (`ModelCache.layer_view`), which the Triton kernels read in place.
     scale: softmax scale, default ``D ** -0.5``: a Python/numpy real or a
       scalar array (traced ones included); a concrete non-finite one raises.
     implementation: ``None`` (best available: the faster Pallas family that
@@ -280,6 +283,18 @@ def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None
   _check_q_cache(q, cache)
   scale = check_scale(scale)
   impl = resolve_implementation(q, cache, implementation, config)
+  from jaxkv.model_cache import LayerView  # pylint: disable=import-outside-toplevel
+  if isinstance(cache, LayerView):
+    if impl == "triton":  # reads the layer in place
+      import pallas_kernels  # pylint: disable=import-outside-toplevel
+      st = cache.stacked
+      out = pallas_kernels.dequant_decode_attention(
+          q, st.k.codes, st.k.scale, st.k.zero, st.v.codes, st.v.scale, st.v.zero,
+          st.k_residual, st.v_residual, cache.lengths, fmt=st.fmt, scale=scale,
+          config=None if _is_mosaic_config(config) else config,
+          interpret=jax.default_backend() != "gpu", layer=cache.index)
+      return _poison(out, q, cache.nonfinite)
+    cache = cache.materialize()
   if impl == "mosaic":
     out = _mosaic_attention(q, cache, scale=scale,
                             config=config if _is_mosaic_config(config) else None)

@@ -681,7 +681,7 @@ class Llama(nnx.Module):
 
       def attend(q, k, v, _):
         new_cache = cache.append_layer(index, k, v, plan)
-        o = jaxkv.decode_attention(q, new_cache.layer(index, plan),
+        o = jaxkv.decode_attention(q, new_cache.layer_view(index, plan),
                                    implementation=implementation)
         return o, new_cache
 

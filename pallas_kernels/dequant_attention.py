@@ -556,6 +556,23 @@ def _combine_kernel(
   out_ref[...] = jnp.where((l == 0)[:, None], 0.0, acc / safe[:, None]).astype(out_ref.dtype)
 
 
+class _LayerRef:
+  """A ``[L, ...]`` ref read as its layer ``layer``: every load gets the layer
+  index prepended (one indexer per load: Pallas Triton does not lower a load
+  through a ``ref.at[...]`` view plus an index, "multiple indexers")."""
+
+  def __init__(self, ref, layer):
+    self._ref, self._layer = ref, layer
+    self.shape, self.dtype = tuple(ref.shape[1:]), ref.dtype
+
+  def __getitem__(self, idx):
+    if not isinstance(idx, tuple):
+      idx = (idx,)
+    if idx == (Ellipsis,):
+      idx = (slice(None),) * len(self.shape)
+    return self._ref[(self._layer, *idx)]
+
+
 def _side_arrays(codes, scale, zero, bits):
   return [codes] if bits == 16 else [codes, scale, zero]
 
@@ -578,6 +595,7 @@ def dequant_decode_attention(
     scale: float | jax.Array | None = None,
     config: DecodeAttentionConfig | None = None,
     interpret: bool = False,
+    layer: jax.Array | None = None,
 ) -> jax.Array:
   """Decode attention of S new queries over a packed cache (raw arrays).
 
@@ -592,12 +610,19 @@ def dequant_decode_attention(
       traced) scalar array; a runtime operand, so new values do not recompile.
     config: launch parameters; `DecodeAttentionConfig.default` when None.
     interpret: run in Pallas interpret mode (CPU).
+    layer: with every cache array stacked on a leading layer axis
+      (``[L, B, H, ...]``, a model-level cache), the (possibly traced) layer
+      to attend over. The kernel reads that layer in place: slicing it out
+      first would make XLA copy the layer's whole storage into a fresh
+      buffer for the custom call on every step.
 
   Returns:
     ``[B, S, Hq, D]`` in q's dtype.
   """
+  stacked = layer is not None
+  lead = 1 if stacked else 0
   batch, num_queries, q_heads, head_dim = q.shape
-  kv_heads, capacity = k_codes.shape[1], k_codes.shape[2]
+  kv_heads, capacity = k_codes.shape[lead + 1], k_codes.shape[lead + 2]
   ok, why = supports(fmt, head_dim=head_dim, num_q_heads=q_heads, kv_heads=kv_heads,
                      num_queries=num_queries, capacity=capacity)
   if not ok:
@@ -605,7 +630,7 @@ def dequant_decode_attention(
   group_q = q_heads // kv_heads
   q_rows = group_q * num_queries
   rows = max(_MIN_ROWS, _triton.next_pow2(q_rows))
-  residual = k_residual.shape[2]
+  residual = k_residual.shape[lead + 2]
   sm_scale = jnp.asarray(head_dim ** -0.5 if scale is None else scale, jnp.float32)
   if sm_scale.shape != ():
     raise ValueError(f"scale must be a scalar, got shape {sm_scale.shape}")
@@ -637,12 +662,19 @@ def dequant_decode_attention(
     return pl.BlockSpec((None, None, *x.shape[2:]),
                         lambda b, h, j, _n=x.ndim - 2: (b, h) + (0,) * _n)
 
+  def full_stacked(x):  # every layer of one (b, h) of a [L, B, H, ...] array
+    return pl.BlockSpec((x.shape[0], None, None, *x.shape[3:]),
+                        lambda b, h, j, _n=x.ndim - 3: (0, b, h) + (0,) * _n)
+
   k_arrays = _side_arrays(k_codes, k_scale, k_zero, fmt.k_bits)
   v_arrays = _side_arrays(v_codes, v_scale, v_zero, fmt.v_bits)
-  inputs = [lengths.astype(jnp.int32), jnp.broadcast_to(sm_scale, (batch,)), qh,
-            *k_arrays, *v_arrays, k_residual, v_residual]
+  cache_arrays = [*k_arrays, *v_arrays, k_residual, v_residual]
+  layer_arr = jnp.broadcast_to(jnp.asarray(0 if layer is None else layer, jnp.int32), (batch,))
+  inputs = [lengths.astype(jnp.int32), jnp.broadcast_to(sm_scale, (batch,)), layer_arr, qh,
+            *cache_arrays]
   per_seq = pl.BlockSpec((None,), lambda b, h, j: (b,))
-  in_specs = [per_seq, per_seq] + [full(x) for x in inputs[2:]]
+  in_specs = [per_seq, per_seq, per_seq, full(qh)] + [
+      (full_stacked if stacked else full)(x) for x in cache_arrays]
 
   kernel = functools.partial(
       _split_kernel, k_side=k_side, v_side=v_side, token_group=fmt.token_group,
@@ -651,7 +683,11 @@ def dequant_decode_attention(
       defer_sums=config.defer_sums)
   num_k, num_v = len(k_arrays), len(v_arrays)
 
-  def kernel_with_nones(lengths_ref, scale_ref, q_ref, *refs):
+  def kernel_with_nones(lengths_ref, scale_ref, layer_ref, q_ref, *refs):
+    if stacked:  # this program's layer, read in place
+      layer_idx = layer_ref[()]
+      refs = ([_LayerRef(r, layer_idx) for r in refs[:num_k + num_v + 2]]
+              + list(refs[num_k + num_v + 2:]))
     k_refs = list(refs[:num_k]) + [None] * (3 - num_k)
     v_refs = list(refs[num_k:num_k + num_v]) + [None] * (3 - num_v)
     rest = refs[num_k + num_v:]
