@@ -138,7 +138,13 @@ def round_codes(x: jax.Array, zero: jax.Array, scale: jax.Array, levels: int) ->
   hi = lax.bitcast_convert_type(
       lax.bitcast_convert_type(safe, jnp.uint32) & np.uint32(0xFFFFF000), jnp.float32)
   lo = safe - hi
-  two_d = d + d
+  # Ranges near the float32 limit (scale >= 2^100): 2d and k * hi would
+  # overflow, so d, hi and lo are scaled by 2^-8 first. That is exact where it
+  # matters: the comparisons decide only near half-way points, where |d| is of
+  # the order of the (huge) scale, far above the subnormals.
+  shrink = jnp.where(safe >= np.float32(2.0 ** 100), np.float32(2.0 ** -8), np.float32(1.0))
+  hi, lo, d_small = hi * shrink, lo * shrink, d * shrink
+  two_d = d_small + d_small
 
   def at_least(k):  # 2d >= k * scale
     return two_d - k * hi >= k * lo

@@ -191,7 +191,9 @@ def test_pack_kernel_nonfinite_groups_bitwise(bits, axis, group, scale_dtype):
   got = pk.quantize_pack(xj, bits, axis=axis, group=group, scale_dtype=scale_dtype, interpret=True)
   ref = quant.quantize(xj, bits, axis=axis, group=group, scale_dtype=scale_dtype)
   for name, g, r in zip(("codes", "scale", "zero"), got, ref):
-    np.testing.assert_array_equal(np.asarray(g), np.asarray(r), err_msg=name)
+    assert g.dtype == r.dtype, name
+    # As float32: numpy's NaN == NaN in assert_array_equal skips bfloat16.
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32), err_msg=name)
   sdt = np.dtype(jnp.dtype(scale_dtype))
   for i in range(3):
     code, s, z = np_quantize(x[i], bits, axis, group, sdt)
@@ -199,7 +201,10 @@ def test_pack_kernel_nonfinite_groups_bitwise(bits, axis, group, scale_dtype):
     np.testing.assert_array_equal(np.asarray(ref[1][i], np.float32), s.astype(np.float32))
     np.testing.assert_array_equal(np.asarray(ref[2][i], np.float32), z.astype(np.float32))
   deq = np.asarray(quant.dequantize(*ref, bits, axis=axis))
-  assert np.isnan(deq[0, 1, 2]) and np.isnan(deq[1, 40, 5]) and np.isnan(deq[2, 20, 0])
+  assert np.isnan(deq[0, 1, 2]) and np.isnan(deq[1, 40, 5])
+  # +-3.3e38 share a group only per token (channels 0, 1 of token 20); alone,
+  # 3.3e38 overflows only a float16 scale.
+  assert np.isnan(deq[2, 20, 0]) == (axis == "token" or scale_dtype == "float16")
   assert np.isnan(deq[2, 11, 60]) == (scale_dtype == "float16")
   assert np.isfinite(deq[2, 32:]).all()
 
