@@ -140,6 +140,12 @@ PRESETS: dict[str, KVFormat] = {
     "kivi2": KVFormat(k_bits=2, v_bits=2, k_axis="channel", token_group=128, residual=128),
     "int4-token-g4": KVFormat(k_bits=4, v_bits=4, k_axis="token", channel_group=32),
     "k8v4": KVFormat(k_bits=8, v_bits=4, k_axis="token"),
+    # KIVI's own grouping: K per channel over 32 tokens, V per token over 32 channels, R = 128
+    # (bench/results/fidelity-cpu.json: kivi4-g32 holds perplexity on SmolLM2, kivi2-g32 does not).
+    "kivi4-g32": KVFormat(k_bits=4, v_bits=4, k_axis="channel", token_group=32, channel_group=32,
+                          residual=128),
+    "kivi2-g32": KVFormat(k_bits=2, v_bits=2, k_axis="channel", token_group=32, channel_group=32,
+                          residual=128),
 }
 """Named formats. ``int4-token-g4`` has 4 channel groups at head_dim 128
 (``channel_group=32``); at other head dims use ``dataclasses.replace``."""
