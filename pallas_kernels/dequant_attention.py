@@ -97,7 +97,7 @@ class DecodeAttentionConfig:
               itemsize: int = 2) -> "DecodeAttentionConfig":
     """Heuristic: ~2 programs per SM (4 with an 8-bit side), >= 2 steps per split.
 
-    Measured on an H100 (bench/sweep_configs.py and the benchmark's config
+    Measured on an H100 (the benchmark's config
     search, jax 0.11.2): splits rounded down to a power of two so that
     about two programs (four for 8-bit sides, whose programs are lighter)
     share an SM were fastest; 128-token steps with 3 stages for 4/2-bit
