@@ -636,7 +636,20 @@ class Llama(nnx.Module):
           # Write first, then attend to the layer's history as it was before
           # the write (see `append_layer_with_history`): nothing is copied.
           written, history = new_cache.append_layer_with_history(index, k, v, plan)
-          o = jaxkv.chunk_attention(q, history, k, v, n_real, implementation=attention_impl)
+
+          def general():
+            return jaxkv.chunk_attention(q, history, k, v, n_real,
+                                         implementation=attention_impl).astype(q.dtype)
+
+          if attention_impl is not None:
+            return general(), written
+
+          def fresh():  # no history anywhere: plain causal attention (cuDNN on GPU)
+            return causal_attention(q.astype(k.dtype), k, v).astype(q.dtype)
+
+          # The first chunk of a prompt on an empty cache takes the flash path;
+          # chunks with history merge it with the chunk (`jaxkv.chunk_attention`).
+          o = jax.lax.cond(jnp.all(history.lengths == 0), fresh, general)
           return o, written
 
         return layer(x, positions, attend)
