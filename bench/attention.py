@@ -378,41 +378,30 @@ def bench_shape(shape, formats, hbm, tune, log):
     moved = nbytes(*data.arrays) + io
     ref = jax.jit(functools.partial(pk.dequant_decode_attention_reference, fmt=fmt))(
         q, *data.arrays, data.lengths)
-    tried = []
-    for config in candidate_configs(fmt, b, t, hq, hkv, d, tune):
-      fn = functools.partial(jaxkv_call, fmt=fmt, config=config)
-      try:
-        out = jax.jit(fn)(q, data.arrays, data.lengths)
-      except Exception as e:  # noqa: BLE001
-        log(f"  jaxkv_{name} {config} FAILED {type(e).__name__}: {str(e)[:300]}")
-        continue
-      row = record(f"jaxkv_{name}@{len(tried)}", fn, (data.arrays, data.lengths), moved,
-                   out, ref, {"config": dataclasses.asdict(config)}, loop=False)
-      if row:
-        row["fn"] = fn
-      if row:
-        tried.append(row)
-    for i in range(len(tried)):
-      rows.pop(f"jaxkv_{name}@{i}", None)
-    summarize_family(f"jaxkv_{name}", tried, data, moved)
+    def try_configs(key, call, configs):
+      """Times ``call`` at each config; the best becomes row ``key`` (with loop time)."""
+      tried = []
+      for config in configs:
+        fn = functools.partial(call, fmt=fmt, config=config)
+        try:
+          out = jax.jit(fn)(q, data.arrays, data.lengths)
+        except Exception as e:  # noqa: BLE001
+          log(f"  {key} {config} FAILED {type(e).__name__}: {str(e)[:600]}")
+          continue
+        row = record(f"{key}@{len(tried)}", fn, (data.arrays, data.lengths), moved,
+                     out, ref, {"config": dataclasses.asdict(config)}, loop=False)
+        if row:
+          row["fn"] = fn
+          tried.append(row)
+      summarize_family(key, tried, data, moved)
+
+    try_configs(f"jaxkv_{name}", jaxkv_call, candidate_configs(fmt, b, t, hq, hkv, d, tune))
     ok, why = mosaic_supported(fmt, hq, hkv, d, s)
-    tried = []
-    if not ok:
+    if ok:
+      try_configs(f"mosaic_{name}", mosaic_call, mosaic_configs(b, t, hkv, tune))
+    else:
       rows[f"mosaic_{name}"] = {"unsupported": why}
       log(f"  mosaic_{name}: falls back to Triton ({why})")
-    for config in (mosaic_configs(b, t, hkv, tune) if ok else []):
-      fn = functools.partial(mosaic_call, fmt=fmt, config=config)
-      try:
-        out = jax.jit(fn)(q, data.arrays, data.lengths)
-      except Exception as e:  # noqa: BLE001
-        log(f"  mosaic_{name} {config} FAILED {type(e).__name__}: {str(e)[:600]}")
-        continue
-      row = record(f"mosaic_{name}@{len(tried)}", fn, (data.arrays, data.lengths), moved,
-                   out, ref, {"config": dataclasses.asdict(config)}, loop=False)
-      if row:
-        row["fn"] = fn
-        tried.append(row)
-    summarize_family(f"mosaic_{name}", tried, data, moved)
     del data
   return {"shape": dict(zip(("B", "T", "Hq", "Hkv", "D", "q_len"), shape)),
           "best_bf16_us": best_bf16, "best_bf16_wall_us": best_bf16_wall,
