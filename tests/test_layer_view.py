@@ -58,7 +58,7 @@ def test_layer_view_matches_float64(fmt, group, s, dtype):
 def test_layer_view_lowers_for_cuda_without_slicing_the_cache():
   """Compiled-kernel lowering (Triton for CUDA) takes the stacked arrays whole."""
   import pallas_kernels as pk
-  mc = _model_cache("kivi4", 4, 1, 2, 128, (700,), 1024, jnp.bfloat16, 5)
+  mc = _model_cache("kivi4", 3, 1, 2, 128, (700,), 1024, jnp.bfloat16, 5)  # 3 layers: not a power of two
   q = jnp.ones((1, 1, 8, 128), jnp.bfloat16)
 
   def f(q, mc, i):
