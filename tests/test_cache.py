@@ -261,7 +261,7 @@ def flush_programs(draw):
   return name, batch, ops, draw(st.integers(0, 2 ** 31 - 1))
 
 
-@settings(max_examples=12)
+@settings(max_examples=8)
 @given(flush_programs())
 def test_flush_heavy_incremental_equals_whole_history(program):
   name, batch, ops, seed = program

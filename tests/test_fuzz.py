@@ -65,7 +65,7 @@ def formats(draw):
 
 
 # ------------------------------------------------------------------- quantize
-@settings(max_examples=30)
+@settings(max_examples=20)
 @given(bits=st.sampled_from([8, 4, 2]), axis=st.sampled_from(["token", "channel"]),
        group=st.sampled_from([8, 16, 32, 48]), tokens=st.sampled_from([16, 32, 48]),
        head_dim=st.sampled_from([16, 32, 64]), dtype=st.sampled_from(sorted(DTYPES)),
@@ -219,7 +219,7 @@ def _check_attention(cache, dtype_name, seed, impls):
     assert (err[ok] <= bound[ok]).all(), (impl, float((err - bound)[ok].max()))
 
 
-@settings(max_examples=12)
+@settings(max_examples=8)
 @given(cache_cases())
 def test_fuzz_cache_and_reference_attention(case):
   cache, k_hist, v_hist, overflow = _run_program(case)
