@@ -162,9 +162,10 @@ def _prefill(graphdef, state, tokens, lengths, cache, *, chunk_size=None, mesh=N
 
 def fill_cache(model, fmt, batch: int, context: int, capacity: int, seed: int):
   """A `ModelCache` holding ``context`` random tokens per sequence."""
-  cache = model.init_cache(fmt, batch, capacity)
-  if MESH is not None:
-    cache = jaxkv.shard_cache(cache, MESH)
+  if MESH is None:
+    cache = model.init_cache(fmt, batch, capacity)
+  else:
+    cache = jaxkv.sharding.init_sharded(lambda: model.init_cache(fmt, batch, capacity), MESH)
   key = jax.random.key(seed)
   chunk = max(128, min(context, (FILL_TOKENS // batch) // 128 * 128))
   done = 0
@@ -395,9 +396,11 @@ class Runner:
     lengths = jnp.full((1,), prompt_len, jnp.int32)
     times, compile_s = [], None
     for i in range(repeats + 1):
-      cache = self.model.init_cache(fmt, 1, prompt_len + 128)
-      if MESH is not None:
-        cache = jaxkv.shard_cache(cache, MESH)
+      if MESH is None:
+        cache = self.model.init_cache(fmt, 1, prompt_len + 128)
+      else:
+        cache = jaxkv.sharding.init_sharded(
+            lambda: self.model.init_cache(fmt, 1, prompt_len + 128), MESH)
       jax.block_until_ready(cache)
       t0 = time.perf_counter()
       out, cache = _prefill(self.graphdef, self.state, tokens, lengths, cache,

@@ -440,10 +440,12 @@ def generate(model, prompt_tokens, prompt_lengths, *, kv_format: KVFormat | str 
 
   rng = jax.random.key(0) if rng is None else rng
   stops = jnp.asarray(_stop_array(stop_tokens, batch))
-  cache = model.init_cache(kv_format, batch, capacity, dtype=cache_dtype)
-  if mesh is not None:
-    from jaxkv.sharding import shard_cache  # pylint: disable=import-outside-toplevel
-    cache = shard_cache(cache, mesh)
+  if mesh is None:
+    cache = model.init_cache(kv_format, batch, capacity, dtype=cache_dtype)
+  else:  # each device allocates only its shard
+    from jaxkv.sharding import init_sharded  # pylint: disable=import-outside-toplevel
+    cache = init_sharded(
+        lambda: model.init_cache(kv_format, batch, capacity, dtype=cache_dtype), mesh)
   graphdef, state = nnx.split(model)
   tokens, lengths, cache = _generate_program(
       graphdef, state, prompt_tokens, prompt_lengths, cache, rng, stops,

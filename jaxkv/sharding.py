@@ -190,6 +190,17 @@ def shard_cache(cache, mesh: Mesh):
   return jax.device_put(cache, cache_shardings(cache, mesh))
 
 
+def init_sharded(init_fn: Callable[[], Any], mesh: Mesh):
+  """Builds the cache ``init_fn()`` returns directly in its `cache_specs` placement.
+
+  Each device allocates only its shard (``jax.jit`` with ``out_shardings``),
+  never the whole cache, e.g.
+  ``init_sharded(lambda: model.init_cache("kivi4", 64, 131072), mesh)``.
+  """
+  shapes = jax.eval_shape(init_fn)
+  return jax.jit(init_fn, out_shardings=cache_shardings(shapes, mesh))()
+
+
 def heads_spec(cache, mesh: Mesh) -> P:
   """Spec of ``[B, T, H, D]`` activations (q, k, v, attention output) matching the cache.
 
@@ -268,6 +279,6 @@ def constrain_cache(cache, mesh: Mesh | None) -> Any:
 
 __all__ = [
     "LOGICAL_AXIS_RULES", "MESH_AXES", "cache_shardings", "cache_specs", "constrain_cache",
-    "heads_spec", "logical_spec", "make_mesh", "mesh_from_spec", "named", "parse_mesh",
+    "heads_spec", "init_sharded", "logical_spec", "make_mesh", "mesh_from_spec", "named", "parse_mesh",
     "per_shard_attend", "shard_cache", "shard_map", "sharded_decode_attention",
 ]
