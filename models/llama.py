@@ -742,19 +742,19 @@ def random_model(config: LlamaConfig | str, *, seed: int = 0, dtype=jnp.bfloat16
 def from_pretrained(path, dtype=None, *, mesh=None) -> Llama:
   """Loads a HF Llama checkpoint directory; see `models.checkpoint.load_llama`.
 
-  With ``mesh`` the parameters are then placed with `models.sharding.shard_model`
-  (the loader first builds them on the default device).
+  With ``mesh`` the parameters are placed as `models.sharding` says: HF
+  checkpoints tensor by tensor from host memory onto their shards; GGUF files
+  are loaded first, then placed (`models.sharding.shard_model`).
   """
   if str(path).endswith(".gguf"):
     from models.gguf import load_gguf  # pylint: disable=import-outside-toplevel
     model = load_gguf(path, dtype=dtype)
-  else:
-    from models.checkpoint import load_llama  # pylint: disable=import-outside-toplevel
-    model = load_llama(path, dtype=dtype)
-  if mesh is not None:
-    from models.sharding import shard_model  # pylint: disable=import-outside-toplevel
-    model = shard_model(model, mesh)
-  return model
+    if mesh is not None:
+      from models.sharding import shard_model  # pylint: disable=import-outside-toplevel
+      model = shard_model(model, mesh)
+    return model
+  from models.checkpoint import load_llama  # pylint: disable=import-outside-toplevel
+  return load_llama(path, dtype=dtype, mesh=mesh)
 
 
 def param_count(model: Llama) -> int:

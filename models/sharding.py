@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import jax
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from jaxkv.sharding import logical_spec, named
 
@@ -66,6 +66,27 @@ def param_specs(model, mesh: Mesh):
   return jax.tree_util.tree_map_with_path(spec, nnx.state(model, nnx.Param))
 
 
+def param_shardings_by_variable(model, mesh: Mesh) -> dict[int, NamedSharding]:
+  """``id(nnx.Param)`` -> its `NamedSharding` (works on an ``nnx.eval_shape`` model).
+
+  What a loader needs to place each tensor straight from host memory onto its
+  shards (`models.checkpoint.build_llama` with ``mesh=``).
+  """
+  c = model.config
+  head_units = {"heads": c.num_heads, "kv_heads": c.num_kv_heads}
+  out = {}
+  for path, node in nnx.iter_graph(model):
+    if not isinstance(node, nnx.Param):
+      continue
+    name = "/".join(str(k) for k in path)
+    if name not in PARAM_LOGICAL_AXES:
+      raise ValueError(f"parameter {name!r} has no entry in PARAM_LOGICAL_AXES")
+    logical = PARAM_LOGICAL_AXES[name]
+    spec = logical_spec(mesh, node.shape, logical, units=[head_units.get(a) for a in logical])
+    out[id(node)] = NamedSharding(mesh, spec)
+  return out
+
+
 def shard_model(model, mesh: Mesh):
   """Places ``model``'s parameters on ``mesh`` (in place; returns the model).
 
@@ -80,4 +101,4 @@ def shard_model(model, mesh: Mesh):
   return model
 
 
-__all__ = ["PARAM_LOGICAL_AXES", "param_specs", "shard_model"]
+__all__ = ["PARAM_LOGICAL_AXES", "param_shardings_by_variable", "param_specs", "shard_model"]
