@@ -142,23 +142,30 @@ def _fill_chunk(cache, key, *, chunk: int):
   return jax.lax.fori_loop(0, cache.num_layers, layer, cache).commit(plan)
 
 
-@functools.partial(jax.jit, donate_argnames="cache", static_argnames="implementation")
-def _decode(graphdef, state, tokens, cache, *, implementation=None):
+# `--mesh`: a `jaxkv.make_mesh` mesh the model, caches and attention are sharded on.
+MESH = None
+
+
+@functools.partial(jax.jit, donate_argnames="cache", static_argnames=("implementation", "mesh"))
+def _decode(graphdef, state, tokens, cache, *, implementation=None, mesh=None):
   logits, cache = decode_step(nnx.merge(graphdef, state), tokens, cache,
-                              implementation=implementation)
+                              implementation=implementation, mesh=mesh)
   return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
 
-@functools.partial(jax.jit, donate_argnames="cache", static_argnames="chunk_size")
-def _prefill(graphdef, state, tokens, lengths, cache, *, chunk_size=None):
+@functools.partial(jax.jit, donate_argnames="cache", static_argnames=("chunk_size", "mesh"))
+def _prefill(graphdef, state, tokens, lengths, cache, *, chunk_size=None, mesh=None):
   logits, cache = nnx.merge(graphdef, state).prefill(tokens, lengths, cache,
-                                                     chunk_size=chunk_size)
+                                                     chunk_size=chunk_size, mesh=mesh)
   return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
 
 def fill_cache(model, fmt, batch: int, context: int, capacity: int, seed: int):
   """A `ModelCache` holding ``context`` random tokens per sequence."""
-  cache = model.init_cache(fmt, batch, capacity)
+  if MESH is None:
+    cache = model.init_cache(fmt, batch, capacity)
+  else:
+    cache = jaxkv.sharding.init_sharded(lambda: model.init_cache(fmt, batch, capacity), MESH)
   key = jax.random.key(seed)
   chunk = max(128, min(context, (FILL_TOKENS // batch) // 128 * 128))
   done = 0
@@ -181,16 +188,19 @@ def time_decode_calls(graphdef, state, cache, tokens, *, steps: int, warmup: int
                       implementation=None):
   """Per-call time of one jitted, cache-donating decode step (host dispatch included)."""
   t0 = time.perf_counter()
-  tokens, cache = _decode(graphdef, state, tokens, cache, implementation=implementation)
+  tokens, cache = _decode(graphdef, state, tokens, cache, implementation=implementation,
+                            mesh=MESH)
   tokens.block_until_ready()
   compile_s = time.perf_counter() - t0
   for _ in range(warmup):
-    tokens, cache = _decode(graphdef, state, tokens, cache, implementation=implementation)
+    tokens, cache = _decode(graphdef, state, tokens, cache, implementation=implementation,
+                            mesh=MESH)
   tokens.block_until_ready()
   times = []
   for _ in range(steps):
     t0 = time.perf_counter()
-    tokens, cache = _decode(graphdef, state, tokens, cache, implementation=implementation)
+    tokens, cache = _decode(graphdef, state, tokens, cache, implementation=implementation,
+                            mesh=MESH)
     tokens.block_until_ready()
     times.append(time.perf_counter() - t0)
   return dict(compile_plus_first_step_s=compile_s, **_stats(times)), tokens, cache
@@ -200,14 +210,14 @@ def time_decode_loop(model, cache, tokens, *, loop_steps: int, reps: int, implem
   """Per-step time inside one jitted `decode_steps` loop of ``loop_steps`` steps."""
   t0 = time.perf_counter()
   out, _, cache = jaxkv.decode_steps(model, tokens, cache, loop_steps,
-                                     implementation=implementation)
+                                     implementation=implementation, mesh=MESH)
   out.block_until_ready()
   compile_s = time.perf_counter() - t0
   times = []
   for _ in range(reps):
     t0 = time.perf_counter()
     out, _, cache = jaxkv.decode_steps(model, out[:, -1], cache, loop_steps,
-                                       implementation=implementation)
+                                       implementation=implementation, mesh=MESH)
     out.block_until_ready()
     times.append((time.perf_counter() - t0) / loop_steps)
   return dict(compile_plus_first_loop_s=compile_s, loop_steps=loop_steps,
@@ -255,13 +265,15 @@ def _trace_events(trace_dir: str) -> tuple[list[tuple[str, float]], str]:
 def profile_decode(graphdef, state, cache, tokens, trace_dir: str, steps: int,
                    implementation=None) -> dict:
   """Traces ``steps`` decode steps (after a warm call); device time per step by family."""
-  tokens, cache = _decode(graphdef, state, tokens, cache, implementation=implementation)
+  tokens, cache = _decode(graphdef, state, tokens, cache, implementation=implementation,
+                            mesh=MESH)
   tokens.block_until_ready()
   os.makedirs(trace_dir, exist_ok=True)
   jax.profiler.start_trace(trace_dir)
   try:
     for _ in range(steps):
-      tokens, cache = _decode(graphdef, state, tokens, cache, implementation=implementation)
+      tokens, cache = _decode(graphdef, state, tokens, cache, implementation=implementation,
+                            mesh=MESH)
     tokens.block_until_ready()
   finally:
     jax.profiler.stop_trace()
@@ -384,11 +396,15 @@ class Runner:
     lengths = jnp.full((1,), prompt_len, jnp.int32)
     times, compile_s = [], None
     for i in range(repeats + 1):
-      cache = self.model.init_cache(fmt, 1, prompt_len + 128)
+      if MESH is None:
+        cache = self.model.init_cache(fmt, 1, prompt_len + 128)
+      else:
+        cache = jaxkv.sharding.init_sharded(
+            lambda: self.model.init_cache(fmt, 1, prompt_len + 128), MESH)
       jax.block_until_ready(cache)
       t0 = time.perf_counter()
       out, cache = _prefill(self.graphdef, self.state, tokens, lengths, cache,
-                            chunk_size=chunk_size)
+                            chunk_size=chunk_size, mesh=MESH)
       out.block_until_ready()
       if i == 0:
         compile_s = time.perf_counter() - t0
@@ -537,6 +553,7 @@ def print_table(latency, batch_rows, prefill_rows, profiles, summary, skipped, e
 
 
 def main(argv=None) -> int:
+  global MESH  # pylint: disable=global-statement
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--quick", action="store_true", help="target-relevant cases only")
   p.add_argument("--config", default="llama-3.1-8b", help="models.llama.CONFIGS name")
@@ -553,6 +570,9 @@ def main(argv=None) -> int:
   p.add_argument("--max-batch", type=int, default=512)
   p.add_argument("--headroom-gb", type=float, default=3.0, help="memory kept free at max batch")
   p.add_argument("--implementation", default=None, help="decode_attention implementation")
+  p.add_argument("--mesh", default=None, metavar="data=D,model=M",
+                 help="shard weights, caches and attention on a device mesh (max-batch "
+                      "estimates stay per device)")
   p.add_argument("--bandwidth-gib", type=float, default=None,
                  help="size of the bandwidth probe (default 4 GiB on GPU, 0.25 on CPU)")
   p.add_argument("--profile", default=None, metavar="DIR",
@@ -585,6 +605,10 @@ def main(argv=None) -> int:
   print(f"HBM read bandwidth ({gib:g} GiB bf16 sum): {bandwidth / 1e9:.0f} GB/s", flush=True)
   t0 = time.perf_counter()
   model = llama.random_model(args.config, seed=0, dtype=jnp.bfloat16)
+  if args.mesh:
+    MESH = jaxkv.make_mesh(**jaxkv.sharding.parse_mesh(args.mesh))
+    from models.sharding import shard_model  # pylint: disable=import-outside-toplevel
+    shard_model(model, MESH)
   jax.block_until_ready(nnx.state(model))
   init_s = time.perf_counter() - t0
   runner = Runner(args, model, bandwidth)

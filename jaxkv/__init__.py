@@ -11,6 +11,8 @@ Public API:
   generate, decode_steps,   jitted decoding with a model (`jaxkv.decoding`)
   decode_step
   autotune                  kernel config search on the current GPU
+  make_mesh, shard_cache    a ("data", "model") device mesh; a cache placed on it
+                            (`jaxkv.sharding`: rules, per-shard attention)
   quant                     reference quantize/dequantize/pack/unpack
 """
 
@@ -22,6 +24,8 @@ from jaxkv.chunked_attention import chunk_attention
 from jaxkv.decoding import decode_step, decode_steps, generate
 from jaxkv.formats import PRESETS, KVFormat
 from jaxkv.model_cache import ModelCache
+from jaxkv import sharding
+from jaxkv.sharding import make_mesh, shard_cache, sharded_decode_attention
 
 __version__ = "0.1.0"
 
@@ -37,6 +41,10 @@ __all__ = [
     "decode_step",
     "decode_steps",
     "generate",
+    "make_mesh",
     "quant",
     "reference_attention",
+    "shard_cache",
+    "sharded_decode_attention",
+    "sharding",
 ]

@@ -75,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
   g.add_argument("--capacity", type=_positive_int, default=None, help="cache tokens per sequence")
   g.add_argument("--implementation", default=None, help="decode_attention implementation")
   g.add_argument("--no-stop", action="store_true", help="ignore EOS tokens")
+  g.add_argument("--mesh", default=None, metavar="data=D,model=M",
+                 help="run on a device mesh: batch over data, heads/features over model "
+                      "(e.g. data=1,model=8)")
   g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
   sub.add_parser("formats", help="memory and attention error of every preset")
@@ -339,8 +342,12 @@ def _generate(args) -> int:
     raise ValueError(f"--top-p {args.top_p} must be in (0, 1]")
   if not args.temperature > 0:
     raise ValueError(f"--temperature {args.temperature} must be > 0")
+  mesh = None
+  if args.mesh:
+    from jaxkv.sharding import mesh_from_spec  # pylint: disable=import-outside-toplevel
+    mesh = mesh_from_spec(args.mesh)  # ValueError naming a bad spec
   t0 = time.perf_counter()
-  model = llama.from_pretrained(args.model, dtype=args.dtype)
+  model = llama.from_pretrained(args.model, dtype=args.dtype, mesh=mesh)
   load_s = time.perf_counter() - t0
   config = model.config
   tokenizer = _load_tokenizer(args.model)
@@ -393,7 +400,7 @@ def _generate(args) -> int:
       model, tokens, lengths, kv_format=fmt, max_new_tokens=n, sampler=args.sampler,
       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
       stop_tokens=stops or None, rng=jax.random.key(args.seed), capacity=capacity,
-      implementation=args.implementation, progress=progress)
+      implementation=args.implementation, progress=progress, mesh=mesh)
   out, out_len = np.asarray(out), np.asarray(out_len)
   total_s = time.perf_counter() - t0
   if bar is not None:

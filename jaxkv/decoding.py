@@ -95,6 +95,8 @@ class GenerateSettings:
     implementation: `jaxkv.decode_attention` implementation.
     progress: optional host callback ``progress(step)`` called once per
       generated token (through `jax.debug.callback`).
+    mesh: a `jaxkv.make_mesh` mesh: the model's appends and attention run per
+      shard and the cache keeps its `jaxkv.sharding.cache_specs` placement.
   """
 
   max_new_tokens: int
@@ -103,6 +105,7 @@ class GenerateSettings:
   use_top_p: bool = False
   implementation: str | None = None
   progress: Callable[[Any], None] | None = None
+  mesh: Any = None
 
   def sample(self, logits, rng, temperature, top_p):
     if self.sampler == "greedy":
@@ -114,7 +117,8 @@ class GenerateSettings:
 
 
 # --------------------------------------------------------------- decode step
-def decode_step(model, tokens: jax.Array, cache, *, implementation: str | None = None):
+def decode_step(model, tokens: jax.Array, cache, *, implementation: str | None = None,
+                mesh=None):
   """One decode step: feeds one token per sequence, returns next-token logits.
 
   Pure and traceable: put it in your own `jax.jit` / `lax.scan`, e.g.::
@@ -130,11 +134,23 @@ def decode_step(model, tokens: jax.Array, cache, *, implementation: str | None =
     tokens: ``[B]`` int32, the latest token of each sequence.
     cache: the model's cache (the K/V of ``tokens`` are appended here).
     implementation: `jaxkv.decode_attention` implementation.
+    mesh: a `jaxkv.make_mesh` mesh to run attention per shard on (the cache
+      sharded with `jaxkv.shard_cache`); None: no mesh.
   Returns:
     ``(logits [B, V] float32, cache)``.
   """
-  logits, cache = model.decode(tokens[:, None], cache, implementation=implementation)
+  if mesh is None:  # models without mesh support keep working
+    logits, cache = model.decode(tokens[:, None], cache, implementation=implementation)
+  else:
+    logits, cache = model.decode(tokens[:, None], cache, implementation=implementation,
+                                 mesh=mesh)
+    cache = _constrain(cache, mesh)
   return logits[:, 0], cache
+
+
+def _constrain(cache, mesh):
+  from jaxkv.sharding import constrain_cache  # pylint: disable=import-outside-toplevel
+  return constrain_cache(cache, mesh)
 
 
 def _is_stop(tokens, stop_tokens):
@@ -177,7 +193,8 @@ def _decode_loop(model, state: DecodeState, stop_tokens, temperature, top_p, pad
     return (s.step < jnp.minimum(num_steps, n)) & ~jnp.all(s.done)
 
   def body(s: DecodeState) -> DecodeState:
-    logits, cache = decode_step(model, s.token, s.cache, implementation=settings.implementation)
+    logits, cache = decode_step(model, s.token, s.cache, implementation=settings.implementation,
+                                mesh=settings.mesh)
     rng, key = jax.random.split(s.rng)
     token = settings.sample(logits, key, temperature, top_p)
     token = jnp.where(s.done, pad_token_id, token)
@@ -198,7 +215,12 @@ def _generate_program(graphdef, state, prompt_tokens, prompt_lengths, cache, rng
   """Prefill + while-loop decode. Returns ``(tokens [B, N], lengths [B], cache)``."""
   model = nnx.merge(graphdef, state)
   batch = prompt_tokens.shape[0]
-  logits, cache = model.prefill(prompt_tokens, prompt_lengths, cache)
+  if settings.mesh is None:
+    logits, cache = model.prefill(prompt_tokens, prompt_lengths, cache)
+  else:
+    cache = _constrain(cache, settings.mesh)
+    logits, cache = model.prefill(prompt_tokens, prompt_lengths, cache, mesh=settings.mesh)
+    cache = _constrain(cache, settings.mesh)
   rng, key = jax.random.split(rng)
   token = settings.sample(logits, key, temperature, top_p)
   out = jnp.full((batch, settings.max_new_tokens), pad_token_id, jnp.int32).at[:, 0].set(token)
@@ -209,7 +231,7 @@ def _generate_program(graphdef, state, prompt_tokens, prompt_lengths, cache, rng
                      num_generated=jnp.ones((batch,), jnp.int32))
   loop = _decode_loop(model, loop, stop_tokens, temperature, top_p, pad_token_id, num_steps,
                       settings)
-  return loop.out, loop.num_generated, loop.cache
+  return loop.out, loop.num_generated, _constrain(loop.cache, settings.mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("settings",), donate_argnames=("cache",))
@@ -224,11 +246,11 @@ def _decode_steps_program(graphdef, state, tokens, cache, rng, stop_tokens, temp
                      done=jnp.zeros((batch,), bool), num_generated=jnp.zeros((batch,), jnp.int32))
   loop = _decode_loop(model, loop, stop_tokens, temperature, top_p, pad_token_id, jnp.int32(n),
                       settings)
-  return loop.out, loop.num_generated, loop.cache
+  return loop.out, loop.num_generated, _constrain(loop.cache, settings.mesh)
 
 
 def _settings(model, max_new_tokens, sampler, temperature, top_k, top_p, implementation,
-              progress) -> GenerateSettings:
+              progress, mesh=None) -> GenerateSettings:
   """Validates the sampling arguments shared by `generate` and `decode_steps`."""
   if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
       or max_new_tokens < 1:
@@ -252,7 +274,7 @@ def _settings(model, max_new_tokens, sampler, temperature, top_k, top_p, impleme
       max_new_tokens=int(max_new_tokens), sampler=sampler,
       top_k=None if sampler != "sample" or top_k is None else int(top_k),
       use_top_p=sampler == "sample" and top_p is not None,
-      implementation=implementation, progress=progress)
+      implementation=implementation, progress=progress, mesh=mesh)
 
 
 def _check_ids(name: str, tokens, vocab_size: int) -> None:
@@ -271,7 +293,7 @@ def _check_ids(name: str, tokens, vocab_size: int) -> None:
 def decode_steps(model, tokens, cache, num_steps: int, *, sampler: str | Callable = "greedy",
                  temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, stop_tokens=None, rng: jax.Array | None = None,
-                 implementation: str | None = None, pad_token_id: int = 0):
+                 implementation: str | None = None, pad_token_id: int = 0, mesh=None):
   """Runs ``num_steps`` decode steps in one jitted loop; the cache is donated.
 
   For users who hold a cache (e.g. after `model.prefill`) and drive decoding
@@ -286,6 +308,9 @@ def decode_steps(model, tokens, cache, num_steps: int, *, sampler: str | Callabl
     sampler, temperature, top_k, top_p, stop_tokens, rng, pad_token_id: as in
       `generate`.
     implementation: `jaxkv.decode_attention` implementation.
+    mesh: a `jaxkv.make_mesh` mesh: pass the model placed with
+      `models.sharding.shard_model` and the cache with `jaxkv.shard_cache`;
+      appends and attention then run per shard (no gather of the cache).
   Returns:
     ``(tokens [B, num_steps] int32, lengths [B] int32, cache)``: the next
     tokens (``pad_token_id`` after a sequence's stop token), tokens counted up
@@ -299,7 +324,7 @@ def decode_steps(model, tokens, cache, num_steps: int, *, sampler: str | Callabl
   if tokens.shape[0] != cache.batch:
     raise ValueError(f"tokens.shape={tokens.shape} must be [{cache.batch}] (the cache batch)")
   settings = _settings(model, num_steps, sampler, temperature, top_k, top_p, implementation,
-                       None)
+                       None, mesh)
   graphdef, state = nnx.split(model)
   rng = jax.random.key(0) if rng is None else rng
   stops = jnp.asarray(_stop_array(stop_tokens, tokens.shape[0]))
@@ -337,7 +362,7 @@ def generate(model, prompt_tokens, prompt_lengths, *, kv_format: KVFormat | str 
              rng: jax.Array | None = None, capacity: int | None = None,
              implementation: str | None = None, cache_dtype=None, pad_token_id: int = 0,
              return_cache: bool = False, progress: Callable[[Any], None] | None = None,
-             num_steps: int | None = None):
+             num_steps: int | None = None, mesh=None):
   """Generates ``max_new_tokens`` tokens per prompt with a (quantized) KV cache.
 
   Args:
@@ -368,6 +393,10 @@ def generate(model, prompt_tokens, prompt_lengths, *, kv_format: KVFormat | str 
       output is padding). Passed as data, so it reuses the program compiled
       for ``max_new_tokens``: benchmarks time ``num_steps=1`` (prefill and
       first token) against the full run.
+    mesh: a `jaxkv.make_mesh` mesh: the cache is created sharded
+      (`jaxkv.shard_cache`) and every layer's append and attention run per
+      shard. Place the model first with `models.sharding.shard_model` (else
+      XLA replicates its weights). Greedy tokens match one device.
   Returns:
     ``(tokens [B, max_new_tokens] int32, lengths [B] int32)`` where
     ``lengths[b]`` counts generated tokens up to and including the stop
@@ -400,7 +429,7 @@ def generate(model, prompt_tokens, prompt_lengths, *, kv_format: KVFormat | str 
   if prompt_lengths.shape != (batch,):
     raise ValueError(f"prompt_lengths.shape={prompt_lengths.shape} must be ({batch},)")
   settings = _settings(model, max_new_tokens, sampler, temperature, top_k, top_p,
-                       implementation, progress)
+                       implementation, progress, mesh)
   if isinstance(kv_format, str):
     kv_format = KVFormat.preset(kv_format)
   needed = prompt_len + max_new_tokens - 1  # the last token is never appended
@@ -411,7 +440,12 @@ def generate(model, prompt_tokens, prompt_lengths, *, kv_format: KVFormat | str 
 
   rng = jax.random.key(0) if rng is None else rng
   stops = jnp.asarray(_stop_array(stop_tokens, batch))
-  cache = model.init_cache(kv_format, batch, capacity, dtype=cache_dtype)
+  if mesh is None:
+    cache = model.init_cache(kv_format, batch, capacity, dtype=cache_dtype)
+  else:  # each device allocates only its shard
+    from jaxkv.sharding import init_sharded  # pylint: disable=import-outside-toplevel
+    cache = init_sharded(
+        lambda: model.init_cache(kv_format, batch, capacity, dtype=cache_dtype), mesh)
   graphdef, state = nnx.split(model)
   tokens, lengths, cache = _generate_program(
       graphdef, state, prompt_tokens, prompt_lengths, cache, rng, stops,

@@ -101,13 +101,15 @@ def _fmt_list(names, limit=8) -> str:
   return ", ".join(names[:limit]) + more
 
 
-def load_llama(path, dtype=None) -> Llama:
+def load_llama(path, dtype=None, *, mesh=None) -> Llama:
   """Builds a `Llama` from a HF checkpoint directory.
 
   Args:
     path: directory with ``config.json`` and safetensors weights.
     dtype: parameter dtype (floating); None keeps the checkpoint's (config
       ``dtype`` / ``torch_dtype``, else the embedding's stored dtype).
+    mesh: a `jaxkv.make_mesh` mesh: each parameter goes from host memory
+      straight to its shards (`models.sharding`), never whole onto one device.
   Raises:
     TypeError: ``dtype`` is not a floating dtype (checked before any file is read).
     ValueError: unsupported config, missing files, or missing / unexpected /
@@ -137,11 +139,12 @@ def load_llama(path, dtype=None) -> Llama:
       raw = json.load(f)
     name = raw.get("dtype") or raw.get("torch_dtype")
     dtype = jnp.dtype(name) if name in ("float32", "bfloat16", "float16") else None
-  return build_llama(config, _iter_tensors(files, sorted(expected)), dtype=dtype, source=path)
+  return build_llama(config, _iter_tensors(files, sorted(expected)), dtype=dtype, source=path,
+                     mesh=mesh)
 
 
 def build_llama(config: LlamaConfig, tensors: Iterable[tuple[str, Any]], *, dtype=None,
-                source: str = "checkpoint") -> Llama:
+                source: str = "checkpoint", mesh=None) -> Llama:
   """Builds a `Llama` from ``(HF tensor name, array)`` pairs in HF orientation.
 
   The one place every loader (HF safetensors, GGUF) fills a model: names and
@@ -156,6 +159,7 @@ def build_llama(config: LlamaConfig, tensors: Iterable[tuple[str, Any]], *, dtyp
       numpy arrays).
     dtype: parameter dtype (floating); None = the first tensor's dtype.
     source: named in error messages.
+    mesh: place each parameter on this mesh's shards (`models.sharding`).
   Raises:
     TypeError: ``dtype`` (given or taken from the first tensor) is not floating.
     ValueError: missing, unexpected or mis-shaped tensors (all named).
@@ -192,9 +196,15 @@ def build_llama(config: LlamaConfig, tensors: Iterable[tuple[str, Any]], *, dtyp
   missing = set(expected) - seen
   if missing:
     raise ValueError(f"checkpoint {source!r} lacks tensors: {_fmt_list(missing)}")
+  shardings = {}
+  if mesh is not None:
+    from models.sharding import param_shardings_by_variable  # pylint: disable=import-outside-toplevel
+    shardings = param_shardings_by_variable(model, mesh)
   for param, _, _ in targets.values():
     if id(param) in buffers:
-      _set(param, jnp.asarray(buffers.pop(id(param))))
+      host = buffers.pop(id(param))
+      _set(param, jax.device_put(host, shardings[id(param)]) if mesh is not None
+           else jnp.asarray(host))
   return model
 
 

@@ -41,6 +41,7 @@ import numpy as np
 from flax import nnx
 
 import jaxkv
+import jaxkv.sharding  # noqa: F401  (per-shard attention on a mesh)
 from jaxkv.formats import KVFormat
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -572,8 +573,8 @@ class Llama(nnx.Module):
     return self._logits(self._scan_layers(body, self._embed(tokens)))
 
   def prefill(self, tokens: jax.Array, prompt_lengths: jax.Array, cache: "jaxkv.ModelCache",
-              chunk_size: int | None = None, *, attention_impl: str | None = None
-              ) -> tuple[jax.Array, "jaxkv.ModelCache"]:
+              chunk_size: int | None = None, *, attention_impl: str | None = None,
+              mesh=None) -> tuple[jax.Array, "jaxkv.ModelCache"]:
     """Appends right-padded prompts to a cache (empty or holding earlier turns).
 
     Row ``b`` continues sequence ``b`` at position ``cache.lengths[b]``; its
@@ -592,6 +593,10 @@ class Llama(nnx.Module):
       cache: a `jaxkv.ModelCache` from `init_cache` (with room for the tokens).
       chunk_size: tokens per chunk; None = all T at once.
       attention_impl: `jaxkv.chunk_attention` implementation.
+      mesh: a `jaxkv.make_mesh` mesh: each layer's append and attention run
+        per shard (`jaxkv.sharding.per_shard_attend`); the cache should be
+        placed with `jaxkv.shard_cache` and the weights with
+        `models.sharding.shard_model`.
     Returns:
       ``(logits [B, vocab] float32 at each prompt's last real token (zeros for
       an empty prompt), cache)``. Under `jit`, out-of-range ids or lengths set
@@ -631,8 +636,8 @@ class Llama(nnx.Module):
       def body(layer, index, carry):
         x, new_cache = carry
 
-        def attend(q, k, v, _):
-          k, v = k.astype(cache.dtype), v.astype(cache.dtype)
+        def layer_attend(q, k, v, new_cache, index, plan, n_real):
+          k, v = k.astype(new_cache.dtype), v.astype(new_cache.dtype)
           # Write first, then attend to the layer's history as it was before
           # the write (see `append_layer_with_history`): nothing is copied.
           written, history = new_cache.append_layer_with_history(index, k, v, plan)
@@ -652,6 +657,13 @@ class Llama(nnx.Module):
           o = jax.lax.cond(jnp.all(history.lengths == 0), fresh, general)
           return o, written
 
+        if mesh is not None:
+          layer_attend = jaxkv.sharding.per_shard_attend(layer_attend, mesh, new_cache, plan,
+                                                         num_seq_args=1)
+
+        def attend(q, k, v, _):
+          return layer_attend(q, k, v, new_cache, index, plan, n_real)
+
         return layer(x, positions, attend)
 
       x, new_cache = self._scan_layers(body, (self._embed(chunk_tokens), cache))
@@ -669,7 +681,8 @@ class Llama(nnx.Module):
     return jnp.where((lengths > 0)[:, None], logits, 0.0), cache
 
   def decode(self, tokens: jax.Array, cache: "jaxkv.ModelCache", *,
-             implementation: str | None = None) -> tuple[jax.Array, "jaxkv.ModelCache"]:
+             implementation: str | None = None, mesh=None
+             ) -> tuple[jax.Array, "jaxkv.ModelCache"]:
     """Runs ``S`` new tokens per sequence against the cache.
 
     Args:
@@ -678,6 +691,8 @@ class Llama(nnx.Module):
       cache: the `jaxkv.ModelCache` (from `prefill` or earlier `decode` calls).
       implementation: `jaxkv.decode_attention` implementation (None = Pallas
         on GPU, reference elsewhere).
+      mesh: run each layer's append and attention per shard of this mesh
+        (see `prefill`).
     Returns:
       ``(logits [B, S, vocab] float32, cache)`` with every sequence grown by S
       (out-of-range ids under `jit` set ``cache.invalid``).
@@ -689,14 +704,20 @@ class Llama(nnx.Module):
     positions = cache.lengths[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]
     plan = cache.plan_append(jnp.full((b,), s, jnp.int32))         # once for all layers
 
+    def layer_attend(q, k, v, cache, index, plan):
+      new_cache = cache.append_layer(index, k, v, plan)
+      o = jaxkv.decode_attention(q, new_cache.layer_view(index, plan),
+                                 implementation=implementation)
+      return o, new_cache
+
     def body(layer, index, carry):
       x, cache = carry
+      fn = layer_attend
+      if mesh is not None:  # per device: its sequences and KV heads, no gather
+        fn = jaxkv.sharding.per_shard_attend(layer_attend, mesh, cache, plan)
 
       def attend(q, k, v, _):
-        new_cache = cache.append_layer(index, k, v, plan)
-        o = jaxkv.decode_attention(q, new_cache.layer_view(index, plan),
-                                   implementation=implementation)
-        return o, new_cache
+        return fn(q, k, v, cache, index, plan)
 
       return layer(x, positions, attend)
 
@@ -718,13 +739,22 @@ def random_model(config: LlamaConfig | str, *, seed: int = 0, dtype=jnp.bfloat16
   return Llama(config, dtype=dtype, rngs=nnx.Rngs(params=seed))
 
 
-def from_pretrained(path, dtype=None) -> Llama:
-  """Loads a HF Llama checkpoint directory; see `models.checkpoint.load_llama`."""
+def from_pretrained(path, dtype=None, *, mesh=None) -> Llama:
+  """Loads a HF Llama checkpoint directory; see `models.checkpoint.load_llama`.
+
+  With ``mesh`` the parameters are placed as `models.sharding` says: HF
+  checkpoints tensor by tensor from host memory onto their shards; GGUF files
+  are loaded first, then placed (`models.sharding.shard_model`).
+  """
   if str(path).endswith(".gguf"):
     from models.gguf import load_gguf  # pylint: disable=import-outside-toplevel
-    return load_gguf(path, dtype=dtype)
+    model = load_gguf(path, dtype=dtype)
+    if mesh is not None:
+      from models.sharding import shard_model  # pylint: disable=import-outside-toplevel
+      model = shard_model(model, mesh)
+    return model
   from models.checkpoint import load_llama  # pylint: disable=import-outside-toplevel
-  return load_llama(path, dtype=dtype)
+  return load_llama(path, dtype=dtype, mesh=mesh)
 
 
 def param_count(model: Llama) -> int:

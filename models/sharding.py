@@ -1,0 +1,104 @@
+"""Parameter sharding of `models.llama.Llama` on a ``("data", "model")`` mesh.
+
+Megatron tensor parallelism over ``"model"``: q/k/v and gate/up are split by
+columns (heads / MLP features), o and down by rows, so each layer needs one
+all-reduce after attention and one after the MLP; the embedding and the LM
+head are split over the vocabulary. Parameters are replicated over
+``"data"``. Every parameter gets logical axis names here
+(`PARAM_LOGICAL_AXES`); `jaxkv.sharding.LOGICAL_AXIS_RULES` maps them to mesh
+axes. A head axis whose head count is not a multiple of the ``"model"`` size
+is replicated (as in the cache).
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from jaxkv.sharding import logical_spec, named
+
+# Parameter path (joined with "/") -> logical axes of the stored array.
+# Stacked layer parameters have a leading "layers" axis.
+PARAM_LOGICAL_AXES: dict[str, tuple[str | None, ...]] = {
+    "embed_tokens": ("vocab", "embed"),
+    "norm/weight": ("embed",),
+    "lm_head/kernel": ("embed", "vocab"),
+    "layers/input_layernorm/weight": ("layers", "embed"),
+    "layers/post_attention_layernorm/weight": ("layers", "embed"),
+    "layers/self_attn/q_proj/kernel": ("layers", "embed", "heads"),
+    "layers/self_attn/k_proj/kernel": ("layers", "embed", "kv_heads"),
+    "layers/self_attn/v_proj/kernel": ("layers", "embed", "kv_heads"),
+    "layers/self_attn/o_proj/kernel": ("layers", "heads", "embed"),
+    "layers/mlp/gate_proj/kernel": ("layers", "embed", "mlp"),
+    "layers/mlp/up_proj/kernel": ("layers", "embed", "mlp"),
+    "layers/mlp/down_proj/kernel": ("layers", "mlp", "embed"),
+}
+
+
+def _path_name(path) -> str:
+  parts = []
+  for key in path:
+    name = getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))
+    if name == "value":  # nnx.Variable's payload
+      continue
+    parts.append(str(name))
+  return "/".join(parts)
+
+
+def param_specs(model, mesh: Mesh):
+  """`PartitionSpec`s of ``nnx.state(model, nnx.Param)`` (same tree).
+
+  Raises:
+    ValueError: a parameter missing from `PARAM_LOGICAL_AXES`.
+  """
+  c = model.config
+  # A fused "heads * head_dim" axis is split only on head boundaries.
+  head_units = {"heads": c.num_heads, "kv_heads": c.num_kv_heads}
+
+  def spec(path, x):
+    name = _path_name(path)
+    if name not in PARAM_LOGICAL_AXES:
+      raise ValueError(f"parameter {name!r} has no entry in PARAM_LOGICAL_AXES")
+    logical = PARAM_LOGICAL_AXES[name]
+    return logical_spec(mesh, x.shape, logical, units=[head_units.get(a) for a in logical])
+
+  return jax.tree_util.tree_map_with_path(spec, nnx.state(model, nnx.Param))
+
+
+def param_shardings_by_variable(model, mesh: Mesh) -> dict[int, NamedSharding]:
+  """``id(nnx.Param)`` -> its `NamedSharding` (works on an ``nnx.eval_shape`` model).
+
+  What a loader needs to place each tensor straight from host memory onto its
+  shards (`models.checkpoint.build_llama` with ``mesh=``).
+  """
+  c = model.config
+  head_units = {"heads": c.num_heads, "kv_heads": c.num_kv_heads}
+  out = {}
+  for path, node in nnx.iter_graph(model):
+    if not isinstance(node, nnx.Param):
+      continue
+    name = "/".join(str(k) for k in path)
+    if name not in PARAM_LOGICAL_AXES:
+      raise ValueError(f"parameter {name!r} has no entry in PARAM_LOGICAL_AXES")
+    logical = PARAM_LOGICAL_AXES[name]
+    spec = logical_spec(mesh, node.shape, logical, units=[head_units.get(a) for a in logical])
+    out[id(node)] = NamedSharding(mesh, spec)
+  return out
+
+
+def shard_model(model, mesh: Mesh):
+  """Places ``model``'s parameters on ``mesh`` (in place; returns the model).
+
+  Args:
+    model: a `models.llama.Llama`.
+    mesh: a `jaxkv.make_mesh` mesh.
+  Returns:
+    ``model``, its parameters now `NamedSharding`-placed arrays.
+  """
+  params = nnx.state(model, nnx.Param)
+  nnx.update(model, jax.device_put(params, named(mesh, param_specs(model, mesh))))
+  return model
+
+
+__all__ = ["PARAM_LOGICAL_AXES", "param_shardings_by_variable", "param_specs", "shard_model"]
