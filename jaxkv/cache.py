@@ -492,7 +492,7 @@ def _nonfinite_message(what, cache, k_new, v_new, num_new, new_bad) -> str:
   seqs = np.nonzero(new_bad)[0].tolist()
   parts = []
   sdt = cache.fmt.scale_dtype
-  limit = float(np.finfo(np.dtype(jnp.dtype(sdt))).max) / 2
+  limit = float(jnp.finfo(jnp.dtype(sdt)).max) / 2  # jnp.finfo knows bfloat16
   for name, x in (("k", k_new), ("v", v_new)):
     xs = [np.asarray(x[b, : int(num_new[b])], np.float32) for b in seqs]
     if any((~np.isfinite(a)).any() for a in xs):
