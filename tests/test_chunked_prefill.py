@@ -12,17 +12,11 @@ from jaxkv import KVCache
 from jaxkv.decoding import generate
 from models import llama
 from models.checkpoint import save_llama
+from tests.model_fixtures import SMALL, full_f32_matmuls  # noqa: F401  (autouse fixture)
 
-CFG = llama.LlamaConfig(
-    vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-    num_kv_heads=2, head_dim=32, rope_theta=500000.0,
-    rope_scaling=llama.RopeScaling("llama3", 8.0, 1.0, 4.0, 64), eos_token_ids=(2,))
+CFG = SMALL
 
 
-@pytest.fixture(autouse=True)
-def _full_f32_matmuls():
-  with jax.default_matmul_precision("highest"):
-    yield
 
 
 @pytest.fixture(scope="module")

@@ -10,15 +10,12 @@ import pytest
 
 from jaxkv import fidelity, generate
 from models import llama
+from tests.model_fixtures import SMALL, full_f32_matmuls  # noqa: F401  (autouse fixture)
 
 CFG = llama.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
                         num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=10000.0)
 
 
-@pytest.fixture(autouse=True)
-def _full_f32_matmuls():
-  with jax.default_matmul_precision("highest"):
-    yield
 
 
 @pytest.fixture(scope="module")
