@@ -16,6 +16,7 @@ sequence whose cache holds a non-finite value (``cache.nonfinite``) is NaN.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from typing import Sequence
 
@@ -284,17 +285,13 @@ def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None
   scale = check_scale(scale)
   impl = resolve_implementation(q, cache, implementation, config)
   from jaxkv.model_cache import LayerView  # pylint: disable=import-outside-toplevel
+  layer = None
   if isinstance(cache, LayerView):
-    if impl == "triton":  # reads the layer in place
-      import pallas_kernels  # pylint: disable=import-outside-toplevel
-      st = cache.stacked
-      out = pallas_kernels.dequant_decode_attention(
-          q, st.k.codes, st.k.scale, st.k.zero, st.v.codes, st.v.scale, st.v.zero,
-          st.k_residual, st.v_residual, cache.lengths, fmt=st.fmt, scale=scale,
-          config=None if _is_mosaic_config(config) else config,
-          interpret=jax.default_backend() != "gpu", layer=cache.index)
-      return _poison(out, q, cache.nonfinite)
-    cache = cache.materialize()
+    if impl == "triton":  # the kernel reads the layer of the stacked arrays in place
+      layer = cache.index
+      cache = dataclasses.replace(cache.stacked, lengths=cache.lengths, overflow=cache.overflow)
+    else:
+      cache = cache.materialize()
   if impl == "mosaic":
     out = _mosaic_attention(q, cache, scale=scale,
                             config=config if _is_mosaic_config(config) else None)
@@ -303,9 +300,11 @@ def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None
     if config is not None and _is_mosaic_config(config):
       config = None
     out = pallas_kernels.pallas_decode_attention(
-        q, cache, scale=scale, config=config, interpret=jax.default_backend() != "gpu")
+        q, cache, scale=scale, config=config, interpret=jax.default_backend() != "gpu",
+        layer=layer)
   else:
     k, v = cache.dequantize()
     out = reference_attention(q, k, v, cache.lengths, scale=scale)
-  return _poison(out, q, cache.nonfinite)
+  nonfinite = cache.nonfinite if hasattr(cache, "nonfinite") else jnp.zeros_like(cache.overflow)
+  return _poison(out, q, nonfinite)
 

@@ -352,29 +352,11 @@ class LayerView:
     return dataclasses.replace(self.stacked, lengths=self.lengths,
                                overflow=self.overflow).layer(self.index)
 
-  @property
-  def fmt(self) -> KVFormat:
-    return self.stacked.fmt
-
-  @property
-  def batch(self) -> int:
-    return self.stacked.k_residual.shape[1]
-
-  @property
-  def kv_heads(self) -> int:
-    return self.stacked.k_residual.shape[2]
-
-  @property
-  def head_dim(self) -> int:
-    return self.stacked.k_residual.shape[4]
-
-  @property
-  def dtype(self):
-    return self.stacked.k_residual.dtype
-
-  @property
-  def capacity(self) -> int:
-    return self.stacked.capacity
+  def __getattr__(self, name):
+    """Shape facts (fmt, batch, kv_heads, head_dim, dtype, capacity, ...) of the stack."""
+    if name in ("fmt", "batch", "kv_heads", "head_dim", "dtype", "capacity", "use_kernel"):
+      return getattr(self.stacked, name)
+    raise AttributeError(name)
 
   @property
   def storage_len(self) -> int:

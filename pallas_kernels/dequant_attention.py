@@ -821,7 +821,7 @@ def dequant_decode_attention_reference(
 
 def pallas_decode_attention(q: jax.Array, cache, *, scale: float | jax.Array | None = None,
                             config: DecodeAttentionConfig | None = None,
-                            interpret: bool = False) -> jax.Array:
+                            interpret: bool = False, layer=None) -> jax.Array:
   """`dequant_decode_attention` over a `jaxkv.cache.KVCache`.
 
   Args:
@@ -830,6 +830,8 @@ def pallas_decode_attention(q: jax.Array, cache, *, scale: float | jax.Array | N
     scale: softmax scale, default ``D ** -0.5`` (a float or a scalar array).
     config: launch parameters; heuristic default when None.
     interpret: run in Pallas interpret mode (CPU).
+    layer: with a layer-stacked cache (`jaxkv.ModelCache`), the layer to read
+      in place.
 
   Returns:
     ``[B, S, Hq, D]`` in q's dtype.
@@ -837,4 +839,4 @@ def pallas_decode_attention(q: jax.Array, cache, *, scale: float | jax.Array | N
   return dequant_decode_attention(
       q, cache.k.codes, cache.k.scale, cache.k.zero, cache.v.codes, cache.v.scale,
       cache.v.zero, cache.k_residual, cache.v_residual, cache.lengths,
-      fmt=cache.fmt, scale=scale, config=config, interpret=interpret)
+      fmt=cache.fmt, scale=scale, config=config, interpret=interpret, layer=layer)
