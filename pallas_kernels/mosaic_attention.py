@@ -242,13 +242,13 @@ def mosaic_decode_attention(
 
   k_w = k_codes.shape[-1]
   v_w = v_codes.shape[-1]
-  code_bits = lambda side: 16 if side.bits == 16 else 8
-  dq_transforms = _tiled(head_dim if k_side.bits == 16 and v_side.bits == 16 else
-                         min(head_dim, *(head_dim // (8 // s.bits)
-                                         for s in (k_side, v_side) if s.bits < 16)),
-                         16)
+  # The dequantized tiles are written one plane (a block of D*bits/8 channels)
+  # at a time, so their swizzle tile must not be wider than the narrowest plane.
+  plane_width = min([head_dim] + [head_dim * s.bits // 8 for s in (k_side, v_side)
+                                  if s.bits < 16])
+  dq_transforms = _tiled(plane_width, 16)
 
-  def side_specs(side, width, scale_arr):
+  def side_specs(side, width):
     """(in_specs, gmem-slicer) of one side's code/scale/zero tiles."""
     if side.bits == 16:
       return [plgpu.BlockSpec((bk, head_dim), lambda i: (i, 0), transforms=dq_transforms)]
@@ -260,8 +260,8 @@ def mosaic_decode_attention(
       specs += [plgpu.BlockSpec((1, head_dim), lambda i, _g=g: (i // _g, 0))] * 2
     return specs
 
-  k_specs = side_specs(k_side, k_w, k_scale)
-  v_specs = side_specs(v_side, v_w, v_scale)
+  k_specs = side_specs(k_side, k_w)
+  v_specs = side_specs(v_side, v_w)
   nk, nv = len(k_specs), len(v_specs)
 
   def kernel(lengths_gmem, q_gmem, *refs):
