@@ -341,7 +341,23 @@ class Linear(nnx.Module):
     self.kernel = nnx.Param(_normal(rngs, (in_features, out_features), in_features ** -0.5, dtype))
 
   def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
-    return jnp.dot(x, self.kernel[...], preferred_element_type=jnp.float32).astype(x.dtype)
+    return linear(x, self.kernel[...])
+
+
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:  # [..., in] @ [in, out] -> [..., out]
+  """``x @ w`` accumulated in float32, cast back to ``x.dtype``.
+
+  A single row is padded to two: on an H100 (jax 0.11.2) XLA sends a one-row
+  dot whose weight is a slice of the stacked layer parameters to a path that
+  ran 4.9x slower than the GEMM it picks for two rows (13.0 ms vs 2.66 ms for
+  32 layers' MLP weights, `bench/results/e2e-NOTES.md`).
+  """
+  lead = x.shape[:-1]
+  if math.prod(lead) == 1:
+    x2 = jnp.pad(x.reshape(1, -1), ((0, 1), (0, 0)))
+    y = jnp.dot(x2, w, preferred_element_type=jnp.float32)[:1]
+    return y.reshape(*lead, w.shape[-1]).astype(x.dtype)
+  return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -489,9 +505,23 @@ class Llama(nnx.Module):
     graphdef, state = nnx.split(self.layers)
     return nnx.merge(graphdef, jax.tree_util.tree_map(lambda x: x[index], state))
 
-  def _scan_layers(self, body: Callable, carry):
-    """``carry = body(layer, index, carry)`` for every layer, as one `jax.lax.scan`."""
+  def _scan_layers(self, body: Callable, carry, *, unroll: bool = False):
+    """``carry = body(layer, index, carry)`` for every layer, as one `jax.lax.scan`.
+
+    ``unroll=True`` (the decode step) runs the layers as a Python loop over
+    static slices of the stacked parameters instead: inside a scan each
+    layer's weights are a dynamic slice, which XLA on GPU copies out before
+    its GEMM (9 ms per Llama-3.1-8B step on an H100, more than the weights'
+    own read); a static slice is read in place by the GEMM. Compile time of
+    the unrolled step grows with depth; prefill and the forward stay scanned
+    (compute-bound: the copy is amortised over the chunk).
+    """
     graphdef, params = nnx.split(self.layers)
+    if unroll:
+      for i in range(self.config.num_layers):
+        layer = nnx.merge(graphdef, jax.tree_util.tree_map(lambda a, i=i: a[i], params))
+        carry = body(layer, i, carry)
+      return carry
 
     def step(carry, xs):
       layer_state, index = xs
@@ -721,7 +751,7 @@ class Llama(nnx.Module):
 
       return layer(x, positions, attend)
 
-    x, cache = self._scan_layers(body, (self._embed(tokens), cache))
+    x, cache = self._scan_layers(body, (self._embed(tokens), cache), unroll=True)
     return self._logits(x), cache.commit(plan)
 
 
