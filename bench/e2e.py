@@ -262,19 +262,12 @@ def _trace_events(trace_dir: str) -> tuple[list[tuple[str, float]], str]:
   return events, "host XLA thunks (CPU)"
 
 
-def profile_decode(graphdef, state, cache, tokens, trace_dir: str, steps: int,
-                   implementation=None) -> dict:
-  """Traces ``steps`` decode steps (after a warm call); device time per step by family."""
-  tokens, cache = _decode(graphdef, state, tokens, cache, implementation=implementation,
-                            mesh=MESH)
-  tokens.block_until_ready()
+def _profile(run, trace_dir: str, steps: int) -> dict:
+  """Device time per step by family while ``run()`` executes ``steps`` decode steps."""
   os.makedirs(trace_dir, exist_ok=True)
   jax.profiler.start_trace(trace_dir)
   try:
-    for _ in range(steps):
-      tokens, cache = _decode(graphdef, state, tokens, cache, implementation=implementation,
-                            mesh=MESH)
-    tokens.block_until_ready()
+    run()
   finally:
     jax.profiler.stop_trace()
   events, source = _trace_events(trace_dir)
@@ -286,7 +279,34 @@ def profile_decode(graphdef, state, cache, tokens, trace_dir: str, steps: int,
   return dict(source=source, trace_dir=trace_dir, steps=steps,
               family_us_per_step={f: per_family.get(f, 0.0) for f in FAMILIES},
               top_kernels_us_per_step=dict(sorted(top.items(), key=lambda kv: -kv[1])[:15]),
-              kernels_per_step=len(events) / steps), cache
+              kernels_per_step=len(events) / steps)
+
+
+def profile_decode(model, cache, tokens, trace_dir: str, steps: int, loop_steps: int,
+                   implementation=None) -> tuple[dict, dict, object]:
+  """Traces ``steps`` per-call decode steps and one ``decode_steps`` loop (both warm).
+
+  Returns ``(per_call_profile, loop_profile, cache)``.
+  """
+  graphdef, state = nnx.split(model)
+  box = dict(tokens=tokens, cache=cache)
+
+  def calls():
+    for _ in range(steps):
+      box["tokens"], box["cache"] = _decode(graphdef, state, box["tokens"], box["cache"],
+                                            implementation=implementation, mesh=MESH)
+    box["tokens"].block_until_ready()
+
+  def loop():
+    out, _, box["cache"] = jaxkv.decode_steps(model, box["tokens"], box["cache"], loop_steps,
+                                              implementation=implementation, mesh=MESH)
+    box["tokens"] = out[:, -1]
+    box["tokens"].block_until_ready()
+
+  calls()  # warm (both programs were compiled by the timed cases)
+  per_call = _profile(calls, trace_dir + "-calls", steps)
+  in_loop = _profile(loop, trace_dir + "-loop", loop_steps)
+  return per_call, in_loop, box["cache"]
 
 
 # ------------------------------------------------------------------- cases
@@ -314,7 +334,8 @@ class Runner:
 
   def _capacity(self, context: int) -> int:
     a = self.args
-    return context + (a.reps + 1) * a.loop_steps + a.warmup + a.steps + a.profile_steps + 8
+    loops = a.reps + 1 + (1 if a.profile else 0)  # the profile runs one more loop
+    return context + loops * a.loop_steps + a.warmup + a.steps + 2 * a.profile_steps + 8
 
   def decode_case(self, fmt_name: str, context: int, batch: int) -> dict:
     a = self.args
@@ -336,11 +357,11 @@ class Runner:
                                              steps=a.steps, warmup=a.warmup,
                                              implementation=a.implementation)
     if a.profile and batch == 1 and context == max(self.args.context_list):
-      prof, cache = profile_decode(
-          self.graphdef, self.state, cache, tokens,
-          os.path.join(a.profile, f"{fmt_name}-{context}"), a.profile_steps,
-          implementation=a.implementation)
-      prof.update(format=fmt_name, context=context, batch=batch)
+      prof, loop_prof, cache = profile_decode(
+          self.model, cache, tokens, os.path.join(a.profile, f"{fmt_name}-{context}"),
+          a.profile_steps, a.loop_steps, implementation=a.implementation)
+      prof.update(format=fmt_name, context=context, batch=batch, mode="per_call",
+                  in_loop=loop_prof)
       self.profiles.append(prof)
     cache.check()
     del cache
@@ -539,10 +560,15 @@ def print_table(latency, batch_rows, prefill_rows, profiles, summary, skipped, e
             f"({r['tokens_per_s']:.0f} tok/s)")
   if profiles:
     print("\n== device time per decode step by kernel family (us) ==")
-    print(f"{'format':<8}{'context':>8}" + "".join(f"{f:>14}" for f in FAMILIES))
+    print(f"{'format':<8}{'context':>8}{'mode':>9}" + "".join(f"{f:>13}" for f in FAMILIES))
     for p in profiles:
-      print(f"{p['format']:<8}{_ctx(p['context']):>8}"
-            + "".join(f"{p['family_us_per_step'][f]:>14.0f}" for f in FAMILIES))
+      for mode, q in (("per-call", p), ("in-loop", p.get("in_loop"))):
+        if q:
+          print(f"{p['format']:<8}{_ctx(p['context']):>8}{mode:>9}"
+                + "".join(f"{q['family_us_per_step'][f]:>13.0f}" for f in FAMILIES))
+      if p.get("in_loop"):
+        top = list(p["in_loop"]["top_kernels_us_per_step"].items())[:6]
+        print("    in-loop top: " + ", ".join(f"{n[:40]} {us:.0f}" for n, us in top))
   print("\n== targets ==")
   for k, t in summary["targets"].items():
     m = "n/a" if t["measured"] is None else f"{t['measured']:.2f}x"
@@ -619,7 +645,7 @@ def main(argv=None) -> int:
   for f in formats:
     _guard(runner, f"decode {f} ctx={top} B=1", lambda f=f: runner.decode_case(f, top, 1),
            latency, errors)
-  for f in formats:
+  for f in formats if args.batch_context > 0 else ():  # --batch-context 0: no max-batch cases
     _guard(runner, f"max-batch {f} ctx={args.batch_context}",
            lambda f=f: runner.batch_case(f, args.batch_context), batch_rows, errors)
   for c in sorted(contexts, reverse=True)[1:]:
