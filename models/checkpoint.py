@@ -149,9 +149,8 @@ def build_llama(config: LlamaConfig, tensors: Iterable[tuple[str, Any]], *, dtyp
 
   The one place every loader (HF safetensors, GGUF) fills a model: names and
   shapes are those of `expected_tensors` (projection weights ``[out, in]``).
-  Per-layer tensors (``model.layers.{i}.*``) are written into slice ``i`` of
-  the model's stacked layer parameters (host buffers, moved to the device
-  once at the end).
+  Each tensor goes to its parameter (``model.layers.{i}.*`` to
+  ``model.layers[i]``) through a host buffer, moved to the device at the end.
 
   Args:
     config: the model config.
@@ -181,15 +180,9 @@ def build_llama(config: LlamaConfig, tensors: Iterable[tuple[str, Any]], *, dtyp
       dtype = _check_float_dtype(tensor.dtype, f"dtype of tensor {name!r}")
       model = nnx.eval_shape(lambda: Llama(config, dtype=dtype, rngs=nnx.Rngs(0)))
       targets = _param_targets(model)
-    param, layer, transpose = targets[name]
+    param, transpose = targets[name]
     value = tensor.T if transpose else tensor
-    value = np.asarray(jnp.asarray(value, dtype))  # round as jnp does, then host
-    if layer is None:
-      buffers[id(param)] = value
-    else:
-      if id(param) not in buffers:
-        buffers[id(param)] = np.zeros(param.shape, value.dtype)
-      buffers[id(param)][layer] = value
+    buffers[id(param)] = np.asarray(jnp.asarray(value, dtype))  # round as jnp does, then host
     seen.add(name)
   if bad_shapes:
     raise ValueError(f"checkpoint {source!r} has mis-shaped tensors: " + "; ".join(bad_shapes))
@@ -200,7 +193,7 @@ def build_llama(config: LlamaConfig, tensors: Iterable[tuple[str, Any]], *, dtyp
   if mesh is not None:
     from models.sharding import param_shardings_by_variable  # pylint: disable=import-outside-toplevel
     shardings = param_shardings_by_variable(model, mesh)
-  for param, _, _ in targets.values():
+  for param, _ in targets.values():
     if id(param) in buffers:
       host = buffers.pop(id(param))
       _set(param, jax.device_put(host, shardings[id(param)]) if mesh is not None
@@ -226,22 +219,20 @@ def _set(param: nnx.Variable, value: jax.Array) -> None:
     param.value = value
 
 
-def _param_targets(model: Llama) -> dict[str, tuple[nnx.Param, int | None, bool]]:
-  """HF tensor name -> (model Param, layer slice or None, whether to transpose)."""
-  t = {"model.embed_tokens.weight": (model.embed_tokens, None, False),
-       "model.norm.weight": (model.norm.weight, None, False)}
+def _param_targets(model: Llama) -> dict[str, tuple[nnx.Param, bool]]:
+  """HF tensor name -> (model Param, whether to transpose)."""
+  t = {"model.embed_tokens.weight": (model.embed_tokens, False),
+       "model.norm.weight": (model.norm.weight, False)}
   if model.lm_head is not None:
-    t["lm_head.weight"] = (model.lm_head.kernel, None, True)
-  layers = model.layers  # one DecoderLayer, parameters stacked on axis 0
-  for i in range(model.config.num_layers):
+    t["lm_head.weight"] = (model.lm_head.kernel, True)
+  for i, layer in enumerate(model.layers):
     p = f"model.layers.{i}."
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-      t[p + f"self_attn.{proj}.weight"] = (getattr(layers.self_attn, proj).kernel, i, True)
+      t[p + f"self_attn.{proj}.weight"] = (getattr(layer.self_attn, proj).kernel, True)
     for proj in ("gate_proj", "up_proj", "down_proj"):
-      t[p + f"mlp.{proj}.weight"] = (getattr(layers.mlp, proj).kernel, i, True)
-    t[p + "input_layernorm.weight"] = (layers.input_layernorm.weight, i, False)
-    t[p + "post_attention_layernorm.weight"] = (layers.post_attention_layernorm.weight, i,
-                                                False)
+      t[p + f"mlp.{proj}.weight"] = (getattr(layer.mlp, proj).kernel, True)
+    t[p + "input_layernorm.weight"] = (layer.input_layernorm.weight, False)
+    t[p + "post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, False)
   return t
 
 
@@ -274,7 +265,7 @@ def save_llama(model: Llama, path) -> None:
   with open(os.path.join(path, "config.json"), "w") as f:
     json.dump(cfg, f, indent=2)
   tensors = {}
-  for name, (param, layer, transpose) in _param_targets(model).items():
-    arr = param[...] if layer is None else param[...][layer]  # one layer's slice
+  for name, (param, transpose) in _param_targets(model).items():
+    arr = param[...]
     tensors[name] = jnp.asarray(arr.T if transpose else arr)
   save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})

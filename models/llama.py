@@ -1,4 +1,4 @@
-"""Llama 2 / 3 / 3.1 in Flax NNX, decoding on a `jaxkv.KVCache` per layer.
+"""Llama 2 / 3 / 3.1 in Flax NNX, decoding on a quantized `jaxkv.ModelCache`.
 
 The model mirrors HF transformers' ``LlamaForCausalLM`` (rotate-half RoPE,
 RMSNorm computed in float32 then cast back, SiLU-gated MLP, GQA or MHA, tied
@@ -9,19 +9,19 @@ Three entry points:
 
 * ``model(tokens)``: full causal forward, ``[B, T]`` -> float32 logits
   ``[B, T, vocab]``; no cache. The reference for everything else.
-* ``model.prefill(tokens, prompt_lengths, caches)``: causal attention over
-  right-padded prompts (row ``b`` holds its ``prompt_lengths[b]`` real tokens
-  first, padding after; causal masking means real tokens never see the
-  padding), then `KVCache.prefill` stores the first ``prompt_lengths[b]``
-  tokens' K/V of every layer. Returns the logits of each prompt's last real
-  token. The caches must be empty (positions start at 0).
-* ``model.decode(tokens, caches)``: ``S >= 1`` new tokens per sequence at
-  positions ``caches[0].lengths + [0, S)``: appends their K/V to each layer's
-  cache, then `jaxkv.decode_attention` over the (quantized) cache.
+* ``model.prefill(tokens, prompt_lengths, cache, chunk_size=None)``: appends
+  right-padded prompts (row ``b`` holds ``prompt_lengths[b]`` real tokens
+  first) to a `jaxkv.ModelCache` that may already hold tokens (multi-turn),
+  optionally in chunks; each chunk attends to the stored history plus
+  causally within itself. Returns the logits of each prompt's last real token.
+* ``model.decode(tokens, cache)``: ``S >= 1`` new tokens per sequence at
+  positions ``cache.lengths + [0, S)``: appends their K/V to each layer, then
+  `jaxkv.decode_attention` over the (quantized) cache.
 
-The cache is a tuple with one `jaxkv.KVCache` per layer (``caches[i]`` belongs
-to ``model.layers[i]``); all share format, batch and capacity. It travels as
-data: methods return a new tuple, never mutate the module.
+The cache is one `jaxkv.ModelCache`: every layer's storage stacked on a
+leading layer axis, ``lengths`` once. It travels as data: methods return a new
+cache, never mutate the module. The layers' parameters are separate arrays per
+layer (``model.layers[i]``), run unrolled (see `Llama`).
 
 Weights are stored as ``[in, out]`` kernels (HF stores ``[out, in]``) and the
 embedding as ``[vocab, hidden]``; activations run in the weights' dtype with
@@ -330,6 +330,10 @@ def _cudnn_compiles(dtype: str, q_heads: int, kv_heads: int, head_dim: int) -> b
 
 
 # ------------------------------------------------------------------ modules
+# flax >= 0.12 wants `nnx.List` for lists of modules; older NNX takes plain lists.
+_ModuleList = getattr(nnx, "List", list)
+
+
 def _normal(rngs: nnx.Rngs, shape, std: float, dtype) -> jax.Array:
   return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
@@ -347,10 +351,10 @@ class Linear(nnx.Module):
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:  # [..., in] @ [in, out] -> [..., out]
   """``x @ w`` accumulated in float32, cast back to ``x.dtype``.
 
-  A single row is padded to two: on an H100 (jax 0.11.2) XLA sends a one-row
-  dot whose weight is a slice of the stacked layer parameters to a path that
-  ran 4.9x slower than the GEMM it picks for two rows (13.0 ms vs 2.66 ms for
-  32 layers' MLP weights, `bench/results/e2e-NOTES.md`).
+  A single row is padded to two. On an H100 (jax 0.11.2) 32 layers' MLP
+  weights read by one-row dots took 2.98 ms (separate arrays) and 13.0 ms
+  (static slices of stacked arrays), two-row dots 2.63-2.66 ms; the floor is
+  2.51 ms (`bench/results/e2e-NOTES.md`).
   """
   lead = x.shape[:-1]
   if math.prod(lead) == 1:
@@ -467,11 +471,12 @@ class Llama(nnx.Module):
     config: the `LlamaConfig` (static).
     dtype: parameter and activation dtype.
     embed_tokens: ``[vocab, hidden]`` embedding.
-    layers: one `DecoderLayer` whose parameters are stacked on a leading
-      ``[num_layers]`` axis (made with ``nnx.vmap``, applied with
-      `jax.lax.scan`), e.g. ``layers.self_attn.q_proj.kernel[...]`` is
-      ``[num_layers, hidden, Hq * D]`` and ``[...][i]`` is layer ``i``'s
-      kernel. `layer_params(i)` returns layer ``i`` as a plain `DecoderLayer`.
+    layers: ``num_layers`` `DecoderLayer` modules, each with its own
+      parameter arrays (``layers[i].self_attn.q_proj.kernel[...]`` is
+      ``[hidden, Hq * D]``). Not stacked for a `jax.lax.scan`: on GPU XLA
+      copies a layer's slice of stacked weights before every GEMM inside a
+      loop (a full weight copy per decode step; `bench/results/e2e-NOTES.md`),
+      so the layers run unrolled and compile time grows with depth.
     norm: final RMSNorm.
     lm_head: `Linear` ``[hidden, vocab]``, or None when embeddings are tied.
   """
@@ -482,52 +487,23 @@ class Llama(nnx.Module):
     self.dtype = jnp.dtype(dtype)
     self.embed_tokens = nnx.Param(_normal(rngs, (c.vocab_size, c.hidden_size), 1.0, dtype))
 
-    @nnx.split_rngs(splits=c.num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def make_layers(rngs: nnx.Rngs) -> DecoderLayer:
-      return DecoderLayer(c, dtype=dtype, rngs=rngs)
-
-    self.layers = make_layers(rngs)
+    self.layers = _ModuleList([DecoderLayer(c, dtype=dtype, rngs=rngs)
+                               for _ in range(c.num_layers)])
     self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=dtype)
     self.lm_head = (None if c.tie_word_embeddings
                     else Linear(c.hidden_size, c.vocab_size, dtype=dtype, rngs=rngs))
 
   # --------------------------------------------------------------- helpers
   def layer_params(self, index: int) -> DecoderLayer:
-    """Layer ``index`` as a `DecoderLayer` holding its slice of the stacked parameters.
-
-    A read-only copy: to change layer ``i``'s weights write the slice of the
-    stacked parameter, e.g. ``p = model.layers.mlp.up_proj.kernel;
-    p[...] = p[...].at[i].set(w)``.
-    """
+    """Layer ``index`` (``self.layers[index]``; its parameters, not a copy)."""
     if not 0 <= index < self.config.num_layers:
       raise ValueError(f"index={index} must be in [0, {self.config.num_layers})")
-    graphdef, state = nnx.split(self.layers)
-    return nnx.merge(graphdef, jax.tree_util.tree_map(lambda x: x[index], state))
+    return self.layers[index]
 
-  def _scan_layers(self, body: Callable, carry, *, unroll: bool = False):
-    """``carry = body(layer, index, carry)`` for every layer, as one `jax.lax.scan`.
-
-    ``unroll=True`` (the decode step) runs the layers as a Python loop over
-    static slices of the stacked parameters instead: inside a scan each
-    layer's weights are a dynamic slice, which XLA on GPU copies out before
-    its GEMM (9 ms per Llama-3.1-8B step on an H100, more than the weights'
-    own read); a static slice is read in place by the GEMM. Compile time of
-    the unrolled step grows with depth; prefill and the forward stay scanned
-    (compute-bound: the copy is amortised over the chunk).
-    """
-    graphdef, params = nnx.split(self.layers)
-    if unroll:
-      for i in range(self.config.num_layers):
-        layer = nnx.merge(graphdef, jax.tree_util.tree_map(lambda a, i=i: a[i], params))
-        carry = body(layer, i, carry)
-      return carry
-
-    def step(carry, xs):
-      layer_state, index = xs
-      return body(nnx.merge(graphdef, layer_state), index, carry), None
-
-    carry, _ = jax.lax.scan(step, carry, (params, jnp.arange(self.config.num_layers)))
+  def _run_layers(self, body: Callable, carry):
+    """``carry = body(layer, index, carry)`` for every layer, in order (unrolled)."""
+    for index, layer in enumerate(self.layers):
+      carry = body(layer, index, carry)
     return carry
 
   def _embed(self, tokens: jax.Array) -> jax.Array:  # [B, T] -> [B, T, hidden]
@@ -600,7 +576,7 @@ class Llama(nnx.Module):
     def body(layer, index, x):
       return layer(x, positions, attend)[0]
 
-    return self._logits(self._scan_layers(body, self._embed(tokens)))
+    return self._logits(self._run_layers(body, self._embed(tokens)))
 
   def prefill(self, tokens: jax.Array, prompt_lengths: jax.Array, cache: "jaxkv.ModelCache",
               chunk_size: int | None = None, *, attention_impl: str | None = None,
@@ -696,7 +672,7 @@ class Llama(nnx.Module):
 
         return layer(x, positions, attend)
 
-      x, new_cache = self._scan_layers(body, (self._embed(chunk_tokens), cache))
+      x, new_cache = self._run_layers(body, (self._embed(chunk_tokens), cache))
       last = lengths - 1 - j * c                                   # [B]
       here = (last >= 0) & (last < c)
       x_at = jnp.take_along_axis(x, jnp.clip(last, 0, c - 1)[:, None, None], axis=1)[:, 0]
@@ -751,7 +727,7 @@ class Llama(nnx.Module):
 
       return layer(x, positions, attend)
 
-    x, cache = self._scan_layers(body, (self._embed(tokens), cache), unroll=True)
+    x, cache = self._run_layers(body, (self._embed(tokens), cache))
     return self._logits(x), cache.commit(plan)
 
 

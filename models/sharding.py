@@ -12,27 +12,29 @@ is replicated (as in the cache).
 
 from __future__ import annotations
 
+import re
+
 import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jaxkv.sharding import logical_spec, named
 
-# Parameter path (joined with "/") -> logical axes of the stored array.
-# Stacked layer parameters have a leading "layers" axis.
+# Parameter path (joined with "/", a layer's index dropped: "layers/3/mlp/..."
+# is "layers/mlp/...") -> logical axes of the stored array.
 PARAM_LOGICAL_AXES: dict[str, tuple[str | None, ...]] = {
     "embed_tokens": ("vocab", "embed"),
     "norm/weight": ("embed",),
     "lm_head/kernel": ("embed", "vocab"),
-    "layers/input_layernorm/weight": ("layers", "embed"),
-    "layers/post_attention_layernorm/weight": ("layers", "embed"),
-    "layers/self_attn/q_proj/kernel": ("layers", "embed", "heads"),
-    "layers/self_attn/k_proj/kernel": ("layers", "embed", "kv_heads"),
-    "layers/self_attn/v_proj/kernel": ("layers", "embed", "kv_heads"),
-    "layers/self_attn/o_proj/kernel": ("layers", "heads", "embed"),
-    "layers/mlp/gate_proj/kernel": ("layers", "embed", "mlp"),
-    "layers/mlp/up_proj/kernel": ("layers", "embed", "mlp"),
-    "layers/mlp/down_proj/kernel": ("layers", "mlp", "embed"),
+    "layers/input_layernorm/weight": ("embed",),
+    "layers/post_attention_layernorm/weight": ("embed",),
+    "layers/self_attn/q_proj/kernel": ("embed", "heads"),
+    "layers/self_attn/k_proj/kernel": ("embed", "kv_heads"),
+    "layers/self_attn/v_proj/kernel": ("embed", "kv_heads"),
+    "layers/self_attn/o_proj/kernel": ("heads", "embed"),
+    "layers/mlp/gate_proj/kernel": ("embed", "mlp"),
+    "layers/mlp/up_proj/kernel": ("embed", "mlp"),
+    "layers/mlp/down_proj/kernel": ("mlp", "embed"),
 }
 
 
@@ -43,7 +45,12 @@ def _path_name(path) -> str:
     if name == "value":  # nnx.Variable's payload
       continue
     parts.append(str(name))
-  return "/".join(parts)
+  return _canonical("/".join(parts))
+
+
+def _canonical(name: str) -> str:
+  """``layers/<i>/rest`` -> ``layers/rest`` (every layer shards alike)."""
+  return re.sub(r"^layers/\d+/", "layers/", name)
 
 
 def param_specs(model, mesh: Mesh):
@@ -78,7 +85,7 @@ def param_shardings_by_variable(model, mesh: Mesh) -> dict[int, NamedSharding]:
   for path, node in nnx.iter_graph(model):
     if not isinstance(node, nnx.Param):
       continue
-    name = "/".join(str(k) for k in path)
+    name = _canonical("/".join(str(k) for k in path))
     if name not in PARAM_LOGICAL_AXES:
       raise ValueError(f"parameter {name!r} has no entry in PARAM_LOGICAL_AXES")
     logical = PARAM_LOGICAL_AXES[name]
