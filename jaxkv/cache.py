@@ -371,7 +371,7 @@ class KVCache:
       return tuple(out)
 
     k_side, v_side = jax.lax.cond(jnp.any(flush > 0), do_flush, lambda s: s, (self.k, self.v))
-    nonfinite = (self.nonfinite | _nonfinite_rows(k_new, num_new) | _nonfinite_rows(v_new, num_new)
+    nonfinite = (self.nonfinite | nonfinite_rows(k_new, num_new) | nonfinite_rows(v_new, num_new)
                  | _bad_groups(k_side, old_packed, flush) | _bad_groups(v_side, old_packed, flush))
 
     new_res_len = new_len - new_packed
@@ -465,7 +465,7 @@ def _check_pack_kernel(fmt: KVFormat, head_dim: int) -> None:
                        f"this format at head_dim={head_dim}: {e}; pass use_kernel=False") from None
 
 
-def _nonfinite_rows(x, count):
+def nonfinite_rows(x, count):
   """``[B]``: any non-finite value in rows ``[0, count_b)`` of ``x [B, T, H, D]``."""
   rows = jnp.arange(x.shape[1])[None, :] < count[:, None]
   return jnp.any(rows & jnp.any(~jnp.isfinite(x), axis=(2, 3)), axis=1)

@@ -1,18 +1,18 @@
 """`ModelCache`: every layer's quantized KV cache in one pytree, stacked on a layer axis.
 
-A model scans its decoder layers (`jax.lax.scan` over stacked parameters), so
-its cache is stacked too: each leaf of the per-layer storage (packed codes,
-scales, zeros, full-precision residual; the same storage as `jaxkv.KVCache`)
-gets a leading ``[num_layers]`` axis, while ``lengths``, ``overflow`` and
-``invalid`` are held once for all layers. The cache travels through the scan
-*carry*, never through ``xs``/``ys`` (which would rebuild it every step).
+Each leaf of the per-layer storage (packed codes, scales, zeros,
+full-precision residual; the same storage as `jaxkv.KVCache`) gets a leading
+``[num_layers]`` axis, while ``lengths`` and the flags are held once for all
+layers: one pytree of a few large buffers, updated in place under `jit` with
+donation and in loop carries (never pass it through a scan's ``xs``/``ys``,
+which would rebuild it every step).
 
 One append (a decode step or a prefill chunk) is three phases:
 
 1. ``plan = cache.plan_append(num_new)``: once per step, for all layers: which
    sequences fit, their new lengths and how many tokens each flushes into the
    packed region (DESIGN.md "the residual rule").
-2. In the layer scan body, ``cache = cache.append_layer(layer, k, v, plan)``:
+2. For each layer, ``cache = cache.append_layer(layer, k, v, plan)``:
    writes only what changes: the layer's residual block (a
    `lax.dynamic_update_slice` of ``[B, Hkv, R, D]``) and the flushed token
    groups (a scatter of at most ``flush_groups * G`` rows per sequence;
@@ -31,19 +31,22 @@ helpers), hence equal to quantizing the whole history at once.
 Flags (per sequence, ``[B]`` bool; `check()` raises on a concrete flagged
 cache): ``overflow``: an append under `jit` would have grown the sequence past
 ``capacity`` and was skipped; ``invalid``: a traced call saw out-of-range
-token ids or lengths for the sequence (see `models.llama.Llama.prefill`).
+token ids or lengths for the sequence (see `models.llama.Llama.prefill`);
+``nonfinite``: an append stored a NaN/inf K or V row in some layer (README
+"Input policy"; attention over the sequence is NaN on every implementation).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.cache import (KVCache, QuantizedKV, flush_groups, shift_residual,
+from jaxkv.cache import (KVCache, QuantizedKV, flush_groups, nonfinite_rows, shift_residual,
                          stage_residual)
 from jaxkv.formats import KVFormat
 
@@ -85,6 +88,7 @@ class ModelCache:
     lengths: ``[B]`` int32 tokens held per sequence (the same in every layer).
     overflow: ``[B]`` bool, an append was skipped because it did not fit.
     invalid: ``[B]`` bool, a traced call saw out-of-range ids or lengths.
+    nonfinite: ``[B]`` bool, an append stored a NaN/inf K/V value (any layer).
     fmt, capacity, use_kernel: as in `jaxkv.KVCache` (static).
   """
 
@@ -95,6 +99,7 @@ class ModelCache:
   lengths: jax.Array
   overflow: jax.Array
   invalid: jax.Array
+  nonfinite: jax.Array
   fmt: KVFormat = _static()
   capacity: int = _static()
   use_kernel: bool = _static(default=False)
@@ -115,7 +120,7 @@ class ModelCache:
         k=jax.tree_util.tree_map(stacked, one.k), v=jax.tree_util.tree_map(stacked, one.v),
         k_residual=stacked(one.k_residual), v_residual=stacked(one.v_residual),
         lengths=jnp.zeros((batch,), jnp.int32), overflow=jnp.zeros((batch,), bool),
-        invalid=jnp.zeros((batch,), bool),
+        invalid=jnp.zeros((batch,), bool), nonfinite=jnp.zeros((batch,), bool),
         fmt=one.fmt, capacity=one.capacity, use_kernel=one.use_kernel)
 
   @classmethod
@@ -140,6 +145,7 @@ class ModelCache:
         v_residual=stack(*[c.v_residual for c in caches]),
         lengths=first.lengths, overflow=first.overflow,
         invalid=jnp.zeros(first.lengths.shape, bool),
+        nonfinite=functools.reduce(jnp.logical_or, [c.nonfinite for c in caches]),
         fmt=first.fmt, capacity=first.capacity, use_kernel=first.use_kernel)
 
   # -------------------------------------------------------------- properties
@@ -174,12 +180,14 @@ class ModelCache:
     return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self))
 
   def check(self) -> "ModelCache":
-    """Raises ValueError if a sequence is flagged (overflow, invalid input); returns self."""
+    """Raises ValueError if a sequence is flagged (overflow, invalid, nonfinite); returns self."""
     for name, flags, why in (
         ("overflow", self.overflow,
          f"KV cache overflow (capacity={self.capacity}): their appends were not applied"),
         ("invalid", self.invalid,
-         "out-of-range token ids or lengths were passed under jit: their outputs are garbage")):
+         "out-of-range token ids or lengths were passed under jit: their outputs are garbage"),
+        ("nonfinite", self.nonfinite,
+         "a NaN/inf key or value was stored: their attention outputs are NaN")):
       if _is_concrete(flags) and bool(np.any(np.asarray(flags))):
         bad = np.nonzero(np.asarray(flags))[0].tolist()
         raise ValueError(f"{why} (ModelCache.{name} set for sequences {bad})")
@@ -198,9 +206,7 @@ class ModelCache:
         k_residual=take(self.k_residual), v_residual=take(self.v_residual),
         lengths=self.lengths if plan is None else plan.new_lengths,
         overflow=self.overflow if plan is None else self.overflow | ~plan.fits,
-        # Non-finite K/V are not flagged per sequence at the model level (they
-        # still propagate: a NaN group dequantizes to NaN), see README.
-        nonfinite=jnp.zeros_like(self.overflow),
+        nonfinite=self.nonfinite,
         fmt=self.fmt, capacity=self.capacity, use_kernel=self.use_kernel)
 
   def layer_view(self, index, plan: AppendPlan | None = None) -> "LayerView":
@@ -260,6 +266,8 @@ class ModelCache:
     res_len = plan.old_lengths - plan.old_packed
     keep = plan.new_lengths - plan.old_packed - plan.flush
     out, old_res = {}, {}
+    out["nonfinite"] = (self.nonfinite | nonfinite_rows(k_new, plan.num_new)
+                        | nonfinite_rows(v_new, plan.num_new))
     for name, side, new in (("k", self.k, k_new), ("v", self.v, v_new)):
       residual = getattr(self, f"{name}_residual")
       layer_res = jax.lax.dynamic_index_in_dim(residual, index, 0, keepdims=False)
@@ -277,7 +285,7 @@ class ModelCache:
     new = dataclasses.replace(self, **out)
     history = dataclasses.replace(new.layer(index), k_residual=old_res["k"],
                                   v_residual=old_res["v"], lengths=self.lengths,
-                                  overflow=self.overflow)
+                                  overflow=self.overflow, nonfinite=self.nonfinite)
     return new, history
 
   def commit(self, plan: AppendPlan) -> "ModelCache":
@@ -364,5 +372,5 @@ class LayerView:
 
   @property
   def nonfinite(self) -> jax.Array:
-    """Not tracked per layer at the model level (see `ModelCache`)."""
-    return jnp.zeros_like(self.overflow)
+    """``[B]`` the model cache's flag (any layer stored a NaN/inf K/V value)."""
+    return self.stacked.nonfinite

@@ -160,7 +160,7 @@ def cache_specs(cache, mesh: Mesh):
     return dataclasses.replace(cache, stacked=cache_specs(cache.stacked, mesh), index=P(),
                                lengths=per_seq(cache.lengths), overflow=per_seq(cache.overflow))
   if isinstance(cache, ModelCache):
-    lead, flags = ("layers",), ("overflow", "invalid")
+    lead, flags = ("layers",), ("overflow", "invalid", "nonfinite")
   elif isinstance(cache, KVCache):
     lead, flags = (), ("overflow", "nonfinite")
   else:
