@@ -10,8 +10,8 @@ Two kernels (BitDecoding's dequant-attention and combine):
 2. ``jaxkv_decode_combine``: grid ``(batch, kv_head)``; log-sum-exp merge of
    the partials, normalization, cast to q's dtype.
 
-Scale and zero are folded out of the inner loop (DESIGN.md, "Where the time
-goes"), so each code only needs an int -> float conversion before the dot:
+Scale and zero are folded out of the inner loop (DESIGN.md, "Kernels"), so
+each code only needs an int -> float conversion before the dot:
 
 - K per channel (one scale/zero per channel per G tokens):
   ``s = (q * scale_g) @ codes^T + q @ zero_g``.
