@@ -203,10 +203,22 @@ KIVI_FORMATS: dict[str, KVFormat] = {
 }
 
 
+# Candidates for a trustworthy preset at <= 0.25x bf16 bytes (head_dim 64):
+# mixed 4/2-bit sides at KIVI's groups, and 2-bit with groups of 16.
+CANDIDATE_FORMATS: dict[str, KVFormat] = {
+    "k4v2-g32": KVFormat(k_bits=4, v_bits=2, k_axis="channel", token_group=32, channel_group=32,
+                         residual=128),
+    "k2v4-g32": KVFormat(k_bits=2, v_bits=4, k_axis="channel", token_group=32, channel_group=32,
+                         residual=128),
+    "kivi2-g16": KVFormat(k_bits=2, v_bits=2, k_axis="channel", token_group=16, channel_group=16,
+                          residual=128),
+}
+
+
 def default_formats(head_dim: int) -> dict[str, KVFormat]:
-  """Every preset that fits ``head_dim`` (bf16 first), plus `KIVI_FORMATS`."""
+  """Every preset that fits ``head_dim`` (bf16 first), `KIVI_FORMATS`, `CANDIDATE_FORMATS`."""
   formats = {}
-  for name, fmt in {**PRESETS, **KIVI_FORMATS}.items():
+  for name, fmt in {**PRESETS, **KIVI_FORMATS, **CANDIDATE_FORMATS}.items():
     try:
       fmt.validate_head_dim(head_dim)
     except ValueError:
@@ -351,6 +363,6 @@ def evaluate(model, tokenizer, formats: dict[str, KVFormat] | None = None, *,
       rows=rows)
 
 
-__all__ = ["KIVI_FORMATS", "Suite", "build_suite", "bytes_per_token", "default_formats",
+__all__ = ["CANDIDATE_FORMATS", "KIVI_FORMATS", "Suite", "build_suite", "bytes_per_token", "default_formats",
            "document_question_prompts", "evaluate", "first_divergence", "forced_decode",
            "kl_divergence", "perplexity", "question_messages", "reference_text"]
