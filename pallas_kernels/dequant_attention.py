@@ -28,7 +28,7 @@ so wherever one is built from other values (q of another dtype, ``q * scale_g``,
 (q per row, scales per step) and the float32 dot result is multiplied back.
 A NaN partial denominator makes the combined output NaN, never zero.
 
-The planar layout of `jaxkv.quant` unpacks a byte column block into ``8/bits``
+The planar layout of `pallas_kernels.layout` unpacks a byte column block into ``8/bits``
 contiguous channel blocks of width ``W = D*bits/8``; the kernel multiplies
 block ``i`` with ``q_ref[:, i*W : (i+1)*W]`` and keeps one output
 accumulator per block, never slicing or concatenating loaded values.
@@ -46,9 +46,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxkv import quant
-from jaxkv.formats import KVFormat
+from pallas_kernels import layout as quant
 from pallas_kernels import _triton
+from pallas_kernels.side_spec import CacheFormat
 
 _MIN_ROWS = 16  # smallest M of a Triton dot
 
@@ -591,7 +591,7 @@ def dequant_decode_attention(
     v_residual: jax.Array,  # [B, H, R, D]
     lengths: jax.Array,     # [B] int32, total tokens per sequence
     *,
-    fmt: KVFormat,
+    fmt: CacheFormat,
     scale: float | jax.Array | None = None,
     config: DecodeAttentionConfig | None = None,
     interpret: bool = False,
@@ -741,7 +741,7 @@ def dequant_decode_attention(
   return out.transpose(0, 3, 1, 2, 4).reshape(batch, num_queries, q_heads, head_dim)
 
 
-def supports(fmt: KVFormat, *, head_dim: int, num_q_heads: int | None = None,
+def supports(fmt: CacheFormat, *, head_dim: int, num_q_heads: int | None = None,
              kv_heads: int | None = None, num_queries: int | None = None,
              capacity: int | None = None) -> tuple[bool, str]:
   """Whether the kernels handle this format and shape; ``(False, reason)`` if not."""
@@ -778,7 +778,7 @@ def supports(fmt: KVFormat, *, head_dim: int, num_q_heads: int | None = None,
 
 def dequant_decode_attention_reference(
     q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_residual, v_residual,
-    lengths, *, fmt: KVFormat, scale: float | None = None) -> jax.Array:
+    lengths, *, fmt: CacheFormat, scale: float | None = None) -> jax.Array:
   """The spec (plain jnp, float32): exact attention over the dequantized cache."""
   batch, num_queries, q_heads, head_dim = q.shape
   kv_heads, capacity = k_codes.shape[1], k_codes.shape[2]

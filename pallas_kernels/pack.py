@@ -1,12 +1,12 @@
 """Fused quantize + pack (Pallas Triton): full-precision tokens -> codes, scale, zero.
 
-Bitwise equal to `jaxkv.quant.quantize` (the spec, `quantize_pack_reference`
+Bitwise equal to `pallas_kernels.layout.quantize` (the spec, `quantize_pack_reference`
 below): the same float32 operations in the same order, including the
 reciprocal-multiply XLA uses for ``/ levels``, and the same non-finite rule
-(`jaxkv.quant.group_is_bad`: a group with a NaN/inf, or whose stored scale or
+(`pallas_kernels.layout.group_is_bad`: a group with a NaN/inf, or whose stored scale or
 zero overflows, stores NaN scale and zero and codes 0).
 
-The planar bit layout (see `jaxkv.quant`) makes packing elementwise: byte
+The planar bit layout (see `pallas_kernels.layout`) makes packing elementwise: byte
 ``j`` of a row is ``OR_i code[j + i*W] << i*bits``, so a kernel loads ``p``
 column planes of width ``W`` and ORs them, never interleaving values. When a
 per-token channel group is narrower than a plane, each plane is handled in
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from jaxkv import quant
+from pallas_kernels import layout as quant
 from pallas_kernels import _triton
 
 
@@ -69,7 +69,7 @@ def _any_nonfinite(x, axis):
   return jnp.max(jnp.where(jnp.isfinite(x), 0, 1).astype(jnp.int32), axis=axis) > 0
 
 def _codes(x, zero, scale, levels):
-  """Exact round-to-nearest codes, the reference's own `jaxkv.quant.round_codes`."""
+  """Exact round-to-nearest codes, the reference's own `pallas_kernels.layout.round_codes`."""
   return quant.round_codes(x, zero, scale, levels)
 
 
@@ -189,7 +189,7 @@ def quantize_pack(
     config: PackConfig | None = None,
     interpret: bool = False,
 ):
-  """Quantizes and packs ``x`` with one Pallas kernel; drop-in for `jaxkv.quant.quantize`.
+  """Quantizes and packs ``x`` with one Pallas kernel; drop-in for `pallas_kernels.layout.quantize`.
 
   Args:
     x: ``[..., T, D]`` floats; ``D`` a power of two.
@@ -203,7 +203,7 @@ def quantize_pack(
 
   Returns:
     ``(packed [..., T, D*bits//8] uint8, scale, zero)`` bitwise equal to
-    `jaxkv.quant.quantize`.
+    `pallas_kernels.layout.quantize`.
   """
   _check(x.shape, bits, axis, group)
   *lead, tokens, head_dim = x.shape
@@ -275,5 +275,5 @@ def quantize_pack(
 
 
 def quantize_pack_reference(x, bits, *, axis, group, scale_dtype="float16"):
-  """The spec: `jaxkv.quant.quantize` (plain jnp)."""
+  """The spec: `pallas_kernels.layout.quantize` (plain jnp)."""
   return quant.quantize(x, bits, axis=axis, group=group, scale_dtype=scale_dtype)

@@ -8,6 +8,26 @@ nothing from `jaxkv`.
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol
+
+
+class CacheFormat(Protocol):
+  """What the kernels read of a cache format (`jaxkv.KVFormat` satisfies it).
+
+  A protocol, so `pallas_kernels` depends on no `jaxkv` class.
+  """
+
+  k_bits: int
+  v_bits: int
+  k_axis: str
+  token_group: int
+  residual: int
+
+  def channel_group_for(self, head_dim: int) -> int: ...
+
+  def validate_head_dim(self, head_dim: int) -> None: ...
+
+  def packed_len(self, length): ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,7 +35,7 @@ class SideSpec:
   """How one side of the cache is stored.
 
   Attributes:
-    bits: 8, 4 or 2 (packed planar codes, `jaxkv.quant`) or 16 (values kept
+    bits: 8, 4 or 2 (packed planar codes, `pallas_kernels.layout`) or 16 (values kept
       in the cache dtype).
     axis: ``"token"`` (one scale/zero per token per ``group`` channels) or
       ``"channel"`` (one scale/zero per channel per ``group`` tokens).

@@ -29,19 +29,19 @@ T_REF = "tests/test_attention_reference.py"
 
 # (name, file, original line (exact, stripped of nothing), replacement, tests)
 MUTANTS = [
-    ("round ties go down", "jaxkv/quant.py",
+    ("round ties go down", "pallas_kernels/layout.py",
      "    return two_d - k * hi >= k * lo",
      "    return two_d - k * hi > k * lo",
      [T_QUANT + "::test_round_codes_half_way_cases_exact"]),
-    ("scale formula /(levels+1)", "jaxkv/quant.py",
+    ("scale formula /(levels+1)", "pallas_kernels/layout.py",
      "  scale_s = ((hi - lo) * jnp.float32(1.0 / levels)).astype(scale_dtype)",
      "  scale_s = ((hi - lo) * jnp.float32(1.0 / (levels + 1))).astype(scale_dtype)",
      [T_QUANT]),
-    ("dequantize subtracts the zero", "jaxkv/quant.py",
+    ("dequantize subtracts the zero", "pallas_kernels/layout.py",
      "  x = c * scale.astype(jnp.float32)[..., None] + zero.astype(jnp.float32)[..., None]",
      "  x = c * scale.astype(jnp.float32)[..., None] - zero.astype(jnp.float32)[..., None]",
      [T_QUANT]),
-    ("NaN dropped by quantization", "jaxkv/quant.py",
+    ("NaN dropped by quantization", "pallas_kernels/layout.py",
      "  bad = group_is_bad(jnp.any(~jnp.isfinite(x), axis=axis, keepdims=True), scale_s, zero_s)",
      "  bad = jnp.zeros(scale_s.shape, bool)",
      [T_RANGE + "::test_pack_kernel_nonfinite_groups_bitwise"]),
