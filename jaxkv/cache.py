@@ -74,17 +74,24 @@ class QuantizedKV:
   def head_dim(self) -> int:
     return self.codes.shape[-1] * (8 // self.bits if self.bits < 16 else 1)
 
-  def quantize(self, x: jax.Array, scale_dtype: str, *, use_kernel: bool = False):
-    """``x [B, H, T, D]`` -> (codes, scale, zero) in this tensor's storage form."""
+  def quantize(self, x: jax.Array, scale_dtype: str, *, use_kernel: bool = False,
+               active: jax.Array | None = None):
+    """``x [B, H, T, D]`` -> (codes, scale, zero) in this tensor's storage form.
+
+    ``active [B]`` (kernel path only): sequences whose result is used; the
+    kernel skips the others (their rows are undefined), e.g. the decode steps
+    where a sequence flushes nothing.
+    """
     if self.bits == 16:
       return x.astype(self.codes.dtype), None, None
     if use_kernel:
       # Compiled on a GPU, Pallas interpret mode elsewhere (same bits, slowly).
       from pallas_kernels import quantize_pack
       b, h, t, d = x.shape
+      mask = None if active is None else jnp.broadcast_to(active[:, None], (b, h)).reshape(b * h)
       codes, scale, zero = quantize_pack(
           x.reshape(b * h, t, d), bits=self.bits, axis=self.axis, group=self.group,
-          scale_dtype=scale_dtype, interpret=jax.default_backend() != "gpu")
+          scale_dtype=scale_dtype, interpret=jax.default_backend() != "gpu", active=mask)
       return (codes.reshape(b, h, *codes.shape[1:]), scale.reshape(b, h, *scale.shape[1:]),
               zero.reshape(b, h, *zero.shape[1:]))
     return quant.quantize(x, self.bits, axis=self.axis, group=self.group, scale_dtype=scale_dtype)

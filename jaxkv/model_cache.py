@@ -276,8 +276,11 @@ class ModelCache:
       # The history's residual rows [0, res_len) are the first staged rows: a
       # temporary computed before the write (rows past res_len are masked).
       old_res[name] = staged[:, :, :r]
+      # Quantized every step, kept only where a sequence flushes: the pack
+      # kernel skips the sequences that do not (`active`).
       codes, scale, zero = side.quantize(  # reads only static fields and dtypes
-          staged[:, :, : n_groups * g], fmt.scale_dtype, use_kernel=self.use_kernel)
+          staged[:, :, : n_groups * g], fmt.scale_dtype, use_kernel=self.use_kernel,
+          active=plan.flush > 0)
       out[name] = _write_rows(side, index, codes, scale, zero, plan.old_packed, plan.flush)
       new_res = shift_residual(staged, plan.flush, keep, r)         # [B, H, R, D]
       out[f"{name}_residual"] = jax.lax.dynamic_update_index_in_dim(

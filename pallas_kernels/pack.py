@@ -73,6 +73,25 @@ def _codes(x, zero, scale, levels):
   return quant.round_codes(x, zero, scale, levels)
 
 
+def _when_active(kernel, *, column_blocks: bool):
+  """``kernel(x_ref, *outs)`` -> ``(x_ref, active_ref, *outs)``: runs only where
+  ``active[program_id(0)] > 0`` (its outputs are left unwritten elsewhere).
+
+  Program ids are read outside the `pl.when` (interpret mode cannot evaluate
+  them inside it) and passed in as ``col_block`` where the kernel needs one.
+  """
+
+  def gated(x_ref, active_ref, *outs, **kw):
+    if column_blocks:
+      kw = dict(kw, col_block=pl.program_id(2))
+
+    @pl.when(active_ref[pl.program_id(0)] > 0)
+    def _():
+      kernel(x_ref, *outs, **kw)
+
+  return gated
+
+
 def _pack_per_token_kernel(
     # inputs
     x_ref,      # [block_t, D]
@@ -130,13 +149,14 @@ def _pack_per_channel_kernel(
     *,
     bits: int,
     block_w: int,
+    col_block=None,  # program_id(2), when the caller read it already
 ):
   head_dim = x_ref.shape[-1]
   levels = (1 << bits) - 1
   inv_levels = np.float32(1.0 / levels)
   per_byte = 8 // bits
   width = head_dim // per_byte
-  j0 = pl.program_id(2) * block_w
+  j0 = (pl.program_id(2) if col_block is None else col_block) * block_w
   packed = None
   for i in range(per_byte):
     cols = pl.ds(i * width + j0, block_w)
@@ -188,6 +208,7 @@ def quantize_pack(
     scale_dtype="float16",
     config: PackConfig | None = None,
     interpret: bool = False,
+    active: jax.Array | None = None,
 ):
   """Quantizes and packs ``x`` with one Pallas kernel; drop-in for `pallas_kernels.layout.quantize`.
 
@@ -200,16 +221,31 @@ def quantize_pack(
     scale_dtype: dtype of the stored scale and zero.
     config: launch parameters; `PackConfig.default` when None.
     interpret: run the kernel in Pallas interpret mode (CPU).
+    active: optional ``x.shape[:-2]`` bool/int mask: rows ``[..., :, :]`` whose
+      mask is False are skipped (their outputs are undefined). A decode step
+      quantizes its staged residual every step but keeps it only where a
+      sequence flushes; the mask lets the other programs return at once.
 
   Returns:
     ``(packed [..., T, D*bits//8] uint8, scale, zero)`` bitwise equal to
-    `pallas_kernels.layout.quantize`.
+    `pallas_kernels.layout.quantize` (where ``active``).
   """
   _check(x.shape, bits, axis, group)
   *lead, tokens, head_dim = x.shape
   scale_dtype = jnp.dtype(scale_dtype)
   n = int(np.prod(lead, dtype=np.int64))
   x3 = x.reshape(n, tokens, head_dim)
+  extra_in, extra_specs = (), []
+  if active is not None:
+    if tuple(active.shape) != tuple(lead):
+      raise ValueError(f"active.shape={active.shape} must be x.shape[:-2]={tuple(lead)}")
+    n_pad = max(16, _triton.next_pow2(n))   # one power-of-two block of flags
+    flags = jnp.zeros((n_pad,), jnp.int32).at[:n].set(active.reshape(n).astype(jnp.int32))
+    extra_in = (flags,)
+    extra_specs = [pl.BlockSpec((n_pad,), lambda *_: (0,))]
+
+  def gate(kernel, column_blocks=False):
+    return kernel if active is None else _when_active(kernel, column_blocks=column_blocks)
   packed_dim = head_dim * bits // 8
   if config is None:
     config = PackConfig.default(tokens=tokens, head_dim=head_dim, axis=axis)
@@ -218,14 +254,16 @@ def quantize_pack(
   if axis == "channel":
     ngroups = tokens // group
     block_w = min(config.block_w, packed_dim)
-    kernel = functools.partial(_pack_per_channel_kernel, bits=bits, block_w=block_w)
+    kernel = functools.partial(gate(_pack_per_channel_kernel, column_blocks=True), bits=bits,
+                               block_w=block_w)
     # Each program writes only its byte columns of the codes and the channels
     # that pack into them of scale/zero; whole rows are in its blocks, and
     # writes outside its columns do not happen, so programs never overlap.
     codes, scale, zero = pl.pallas_call(
         kernel,
         grid=(n, ngroups, packed_dim // block_w),
-        in_specs=[pl.BlockSpec((None, group, head_dim), lambda i, t, j: (i, t, 0))],
+        in_specs=[pl.BlockSpec((None, group, head_dim), lambda i, t, j: (i, t, 0)),
+                  *extra_specs],
         out_specs=[
             pl.BlockSpec((None, group, block_w), lambda i, t, j: (i, t, j)),
             pl.BlockSpec((None, None, head_dim), lambda i, t, j: (i, t, 0)),
@@ -239,7 +277,7 @@ def quantize_pack(
         compiler_params=params,
         interpret=interpret,
         name=f"jaxkv_pack_channel_int{bits}",
-    )(x3)
+    )(x3, *extra_in)
     return (codes.reshape(*lead, tokens, packed_dim),
             scale.reshape(*lead, ngroups, head_dim), zero.reshape(*lead, ngroups, head_dim))
 
@@ -249,11 +287,12 @@ def quantize_pack(
   if padded != tokens:
     x3 = jnp.pad(x3, ((0, 0), (0, padded - tokens), (0, 0)))
   kernel = functools.partial(
-      _pack_per_token_kernel, bits=bits, channel_group=group)
+      gate(_pack_per_token_kernel), bits=bits, channel_group=group)
   codes, scale, zero = pl.pallas_call(
       kernel,
       grid=(n, padded // block_t),
-      in_specs=[pl.BlockSpec((None, block_t, head_dim), lambda i, t: (i, t, 0))],
+      in_specs=[pl.BlockSpec((None, block_t, head_dim), lambda i, t: (i, t, 0)),
+                *extra_specs],
       out_specs=[
           pl.BlockSpec((None, block_t, packed_dim), lambda i, t: (i, t, 0)),
           pl.BlockSpec((None, block_t, ngroups), lambda i, t: (i, t, 0)),
@@ -267,7 +306,7 @@ def quantize_pack(
       compiler_params=params,
       interpret=interpret,
       name=f"jaxkv_pack_token_int{bits}",
-  )(x3)
+  )(x3, *extra_in)
   if padded != tokens:
     codes, scale, zero = codes[:, :tokens], scale[:, :tokens], zero[:, :tokens]
   return (codes.reshape(*lead, tokens, packed_dim),

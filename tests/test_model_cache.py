@@ -190,3 +190,31 @@ def test_nonfinite_kv_inside_the_model_is_flagged_and_poisons_only_its_sequence(
   np.testing.assert_array_equal(np.asarray(step_logits[1]), np.asarray(clean_step[1]))
   np.testing.assert_array_equal(np.asarray(logits[1]), np.asarray(clean_logits[1]))
   assert np.isfinite(np.asarray(clean_step)).all()
+
+
+@pytest.mark.parametrize("preset", ["kivi2-g32", "k8v4"])
+def test_pack_kernel_skipping_idle_sequences_changes_no_bit(preset):
+  """use_kernel=True (the pack kernel skips sequences that flush nothing this
+  step; interpret mode here) == the jnp quantization, over ragged flushes."""
+  rng = np.random.default_rng(zlib.crc32(preset.encode()) + 1)
+  layers, b, h, d, cap = 2, 3, 2, 64, 512
+  caches = [ModelCache.init(preset, layers, b, h, d, cap, jnp.float32, use_kernel=uk)
+            for uk in (False, True)]
+
+  @jax.jit
+  def append(cache, k, v, n):
+    plan = cache.plan_append(n)
+    for i in range(layers):
+      cache = cache.append_layer(i, k[i], v[i], plan)
+    return cache.commit(plan)
+
+  # Lengths cross group boundaries at different steps per sequence.
+  total = np.zeros(b, np.int64)
+  for t, counts in [(150, [150, 31, 97]), (1, None), (1, None), (40, [33, 0, 40]), (1, None)]:
+    k = jnp.asarray(rng.standard_normal((layers, b, t, h, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((layers, b, t, h, d)), jnp.float32)
+    n = np.full((b,), t) if counts is None else np.asarray(counts)
+    total += n
+    caches = [append(c, k, v, jnp.asarray(n, jnp.int32)) for c in caches]
+  np.testing.assert_array_equal(np.asarray(caches[1].lengths), total)
+  assert _leaves_equal(caches[0], caches[1])
