@@ -5,7 +5,7 @@ cuDNN through `jax.nn.dot_product_attention`, JAX's Pallas `decode_attention`
 on a head-major cache, best of 16/32/64 splits), the naive jnp int4 path, and
 jaxkv's kernels for each format. Device time: the summed durations of the GPU
 kernels of one call, read from a `jax.profiler` (CUPTI) trace of 16
-back-to-back calls (`jaxkv.autotune.kernel_time`), warmed up, compile
+back-to-back calls (`jaxkv.timing.kernel_time`), warmed up, compile
 excluded; the calls rotate over enough copies of the cache that none is read
 from L2. The stream span per call (kernel gaps included) and the host's wall
 clock per call are kept beside it. Effective GB/s (bytes the call must read/write:
@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxkv.autotune import kernel_time  # noqa: E402
+from jaxkv.timing import kernel_time  # noqa: E402
 from jaxkv.formats import PRESETS, KVFormat  # noqa: E402
 import pallas_kernels as pk  # noqa: E402
 from pallas_kernels import mosaic_attention as ma  # noqa: E402

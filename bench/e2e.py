@@ -243,8 +243,8 @@ def _classify(name: str) -> str:
 def _trace_events(trace_dir: str) -> tuple[list[tuple[str, float]], str]:
   """``[(name, duration_ns)]`` of device kernels (GPU) or XLA thunks (CPU), and the source."""
   from jax.profiler import ProfileData  # pylint: disable=import-outside-toplevel
-  from jaxkv.autotune import _gpu_kernel_events  # pylint: disable=import-outside-toplevel
-  gpu = _gpu_kernel_events(trace_dir)
+  from jaxkv.timing import gpu_kernel_events  # pylint: disable=import-outside-toplevel
+  gpu = gpu_kernel_events(trace_dir)
   if gpu:
     return [(n, d) for n, _, d in gpu], "gpu streams (CUPTI)"
   paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import importlib
 import json
 import os
 import shutil
@@ -29,7 +28,7 @@ import attention as A  # noqa: E402
 from jaxkv.formats import PRESETS  # noqa: E402
 import pallas_kernels as pk  # noqa: E402
 
-autotune_mod = importlib.import_module("jaxkv.autotune")  # the module, not the function
+from jaxkv import timing  # noqa: E402
 
 CALLS = 20
 
@@ -52,7 +51,7 @@ def kernel_times(fn, args, tmp, calls=CALLS):
   jax.profiler.stop_trace()
   per = collections.defaultdict(float)
   counts = collections.Counter()
-  for name, _, duration_ns in autotune_mod._gpu_kernel_events(tmp):
+  for name, _, duration_ns in timing.gpu_kernel_events(tmp):
     per[name] += duration_ns / 1e3 / calls
     counts[name] += 1
   return {k: (v, counts[k] / calls) for k, v in sorted(per.items(), key=lambda kv: -kv[1])}

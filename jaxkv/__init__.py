@@ -10,7 +10,8 @@ Public API:
   reference_attention       exact attention on plain K/V
   generate, decode_steps,   jitted decoding with a model (`jaxkv.decoding`)
   decode_step
-  autotune                  kernel config search on the current GPU
+  autotune                  kernel config search on the current GPU (`jaxkv.tuning`;
+                            timers in `jaxkv.timing`)
   make_mesh, shard_cache    a ("data", "model") device mesh; a cache placed on it
                             (`jaxkv.sharding`: rules, per-shard attention)
   quant                     reference quantize/dequantize/pack/unpack
@@ -18,7 +19,7 @@ Public API:
 
 from jaxkv import quant
 from jaxkv.attention import decode_attention, reference_attention
-from jaxkv.autotune import autotune
+from jaxkv.tuning import autotune
 from jaxkv.cache import KVCache, QuantizedKV
 from jaxkv.chunked_attention import chunk_attention
 from jaxkv.decoding import decode_step, decode_steps, generate

@@ -119,7 +119,7 @@ MUTANTS = [
      "      if new_bad.any():",
      "      if False:",
      [T_RANGE + "::test_nonfinite_kv_same_on_both_paths_and_never_dropped"]),
-    ("autotune keeps the slowest", "jaxkv/autotune.py",
+    ("autotune keeps the slowest", "jaxkv/tuning.py",
      "    if t < best_t:",
      "    if t > best_t or best is None:",
      ["tests/test_autotune.py::test_autotune_picks_the_fastest_by_a_fake_timer"]),

@@ -6,7 +6,6 @@ there; the search, the returned config and the JSON round trip are checked).
 
 from __future__ import annotations
 
-import importlib
 import json
 
 import jax
@@ -19,8 +18,8 @@ from jaxkv.cache import KVCache
 from jaxkv.formats import PRESETS
 import pallas_kernels as pk
 
-# The module (`jaxkv.autotune` the attribute is the function).
-at = importlib.import_module("jaxkv.autotune")
+from jaxkv import timing
+from jaxkv import tuning as at
 
 
 def _cache_and_q(batch=2, kv_heads=2, group_q=4, head_dim=64, capacity=256):
@@ -78,9 +77,9 @@ def test_search_space_configs_are_valid():
 
 @pytest.mark.parametrize("hide", [False, True])
 def test_device_time_fields(hide, monkeypatch):
-  monkeypatch.setattr(at, "_LEAD_DIM", 64)  # a CPU-sized lead
+  monkeypatch.setattr(timing, "_LEAD_DIM", 64)  # a CPU-sized lead
   x = [jnp.full((256, 256), float(i)) for i in range(3)]
-  tm = at.device_time(lambda a, b: jnp.tanh(a @ b), x, x[0], reps=3, warmup=1,
+  tm = timing.device_time(lambda a, b: jnp.tanh(a @ b), x, x[0], reps=3, warmup=1,
                       hide_dispatch=hide)
   assert set(tm) == {"median", "min", "max", "wall", "compile"}
   assert tm["min"] <= tm["median"] <= tm["max"]
@@ -91,15 +90,15 @@ def test_device_time_fields(hide, monkeypatch):
 
 def test_kernel_time_fields_and_arg_validation():
   x = [(jnp.full((128, 128), float(i)),) for i in range(2)]
-  tm = at.kernel_time(lambda a: jnp.tanh(a @ a), x, calls=3)
+  tm = timing.kernel_time(lambda a: jnp.tanh(a @ a), x, calls=3)
   assert set(tm) == {"kernel", "span", "kernels", "wall", "compile"}
   assert tm["kernel"] > 0 and tm["span"] >= tm["kernel"] * 0.999 and tm["compile"] > 0
   if jax.default_backend() == "gpu":
     assert tm["kernels"] >= 1  # the matmul and the tanh ran on a GPU stream
   with pytest.raises(ValueError, match="args_list"):
-    at.kernel_time(lambda a: a, [])
+    timing.kernel_time(lambda a: a, [])
   with pytest.raises(ValueError, match="calls=0"):
-    at.kernel_time(lambda a: a, x, calls=0)
+    timing.kernel_time(lambda a: a, x, calls=0)
 
 
 @pytest.mark.parametrize("batch,kv_heads,bits,want", [

@@ -28,3 +28,12 @@ def test_no_upward_imports(package, forbidden):
   bad = [(f, m) for f in files for m in _imports(os.path.join(pkg, f))
          if m.split(".")[0] in forbidden]
   assert not bad, bad
+
+
+def test_no_module_shadowed_by_a_reexported_name():
+  """``jaxkv.X`` is one thing: no submodule shares its name with a re-export."""
+  import jaxkv  # pylint: disable=import-outside-toplevel
+  modules = {f[:-3] for f in os.listdir(os.path.join(ROOT, "jaxkv")) if f.endswith(".py")}
+  clashes = [n for n in jaxkv.__all__ if n in modules and not isinstance(
+      getattr(jaxkv, n), type(jaxkv))]
+  assert not clashes, clashes
