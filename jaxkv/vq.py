@@ -391,7 +391,7 @@ class VQCodebooks:
 
 
 def check_codebooks(fmt: VQFormat, k_codebook, v_codebook, kv_heads: int, head_dim: int):
-  """Validates one layer's codebooks; returns them in ``fmt.codebook_dtype``.
+  """Validates one layer's codebooks; returns copies in ``fmt.codebook_dtype``.
 
   Raises:
     ValueError: wrong shape, or (when concrete) untrained codebooks: a
@@ -415,7 +415,8 @@ def check_codebooks(fmt: VQFormat, k_codebook, v_codebook, kv_heads: int, head_d
         raise ValueError(f"{side}_codebook holds non-finite centroids: untrained or corrupt")
       if not host.any():
         raise ValueError(f"{side}_codebook is all zeros: untrained (learn it with jaxkv.vq.fit)")
-    out.append(jnp.asarray(cb, fmt.codebook_dtype))
+    # A copy: a cache owns its leaves, so donating it never deletes the caller's codebooks.
+    out.append(jnp.array(cb, fmt.codebook_dtype, copy=True))
   return tuple(out)
 
 
