@@ -286,7 +286,6 @@ def kmeans(key: jax.Array, points: jax.Array, entries: int, iters: int) -> jax.A
   return lloyd(points, kmeans_plus_plus(key, points, entries), iters)
 
 
-@jax.jit
 def _stage_residual(x, codebook):
   """``x [N, H, n, v]`` minus the stored centroids nearest to it (float32)."""
   cb = codebook.astype(jnp.float32)                                     # [H, n, E, v]
@@ -296,7 +295,8 @@ def _stage_residual(x, codebook):
   return x - cb[heads, subs, idx]
 
 
-def _fit_side(key, x, spec: VQSideSpec, iters: int, dtype, batch_size: int):
+@functools.partial(jax.jit, static_argnames=("spec", "iters", "dtype", "batch_size"))
+def _fit_side(key, x, spec: VQSideSpec, iters: int, dtype: str, batch_size: int):
   """Codebooks ``[H, S, n, E, v]`` (``dtype``) of one layer's side, ``x [N, H, D]``."""
   num, h, d = x.shape
   n = d // spec.vector
@@ -306,19 +306,13 @@ def _fit_side(key, x, spec: VQSideSpec, iters: int, dtype, batch_size: int):
     pts = rest.transpose(1, 2, 0, 3).reshape(h * n, num, spec.vector)  # [H*n, N, v]
     keys = jax.vmap(lambda i, _k=jax.random.fold_in(key, s): jax.random.fold_in(_k, i))(
         jnp.arange(h * n))
-    cents = _kmeans_many(keys, pts, spec.entries, iters, batch_size)
+    cents = jax.lax.map(lambda a: kmeans(a[0], a[1], spec.entries, iters), (keys, pts),
+                        batch_size=batch_size)
     cb = cents.reshape(h, n, spec.entries, spec.vector).astype(dtype)
     stages.append(cb)
     if s + 1 < spec.stages:
       rest = _stage_residual(rest, cb)
   return jnp.stack(stages, axis=1)
-
-
-@functools.partial(jax.jit, static_argnames=("entries", "iters", "batch_size"))
-def _kmeans_many(keys, points, entries, iters, batch_size):
-  """k-means of every sub-space: ``keys [P]``, ``points [P, N, v]`` -> ``[P, E, v]``."""
-  return jax.lax.map(lambda a: kmeans(a[0], a[1], entries, iters), (keys, points),
-                     batch_size=batch_size)
 
 
 @jax.tree_util.register_dataclass
@@ -456,6 +450,7 @@ def fit(k_samples, v_samples, fmt: VQFormat | str, *, seed: int = 0, iters: int 
   for layer in range(layers):
     for side_id, (side, x) in enumerate((("k", k_samples), ("v", v_samples))):
       side_key = jax.random.fold_in(jax.random.fold_in(key, layer), side_id)
-      per_side[side].append(_fit_side(side_key, jnp.asarray(x[layer]), fmt.spec(side),
-                                      int(iters), fmt.codebook_dtype, batch_size))
+      per_side[side].append(_fit_side(side_key, jnp.asarray(x[layer]), spec=fmt.spec(side),
+                                      iters=int(iters), dtype=fmt.codebook_dtype,
+                                      batch_size=int(batch_size)))
   return VQCodebooks(k=jnp.stack(per_side["k"]), v=jnp.stack(per_side["v"]), fmt=fmt)

@@ -281,11 +281,24 @@ class VQCache:
             assemble(self.v_codes, self.v_codebook, self.v_residual))
 
 
+# Float32 distances one quantization step may hold ([B, H, chunk, n, E]).
+_DISTANCE_BUDGET = 1 << 26
+
+
 def _quantize_groups(x, codebook, group: int):
-  """`jaxkv.vq.quantize` of ``x [B, H, T, D]`` one token group at a time (bounded memory)."""
+  """`jaxkv.vq.quantize` of ``x [B, H, T, D]`` (T a multiple of G) in token chunks.
+
+  Chunks of a power-of-two number of tokens (at most G) bound the
+  ``[B, H, chunk, n, E]`` distance array to about 256 MiB; codes do not
+  depend on the chunking (each token is quantized on its own).
+  """
   b, h, t, d = x.shape
-  blocks = x.reshape(b, h, t // group, group, d).transpose(2, 0, 1, 3, 4)   # [T/G, B, H, G, D]
-  codes = jax.lax.map(lambda blk: vq.quantize(blk, codebook), blocks)      # [T/G, B, H, G, W]
+  _, _, n, entries, _ = codebook.shape
+  chunk = group
+  while chunk > 1 and b * h * chunk * n * entries > _DISTANCE_BUDGET:
+    chunk //= 2
+  blocks = x.reshape(b, h, t // chunk, chunk, d).transpose(2, 0, 1, 3, 4)   # [T/c, B, H, c, D]
+  codes = jax.lax.map(lambda blk: vq.quantize(blk, codebook), blocks)      # [T/c, B, H, c, W]
   return codes.transpose(1, 2, 0, 3, 4).reshape(b, h, t, -1)
 
 
