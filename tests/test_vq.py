@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv import vq
+from jaxkv import vq, vq_cache
 from tests.oracle import np_attention_dequantized
 
 
@@ -184,7 +184,7 @@ FMT_SMALL = {
 
 
 @pytest.mark.parametrize("name", sorted(FMT_SMALL))
-def test_incremental_equals_one_shot(name):
+def test_incremental_equals_one_shot(name, monkeypatch):
   fmt = FMT_SMALL[name]
   b, h, d, t, cap = 2, 2, 32, 75, 100
   books = _codebooks(fmt, h, d, name)
@@ -223,6 +223,12 @@ def test_incremental_equals_one_shot(name):
                                     err_msg=side)
   kd, vd = one_shot.dequantize()
   np.testing.assert_array_equal(np.asarray(kd[:, packed:t]), np.asarray(k[:, packed:]))
+  if name == "cq4":  # quantizing in small token chunks (a large batch) changes nothing
+    monkeypatch.setattr(vq_cache, "_DISTANCE_BUDGET", 2 * h * 16 * 256 * 3)
+    chunked = jaxkv.VQCache.init(fmt, books, b, h, d, cap + 1, jnp.float32).prefill(
+        k, v, np.array([t, t]))
+    np.testing.assert_array_equal(chunked.k_codes, one_shot.k_codes)
+    np.testing.assert_array_equal(chunked.v_codes, one_shot.v_codes)
   assert not np.asarray(vd[:, t:]).any()
 
 
