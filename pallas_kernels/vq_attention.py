@@ -24,6 +24,10 @@ plain dot operand (``q @ K^T``, ``p @ V``). The splits are merged in jnp
 (log-sum-exp). A lookup-table K path and a codebook-centric V accumulation
 are the alternatives to measure on a GPU (``bench/results/vq-NOTES.md``).
 
+Dot operands are in the cache dtype (float32 caches: IEEE float32 dots at
+HIGHEST precision). Unlike `dequant_attention`, nothing is rescaled for a
+float16 cache: q and the centroid sums must fit float16's range there.
+
 This module imports nothing from `jaxkv`; `vq_decode_attention_reference`
 beside the kernel is its spec.
 """
