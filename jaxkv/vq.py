@@ -438,6 +438,9 @@ def fit(k_samples, v_samples, fmt: VQFormat | str, *, seed: int = 0, iters: int 
     raise ValueError(f"k_samples.shape={k_samples.shape} != v_samples.shape={v_samples.shape}")
   layers, num, kv_heads, head_dim = k_samples.shape
   fmt.validate_head_dim(head_dim)
+  for name, x in (("k_samples", k_samples), ("v_samples", v_samples)):
+    if not isinstance(x, jax.core.Tracer) and not np.isfinite(np.asarray(x, np.float32)).all():
+      raise ValueError(f"{name} holds NaN/inf: k-means needs finite calibration data")
   for side in ("k", "v"):
     entries = fmt.spec(side).entries
     if num < entries:

@@ -305,6 +305,9 @@ def test_bad_inputs_name_the_value():
     vq.fit(x, x, fmt)
   with pytest.raises(ValueError, match=r"k_samples must be \[L, N, Hkv, D\]"):
     vq.fit(x[0], x[0], fmt)
+  with pytest.raises(ValueError, match="v_samples holds NaN/inf"):
+    y = jnp.ones((1, 300, 2, 32))
+    vq.fit(y, y.at[0, 7, 1, 3].set(jnp.nan), fmt)
   cache = jaxkv.VQCache.init(fmt, books, 1, 2, 32, 64, layer=0)
   q = jnp.ones((1, 1, 4, 32))
   with pytest.raises(ValueError, match="mosaic: no Mosaic GPU kernel"):
