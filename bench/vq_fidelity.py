@@ -42,7 +42,7 @@ FORMATS = ("bf16", "kivi4", "kivi2", "kivi4-g32", "kivi2-g32", "cq4", "cq2")
 
 @functools.partial(jax.jit, static_argnums=0)
 def _forward_kv(graphdef, state, tokens):
-  """Full-precision causal forward: logits ``[B, T, V]`` and every layer's K/V ``[B, T, Hkv, D]``."""
+  """Full-precision causal forward: logits ``[B, T, V]``, each layer's K/V ``[B, T, Hkv, D]``."""
   model = nnx.merge(graphdef, state)
   b, t = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -61,7 +61,10 @@ def _forward_kv(graphdef, state, tokens):
 
 @functools.partial(jax.jit, static_argnums=0)
 def _forced_decode(graphdef, state, caches, inputs, start):
-  """Teacher-forced decode: ``inputs [steps, B]`` at positions ``start + i`` -> log-probs ``[steps, B, V]``."""
+  """Teacher-forced decode of ``inputs [steps, B]`` at positions ``start + i``.
+
+  Returns the log-probabilities ``[steps, B, V]`` of every step.
+  """
   model = nnx.merge(graphdef, state)
 
   def step(caches, xs):

@@ -81,7 +81,8 @@ def vq_decode_attention(q: jax.Array, cache: VQCache, *, scale=None,
   ``scale`` is already validated by the caller (`jaxkv.attention.check_scale`).
   Returns ``[B, S, Hq, D]`` in q's dtype; NaN rows as `jaxkv.decode_attention`.
   """
-  from jaxkv.attention import _poison, reference_attention  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from jaxkv.attention import _poison, reference_attention
   _check_q(q, cache)
   if config is not None and not isinstance(config, vq_kernel.VQAttentionConfig):
     raise TypeError(f"config must be a pallas_kernels.vq_attention.VQAttentionConfig for a "

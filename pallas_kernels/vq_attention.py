@@ -84,7 +84,12 @@ class VQSideSpec:
 
 
 def vq_dequantize(codes: jax.Array, codebook: jax.Array) -> jax.Array:
-  """Centroid sums: ``codes [B, H, T, S*n]`` uint8, ``codebook [H, S, n, E, v]`` -> float32 ``[B, H, T, n*v]``."""
+  """Centroid sums: float32 ``[B, H, T, n*v]``.
+
+  Args:
+    codes: ``[B, H, T, S*n]`` uint8.
+    codebook: ``[H, S, n, E, v]``.
+  """
   h, stages, n, _, vec = codebook.shape
   b, _, t, _ = codes.shape
   idx = codes.astype(jnp.int32).reshape(b, h, t, stages, n)
@@ -279,9 +284,11 @@ def _vq_split_kernel(
 
 
 def combine_splits(o, l, m):
-  """Log-sum-exp merge of split partials ``o [..., J, M, D]``, ``l, m [..., J, M]`` -> ``[..., M, D]``.
+  """Log-sum-exp merge of the J split partials into ``[..., M, D]``.
 
-  A row with no visible key (every ``l == 0``) gives zeros; a NaN stays NaN.
+  ``o [..., J, M, D]`` unnormalized outputs, ``l, m [..., J, M]`` sums and
+  maxima. A row with no visible key (every ``l == 0``) gives zeros; a NaN
+  stays NaN.
   """
   m_all = jnp.max(m, axis=-2, keepdims=True)
   m_all = jnp.where(m_all == -jnp.inf, 0.0, m_all)

@@ -71,7 +71,8 @@ def np_vq_codes(x, codebook):
 # ------------------------------------------------------------------- k-means
 @pytest.mark.parametrize("vector,entries", [(2, 32), (8, 8)])
 def test_lloyd_matches_numpy_from_the_same_seeds(vector, entries):
-  points = jax.random.normal(_key("pts", vector), (600, vector)) * jnp.array([1.0, 2.0] * 4)[:vector]
+  stretch = jnp.array([1.0, 2.0] * 4)[:vector]  # unequal spreads per channel
+  points = jax.random.normal(_key("pts", vector), (600, vector)) * stretch
   seed_fn = jax.jit(vq.kmeans_plus_plus, static_argnums=2)
   seeds = seed_fn(_key("init", vector), points, entries)
   # k-means++ seeds are distinct rows of the data, reproducible for a key.
