@@ -15,6 +15,8 @@ Public API:
   make_mesh, shard_cache    a ("data", "model") device mesh; a cache placed on it
                             (`jaxkv.sharding`: rules, per-shard attention)
   quant                     reference quantize/dequantize/pack/unpack
+  VQFormat, VQ_PRESETS,     vector-quantized formats, cache and k-means codebooks
+  VQCache, VQCodebooks, vq  (`jaxkv.vq`, `jaxkv.vq_cache`; issue 15)
 """
 
 from jaxkv import quant
@@ -27,6 +29,9 @@ from jaxkv.formats import PRESETS, KVFormat
 from jaxkv.model_cache import ModelCache
 from jaxkv import sharding
 from jaxkv.sharding import make_mesh, shard_cache, sharded_decode_attention
+from jaxkv import vq
+from jaxkv.vq import VQ_PRESETS, VQCodebooks, VQFormat
+from jaxkv.vq_cache import VQCache
 
 __version__ = "0.1.0"
 
@@ -36,6 +41,10 @@ __all__ = [
     "ModelCache",
     "PRESETS",
     "QuantizedKV",
+    "VQCache",
+    "VQCodebooks",
+    "VQFormat",
+    "VQ_PRESETS",
     "autotune",
     "chunk_attention",
     "decode_attention",
@@ -48,4 +57,5 @@ __all__ = [
     "shard_cache",
     "sharded_decode_attention",
     "sharding",
+    "vq",
 ]

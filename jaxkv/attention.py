@@ -264,7 +264,8 @@ def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None
   Args:
     q: ``[B, S, Hq, D]``; ``Hq`` a multiple of ``cache.kv_heads``.
     cache: the `KVCache`, or one layer of a `jaxkv.ModelCache`
-      (`ModelCache.layer_view`), which the Triton kernels read in place.
+      (`ModelCache.layer_view`), which the Triton kernels read in place, or
+      a `jaxkv.VQCache` (`jaxkv.vq_attention`: reference or fused VQ kernel).
     scale: softmax scale, default ``D ** -0.5``: a Python/numpy real or a
       scalar array (traced ones included); a concrete non-finite one raises.
     implementation: ``None`` (best available: the faster Pallas family that
@@ -281,6 +282,11 @@ def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None
     ``[0, L_b - S + i]``. NaN for query rows holding a NaN/inf and for every
     query of a sequence flagged ``cache.nonfinite`` (README "Input policy").
   """
+  from jaxkv.vq_cache import VQCache  # pylint: disable=import-outside-toplevel
+  if isinstance(cache, VQCache):  # vector-quantized cache (issue 15): its own kernel
+    from jaxkv.vq_attention import vq_decode_attention  # pylint: disable=import-outside-toplevel
+    return vq_decode_attention(q, cache, scale=check_scale(scale),
+                               implementation=implementation, config=config)
   _check_q_cache(q, cache)
   scale = check_scale(scale)
   impl = resolve_implementation(q, cache, implementation, config)

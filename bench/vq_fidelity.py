@@ -1,0 +1,179 @@
+"""VQ presets (cq4, cq2) against KIVI on a real model: perplexity and next-token KL.
+
+`VQCache` is not wired into `ModelCache` / the Llama yet, so this script runs
+its own decode loop over a list of per-layer caches (`KVCache` or `VQCache`,
+one code path for every format): the prompt's K/V come from a full-precision
+causal forward and are prefilled into each layer's cache, then ``steps``
+teacher-forced tokens are decoded one at a time over the (quantized) cache in
+one jitted `lax.scan`. Codebooks are learned with `jaxkv.vq.fit` on the K/V
+of a *different* window of the same text (calibration), never on the
+evaluated window.
+
+  python bench/vq_fidelity.py                    # SmolLM2, 1 window of 384 + 128 tokens
+  python bench/vq_fidelity.py --windows 2 --prompt 896 --calib 2048
+
+Writes ``vq-fidelity-<platform>.json`` and prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jaxkv  # noqa: E402
+from jaxkv import fidelity, vq  # noqa: E402
+from models import llama  # noqa: E402
+from models.gguf import SMOLLM2_INSTALL, find_smollm2  # noqa: E402
+from models.tokenizer import load_tokenizer  # noqa: E402
+
+FORMATS = ("bf16", "kivi4", "kivi2", "kivi4-g32", "kivi2-g32", "cq4", "cq2")
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward_kv(graphdef, state, tokens):
+  """Full-precision causal forward: logits ``[B, T, V]``, each layer's K/V ``[B, T, Hkv, D]``."""
+  model = nnx.merge(graphdef, state)
+  b, t = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  ks, vs = [], []
+
+  def attend(q, k, v, cache):
+    ks.append(k)
+    vs.append(v)
+    return llama.causal_attention(q, k, v), cache
+
+  x = model._embed(tokens)  # pylint: disable=protected-access
+  for layer in model.layers:
+    x, _ = layer(x, positions, attend)
+  return model._logits(x), ks, vs  # pylint: disable=protected-access
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forced_decode(graphdef, state, caches, inputs, start):
+  """Teacher-forced decode of ``inputs [steps, B]`` at positions ``start + i``.
+
+  Returns the log-probabilities ``[steps, B, V]`` of every step.
+  """
+  model = nnx.merge(graphdef, state)
+
+  def step(caches, xs):
+    token, i = xs
+    pos = (start + i)[:, None]
+    x = model._embed(token[:, None])  # pylint: disable=protected-access
+    new = []
+    for layer, cache in zip(model.layers, caches):
+      def attend(q, k, v, cache):
+        cache = cache.append(k.astype(cache.dtype), v.astype(cache.dtype))
+        out = jaxkv.decode_attention(q, cache, implementation="reference")
+        return out.astype(q.dtype), cache
+      x, cache = layer(x, pos, attend, cache)
+      new.append(cache)
+    logits = model._logits(x)[:, 0]  # pylint: disable=protected-access
+    return new, jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+
+  steps = inputs.shape[0]
+  _, logp = jax.lax.scan(step, caches, (inputs, jnp.arange(steps, dtype=jnp.int32)))
+  return logp
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2)")
+  p.add_argument("--prompt", type=int, default=384, help="prompt tokens per window")
+  p.add_argument("--steps", type=int, default=128, help="teacher-forced scored tokens")
+  p.add_argument("--windows", type=int, default=1, help="text windows (batch rows)")
+  p.add_argument("--calib", type=int, default=2048, help="calibration tokens for k-means")
+  p.add_argument("--iters", type=int, default=16, help="Lloyd iterations")
+  p.add_argument("--formats", default=",".join(FORMATS))
+  p.add_argument("--amortize", type=int, default=8192,
+                 help="tokens the VQ codebooks are amortized over in bytes/token")
+  p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+  args = p.parse_args(argv)
+  path = args.model or find_smollm2()
+  if path is None:
+    p.error(f"no --model and SmolLM2 is not installed: {SMOLLM2_INSTALL}")
+  t0 = time.perf_counter()
+  dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+  model = llama.from_pretrained(path, dtype=dtype)
+  cfg = model.config
+  tokens = np.asarray(load_tokenizer(path).encode(fidelity.reference_text()), np.int32)
+  graphdef, state = nnx.split(model)
+  span = args.prompt + args.steps + 1
+  windows = np.stack([tokens[j * span:(j + 1) * span] for j in range(args.windows)])
+  calib = tokens[-args.calib:][None]  # the end of the text: disjoint from the windows
+  print(f"loaded {os.path.basename(path)} in {time.perf_counter() - t0:.0f}s; "
+        f"{len(tokens)} text tokens", flush=True)
+
+  _, ck, cv = _forward_kv(graphdef, state, jnp.asarray(calib))
+  k_calib = jnp.stack([k[0] for k in ck])  # [L, N, Hkv, D]
+  v_calib = jnp.stack([v[0] for v in cv])
+  _, pk, pv = _forward_kv(graphdef, state, jnp.asarray(windows[:, :args.prompt]))
+  inputs = jnp.asarray(windows[:, args.prompt:args.prompt + args.steps].T)   # [steps, B]
+  targets = windows[:, args.prompt + 1:args.prompt + args.steps + 1]         # [B, steps]
+  b = windows.shape[0]
+  capacity = args.prompt + args.steps
+  lengths = np.full((b,), args.prompt)
+
+  rows, ref_logp = [], None
+  for name in args.formats.split(","):
+    t1 = time.perf_counter()
+    if name in vq.VQ_PRESETS:
+      fmt = vq.VQ_PRESETS[name]
+      books = vq.fit(k_calib, v_calib, fmt, seed=0, iters=args.iters)
+      caches = [jaxkv.VQCache.init(fmt, books, b, cfg.num_kv_heads, cfg.head_dim, capacity,
+                                   jnp.bfloat16, layer=i) for i in range(cfg.num_layers)]
+      bpt = fmt.bytes_per_token(cfg.num_kv_heads, cfg.head_dim, context=args.amortize)
+    else:
+      fmt = jaxkv.KVFormat.preset(name)
+      caches = [jaxkv.KVCache.init(fmt, b, cfg.num_kv_heads, cfg.head_dim, capacity,
+                                   jnp.bfloat16, use_kernel=False)
+                for _ in range(cfg.num_layers)]
+      bpt = fmt.bytes_per_token(cfg.num_kv_heads, cfg.head_dim)
+    caches = [c.prefill(k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), lengths)
+              for c, k, v in zip(caches, pk, pv)]
+    logp = np.asarray(_forced_decode(graphdef, state, caches, inputs,
+                                     jnp.asarray(lengths, jnp.int32)))       # [steps, B, V]
+    target_lp = np.take_along_axis(logp, targets.T[:, :, None], axis=-1)[..., 0]
+    if ref_logp is None:
+      ref_logp = logp
+    row = {"format": name, "bytes_per_token_all_layers": bpt * cfg.num_layers,
+           "perplexity": fidelity.perplexity(target_lp),
+           "kl_vs_first": float(fidelity.kl_divergence(ref_logp, logp).mean()),
+           "seconds": time.perf_counter() - t1}
+    rows.append(row)
+    print(f"{name:6s} ppl {row['perplexity']:.3f}  KL {row['kl_vs_first']:.4f}  "
+          f"bytes/token {row['bytes_per_token_all_layers']:.0f}  ({row['seconds']:.0f}s)",
+          flush=True)
+
+  result = {"settings": {**vars(args), "model": os.path.basename(path),
+                         "device": jax.default_backend(), "jax": jax.__version__,
+                         "cache_dtype": "bfloat16", "model_dtype": jnp.dtype(dtype).name,
+                         "text": "pydoc_data.topics; calibration = the last --calib tokens",
+                         "wall_s": time.perf_counter() - t0},
+            "rows": rows}
+  os.makedirs(args.out, exist_ok=True)
+  out = os.path.join(args.out, f"vq-fidelity-{jax.default_backend()}.json")
+  with open(out, "w") as f:
+    json.dump(result, f, indent=1)
+  print("\n| format | perplexity | KL vs " + rows[0]["format"] + " | bytes/token (all layers) |")
+  print("|---|---|---|---|")
+  for r in rows:
+    print(f"| {r['format']} | {r['perplexity']:.3f} | {r['kl_vs_first']:.4f} | "
+          f"{r['bytes_per_token_all_layers']:.0f} |")
+  print(f"\nwrote {out} ({result['settings']['wall_s']:.0f}s)")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,100 @@
+"""Decode attention over a `VQCache`; `jaxkv.decode_attention` dispatches here.
+
+``implementation``: ``"reference"``/``"xla"`` is exact attention over
+``cache.dequantize()`` (the spec); ``"triton"``/``"pallas"`` the fused VQ
+kernel (`pallas_kernels.vq_attention`; Pallas interpret mode off GPU);
+``None`` the reference for now (`KERNEL_BY_DEFAULT`). There is no Mosaic GPU
+VQ kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv.vq_cache import VQCache
+from pallas_kernels import vq_attention as vq_kernel
+
+_NAMES = ("reference", "xla", "triton", "mosaic", "pallas")
+
+# Whether ``implementation=None`` takes the fused kernel on a GPU. Off until the
+# kernel has been compiled and passed tests/test_vq_attention.py on a GPU
+# (JAXKV_TEST_GPU=1) and measured faster than the reference there; it has
+# only run in Pallas interpret mode so far.
+KERNEL_BY_DEFAULT = False
+
+
+def _check_q(q, cache: VQCache):
+  if getattr(q, "ndim", None) != 4:
+    raise ValueError(f"q must be [B, S, Hq, D], got shape {getattr(q, 'shape', type(q))}")
+  b, _, hq, d = q.shape
+  if b != cache.batch:
+    raise ValueError(f"q batch {b} != cache batch {cache.batch}")
+  if d != cache.head_dim:
+    raise ValueError(f"q head_dim {d} != cache head_dim {cache.head_dim}")
+  if hq % cache.kv_heads:
+    raise ValueError(f"num query heads Hq={hq} must be a multiple of kv_heads={cache.kv_heads}")
+  if not jnp.issubdtype(q.dtype, jnp.floating):
+    raise TypeError(f"q.dtype={q.dtype} must be floating")
+
+
+def kernel_supports(q, cache: VQCache) -> tuple[bool, str]:
+  """Whether the fused VQ kernel serves this query and cache."""
+  return vq_kernel.supports(
+      head_dim=cache.head_dim, k_spec=cache.fmt.spec("k"), v_spec=cache.fmt.spec("v"),
+      num_q_heads=q.shape[2], kv_heads=cache.kv_heads, num_queries=q.shape[1],
+      residual=cache.fmt.residual, capacity=cache.storage_len)
+
+
+def resolve(q, cache: VQCache, implementation) -> str:
+  """``"reference"`` or ``"triton"``; ValueError naming why a forced kernel cannot run."""
+  if implementation is None:
+    if (KERNEL_BY_DEFAULT and jax.default_backend() == "gpu"
+        and kernel_supports(q, cache)[0]):
+      return "triton"
+    return "reference"
+  names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
+  reasons = []
+  for name in names:
+    if name not in _NAMES:
+      raise ValueError(f"implementation={name!r} must be one of {_NAMES} or None")
+    if name in ("reference", "xla"):
+      return "reference"
+    if name == "mosaic":
+      reasons.append("mosaic: no Mosaic GPU kernel reads a VQ cache")
+      continue
+    ok, why = kernel_supports(q, cache)
+    if ok:
+      return "triton"
+    reasons.append(f"{name}: {why}")
+  raise ValueError(f"implementation={implementation!r} does not support this VQ cache: "
+                   + "; ".join(reasons))
+
+
+def vq_decode_attention(q: jax.Array, cache: VQCache, *, scale=None,
+                        implementation: str | Sequence[str] | None = None,
+                        config: vq_kernel.VQAttentionConfig | None = None) -> jax.Array:
+  """Attention of the S newest queries over a `VQCache` (see `jaxkv.decode_attention`).
+
+  ``scale`` is already validated by the caller (`jaxkv.attention.check_scale`).
+  Returns ``[B, S, Hq, D]`` in q's dtype; NaN rows as `jaxkv.decode_attention`.
+  """
+  # pylint: disable-next=import-outside-toplevel
+  from jaxkv.attention import _poison, reference_attention
+  _check_q(q, cache)
+  if config is not None and not isinstance(config, vq_kernel.VQAttentionConfig):
+    raise TypeError(f"config must be a pallas_kernels.vq_attention.VQAttentionConfig for a "
+                    f"VQ cache, got {type(config).__name__}")
+  impl = resolve(q, cache, implementation)
+  if impl == "triton":
+    out = vq_kernel.vq_decode_attention(
+        q, cache.k_codes, cache.k_codebook, cache.v_codes, cache.v_codebook, cache.k_residual,
+        cache.v_residual, cache.lengths, k_spec=cache.fmt.spec("k"), v_spec=cache.fmt.spec("v"),
+        token_group=cache.fmt.token_group, scale=scale, config=config,
+        interpret=jax.default_backend() != "gpu")
+  else:
+    k, v = cache.dequantize()
+    out = reference_attention(q, k, v, cache.lengths, scale=scale)
+  return _poison(out, q, cache.nonfinite)
