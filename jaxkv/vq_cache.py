@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import vq
-from jaxkv.cache import (STORAGE_ALIGN, _check_int, _is_concrete, _nonfinite_rows, _static,
+from jaxkv.cache import (STORAGE_ALIGN, _check_int, _is_concrete, nonfinite_rows, _static,
                          flush_groups, shift_residual, stage_residual)
 from pallas_kernels.vq_attention import vq_dequantize
 
@@ -248,7 +248,7 @@ class VQCache:
 
     k_codes, v_codes = jax.lax.cond(jnp.any(flush > 0), do_flush, lambda c: c,
                                     (self.k_codes, self.v_codes))
-    nonfinite = self.nonfinite | _nonfinite_rows(k_new, num_new) | _nonfinite_rows(v_new, num_new)
+    nonfinite = self.nonfinite | nonfinite_rows(k_new, num_new) | nonfinite_rows(v_new, num_new)
     new_res_len = new_len - new_packed
     return dataclasses.replace(
         self, k_codes=k_codes, v_codes=v_codes,
