@@ -203,15 +203,11 @@ KIVI_FORMATS: dict[str, KVFormat] = {
 }
 
 
-# Candidates for a trustworthy preset at <= 0.25x bf16 bytes (head_dim 64):
-# mixed 4/2-bit sides at KIVI's groups, and 2-bit with groups of 16.
+# Candidates tried for a preset at <= 0.25x bf16 bytes (head_dim 64); the two
+# that held up (k4v2-g32, kivi2-g16) became presets.
 CANDIDATE_FORMATS: dict[str, KVFormat] = {
-    "k4v2-g32": KVFormat(k_bits=4, v_bits=2, k_axis="channel", token_group=32, channel_group=32,
-                         residual=128),
     "k2v4-g32": KVFormat(k_bits=2, v_bits=4, k_axis="channel", token_group=32, channel_group=32,
                          residual=128),
-    "kivi2-g16": KVFormat(k_bits=2, v_bits=2, k_axis="channel", token_group=16, channel_group=16,
-                          residual=128),
 }
 
 

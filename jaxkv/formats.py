@@ -146,6 +146,12 @@ PRESETS: dict[str, KVFormat] = {
                           residual=128),
     "kivi2-g32": KVFormat(k_bits=2, v_bits=2, k_axis="channel", token_group=32, channel_group=32,
                           residual=128),
+    # 0.25x bf16 bytes at head_dim 64 (bench/results/fidelity-cpu-2bit-candidates.json,
+    # SmolLM2 at 2K: k4v2-g32 +1.7 % perplexity, kivi2-g16 +8.1 %, kivi2-g32 +29 %).
+    "k4v2-g32": KVFormat(k_bits=4, v_bits=2, k_axis="channel", token_group=32, channel_group=32,
+                         residual=128),
+    "kivi2-g16": KVFormat(k_bits=2, v_bits=2, k_axis="channel", token_group=16, channel_group=16,
+                          residual=128),
 }
 """Named formats. ``int4-token-g4`` has 4 channel groups at head_dim 128
 (``channel_group=32``); at other head dims use ``dataclasses.replace``."""
