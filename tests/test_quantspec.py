@@ -291,3 +291,100 @@ def test_bad_inputs_name_the_value():
     plain.dequantize("draft")
   with pytest.raises(ValueError, match="head_dim=6 must be divisible by group=4"):
     hierarchical.quantize(jnp.ones((4, 6)), axis="token", group=4)
+
+
+# ------------------------------------------------- staging for speculation
+@st.composite
+def _spec_programs(draw):
+  batch = draw(st.integers(1, 2))
+  ops = draw(st.lists(st.one_of(
+      st.tuples(st.just("append"), st.sampled_from([1, 3, 5]), st.booleans()),
+      st.tuples(st.just("rollback"), st.none(),
+                st.lists(st.floats(0, 1), min_size=batch, max_size=batch)),
+      st.tuples(st.just("flush"), st.none(), st.none())),
+      min_size=2, max_size=12))
+  return batch, ops, draw(st.integers(0, 2 ** 31 - 1))
+
+
+@settings(max_examples=8)
+@given(_spec_programs())
+def test_staged_append_rollback_flush_equals_one_shot(program):
+  """After appends (flush or not), rollbacks and flushes: the accepted history at once."""
+  from jaxkv.staged_cache import StagedCache
+  batch, ops, seed = program
+  hkv, d, cap, staging = 2, 32, 120, 8
+  rng = np.random.default_rng(seed)
+  sc = StagedCache.wrap(
+      jaxkv.KVCache.init(QS_SMALL, batch, hkv, d, cap, jnp.float32, use_kernel=False), staging)
+  hist_k = [[] for _ in range(batch)]   # accepted history (committed + staged)
+  hist_v = [[] for _ in range(batch)]
+  committed = [0] * batch
+  for kind, s, arg in ops + [("flush", None, None)]:
+    if kind == "append":
+      staged_now = [len(hist_k[b]) - committed[b] for b in range(batch)]
+      if max(staged_now) + s > staging or max(len(h) for h in hist_k) + s > cap:
+        continue
+      k = rng.standard_normal((batch, s, hkv, d)).astype(np.float32)
+      v = rng.standard_normal((batch, s, hkv, d)).astype(np.float32)
+      sc = sc.append(jnp.asarray(k), jnp.asarray(v), flush=arg)
+      for b in range(batch):
+        hist_k[b].extend(k[b])
+        hist_v[b].extend(v[b])
+        if arg:
+          committed[b] = len(hist_k[b])
+    elif kind == "rollback":
+      new = [committed[b] + int(round(f * (len(hist_k[b]) - committed[b])))
+             for b, f in enumerate(arg)]
+      sc = sc.rollback(np.asarray(new, np.int32))
+      for b in range(batch):
+        del hist_k[b][new[b]:], hist_v[b][new[b]:]
+    else:
+      sc = sc.flush()
+      committed = [len(h) for h in hist_k]
+    assert np.asarray(sc.lengths).tolist() == [len(h) for h in hist_k]
+    assert np.asarray(sc.cache.lengths).tolist() == committed
+    # Staged tokens are read exactly, committed ones as stored.
+    kd, _ = sc.dequantize("draft")
+    for b in range(batch):
+      if len(hist_k[b]) > committed[b]:
+        np.testing.assert_array_equal(np.asarray(kd[b, committed[b]:len(hist_k[b])]),
+                                      np.stack(hist_k[b][committed[b]:]))
+  lengths = [len(h) for h in hist_k]
+  t = max(1, max(lengths))
+  k_all = np.zeros((batch, t, hkv, d), np.float32)
+  v_all = np.zeros_like(k_all)
+  for b in range(batch):
+    if lengths[b]:
+      k_all[b, :lengths[b]], v_all[b, :lengths[b]] = np.stack(hist_k[b]), np.stack(hist_v[b])
+  one = jaxkv.KVCache.init(QS_SMALL, batch, hkv, d, cap, jnp.float32, use_kernel=False)
+  one = one.prefill(jnp.asarray(k_all), jnp.asarray(v_all), np.asarray(lengths, np.int32))
+  np.testing.assert_array_equal(np.asarray(sc.cache.packed_lens),
+                                QS_SMALL.packed_len(np.asarray(lengths)))
+  for view in ("target", "draft"):
+    for a, w in zip(sc.cache.dequantize(view), one.dequantize(view)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(w))
+
+
+def test_staged_attention_matches_float64_and_rollback_errors():
+  from jaxkv.staged_cache import StagedCache
+  b, hkv, d = 2, 2, 32
+  k, v = _history(b, 70, hkv, d, 21)
+  cache = jaxkv.KVCache.init(QS_SMALL, b, hkv, d, 96, jnp.float32, use_kernel=False)
+  sc = StagedCache.wrap(cache.prefill(k, v, np.asarray([70, 37], np.int32)), 6)
+  k2, v2 = _history(b, 5, hkv, d, 22)
+  sc = sc.append(k2, v2)
+  q = jax.random.normal(jax.random.PRNGKey(23), (b, 5, 2 * hkv, d))
+  for view in ("target", "draft"):
+    kd, vd = sc.dequantize(view)
+    want = np_attention_dequantized(np.asarray(q, np.float64), np.asarray(kd), np.asarray(vd),
+                                    [75, 42])
+    got = np.asarray(sc.attention(q, view=view), np.float64)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+  with pytest.raises(ValueError, match=r"would drop flushed tokens of sequences \[1\]"):
+    sc.rollback(np.asarray([71, 36], np.int32))
+  with pytest.raises(ValueError, match=r"exceed the lengths \[75, 42\]"):
+    sc.rollback(np.asarray([76, 40], np.int32))
+  with pytest.raises(ValueError, match="staging=6"):
+    sc.append(k2[:, :2], v2[:, :2])
+  with pytest.raises(ValueError, match="staging=0"):
+    StagedCache.wrap(cache, 0)
