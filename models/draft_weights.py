@@ -113,7 +113,7 @@ def draft_model(model, weights: dict[str, QuantizedWeight]):
     if w.codes.shape != m.kernel.shape:
       raise ValueError(f"draft weight {_key(path)} has shape {w.codes.shape}, the model's "
                        f"kernel {m.kernel.shape}")
-    m.kernel.value = w.dequantize(m.kernel.dtype)
+    m.kernel[...] = w.dequantize(m.kernel.dtype)
     found += 1
   if found != len(weights):
     raise ValueError(f"{len(weights) - found} draft weights name no linear layer of the model")

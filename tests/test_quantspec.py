@@ -306,7 +306,7 @@ def _spec_programs(draw):
   return batch, ops, draw(st.integers(0, 2 ** 31 - 1))
 
 
-@settings(max_examples=8)
+@settings(max_examples=5)
 @given(_spec_programs())
 def test_staged_append_rollback_flush_equals_one_shot(program):
   """After appends (flush or not), rollbacks and flushes: the accepted history at once."""
