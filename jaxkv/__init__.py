@@ -14,9 +14,14 @@ Public API:
   make_mesh, shard_cache    a ("data", "model") device mesh; a cache placed on it
                             (`jaxkv.sharding`: rules, per-shard attention)
   quant                     reference quantize/dequantize/pack/unpack
+  hierarchical              QuantSpec's two-plane INT8 codes (draft / target views)
+  StagedCache               a KVCache plus unflushed tokens: append(flush=False),
+                            rollback, flush (`jaxkv.staged_cache`)
+  speculative_generate      self-speculative decoding on a "quantspec" cache
+                            (`jaxkv.speculative`)
 """
 
-from jaxkv import quant
+from jaxkv import hierarchical, quant
 from jaxkv.attention import decode_attention, reference_attention
 from jaxkv.autotune import autotune
 from jaxkv.cache import KVCache, QuantizedKV
@@ -26,6 +31,8 @@ from jaxkv.formats import PRESETS, KVFormat
 from jaxkv.model_cache import ModelCache
 from jaxkv import sharding
 from jaxkv.sharding import make_mesh, shard_cache, sharded_decode_attention
+from jaxkv.speculative import speculative_generate
+from jaxkv.staged_cache import StagedCache
 
 __version__ = "0.1.0"
 
@@ -35,16 +42,19 @@ __all__ = [
     "ModelCache",
     "PRESETS",
     "QuantizedKV",
+    "StagedCache",
     "autotune",
     "chunk_attention",
     "decode_attention",
     "decode_step",
     "decode_steps",
     "generate",
+    "hierarchical",
     "make_mesh",
     "quant",
     "reference_attention",
     "shard_cache",
     "sharded_decode_attention",
     "sharding",
+    "speculative_generate",
 ]
