@@ -175,3 +175,22 @@ def test_draft_weights_against_numpy_model(model):
   assert not np.array_equal(np.asarray(d.layers[1].mlp.down_proj.kernel[...]), np.asarray(w))
   np.testing.assert_array_equal(np.asarray(model.layers[1].mlp.down_proj.kernel[...]),
                                 np.asarray(w))
+
+
+@pytest.mark.slow
+def test_cli_speculative_flag_matches_plain_quantspec(tmp_path_factory, capsys):
+  from jaxkv import cli
+  from tests.test_generate_cli import CFG
+  from models.checkpoint import save_llama
+  path = str(tmp_path_factory.mktemp("spec_ckpt"))
+  save_llama(llama.random_model(CFG, seed=6, dtype=jnp.float32), path)
+  common = ["generate", "--checkpoint", path, "--prompt-ids", "5,6,7,9", "--max-new-tokens", "7",
+            "--no-stop", "--no-progress"]
+  assert cli.main(common + ["--kv", "quantspec"]) == 0
+  plain = capsys.readouterr().out
+  assert cli.main(common + ["--speculative", "3", "--draft-weights", "int8"]) == 0
+  out, err = capsys.readouterr()
+  assert out == plain and len(out.split()) == 4 + 7
+  assert "acceptance" in err and "KV cache quantspec" in err
+  assert cli.main(common + ["--speculative", "2", "--kv", "kivi4"]) == 2
+  assert "--speculative needs a hierarchical --kv-format" in capsys.readouterr().err
