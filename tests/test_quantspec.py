@@ -388,3 +388,17 @@ def test_staged_attention_matches_float64_and_rollback_errors():
     sc.append(k2[:, :2], v2[:, :2])
   with pytest.raises(ValueError, match="staging=0"):
     StagedCache.wrap(cache, 0)
+
+
+def test_chunk_attention_blocked_reads_the_target_view():
+  """Chunked / multi-turn prefill over a quantspec history: blocked path == dense spec."""
+  b, hkv, d = 2, 2, 32
+  k, v = _history(b, 70, hkv, d, 31)
+  cache = jaxkv.KVCache.init(QS_SMALL, b, hkv, d, 96, jnp.float32, use_kernel=False)
+  cache = cache.prefill(k, v, np.asarray([70, 52], np.int32))
+  kc, vc = _history(b, 6, hkv, d, 32)
+  q = jax.random.normal(jax.random.PRNGKey(33), (b, 6, 2 * hkv, d))
+  got = jaxkv.chunk_attention(q, cache, kc, vc, implementation="xla", block_k=16)
+  want = jaxkv.chunk_attention(q, cache, kc, vc, implementation="reference")
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
+                             atol=2e-5 * float(np.abs(np.asarray(want)).max()))
