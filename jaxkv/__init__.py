@@ -17,9 +17,14 @@ Public API:
   quant                     reference quantize/dequantize/pack/unpack
   VQFormat, VQ_PRESETS,     vector-quantized formats, cache and k-means codebooks
   VQCache, VQCodebooks, vq  (`jaxkv.vq`, `jaxkv.vq_cache`; issue 15)
+  hierarchical              QuantSpec's two-plane INT8 codes (draft / target views)
+  StagedCache               a KVCache plus unflushed tokens: append(flush=False),
+                            rollback, flush (`jaxkv.staged_cache`)
+  speculative_generate      self-speculative decoding on a "quantspec" cache
+                            (`jaxkv.speculative`)
 """
 
-from jaxkv import quant
+from jaxkv import hierarchical, quant
 from jaxkv.attention import decode_attention, reference_attention
 from jaxkv.tuning import autotune
 from jaxkv.cache import KVCache, QuantizedKV
@@ -32,6 +37,8 @@ from jaxkv.sharding import make_mesh, shard_cache, sharded_decode_attention
 from jaxkv import vq
 from jaxkv.vq import VQ_PRESETS, VQCodebooks, VQFormat
 from jaxkv.vq_cache import VQCache
+from jaxkv.speculative import speculative_generate
+from jaxkv.staged_cache import StagedCache
 
 __version__ = "0.1.0"
 
@@ -45,12 +52,14 @@ __all__ = [
     "VQCodebooks",
     "VQFormat",
     "VQ_PRESETS",
+    "StagedCache",
     "autotune",
     "chunk_attention",
     "decode_attention",
     "decode_step",
     "decode_steps",
     "generate",
+    "hierarchical",
     "make_mesh",
     "quant",
     "reference_attention",
@@ -58,4 +67,5 @@ __all__ = [
     "sharded_decode_attention",
     "sharding",
     "vq",
+    "speculative_generate",
 ]

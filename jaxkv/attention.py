@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import hierarchical
 from jaxkv.cache import KVCache
 
 IMPLEMENTATIONS = ("reference", "xla", "triton", "mosaic", "pallas")
@@ -157,6 +158,8 @@ def is_hopper() -> bool:
 
 
 def _mosaic_supported(q, cache, config=None) -> tuple[bool, str]:
+  if cache.fmt.hierarchical:
+    return False, "the Mosaic GPU kernels do not read hierarchical (quantspec) caches"
   if not is_hopper():
     return False, "the Mosaic GPU kernels need a Hopper (sm_90) GPU"
   from pallas_kernels import mosaic_attention  # pylint: disable=import-outside-toplevel
@@ -256,7 +259,7 @@ def _mosaic_attention(q, cache, *, scale, config):
 
 def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None,
                      implementation: str | Sequence[str] | None = None,
-                     config=None) -> jax.Array:
+                     config=None, view: str = "target") -> jax.Array:
   """Attention of the S newest queries over a (quantized) KV cache.
 
   The K/V of the S query tokens must already be in ``cache`` (append first).
@@ -276,8 +279,11 @@ def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None
     config: a `pallas_kernels.DecodeAttentionConfig` (Triton) or
       `pallas_kernels.MosaicAttentionConfig` (Mosaic); None = heuristic
       default.
+    view: ``"target"`` (every stored bit) or ``"draft"``: a hierarchical
+      (``"quantspec"``) cache read through its upper 4-bit plane only
+      (`jaxkv.hierarchical`); other formats have only the target view.
   Returns:
-    ``[B, S, Hq, D]`` in q's dtype: exact attention over ``cache.dequantize()``
+    ``[B, S, Hq, D]`` in q's dtype: exact attention over ``cache.dequantize(view)``
     (float32 accumulation), query i of sequence b seeing keys
     ``[0, L_b - S + i]``. NaN for query rows holding a NaN/inf and for every
     query of a sequence flagged ``cache.nonfinite`` (README "Input policy").
@@ -289,6 +295,10 @@ def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None
                                implementation=implementation, config=config)
   _check_q_cache(q, cache)
   scale = check_scale(scale)
+  hierarchical.check_view(view)
+  if view == "draft" and not cache.fmt.hierarchical:
+    raise ValueError(f"view='draft' needs a hierarchical format (KVFormat.preset('quantspec')), "
+                     f"got {cache.fmt}")
   impl = resolve_implementation(q, cache, implementation, config)
   from jaxkv.model_cache import LayerView  # pylint: disable=import-outside-toplevel
   layer = None
@@ -307,9 +317,9 @@ def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None
       config = None
     out = pallas_kernels.pallas_decode_attention(
         q, cache, scale=scale, config=config, interpret=jax.default_backend() != "gpu",
-        layer=layer)
+        layer=layer, view=view)
   else:
-    k, v = cache.dequantize()
+    k, v = cache.dequantize(view)
     out = reference_attention(q, k, v, cache.lengths, scale=scale)
   nonfinite = cache.nonfinite if hasattr(cache, "nonfinite") else jnp.zeros_like(cache.overflow)
   return _poison(out, q, nonfinite)

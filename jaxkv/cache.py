@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import quant
+from jaxkv import hierarchical, quant
 from jaxkv.formats import KVFormat
 
 # Packed storage is rounded up to a multiple of this many tokens (and of G) so
@@ -61,6 +61,9 @@ class QuantizedKV:
   ``axis="token"`` or ``[B, H, C/G, D]`` for ``axis="channel"``.
   ``bits == 16``: ``codes`` holds the values ``[B, H, C, D]`` in the cache
   dtype and ``scale``/``zero`` are None.
+  ``hierarchical`` (QuantSpec, ``bits == 8``): ``codes [B, H, C, D]`` holds two
+  4-bit planes per row, upper then lower (`jaxkv.hierarchical`), with the
+  4-bit scale/zero of the upper code.
   """
 
   codes: jax.Array
@@ -69,6 +72,7 @@ class QuantizedKV:
   bits: int = _static()
   axis: str = _static()   # "token" or "channel"
   group: int = _static()  # Gd (channels) for "token", G (tokens) for "channel"
+  hierarchical: bool = _static(default=False)
 
   @property
   def head_dim(self) -> int:
@@ -84,6 +88,8 @@ class QuantizedKV:
     """
     if self.bits == 16:
       return x.astype(self.codes.dtype), None, None
+    if self.hierarchical:  # no pack kernel for two planes yet: the jnp reference
+      return hierarchical.quantize(x, axis=self.axis, group=self.group, scale_dtype=scale_dtype)
     if use_kernel:
       # Compiled on a GPU, Pallas interpret mode elsewhere (same bits, slowly).
       from pallas_kernels import quantize_pack
@@ -96,8 +102,19 @@ class QuantizedKV:
               zero.reshape(b, h, *zero.shape[1:]))
     return quant.quantize(x, self.bits, axis=self.axis, group=self.group, scale_dtype=scale_dtype)
 
-  def dequantize(self) -> jax.Array:
-    """Whole storage as float32 ``[B, H, C, D]`` (garbage past packed_len)."""
+  def dequantize(self, view: str = "target") -> jax.Array:
+    """Whole storage as float32 ``[B, H, C, D]`` (garbage past packed_len).
+
+    ``view``: ``"target"`` (all bits) or, for a hierarchical side,
+    ``"draft"`` (the upper 4-bit plane only). Non-hierarchical sides have
+    only the target view.
+    """
+    hierarchical.check_view(view)
+    if self.hierarchical:
+      return hierarchical.dequantize(self.codes, self.scale, self.zero, axis=self.axis,
+                                     view=view)
+    if view == "draft":
+      raise ValueError("view='draft' needs a hierarchical format (KVFormat.preset('quantspec'))")
     if self.bits == 16:
       return self.codes.astype(jnp.float32)
     return quant.dequantize(self.codes, self.scale, self.zero, self.bits, axis=self.axis)
@@ -142,7 +159,7 @@ def _empty_side(fmt: KVFormat, bits: int, axis: str, batch, heads, head_dim, sto
     group = fmt.channel_group_for(head_dim)
     sshape = (batch, heads, storage, head_dim // group)
   return QuantizedKV(codes, jnp.zeros(sshape, sdt), jnp.zeros(sshape, sdt),
-                     bits=bits, axis=axis, group=group)
+                     bits=bits, axis=axis, group=group, hierarchical=fmt.hierarchical)
 
 
 def _check_int(name, value, minimum=1):
@@ -389,12 +406,15 @@ class KVCache:
         lengths=new_len, overflow=self.overflow | ~fits, nonfinite=nonfinite)
 
   # ---------------------------------------------------------------- readback
-  def dequantize(self) -> tuple[jax.Array, jax.Array]:
+  def dequantize(self, view: str = "target") -> tuple[jax.Array, jax.Array]:
     """Returns ``(k, v)``, each float32 ``[B, capacity, Hkv, D]``, zero past ``lengths``.
 
     Tokens ``[0, packed_len)`` are dequantized codes; ``[packed_len, L)`` the
     exact residual values. This is what attention over the cache must match.
+    ``view``: ``"target"`` (every stored bit) or ``"draft"`` (hierarchical
+    formats: the upper 4-bit plane only; `jaxkv.hierarchical`).
     """
+    hierarchical.check_view(view)
     pos = jnp.arange(self.capacity)[None, :]            # [1, C]
     packed = self.packed_lens[:, None]                  # [B, 1]
     in_packed = pos < packed
@@ -402,7 +422,7 @@ class KVCache:
     ridx = jnp.clip(pos - packed, 0, self.fmt.residual - 1)  # [B, C]
 
     def assemble(side, residual):
-      full = side.dequantize()[:, :, : self.capacity]   # [B, H, C, D]
+      full = side.dequantize(view)[:, :, : self.capacity]   # [B, H, C, D]
       res = jnp.take_along_axis(residual.astype(jnp.float32), ridx[:, None, :, None], axis=2)
       out = jnp.where(in_packed[:, None, :, None], full,
                       jnp.where(in_residual[:, None, :, None], res, 0.0))

@@ -34,7 +34,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxkv import quant
+from jaxkv import hierarchical, quant
 from jaxkv.cache import KVCache, QuantizedKV
 
 IMPLEMENTATIONS = ("xla", "reference")
@@ -103,6 +103,8 @@ def _dequant_rows(side: QuantizedKV, start, n: int) -> jax.Array:
     s0, ns = start, n
   scale = jax.lax.dynamic_slice_in_dim(side.scale, s0, ns, axis=2)
   zero = jax.lax.dynamic_slice_in_dim(side.zero, s0, ns, axis=2)
+  if side.hierarchical:  # prefill attends to the target view
+    return hierarchical.dequantize(codes, scale, zero, axis=side.axis)
   return quant.dequantize(codes, scale, zero, side.bits, axis=side.axis)
 
 

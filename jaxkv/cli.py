@@ -58,7 +58,8 @@ def _parser() -> argparse.ArgumentParser:
   g = sub.add_parser("generate", help="text -> text from a GGUF file or HF Llama directory")
   g.add_argument("--model", "--checkpoint", dest="model", required=True,
                  help=".gguf file or HF model directory")
-  g.add_argument("--kv-format", "--kv", dest="kv", default="kivi4", help="cache format preset")
+  g.add_argument("--kv-format", "--kv", dest="kv", default=None,
+                 help="cache format preset (default kivi4; quantspec with --speculative)")
   g.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
   g.add_argument("--prompt-ids", help="comma-separated token ids instead of --prompt")
   g.add_argument("--raw", action="store_true",
@@ -79,6 +80,11 @@ def _parser() -> argparse.ArgumentParser:
                  help="run on a device mesh: batch over data, heads/features over model "
                       "(e.g. data=1,model=8)")
   g.add_argument("--no-progress", action="store_true", help="no progress bar")
+  g.add_argument("--speculative", type=_positive_int, default=None, metavar="GAMMA",
+                 help="self-speculative decoding (QuantSpec) drafting GAMMA tokens per "
+                      "verification on a hierarchical cache (jaxkv.speculative_generate)")
+  g.add_argument("--draft-weights", default="int4", choices=["int4", "int8", "full"],
+                 help="draft model weights for --speculative")
 
   sub.add_parser("formats", help="memory and attention error of every preset")
   return p
@@ -337,7 +343,15 @@ def _generate(args) -> int:
   from jaxkv.decoding import cache_nbytes  # pylint: disable=import-outside-toplevel
   from models import llama  # pylint: disable=import-outside-toplevel
 
+  args.kv = args.kv or ("quantspec" if args.speculative else "kivi4")
   fmt = KVFormat.preset(args.kv)
+  if args.speculative is not None:
+    if not fmt.hierarchical:
+      raise ValueError(f"--speculative needs a hierarchical --kv-format (quantspec), got {args.kv}")
+    for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p), ("--mesh", args.mesh),
+                        ("--implementation", args.implementation)):
+      if value is not None:
+        raise ValueError(f"{flag} is not supported with --speculative")
   if args.top_p is not None and not 0 < args.top_p <= 1:
     raise ValueError(f"--top-p {args.top_p} must be in (0, 1]")
   if not args.temperature > 0:
@@ -396,11 +410,22 @@ def _generate(args) -> int:
     from tqdm import tqdm  # pylint: disable=import-outside-toplevel
     bar = tqdm(total=n, unit="tok", desc=f"generate ({args.kv})", file=sys.stderr)
   t0 = time.perf_counter()
-  out, out_len = generate(
-      model, tokens, lengths, kv_format=fmt, max_new_tokens=n, sampler=args.sampler,
-      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-      stop_tokens=stops or None, rng=jax.random.key(args.seed), capacity=capacity,
-      implementation=args.implementation, progress=progress, mesh=mesh)
+  if args.speculative is not None:
+    from jaxkv import speculative_generate  # pylint: disable=import-outside-toplevel
+    out, out_len, spec = speculative_generate(
+        model, tokens, lengths, kv_format=fmt, max_new_tokens=n, gamma=args.speculative,
+        draft_weights=args.draft_weights, sampler=args.sampler, temperature=args.temperature,
+        stop_tokens=stops or None, rng=jax.random.key(args.seed), capacity=capacity)
+    stamps = [time.perf_counter()]
+    print(f"speculative (gamma={args.speculative}, draft weights {args.draft_weights}): "
+          f"acceptance {spec['acceptance_rate']:.3f}, "
+          f"{spec['tokens_per_verification']:.2f} tokens per verification", file=sys.stderr)
+  else:
+    out, out_len = generate(
+        model, tokens, lengths, kv_format=fmt, max_new_tokens=n, sampler=args.sampler,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        stop_tokens=stops or None, rng=jax.random.key(args.seed), capacity=capacity,
+        implementation=args.implementation, progress=progress, mesh=mesh)
   out, out_len = np.asarray(out), np.asarray(out_len)
   total_s = time.perf_counter() - t0
   if bar is not None:

@@ -38,6 +38,11 @@ class KVFormat:
     residual: R, capacity of the full-precision residual block; a multiple of
       G. ``R = G`` is KIVI/BitDecoding, ``R = 2G`` QuantSpec's double buffer.
     scale_dtype: dtype name of stored scales and zeros.
+    hierarchical: QuantSpec's hierarchical INT8 (``k_bits == v_bits == 8``):
+      each 8-bit code is an upper 4-bit code (asymmetric, scale ``S_U``,
+      zero ``min``) and a lower 4-bit code (symmetric, scale ``S_U / 16``)
+      of the upper's error, stored as two separate planes so a draft reads
+      the upper plane only (`jaxkv.hierarchical`). Both views share one cache.
   """
 
   k_bits: int = 16
@@ -47,6 +52,7 @@ class KVFormat:
   channel_group: int | None = None
   residual: int = 128
   scale_dtype: str = "float16"
+  hierarchical: bool = False
 
   def __post_init__(self):
     for name in ("k_bits", "v_bits"):
@@ -69,6 +75,11 @@ class KVFormat:
     if sd not in VALID_SCALE_DTYPES:
       raise ValueError(f"scale_dtype={self.scale_dtype!r} must be one of {VALID_SCALE_DTYPES}")
     object.__setattr__(self, "scale_dtype", sd)
+    if not isinstance(self.hierarchical, (bool, np.bool_)):
+      raise TypeError(f"hierarchical={self.hierarchical!r} must be a bool")
+    if self.hierarchical and (self.k_bits, self.v_bits) != (8, 8):
+      raise ValueError(f"hierarchical=True needs k_bits=v_bits=8, got k_bits={self.k_bits}, "
+                       f"v_bits={self.v_bits}")
 
   # ----------------------------------------------------------------- presets
   @classmethod
@@ -98,6 +109,9 @@ class KVFormat:
     for name, bits in (("k_bits", self.k_bits), ("v_bits", self.v_bits)):
       if bits < 16 and head_dim % (8 // bits):
         raise ValueError(f"head_dim={head_dim} must be a multiple of {8 // bits} for {name}={bits}")
+    if self.hierarchical and head_dim % 2:
+      raise ValueError(f"head_dim={head_dim} must be even for a hierarchical format (two "
+                       "4-bit planes)")
 
   def packed_len(self, length):
     """Tokens held quantized for a sequence of ``length`` tokens (int or array).
@@ -111,12 +125,19 @@ class KVFormat:
     import jax.numpy as jnp  # local: keep this module importable without jax
     return g * jnp.maximum(0, (length - r + g) // g)
 
-  def bytes_per_token(self, kv_heads: int, head_dim: int, dtype_bytes: int = 2) -> float:
+  def bytes_per_token(self, kv_heads: int, head_dim: int, dtype_bytes: int = 2, *,
+                      view: str = "target") -> float:
     """Bytes one token takes in the packed cache (codes + scales/zeros), K and V.
 
     Full-precision sides count ``dtype_bytes`` per element. The residual block
-    (a fixed ``R`` tokens per sequence) is not included.
+    (a fixed ``R`` tokens per sequence) is not included. ``view`` (hierarchical
+    formats): ``"target"`` reads both 4-bit planes, ``"draft"`` the upper
+    plane only (the same scales and zeros).
     """
+    if view not in ("target", "draft"):
+      raise ValueError(f"view={view!r} must be 'target' or 'draft'")
+    if view == "draft" and not self.hierarchical:
+      raise ValueError("view='draft' needs a hierarchical format (KVFormat.preset('quantspec'))")
     self.validate_head_dim(head_dim)
     sbytes = np.dtype(self.scale_dtype).itemsize
     gd = self.channel_group_for(head_dim)
@@ -125,7 +146,7 @@ class KVFormat:
       if bits == 16:
         total += head_dim * dtype_bytes
         continue
-      total += head_dim * bits / 8
+      total += head_dim * (4 if view == "draft" else bits) / 8
       if per_channel:  # one (scale, zero) per channel per G tokens
         total += 2 * sbytes * head_dim / self.token_group
       else:  # one (scale, zero) per channel group per token
@@ -152,6 +173,10 @@ PRESETS: dict[str, KVFormat] = {
                          residual=128),
     "kivi2-g16": KVFormat(k_bits=2, v_bits=2, k_axis="channel", token_group=16, channel_group=16,
                           residual=128),
+    # QuantSpec: hierarchical INT8 = upper INT4 (draft) + lower INT4; K per channel over 128
+    # tokens, V per token, double full-precision buffer R = 2G (`jaxkv.hierarchical`).
+    "quantspec": KVFormat(k_bits=8, v_bits=8, k_axis="channel", token_group=128, residual=256,
+                          hierarchical=True),
 }
 """Named formats. ``int4-token-g4`` has 4 channel groups at head_dim 128
 (``channel_group=32``); at other head dims use ``dataclasses.replace``."""

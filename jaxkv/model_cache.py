@@ -301,9 +301,9 @@ class ModelCache:
     return dataclasses.replace(self, invalid=self.invalid | bad)
 
   # --------------------------------------------------------------- readback
-  def dequantize(self) -> tuple[jax.Array, jax.Array]:
+  def dequantize(self, view: str = "target") -> tuple[jax.Array, jax.Array]:
     """``(k, v)`` float32 ``[num_layers, B, capacity, Hkv, D]``; see `KVCache.dequantize`."""
-    pairs = [c.dequantize() for c in self.layers()]
+    pairs = [c.dequantize(view) for c in self.layers()]
     return jnp.stack([p[0] for p in pairs]), jnp.stack([p[1] for p in pairs])
 
 

@@ -46,6 +46,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import hierarchical
 from pallas_kernels import layout as quant
 from pallas_kernels import _triton
 from pallas_kernels.side_spec import CacheFormat
@@ -238,6 +239,23 @@ class _Side:
   bits: int
   axis: str      # "token" or "channel"
   group: int     # Gd for "token", G for "channel"; 1 when bits == 16
+  # QuantSpec target view (`jaxkv.hierarchical`): ``bits == 4`` plane geometry,
+  # codes [C, D] hold the upper plane in bytes [0, D/2) and the lower in
+  # [D/2, D); each element becomes the 8-bit code c8 = 16 C_U + C_L + 8 with
+  # scale S_U / 16 and zero min - S_U / 2. A draft view is a plain 4-bit side
+  # over the same array (it never reads bytes past D/2).
+  hier: bool = False
+
+  @property
+  def code_bits(self) -> int:
+    """Bits of the codes the dots consume (8 for the hierarchical target view)."""
+    return 8 if self.hier else self.bits
+
+  def affine(self, scale, zero):
+    """Stored (scale, zero) as float32 -> the (scale, zero) of this side's codes."""
+    if not self.hier:
+      return scale, zero
+    return scale * np.float32(1.0 / 16.0), zero - np.float32(0.5) * scale
 
   def chunks(self, head_dim):
     """Byte column blocks ``(byte_col, width, [(plane, out_col, group), ...])``.
@@ -316,8 +334,8 @@ def _split_kernel(
 
   k_flat = k_side.flat(head_dim)
   v_flat = v_side.flat(head_dim)
-  k_dt = dtype if k_side.bits == 16 else _code_dtype(k_side.bits, dtype)
-  v_dt = dtype if v_side.bits == 16 else _code_dtype(v_side.bits, dtype)
+  k_dt = dtype if k_side.bits == 16 else _code_dtype(k_side.code_bits, dtype)
+  v_dt = dtype if v_side.bits == 16 else _code_dtype(v_side.code_bits, dtype)
   # q per K plane, [rows, w] in q's dtype (kept in registers across the loop).
   q_vals = [q_ref[:, pl.ds(col, w)] for _, w, _, col, _ in k_flat]
   q_abs = None
@@ -363,8 +381,17 @@ def _split_kernel(
   # an mma tile crosses warps (shared memory and a barrier) on every step.
   defer_sums = defer_sums and v_groups <= 2
 
-  def unpack(ref, tok, bcol, w, bits, dt):
-    return _unpack_planes(ref[tok, pl.ds(bcol, w)], bits, dt, use_asm)
+  def unpack(ref, tok, bcol, w, side, dt):
+    if not side.hier:
+      return _unpack_planes(ref[tok, pl.ds(bcol, w)], side.bits, dt, use_asm)
+    # Target view: byte j of a plane holds elements j (low nibble) and j + D/2
+    # (high nibble); the upper and lower nibbles of an element form its c8.
+    upper = ref[tok, pl.ds(bcol, w)]
+    lower = ref[tok, pl.ds(head_dim // 2 + bcol, w)]
+    low_nib = np.uint8(15)
+    c8 = [((upper & low_nib) << np.uint8(4)) | (lower & low_nib),
+          (upper & np.uint8(0xF0)) | (lower >> np.uint8(4))]
+    return [_unpack_planes(c, 8, dt, use_asm)[0] for c in c8]
 
   def k_scores(t0, kb):
     """Scores [rows, kb] of packed tokens [t0, t0 + kb)."""
@@ -375,11 +402,12 @@ def _split_kernel(
       grp = t0 // token_group
       s = None
       for bcol, w, planes in k_side.chunks(head_dim):
-        codes = unpack(k_codes_ref, tok, bcol, w, k_side.bits, k_dt)
+        codes = unpack(k_codes_ref, tok, bcol, w, k_side, k_dt)
         for plane, col, _ in planes:
           qf = q_f32[k_flat.index((bcol, w, plane, col, 0))]
-          scale = k_scale_ref[pl.ds(grp, 1), pl.ds(col, w)].astype(jnp.float32)
-          zero = k_zero_ref[pl.ds(grp, 1), pl.ds(col, w)].astype(jnp.float32)
+          scale, zero = k_side.affine(
+              k_scale_ref[pl.ds(grp, 1), pl.ds(col, w)].astype(jnp.float32),
+              k_zero_ref[pl.ds(grp, 1), pl.ds(col, w)].astype(jnp.float32))
           if k_channel_norm:
             s_max = jnp.max(jnp.abs(scale))
             s_max = jnp.where(s_max > 0, s_max, 1.0)
@@ -391,15 +419,15 @@ def _split_kernel(
       return s
     per_group = [None] * num_k_groups
     for bcol, w, planes in k_side.chunks(head_dim):
-      codes = unpack(k_codes_ref, tok, bcol, w, k_side.bits, k_dt)
+      codes = unpack(k_codes_ref, tok, bcol, w, k_side, k_dt)
       for plane, col, g in planes:
         qd = q_dots[k_flat.index((bcol, w, plane, col, g))]
         part = _dot_t(qd, codes[plane])
         per_group[g] = part if per_group[g] is None else per_group[g] + part
     s = None
     for g in range(num_k_groups):
-      scale = k_scale_ref[tok, g].astype(jnp.float32)
-      zero = k_zero_ref[tok, g].astype(jnp.float32)
+      scale, zero = k_side.affine(k_scale_ref[tok, g].astype(jnp.float32),
+                                  k_zero_ref[tok, g].astype(jnp.float32))
       term = per_group[g] * scale[None, :] + q_sums[g][:, None] * zero[None, :]
       s = term if s is None else s + term
     return s
@@ -426,6 +454,7 @@ def _split_kernel(
     for g in range(v_groups):
       scale = jnp.where(in_packed, v_scale_ref[tok, g].astype(jnp.float32), 0.0)
       zero = jnp.where(in_packed, v_zero_ref[tok, g].astype(jnp.float32), 0.0)
+      scale, zero = v_side.affine(scale, zero)
       if v_norm:  # p * scale in float16: divide by the step's largest scale
         s_max = jnp.max(jnp.abs(scale))
         s_max = jnp.where(s_max > 0, s_max, 1.0)
@@ -440,7 +469,7 @@ def _split_kernel(
         new_zaccs.append(alpha * zaccs[g] + jnp.sum(p * zero[None, :], axis=1))
     new_accs = list(accs)
     for bcol, w, planes in v_side.chunks(head_dim):
-      codes = unpack(v_codes_ref, tok, bcol, w, v_side.bits, v_dt)
+      codes = unpack(v_codes_ref, tok, bcol, w, v_side, v_dt)
       for plane, col, g in planes:
         idx = v_flat.index((bcol, w, plane, col, g))
         part = _dot(p_scaled[g], codes[plane])
@@ -578,7 +607,7 @@ def _side_arrays(codes, scale, zero, bits):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("fmt", "config", "interpret"))
+    jax.jit, static_argnames=("fmt", "config", "interpret", "view"))
 def dequant_decode_attention(
     q: jax.Array,           # [B, S, Hq, D]
     k_codes: jax.Array,     # [B, H, C, D*kb/8] uint8 | [B, H, C, D]
@@ -596,6 +625,7 @@ def dequant_decode_attention(
     config: DecodeAttentionConfig | None = None,
     interpret: bool = False,
     layer: jax.Array | None = None,
+    view: str = "target",
 ) -> jax.Array:
   """Decode attention of S new queries over a packed cache (raw arrays).
 
@@ -615,6 +645,9 @@ def dequant_decode_attention(
       to attend over. The kernel reads that layer in place: slicing it out
       first would make XLA copy the layer's whole storage into a fresh
       buffer for the custom call on every step.
+    view: hierarchical (``fmt.hierarchical``) caches: ``"target"`` combines
+      both 4-bit planes into 8-bit codes in the kernel, ``"draft"`` reads
+      the upper plane only (a 4-bit read; `jaxkv.hierarchical`).
 
   Returns:
     ``[B, S, Hq, D]`` in q's dtype.
@@ -634,10 +667,13 @@ def dequant_decode_attention(
   sm_scale = jnp.asarray(head_dim ** -0.5 if scale is None else scale, jnp.float32)
   if sm_scale.shape != ():
     raise ValueError(f"scale must be a scalar, got shape {sm_scale.shape}")
+  if view not in ("target", "draft") or (view == "draft" and not fmt.hierarchical):
+    raise ValueError(f"view={view!r} must be 'target', or 'draft' for a hierarchical format")
+  draft = view == "draft"
   if config is None:
     config = DecodeAttentionConfig.default(
         batch=batch, tokens=capacity, q_heads=q_heads, kv_heads=kv_heads,
-        head_dim=head_dim, k_bits=fmt.k_bits, v_bits=fmt.v_bits,
+        head_dim=head_dim, k_bits=4 if draft else fmt.k_bits, v_bits=4 if draft else fmt.v_bits,
         token_group=fmt.token_group, k_axis=fmt.k_axis, itemsize=k_residual.dtype.itemsize)
   block_k = config.block_k
   if capacity % block_k:
@@ -648,6 +684,9 @@ def dequant_decode_attention(
   k_side = (_Side(16, "token", 1) if fmt.k_bits == 16 else
             _Side(fmt.k_bits, fmt.k_axis, fmt.token_group if fmt.k_axis == "channel" else gd))
   v_side = _Side(16, "token", 1) if fmt.v_bits == 16 else _Side(fmt.v_bits, "token", gd)
+  if fmt.hierarchical:  # 4-bit plane geometry; the target view combines both planes
+    k_side = _Side(4, k_side.axis, k_side.group, hier=not draft)
+    v_side = _Side(4, "token", gd, hier=not draft)
 
   # Rows r = h * S + s of kv head k's query block; a free reshape when S == 1.
   qh = q.reshape(batch, num_queries, kv_heads, group_q, head_dim)
@@ -710,7 +749,8 @@ def dequant_decode_attention(
       compiler_params=_triton.compiler_params(
           num_warps=config.num_warps, num_stages=config.num_stages),
       interpret=interpret,
-      name=f"jaxkv_dequant_attention_k{fmt.k_bits}v{fmt.v_bits}",
+      name=(f"jaxkv_dequant_attention_quantspec_{view}" if fmt.hierarchical
+            else f"jaxkv_dequant_attention_k{fmt.k_bits}v{fmt.v_bits}"),
   )(*inputs)
 
   # Combine: one program per (b, h, column block), every partial loaded at once
@@ -755,6 +795,8 @@ def supports(fmt: CacheFormat, *, head_dim: int, num_q_heads: int | None = None,
   for name, bits, axis in (("K", fmt.k_bits, fmt.k_axis), ("V", fmt.v_bits, "token")):
     if bits == 16:
       continue
+    if getattr(fmt, "hierarchical", False):
+      bits = 4  # two 4-bit planes, each read as a 4-bit side
     width = head_dim * bits // 8
     chunk = width if axis == "channel" else min(width, gd)
     if not _triton.is_pow2(gd) or chunk < 16:
@@ -778,8 +820,8 @@ def supports(fmt: CacheFormat, *, head_dim: int, num_q_heads: int | None = None,
 
 def dequant_decode_attention_reference(
     q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_residual, v_residual,
-    lengths, *, fmt: CacheFormat, scale: float | None = None) -> jax.Array:
-  """The spec (plain jnp, float32): exact attention over the dequantized cache."""
+    lengths, *, fmt: CacheFormat, scale: float | None = None, view: str = "target") -> jax.Array:
+  """The spec (plain jnp, float32): exact attention over the dequantized cache (``view``)."""
   batch, num_queries, q_heads, head_dim = q.shape
   kv_heads, capacity = k_codes.shape[1], k_codes.shape[2]
   residual = k_residual.shape[2]
@@ -787,6 +829,8 @@ def dequant_decode_attention_reference(
   def side(codes, sc, zr, bits, axis):
     if bits == 16:
       return codes.astype(jnp.float32)
+    if fmt.hierarchical:
+      return hierarchical.dequantize(codes, sc, zr, axis=axis, view=view)
     return quant.dequantize(codes, sc, zr, bits, axis=axis)
 
   k = side(k_codes, k_scale, k_zero, fmt.k_bits, fmt.k_axis)
@@ -821,7 +865,8 @@ def dequant_decode_attention_reference(
 
 def pallas_decode_attention(q: jax.Array, cache, *, scale: float | jax.Array | None = None,
                             config: DecodeAttentionConfig | None = None,
-                            interpret: bool = False, layer=None) -> jax.Array:
+                            interpret: bool = False, layer=None,
+                            view: str = "target") -> jax.Array:
   """`dequant_decode_attention` over a `jaxkv.cache.KVCache`.
 
   Args:
@@ -832,6 +877,7 @@ def pallas_decode_attention(q: jax.Array, cache, *, scale: float | jax.Array | N
     interpret: run in Pallas interpret mode (CPU).
     layer: with a layer-stacked cache (`jaxkv.ModelCache`), the layer to read
       in place.
+    view: ``"target"`` or (hierarchical caches) ``"draft"``.
 
   Returns:
     ``[B, S, Hq, D]`` in q's dtype.
@@ -839,4 +885,4 @@ def pallas_decode_attention(q: jax.Array, cache, *, scale: float | jax.Array | N
   return dequant_decode_attention(
       q, cache.k.codes, cache.k.scale, cache.k.zero, cache.v.codes, cache.v.scale,
       cache.v.zero, cache.k_residual, cache.v_residual, cache.lengths,
-      fmt=cache.fmt, scale=scale, config=config, interpret=interpret, layer=layer)
+      fmt=cache.fmt, scale=scale, config=config, interpret=interpret, layer=layer, view=view)

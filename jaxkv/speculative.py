@@ -1,0 +1,321 @@
+"""Self-speculative decoding on a hierarchical (QuantSpec) KV cache.
+
+One cache serves two models: the *draft* (4-bit weights,
+`models.draft_weights`, reading the cache's upper 4-bit plane, ``view=
+"draft"``) proposes ``gamma`` tokens one at a time; the *target* (full
+weights, both planes, ``view="target"``) scores all of them in one pass of
+``gamma + 1`` tokens. Per sequence the longest agreeing prefix is accepted
+plus one token of the target's (the correction, or a bonus token when every
+draft was accepted), so each verification emits 1 to ``gamma + 1`` tokens.
+
+Drafted and verified K/V are staged in full precision beside the cache
+(`jaxkv.staged_cache`) and never quantized; after verification only the
+accepted tokens' target K/V are appended to the cache (an ordinary flushing
+append, per sequence its own count). So the cache always obeys the residual
+rule and equals the cache of plain decoding with the same tokens.
+
+Greedy: the output is the target's greedy output (plain `jaxkv.generate`
+with the same format and full weights), token for token up to float
+rounding of the block-wise forward. Sampling: speculative sampling (accept a
+draft token ``x`` with probability ``min(1, p(x) / q(x))``, on rejection
+sample from ``normalize(max(0, p - q))``), so each output token is
+distributed as the target's temperature-``T`` distribution.
+
+The whole loop (draft, verify, accept, commit) is one jitted program with a
+`lax.while_loop`; attention over the staged tokens is the dense jnp
+reference (`jaxkv.staged_cache.staged_attention`), so this path is for CPU
+and correctness today; GPU kernels for it are future work (README).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxkv.decoding import _check_ids, _is_stop, _stop_array
+from jaxkv.formats import KVFormat
+from jaxkv.staged_cache import staged_attention, write_staged
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecSettings:
+  """Static settings of the speculative program (hashable)."""
+
+  max_new_tokens: int
+  gamma: int
+  sampler: str  # "greedy" or "sample"
+
+
+def block_forward(model, tokens, cache, stage_k, stage_v, staged, *, view: str):
+  """Runs ``tokens [B, S]`` after the committed cache and ``staged`` staged tokens.
+
+  Args:
+    model: a `models.llama.Llama` (full or draft weights).
+    tokens: ``[B, S]`` int32 at positions ``cache.lengths + staged + [0, S)``.
+    cache: the committed `jaxkv.ModelCache` (not changed).
+    stage_k, stage_v: per layer ``[B, P, Hkv, D]`` staged K/V (tuples).
+    staged: ``[B]`` int32 staged tokens before this block.
+    view: the cache view attention reads.
+  Returns:
+    ``(logits [B, S, V] float32, stage_k, stage_v)`` with the block's K/V
+    written at staged rows ``[staged, staged + S)``.
+  """
+  s = tokens.shape[1]
+  positions = (cache.lengths + staged)[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]
+  x = model._embed(tokens)  # pylint: disable=protected-access
+  new_k, new_v = [], []
+  for index, layer in enumerate(model.layers):
+    def attend(q, k, v, _, index=index):
+      sk = write_staged(stage_k[index], k, staged)
+      sv = write_staged(stage_v[index], v, staged)
+      o = staged_attention(q, cache.layer(index), sk, sv, staged + s, view=view)
+      return o.astype(q.dtype), (sk, sv)
+
+    x, (sk, sv) = layer(x, positions, attend)
+    new_k.append(sk)
+    new_v.append(sv)
+  return model._logits(x), tuple(new_k), tuple(new_v)  # pylint: disable=protected-access
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpecState:
+  """Carry of the speculative loop (per sequence ``[B]`` unless noted)."""
+
+  cache: Any
+  token: jax.Array          # last emitted token (its K/V not yet in the cache)
+  out: jax.Array            # [B, N]
+  num_generated: jax.Array
+  done: jax.Array
+  rng: jax.Array
+  verifications: jax.Array  # verification passes the sequence took part in
+  accepted: jax.Array       # draft tokens accepted
+
+
+def _accept_greedy(drafts, logits_t):
+  """``drafts [B, g]``, target logits ``[B, g+1, V]`` -> (accepted n [B], emitted [B, g+1])."""
+  y = jnp.argmax(logits_t, axis=-1).astype(jnp.int32)                  # [B, g+1]
+  n = jnp.sum(jnp.cumprod(drafts == y[:, :-1], axis=1), axis=1)
+  return n.astype(jnp.int32), y
+
+
+def _accept_sample(drafts, q_probs, logits_t, temperature, key):
+  """Speculative sampling: ``q_probs [B, g, V]`` draft distributions of the drafts."""
+  g = drafts.shape[1]
+  p = jax.nn.softmax(logits_t.astype(jnp.float32) / temperature, axis=-1)  # [B, g+1, V]
+  k_u, k_r = jax.random.split(key)
+  p_x = jnp.take_along_axis(p[:, :g], drafts[..., None], axis=-1)[..., 0]   # [B, g]
+  q_x = jnp.take_along_axis(q_probs, drafts[..., None], axis=-1)[..., 0]
+  u = jax.random.uniform(k_u, drafts.shape)
+  ok = u * q_x < p_x                                    # u < min(1, p / q)
+  n = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)        # [B]
+  p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]          # [B, V]
+  q_pad = jnp.concatenate([q_probs, jnp.zeros_like(q_probs[:, :1])], axis=1)
+  q_n = jnp.take_along_axis(q_pad, n[:, None, None], axis=1)[:, 0]      # zeros when n == g
+  resid = jnp.maximum(p_n - q_n, 0.0)
+  mass = jnp.sum(resid, axis=-1, keepdims=True)
+  resid = jnp.where(mass > 0, resid / jnp.where(mass > 0, mass, 1.0), p_n)
+  y_n = jax.random.categorical(k_r, jnp.log(resid), axis=-1).astype(jnp.int32)
+  j = jnp.arange(g + 1)[None, :]
+  d_pad = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)
+  emitted = jnp.where(j < n[:, None], d_pad, y_n[:, None])
+  return n, emitted
+
+
+def _spec_step(model, draft, s: SpecState, stop_tokens, temperature, pad_token_id,
+               settings: SpecSettings) -> SpecState:
+  """One round: draft gamma tokens, verify them, accept, commit."""
+  g, n_max = settings.gamma, settings.max_new_tokens
+  cache = s.cache
+  b = s.token.shape[0]
+  stage_shape = (b, g + 1, cache.kv_heads, cache.head_dim)
+  empty = tuple(jnp.zeros(stage_shape, cache.dtype) for _ in range(cache.num_layers))
+  rng, k_draft, k_accept = jax.random.split(s.rng, 3)
+  vocab = model.config.vocab_size
+
+  def draft_step(i, c):
+    sk, sv, tok, drafts, q_probs = c
+    logits, sk, sv = block_forward(draft, tok[:, None], cache, sk, sv,
+                                   jnp.full((b,), i, jnp.int32), view="draft")
+    logits = logits[:, 0]
+    if settings.sampler == "greedy":
+      nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    else:
+      q = jax.nn.softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+      nxt = jax.random.categorical(jax.random.fold_in(k_draft, i), jnp.log(q), axis=-1)
+      nxt = nxt.astype(jnp.int32)
+      q_probs = jax.lax.dynamic_update_index_in_dim(q_probs, q, i, 1)
+    drafts = jax.lax.dynamic_update_index_in_dim(drafts, nxt, i, 1)
+    return sk, sv, nxt, drafts, q_probs
+
+  q_init = jnp.zeros((b, g, vocab if settings.sampler != "greedy" else 1), jnp.float32)
+  _, _, _, drafts, q_probs = jax.lax.fori_loop(
+      0, g, draft_step, (empty, empty, s.token, jnp.zeros((b, g), jnp.int32), q_init))
+
+  block = jnp.concatenate([s.token[:, None], drafts], axis=1)             # [B, g+1]
+  logits_t, sk, sv = block_forward(model, block, cache, empty, empty,
+                                   jnp.zeros((b,), jnp.int32), view="target")
+  if settings.sampler == "greedy":
+    n_acc, emitted = _accept_greedy(drafts, logits_t)
+  else:
+    n_acc, emitted = _accept_sample(drafts, q_probs, logits_t, temperature, k_accept)
+
+  # Emit up to n_acc + 1 tokens, cut after a stop token and at max_new_tokens.
+  j = jnp.arange(g + 1)[None, :]
+  stop_at = jnp.where(_is_stop_block(emitted, stop_tokens), j, g + 1)
+  first_stop = jnp.min(stop_at, axis=1)                                   # [B]
+  count = jnp.minimum(n_acc + 1, first_stop + 1)
+  count = jnp.minimum(count, n_max - s.num_generated)
+  count = jnp.where(s.done, 0, jnp.maximum(count, 0)).astype(jnp.int32)
+  rows = jnp.where(j < count[:, None], s.num_generated[:, None] + j, n_max)  # past N: dropped
+  out = s.out.at[jnp.arange(b)[:, None], rows].set(emitted, mode="drop")
+
+  # Commit the K/V of the fed tokens block[:count] (the target's) to the cache.
+  plan = cache.plan_append(count)
+  for index in range(cache.num_layers):
+    cache = cache.append_layer(index, sk[index], sv[index], plan)
+  cache = cache.commit(plan)
+
+  last = jnp.take_along_axis(emitted, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+  num_generated = s.num_generated + count
+  hit_stop = (first_stop < count) | (first_stop == count - 1)
+  active = (~s.done).astype(jnp.int32)
+  return SpecState(
+      cache=cache, token=jnp.where(count > 0, last, s.token), out=out,
+      num_generated=num_generated,
+      done=s.done | (count > 0) & hit_stop | (num_generated >= n_max),
+      rng=rng, verifications=s.verifications + active,
+      accepted=s.accepted + active * n_acc)
+
+
+def _is_stop_block(tokens, stop_tokens):
+  """``tokens [B, S]``, ``stop_tokens [B, K]`` -> ``[B, S]`` bool."""
+  if stop_tokens.shape[1] == 0:
+    return jnp.zeros(tokens.shape, bool)
+  return jnp.any(tokens[:, :, None] == stop_tokens[:, None, :], axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("settings",), donate_argnames=("cache",))
+def _speculative_program(graphdef, state, draft_state, prompt_tokens, prompt_lengths, cache,
+                         rng, stop_tokens, temperature, pad_token_id, *, settings: SpecSettings):
+  from models.draft_weights import draft_model  # pylint: disable=import-outside-toplevel
+  model = nnx.merge(graphdef, state)
+  draft = model if draft_state is None else draft_model(model, draft_state)
+  b = prompt_tokens.shape[0]
+  logits, cache = model.prefill(prompt_tokens, prompt_lengths, cache)
+  rng, key = jax.random.split(rng)
+  if settings.sampler == "greedy":
+    token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  else:
+    token = jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
+  out = jnp.full((b, settings.max_new_tokens), pad_token_id, jnp.int32).at[:, 0].set(token)
+  zeros = jnp.zeros((b,), jnp.int32)
+  loop = SpecState(cache=cache, token=token, out=out, num_generated=jnp.ones((b,), jnp.int32),
+                   done=_is_stop(token, stop_tokens) | (settings.max_new_tokens <= 1),
+                   rng=rng, verifications=zeros, accepted=zeros)
+  loop = jax.lax.while_loop(
+      lambda s: ~jnp.all(s.done),
+      lambda s: _spec_step(model, draft, s, stop_tokens, temperature, pad_token_id, settings),
+      loop)
+  return loop.out, loop.num_generated, loop.verifications, loop.accepted, loop.cache
+
+
+def speculative_generate(model, prompt_tokens, prompt_lengths, *, max_new_tokens: int,
+                         gamma: int = 4, kv_format: KVFormat | str = "quantspec",
+                         draft_weights="int4", sampler: str = "greedy",
+                         temperature: float = 1.0, stop_tokens=None,
+                         rng: jax.Array | None = None, capacity: int | None = None,
+                         cache_dtype=None, pad_token_id: int = 0, group_size: int = 128,
+                         return_cache: bool = False):
+  """Self-speculative generation (QuantSpec): draft on 4 bits, verify on 8.
+
+  Args:
+    model: a `models.llama.Llama`.
+    prompt_tokens: ``[B, T]`` int, right-padded; prompt_lengths: ``[B]`` in ``[1, T]``.
+    max_new_tokens: tokens to generate per sequence (>= 1).
+    gamma: draft tokens per verification (1 to 16).
+    kv_format: a hierarchical `KVFormat` or preset name (``"quantspec"``).
+    draft_weights: ``"int4"`` (4-bit group-wise copies, `models.draft_weights`),
+      ``"int8"``, ``"full"`` (draft with the full weights: only the cache view
+      differs), or a dict from `models.draft_weights.quantize_weights`.
+    sampler: ``"greedy"`` or ``"sample"`` (temperature sampling, speculative
+      acceptance; no top-k / top-p).
+    temperature, stop_tokens, rng, capacity, cache_dtype, pad_token_id: as in
+      `jaxkv.generate`.
+    group_size: input rows per weight group for ``"int4"``/``"int8"``.
+    return_cache: also return the final cache.
+  Returns:
+    ``(tokens [B, max_new_tokens] int32, lengths [B] int32, stats)`` where
+    ``stats`` holds per sequence ``verifications`` and ``accepted`` (draft
+    tokens accepted) and the totals ``acceptance_rate`` (accepted / drafted)
+    and ``tokens_per_verification``; with ``return_cache`` the cache last.
+  """
+  from models import draft_weights as dw  # pylint: disable=import-outside-toplevel
+  prompt_tokens = np.asarray(prompt_tokens) if isinstance(prompt_tokens, (list, tuple)) \
+      else prompt_tokens
+  if getattr(prompt_tokens, "ndim", None) != 2:
+    raise ValueError(f"prompt_tokens.shape={getattr(prompt_tokens, 'shape', None)} must be [B, T]")
+  b, t = prompt_tokens.shape
+  lengths = np.asarray(prompt_lengths)
+  if lengths.shape != (b,) or not np.issubdtype(lengths.dtype, np.integer):
+    raise ValueError(f"prompt_lengths (shape {lengths.shape}, dtype {lengths.dtype}) must be "
+                     f"[{b}] integers")
+  if lengths.min() < 1 or lengths.max() > t:
+    raise ValueError(f"prompt_lengths={lengths.tolist()} must lie in [1, T={t}]")
+  real = np.arange(t)[None, :] < lengths[:, None]
+  _check_ids("prompt_tokens", np.asarray(prompt_tokens)[real], model.config.vocab_size)
+  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
+      or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
+  if isinstance(gamma, bool) or not isinstance(gamma, (int, np.integer)) or not 1 <= gamma <= 16:
+    raise ValueError(f"gamma={gamma!r} must be an int in [1, 16]")
+  if sampler not in ("greedy", "sample"):
+    raise ValueError(f"sampler={sampler!r} must be 'greedy' or 'sample'")
+  if sampler == "sample" and not temperature > 0:
+    raise ValueError(f"temperature={temperature!r} must be > 0")
+  if isinstance(kv_format, str):
+    kv_format = KVFormat.preset(kv_format)
+  if not isinstance(kv_format, KVFormat):
+    raise TypeError(f"kv_format={kv_format!r} must be a KVFormat or a preset name")
+  if not kv_format.hierarchical:
+    raise ValueError(f"kv_format={kv_format} must be hierarchical (e.g. 'quantspec'): the "
+                     "draft reads its upper 4-bit plane")
+  if isinstance(draft_weights, str):
+    if draft_weights not in ("int4", "int8", "full"):
+      raise ValueError(f"draft_weights={draft_weights!r} must be 'int4', 'int8', 'full' or a "
+                       "dict from models.draft_weights.quantize_weights")
+    draft_weights = (None if draft_weights == "full" else
+                     dw.quantize_weights(model, bits=int(draft_weights[3:]),
+                                         group_size=group_size))
+  elif draft_weights is not None and not isinstance(draft_weights, dict):
+    raise TypeError(f"draft_weights must be a string or a dict, got {type(draft_weights).__name__}")
+  needed = t + max_new_tokens - 1
+  capacity = t + max_new_tokens if capacity is None else capacity
+  if capacity < needed:
+    raise ValueError(f"capacity={capacity} < prompt length {t} + max_new_tokens "
+                     f"{max_new_tokens} - 1")
+  cache = model.init_cache(kv_format, b, capacity, dtype=cache_dtype)
+  graphdef, state = nnx.split(model)
+  settings = SpecSettings(int(max_new_tokens), int(gamma), sampler)
+  tokens, num, verifs, accepted, cache = _speculative_program(
+      graphdef, state, draft_weights, jnp.asarray(prompt_tokens, jnp.int32),
+      jnp.asarray(lengths, jnp.int32), cache, jax.random.key(0) if rng is None else rng,
+      jnp.asarray(_stop_array(stop_tokens, b)), jnp.float32(temperature),
+      jnp.int32(pad_token_id), settings=settings)
+  v, a = np.asarray(verifs), np.asarray(accepted)
+  emitted_after_first = np.asarray(num) - 1
+  stats = dict(verifications=v, accepted=a,
+               acceptance_rate=float(a.sum() / max(1, gamma * v.sum())),
+               tokens_per_verification=float(emitted_after_first.sum() / max(1, v.sum())))
+  if return_cache:
+    return tokens, num, stats, cache
+  return tokens, num, stats
+
+
+__all__ = ["SpecSettings", "block_forward", "speculative_generate"]

@@ -1,0 +1,125 @@
+"""QuantSpec's hierarchical INT8: an upper INT4 plane for drafting plus a lower INT4 plane.
+
+Per quantization group (the groups of `jaxkv.quant`: K per channel over G
+tokens, V per token over Gd channels)::
+
+    S_U  = (max - min) / 15       (stored, scale dtype)    zero = min (stored)
+    C_U  = clip(round((x - zero) / S_U), 0, 15)            upper code (= plain 4-bit)
+    C_L  = clip(round((x - zero - C_U S_U) / (S_U / 16)), -8, 7)
+    target: x_hat = (16 C_U + C_L) * S_U / 16 + zero       (8 bits)
+    draft:  x_hat = C_U * S_U + zero                        (upper 4 bits only)
+
+``round`` is round-half-up of the exact quotient (`jaxkv.quant.round_codes`):
+``C_L`` is computed as ``round((x - zero) / (S_U / 16)) - 16 C_U``, which in
+exact arithmetic is the rounded error of the upper code, so every backend
+gets the same bits. Error bounds (up to the rounding of the stored scale):
+draft ``|x - x_hat| <= S_U / 2``; target ``<= S_U / 32``, or ``<= S_U / 16``
+where ``C_L`` clips at +7.
+
+Storage: one uint8 array ``[..., T, D]`` per side whose row holds the two
+planes apart: bytes ``[0, D/2)`` the upper codes, bytes ``[D/2, D)`` the
+lower codes stored as ``C_L + 8`` in ``[0, 15]``, each plane in the planar
+4-bit layout of `jaxkv.quant`. The draft view reads the first half of each
+row only (a plain 4-bit side with the same scale and zero); the target view
+combines the planes into the 8-bit code ``c8 = 16 C_U + C_L + 8`` with
+scale ``S_U / 16`` and zero ``min - S_U / 2``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import layout as quant
+
+VIEWS = ("target", "draft")
+
+
+def check_view(view: str) -> str:
+  """Returns ``view`` if it is ``"target"`` or ``"draft"``; ValueError naming it otherwise."""
+  if not isinstance(view, str) or view not in VIEWS:
+    raise ValueError(f"view={view!r} must be one of {VIEWS}")
+  return view
+
+
+def _quantize_groups(xg: jax.Array, axis: int, scale_dtype):
+  """``xg`` float32 grouped along ``axis`` -> (upper, lower [0, 15] uint8, scale, zero)."""
+  upper, scale, zero = quant._quantize_groups(xg, 4, axis, scale_dtype)  # pylint: disable=protected-access
+  s = jnp.expand_dims(scale, axis).astype(jnp.float32)
+  z = jnp.expand_dims(zero, axis).astype(jnp.float32)
+  # round((x - zero) / (S_U / 16)): S_U / 16 is exact in float32, the rounding exact.
+  fine = quant.round_codes(xg, z, s * jnp.float32(1.0 / 16.0), 255).astype(jnp.int32)
+  lower = jnp.clip(fine - 16 * upper.astype(jnp.int32), -8, 7) + 8
+  return upper, lower.astype(jnp.uint8), scale, zero
+
+
+def quantize(x: jax.Array, *, axis: str, group: int, scale_dtype="float16"):
+  """Hierarchically quantizes ``x [..., T, D]`` and packs both planes.
+
+  Args:
+    x: ``[..., T, D]`` floats (``D`` even; ``T % group == 0`` for ``axis="channel"``).
+    axis: ``"channel"`` (one scale per channel per ``group`` tokens) or ``"token"``.
+    group: group size along the reduced axis.
+    scale_dtype: dtype of the stored ``S_U`` and zero.
+  Returns:
+    ``(codes [..., T, D] uint8, scale, zero)``: codes bytes ``[0, D/2)`` the
+    packed upper plane, ``[D/2, D)`` the packed lower plane; scale/zero as
+    `jaxkv.quant.quantize` returns them for 4 bits.
+  """
+  *lead, t, d = x.shape
+  xf = x.astype(jnp.float32)
+  if d % 2:
+    raise ValueError(f"head_dim={d} must be even for hierarchical codes")
+  if axis == "token":
+    if d % group:
+      raise ValueError(f"head_dim={d} must be divisible by {group=}")
+    xg = xf.reshape(*lead, t, d // group, group)
+    upper, lower, scale, zero = _quantize_groups(xg, -1, scale_dtype)
+  elif axis == "channel":
+    if t % group:
+      raise ValueError(f"num tokens {t} must be a multiple of {group=}")
+    xg = xf.reshape(*lead, t // group, group, d)
+    upper, lower, scale, zero = _quantize_groups(xg, -2, scale_dtype)
+  else:
+    raise ValueError(f"axis={axis!r} must be 'token' or 'channel'")
+  upper = upper.reshape(*lead, t, d)
+  lower = lower.reshape(*lead, t, d)
+  codes = jnp.concatenate([quant.pack(upper, 4), quant.pack(lower, 4)], axis=-1)
+  return codes, scale, zero
+
+
+def planes(codes: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``codes [..., D]`` uint8 -> unpacked ``(upper [..., D] in [0, 15], lower C_L + 8)``."""
+  half = codes.shape[-1] // 2
+  return quant.unpack(codes[..., :half], 4), quant.unpack(codes[..., half:], 4)
+
+
+def dequantize(codes: jax.Array, scale: jax.Array, zero: jax.Array, *, axis: str,
+               view: str = "target") -> jax.Array:
+  """Inverse of `quantize` in one view: float32 ``[..., T, D]``.
+
+  ``view="draft"`` reads only the upper plane (bytes ``[0, D/2)``).
+  """
+  check_view(view)
+  half = codes.shape[-1] // 2
+  if view == "draft":
+    return quant.dequantize(codes[..., :half], scale, zero, 4, axis=axis)
+  upper, lower = planes(codes)
+  code8 = 16.0 * upper.astype(jnp.float32) + (lower.astype(jnp.float32) - 8.0)  # [-8, 247]
+  fine = scale.astype(jnp.float32) * jnp.float32(1.0 / 16.0)
+  if axis == "token":
+    *lead, t, d = code8.shape
+    ng = scale.shape[-1]
+    x = code8.reshape(*lead, t, ng, d // ng) * fine[..., None] \
+        + zero.astype(jnp.float32)[..., None]
+    return x.reshape(*lead, t, d)
+  if axis == "channel":
+    *lead, t, d = code8.shape
+    ng = scale.shape[-2]
+    x = code8.reshape(*lead, ng, t // ng, d) * fine[..., None, :] \
+        + zero.astype(jnp.float32)[..., None, :]
+    return x.reshape(*lead, t, d)
+  raise ValueError(f"axis={axis!r} must be 'token' or 'channel'")
+
+
+__all__ = ["VIEWS", "check_view", "dequantize", "planes", "quantize"]

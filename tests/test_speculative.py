@@ -1,0 +1,196 @@
+"""Self-speculative decoding (QuantSpec, issue 14): `jaxkv.speculative_generate`.
+
+Oracles: plain greedy `jaxkv.generate` with the same hierarchical format and
+full weights (greedy must match it token for token), and the target model's
+exact next-token probabilities (speculative sampling must reproduce them;
+chi-square test with a stated power).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+import jaxkv
+from jaxkv.speculative import speculative_generate
+from models import draft_weights as dw
+from models import llama
+from tests.model_fixtures import SMALL, full_f32_matmuls  # noqa: F401  (autouse fixture)
+
+# The preset's hierarchy with small groups, so short sequences quantize.
+QS_SMALL = dataclasses.replace(jaxkv.KVFormat.preset("quantspec"), token_group=16, residual=32)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return llama.random_model(SMALL, seed=3, dtype=jnp.float32)
+
+
+def test_greedy_matches_plain_greedy_ragged_batch(model):
+  rng = np.random.default_rng(7)
+  prompts = rng.integers(3, SMALL.vocab_size, (3, 40))
+  lengths = np.asarray([40, 9, 23])
+  n = 48  # the sequences pass 2G = 32 tokens: groups are flushed while speculating
+  want, want_len, want_cache = jaxkv.generate(model, prompts, lengths, kv_format=QS_SMALL,
+                                              max_new_tokens=n, return_cache=True)
+  for gamma in (3,):
+    got, got_len, st, cache = speculative_generate(
+        model, prompts, lengths, kv_format=QS_SMALL, max_new_tokens=n, gamma=gamma,
+        group_size=32, return_cache=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"{gamma=}")
+    np.testing.assert_array_equal(np.asarray(got_len), np.asarray(want_len))
+    # Statistics are consistent: every round emits accepted + 1 tokens (the last may be cut).
+    assert 0 < st["acceptance_rate"] <= 1
+    assert 1 <= st["tokens_per_verification"] <= gamma + 1
+    assert np.all(st["accepted"] <= gamma * st["verifications"])
+    assert np.all(n - 1 <= st["accepted"] + st["verifications"])
+    # The cache holds the same history as plain decoding (the residual rule holds).
+    np.testing.assert_array_equal(np.asarray(cache.lengths), np.asarray(want_cache.lengths))
+    np.testing.assert_array_equal(np.asarray(cache.packed_lens),
+                                  QS_SMALL.packed_len(np.asarray(cache.lengths)))
+    # K/V computed block-wise differ from one-token decoding by float rounding, which
+    # can move a code across a rounding boundary: one target step (S_U / 16) at most.
+    for a, w, side in zip(cache.dequantize(), want_cache.dequantize(), (cache.k, cache.v)):
+      step = float(np.nanmax(np.asarray(side.scale, np.float32))) / 16
+      np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=0, atol=step + 1e-5)
+
+
+@pytest.mark.slow
+def test_greedy_with_stop_tokens_and_full_weight_draft(model):
+  rng = np.random.default_rng(8)
+  prompts = rng.integers(3, SMALL.vocab_size, (2, 12))
+  lengths = np.asarray([12, 5])
+  plain, _ = jaxkv.generate(model, prompts, lengths, kv_format=QS_SMALL, max_new_tokens=24)
+  # A stop token that the plain run emits mid-way in sequence 0.
+  stop = int(np.asarray(plain)[0, 6])
+  want, want_len = jaxkv.generate(model, prompts, lengths, kv_format=QS_SMALL,
+                                  max_new_tokens=24, stop_tokens=[stop])
+  got, got_len, st = speculative_generate(model, prompts, lengths, kv_format=QS_SMALL,
+                                          max_new_tokens=24, gamma=3, draft_weights="full",
+                                          stop_tokens=[stop])
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(got_len), np.asarray(want_len))
+  assert int(np.asarray(got_len)[0]) <= 7
+  # Full weights: the draft differs from the target only through the 4-bit cache view.
+  assert st["acceptance_rate"] > 0.5
+
+
+# A vocabulary of 6 tokens: every joint of two tokens has 36 cells.
+TINY_VOCAB = dataclasses.replace(SMALL, vocab_size=6, eos_token_ids=())
+
+
+def test_speculative_sampling_matches_target_distribution():
+  """Chi-square: (y1, y2) and (y1, y3) of 3000 sampled rows vs the target's exact joint.
+
+  The prompt and outputs stay inside the full-precision residual block, so
+  the target is the plain forward pass and its probabilities are exact. The
+  draft (4-bit weights at group 8) differs from it; the test's power against
+  "output distributed as the draft" is computed from the noncentral
+  chi-square and required to exceed 0.999 at alpha = 1e-3.
+  """
+  model = llama.random_model(TINY_VOCAB, seed=5, dtype=jnp.float32)
+  weights = dw.quantize_weights(model, bits=4, group_size=8)
+  draft = dw.draft_model(model, weights)
+  n_rows, temp = 3000, 1.0
+  prompt = np.asarray([[1, 4, 0, 3, 5]])
+  prompts = np.repeat(prompt, n_rows, axis=0)
+  lengths = np.full((n_rows,), prompt.shape[1])
+  tokens, _, st = speculative_generate(model, prompts, lengths, kv_format=QS_SMALL,
+                                       max_new_tokens=3, gamma=2, sampler="sample",
+                                       temperature=temp, draft_weights=weights,
+                                       rng=jax.random.key(1234))
+  tokens = np.asarray(tokens)
+  assert 0 < st["acceptance_rate"] < 1  # both branches (accept, resample) were taken
+
+  def joint(m):  # exact p(y1, y2, y3) of model m, [6, 6, 6]
+    v = TINY_VOCAB.vocab_size
+    seqs = np.asarray([[*prompt[0], a, b] for a in range(v) for b in range(v)])
+    logits = np.asarray(m(jnp.asarray(seqs)), np.float64) / temp
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    p = p.reshape(v, v, *p.shape[1:])
+    p1 = p[0, 0, prompt.shape[1] - 1]                     # [v]
+    p2 = p[:, 0, prompt.shape[1]]                         # [a, v]
+    p3 = p[:, :, prompt.shape[1] + 1]                     # [a, b, v]
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+  p_target, p_draft = joint(model), joint(draft)
+  alpha = 1e-3
+  for name, axis in (("(y1, y2)", 2), ("(y1, y3)", 1)):
+    exp_t = p_target.sum(axis).ravel() * n_rows
+    exp_d = p_draft.sum(axis).ravel() * n_rows
+    cols = (0, 1) if axis == 2 else (0, 2)        # output columns of y1 and y2 / y3
+    idx = tokens[:, cols[0]] * 6 + tokens[:, cols[1]]
+    obs = np.bincount(idx, minlength=36).astype(np.float64)
+    keep = exp_t >= 5                                      # pool the sparse cells
+    pool = (lambda x: np.append(x[keep], x[~keep].sum())) if np.any(~keep) else (
+        lambda x: x)
+    obs_k, exp_k, alt_k = pool(obs), pool(exp_t), pool(exp_d)
+    dof = len(obs_k) - 1
+    stat = float(np.sum((obs_k - exp_k) ** 2 / exp_k))
+    crit = sps.chi2.ppf(1 - alpha, dof)
+    power = sps.ncx2.sf(crit, dof, float(np.sum((alt_k - exp_k) ** 2 / exp_k)))
+    assert power > 0.999, f"{name}: the test cannot tell the draft from the target ({power=})"
+    assert stat < crit, f"{name}: chi2={stat:.1f} >= {crit:.1f} (dof={dof})"
+
+
+def test_argument_errors(model):
+  p, n = np.ones((1, 4), np.int64), np.asarray([4])
+  with pytest.raises(ValueError, match="gamma=0"):
+    speculative_generate(model, p, n, max_new_tokens=2, gamma=0)
+  with pytest.raises(ValueError, match="must be hierarchical"):
+    speculative_generate(model, p, n, max_new_tokens=2, kv_format="kivi4")
+  with pytest.raises(ValueError, match="draft_weights='int3'"):
+    speculative_generate(model, p, n, max_new_tokens=2, draft_weights="int3")
+  with pytest.raises(ValueError, match="sampler='top_k'"):
+    speculative_generate(model, p, n, max_new_tokens=2, sampler="top_k")
+  with pytest.raises(ValueError, match=r"prompt_lengths=\[5\]"):
+    speculative_generate(model, p, np.asarray([5]), max_new_tokens=2)
+  with pytest.raises(ValueError, match="max_new_tokens=0"):
+    speculative_generate(model, p, n, max_new_tokens=0)
+  with pytest.raises(ValueError, match="bits=3"):
+    dw.quantize_weights(model, bits=3)
+
+
+def test_draft_weights_against_numpy_model(model):
+  w = model.layers[1].mlp.down_proj.kernel[...]                         # [128, 64]
+  q = dw.quantize_kernel(w, bits=4, group_size=32)
+  assert q.codes.dtype == jnp.uint4 and q.group == 32
+  wn = np.asarray(w, np.float64).reshape(4, 32, 64)
+  lo, hi = wn.min(1, keepdims=True), wn.max(1, keepdims=True)
+  scale = (hi - lo) / 15
+  err = np.abs(np.asarray(q.dequantize(), np.float64).reshape(4, 32, 64) - wn)
+  assert np.all(err <= scale / 2 * (1 + 1e-5) + 1e-7)
+  np.testing.assert_allclose(np.asarray(q.scale)[:, None], scale, rtol=1e-6)
+  weights = dw.quantize_weights(model, group_size=32)
+  assert len(weights) == 7 * SMALL.num_layers + 1  # q, k, v, o, gate, up, down + lm_head
+  assert dw.nbytes(weights) < sum(x.codes.size for x in weights.values()) * 4 / 4
+  d = dw.draft_model(model, weights)
+  # The model itself is unchanged; the draft's kernels are the dequantized copies.
+  assert not np.array_equal(np.asarray(d.layers[1].mlp.down_proj.kernel[...]), np.asarray(w))
+  np.testing.assert_array_equal(np.asarray(model.layers[1].mlp.down_proj.kernel[...]),
+                                np.asarray(w))
+
+
+@pytest.mark.slow
+def test_cli_speculative_flag_matches_plain_quantspec(tmp_path_factory, capsys):
+  from jaxkv import cli
+  from tests.test_generate_cli import CFG
+  from models.checkpoint import save_llama
+  path = str(tmp_path_factory.mktemp("spec_ckpt"))
+  save_llama(llama.random_model(CFG, seed=6, dtype=jnp.float32), path)
+  common = ["generate", "--checkpoint", path, "--prompt-ids", "5,6,7,9", "--max-new-tokens", "7",
+            "--no-stop", "--no-progress"]
+  assert cli.main(common + ["--kv", "quantspec"]) == 0
+  plain = capsys.readouterr().out
+  assert cli.main(common + ["--speculative", "3", "--draft-weights", "int8"]) == 0
+  out, err = capsys.readouterr()
+  assert out == plain and len(out.split()) == 4 + 7
+  assert "acceptance" in err and "KV cache quantspec" in err
+  assert cli.main(common + ["--speculative", "2", "--kv", "kivi4"]) == 2
+  assert "--speculative needs a hierarchical --kv-format" in capsys.readouterr().err
