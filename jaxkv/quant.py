@@ -13,10 +13,11 @@ from pallas_kernels.layout import group_is_bad
 from pallas_kernels.layout import pack
 from pallas_kernels.layout import quantize
 from pallas_kernels.layout import quantize_per_channel
+from pallas_kernels.layout import quantize_groups
 from pallas_kernels.layout import quantize_per_token
 from pallas_kernels.layout import round_codes
 from pallas_kernels.layout import unpack
 
 __all__ = ["dequantize", "dequantize_per_channel", "dequantize_per_token", "group_is_bad",
-           "pack", "quantize", "quantize_per_channel", "quantize_per_token", "round_codes",
+           "pack", "quantize", "quantize_groups", "quantize_per_channel", "quantize_per_token", "round_codes",
            "unpack"]

@@ -204,9 +204,8 @@ def _is_stop_block(tokens, stop_tokens):
 @functools.partial(jax.jit, static_argnames=("settings",), donate_argnames=("cache",))
 def _speculative_program(graphdef, state, draft_state, prompt_tokens, prompt_lengths, cache,
                          rng, stop_tokens, temperature, pad_token_id, *, settings: SpecSettings):
-  from models.draft_weights import draft_model  # pylint: disable=import-outside-toplevel
   model = nnx.merge(graphdef, state)
-  draft = model if draft_state is None else draft_model(model, draft_state)
+  draft = model if draft_state is None else model.with_draft_weights(draft_state)
   b = prompt_tokens.shape[0]
   logits, cache = model.prefill(prompt_tokens, prompt_lengths, cache)
   rng, key = jax.random.split(rng)
@@ -256,7 +255,6 @@ def speculative_generate(model, prompt_tokens, prompt_lengths, *, max_new_tokens
     tokens accepted) and the totals ``acceptance_rate`` (accepted / drafted)
     and ``tokens_per_verification``; with ``return_cache`` the cache last.
   """
-  from models import draft_weights as dw  # pylint: disable=import-outside-toplevel
   prompt_tokens = np.asarray(prompt_tokens) if isinstance(prompt_tokens, (list, tuple)) \
       else prompt_tokens
   if getattr(prompt_tokens, "ndim", None) != 2:
@@ -289,10 +287,9 @@ def speculative_generate(model, prompt_tokens, prompt_lengths, *, max_new_tokens
   if isinstance(draft_weights, str):
     if draft_weights not in ("int4", "int8", "full"):
       raise ValueError(f"draft_weights={draft_weights!r} must be 'int4', 'int8', 'full' or a "
-                       "dict from models.draft_weights.quantize_weights")
+                       "dict from model.quantize_weights()")
     draft_weights = (None if draft_weights == "full" else
-                     dw.quantize_weights(model, bits=int(draft_weights[3:]),
-                                         group_size=group_size))
+                     model.quantize_weights(bits=int(draft_weights[3:]), group_size=group_size))
   elif draft_weights is not None and not isinstance(draft_weights, dict):
     raise TypeError(f"draft_weights must be a string or a dict, got {type(draft_weights).__name__}")
   needed = t + max_new_tokens - 1

@@ -65,7 +65,7 @@ def quantize_kernel(w: jax.Array, *, bits: int = 4, group_size: int = 128) -> Qu
   n_in, n_out = w.shape
   group = math.gcd(n_in, int(group_size))
   wg = w.astype(jnp.float32).reshape(n_in // group, group, n_out)
-  codes, scale, zero = quant._quantize_groups(wg, bits, -2, "float32")  # pylint: disable=protected-access
+  codes, scale, zero = quant.quantize_groups(wg, bits, -2, "float32")
   return QuantizedWeight(codes.reshape(n_in, n_out).astype(_CODE_DTYPES[bits]), scale, zero,
                          group=group)
 

@@ -500,6 +500,16 @@ class Llama(nnx.Module):
       raise ValueError(f"index={index} must be in [0, {self.config.num_layers})")
     return self.layers[index]
 
+  def quantize_weights(self, *, bits: int = 4, group_size: int = 128) -> dict:
+    """Group-wise ``bits``-bit copies of every linear layer (`models.draft_weights`)."""
+    from models.draft_weights import quantize_weights  # pylint: disable=import-outside-toplevel
+    return quantize_weights(self, bits=bits, group_size=group_size)
+
+  def with_draft_weights(self, weights: dict) -> "Llama":
+    """This model with its linear layers reading ``weights`` (from `quantize_weights`)."""
+    from models.draft_weights import draft_model  # pylint: disable=import-outside-toplevel
+    return draft_model(self, weights)
+
   def _run_layers(self, body: Callable, carry):
     """``carry = body(layer, index, carry)`` for every layer, in order (unrolled)."""
     for index, layer in enumerate(self.layers):

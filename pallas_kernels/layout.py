@@ -238,3 +238,6 @@ def dequantize(packed: jax.Array, scale: jax.Array, zero: jax.Array, bits: int, 
   if axis == "channel":
     return dequantize_per_channel(codes, scale, zero)
   raise ValueError(f"axis={axis!r} must be 'token' or 'channel'")
+
+
+quantize_groups = _quantize_groups  # public name (draft weights quantize [G, group, N] blocks)
