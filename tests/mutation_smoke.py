@@ -106,8 +106,8 @@ MUTANTS = [
      "    fits = self.lengths + num_new <= cap",
      [T_RANGE + "::test_jitted_prefill_lengths_out_of_range_flag_overflow"]),
     ("flush bound one group short", "jaxkv/cache.py",
-     "    n_groups = (r + t - 1) // g               # static bound on flushed groups",
-     "    n_groups = max(1, (r + t - 1) // g - 1)",
+     "  return (fmt.residual + num_new - 1) // fmt.token_group",
+     "  return max(1, (fmt.residual + num_new - 1) // fmt.token_group - 1)",
      [T_CACHE + "::test_flush_heavy_incremental_equals_whole_history"]),
     # (Reading the residual at token L as well is an equivalent mutant: that
     # row is always a zero row, since L - packed_len(L) <= R - 1.)
