@@ -34,6 +34,15 @@ def _leaves_equal(a, b) -> bool:
       np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
 
 
+@jax.jit
+def _append_all_layers(cache, k, v, n):
+  """One planned append of ``k, v [L, B, T, H, D]`` (first ``n [B]`` rows) to every layer."""
+  plan = cache.plan_append(n)
+  for i in range(cache.num_layers):
+    cache = cache.append_layer(i, k[i], v[i], plan)
+  return cache.commit(plan)
+
+
 @pytest.mark.parametrize("preset", ["kivi4", "k8v4"])
 def test_stacked_appends_equal_per_layer_caches(preset):
   """Ragged prefills and decode appends through `plan/append_layer/commit` == `KVCache`."""
@@ -42,18 +51,11 @@ def test_stacked_appends_equal_per_layer_caches(preset):
   cache = ModelCache.init(preset, layers, b, h, d, cap, jnp.float32)
   per = [KVCache.init(preset, b, h, d, cap, jnp.float32) for _ in range(layers)]
 
-  @jax.jit
-  def append(cache, k, v, n):
-    plan = cache.plan_append(n)
-    for i in range(layers):
-      cache = cache.append_layer(i, k[i], v[i], plan)
-    return cache.commit(plan)
-
   for t, counts in [(200, [200, 5, 0]), (1, None), (1, None), (140, [0, 140, 123])]:
     k = jnp.asarray(rng.standard_normal((layers, b, t, h, d)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((layers, b, t, h, d)), jnp.float32)
     n = jnp.full((b,), t, jnp.int32) if counts is None else jnp.asarray(counts, jnp.int32)
-    cache = append(cache, k, v, n)
+    cache = _append_all_layers(cache, k, v, n)
     per = [c.prefill(k[i], v[i], n) for i, c in enumerate(per)]
   for i in range(layers):
     assert _leaves_equal(cache.layer(i), per[i]), f"layer {i}"
@@ -201,13 +203,6 @@ def test_pack_kernel_skipping_idle_sequences_changes_no_bit(preset):
   caches = [ModelCache.init(preset, layers, b, h, d, cap, jnp.float32, use_kernel=uk)
             for uk in (False, True)]
 
-  @jax.jit
-  def append(cache, k, v, n):
-    plan = cache.plan_append(n)
-    for i in range(layers):
-      cache = cache.append_layer(i, k[i], v[i], plan)
-    return cache.commit(plan)
-
   # Lengths cross group boundaries at different steps per sequence.
   total = np.zeros(b, np.int64)
   for t, counts in [(150, [150, 31, 97]), (1, None), (1, None), (40, [33, 0, 40]), (1, None)]:
@@ -215,6 +210,6 @@ def test_pack_kernel_skipping_idle_sequences_changes_no_bit(preset):
     v = jnp.asarray(rng.standard_normal((layers, b, t, h, d)), jnp.float32)
     n = np.full((b,), t) if counts is None else np.asarray(counts)
     total += n
-    caches = [append(c, k, v, jnp.asarray(n, jnp.int32)) for c in caches]
+    caches = [_append_all_layers(c, k, v, jnp.asarray(n, jnp.int32)) for c in caches]
   np.testing.assert_array_equal(np.asarray(caches[1].lengths), total)
   assert _leaves_equal(caches[0], caches[1])
