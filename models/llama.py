@@ -773,6 +773,14 @@ def from_pretrained(path, dtype=None, *, mesh=None) -> Llama:
   return load_llama(path, dtype=dtype, mesh=mesh)
 
 
+def quantize_weights(model: Llama, *, bits: int = 4, group_size: int = 128) -> dict:
+  """QuantSpec's draft weights: group-wise ``bits``-bit copies of every linear layer.
+
+  The same as ``model.quantize_weights(...)``; see `models.draft_weights`.
+  """
+  return model.quantize_weights(bits=bits, group_size=group_size)
+
+
 def param_count(model: Llama) -> int:
   """Number of parameters."""
   return sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
@@ -780,5 +788,5 @@ def param_count(model: Llama) -> int:
 
 __all__ = [
     "CONFIGS", "Llama", "LlamaConfig", "RopeScaling", "apply_rope", "causal_attention",
-    "check_token_ids", "from_pretrained", "param_count", "random_model",
+    "check_token_ids", "from_pretrained", "param_count", "quantize_weights", "random_model",
 ]
