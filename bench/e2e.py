@@ -214,12 +214,15 @@ def time_decode_loop(model, cache, tokens, *, loop_steps: int, reps: int, implem
   out.block_until_ready()
   compile_s = time.perf_counter() - t0
   times = []
-  for _ in range(reps):
+  for rep in range(reps + 1):  # rep 0 warms (the first call after compile runs slower)
+    last = out[:, -1]  # sliced outside the timed region (its own dispatch, first use compiles)
+    last.block_until_ready()
     t0 = time.perf_counter()
-    out, _, cache = jaxkv.decode_steps(model, out[:, -1], cache, loop_steps,
+    out, _, cache = jaxkv.decode_steps(model, last, cache, loop_steps,
                                        implementation=implementation, mesh=MESH)
     out.block_until_ready()
-    times.append((time.perf_counter() - t0) / loop_steps)
+    if rep:
+      times.append((time.perf_counter() - t0) / loop_steps)
   return dict(compile_plus_first_loop_s=compile_s, loop_steps=loop_steps,
               **_stats(times)), out[:, -1], cache
 
@@ -334,7 +337,7 @@ class Runner:
 
   def _capacity(self, context: int) -> int:
     a = self.args
-    loops = a.reps + 1 + (1 if a.profile else 0)  # the profile runs one more loop
+    loops = a.reps + 2 + (1 if a.profile else 0)  # compile + warm loop; the profile one more
     return context + loops * a.loop_steps + a.warmup + a.steps + 2 * a.profile_steps + 8
 
   def decode_case(self, fmt_name: str, context: int, batch: int) -> dict:
@@ -348,7 +351,13 @@ class Runner:
     row["fill_s"] = time.perf_counter() - t0
     row["cache_read_bytes"] = cache_read_bytes(cache, context)
     row["weight_bytes"] = self.weight_bytes
-    row["floor_us"] = (self.weight_bytes + row["cache_read_bytes"]) / self.bandwidth * 1e6
+    w_split, c_split = self.splits(batch)
+    row["floor_us"] = (self.weight_bytes / w_split + row["cache_read_bytes"] / c_split) \
+        / self.bandwidth * 1e6
+    if MESH is not None:
+      row["mesh"] = dict(MESH.shape)
+      row["floor_note"] = (f"per device: weights / {w_split}, cache / {c_split}; "
+                           "collectives not included")
     tokens = jnp.asarray(np.random.default_rng(context).integers(
         0, self.model.config.vocab_size, (batch,)), jnp.int32)
     loop, tokens, cache = time_decode_loop(self.model, cache, tokens, loop_steps=a.loop_steps,
@@ -373,11 +382,26 @@ class Runner:
     row["tokens_per_s"] = batch / (row["median_us"] * 1e-6)
     return row
 
+  def splits(self, batch: int) -> tuple[int, int]:
+    """Ways the weights and a batch's cache are split over ``MESH`` (1, 1 without one).
+
+    Weights by ``"model"`` (norms replicated: negligible); the cache by kv
+    heads over ``"model"`` when they divide, and by batch over ``"data"``.
+    """
+    if MESH is None:
+      return 1, 1
+    m, d = MESH.shape["model"], MESH.shape["data"]
+    kv = m if self.model.config.num_kv_heads % m == 0 else 1
+    return m, kv * (d if batch % d == 0 else 1)
+
   def max_batch(self, fmt_name: str, context: int) -> int:
-    """Largest batch whose cache fits in free device memory (estimate)."""
+    """Largest batch whose cache fits in free device memory (estimate, per device)."""
     a = self.args
     fmt = KVFormat.preset(fmt_name)
-    per_seq = cache_nbytes(self.model, fmt, 1, self._capacity(context))
+    data = 1 if MESH is None else MESH.shape["data"]
+    # Bytes one sequence puts on each device (its data shard holds it whole, heads split).
+    per_seq = cache_nbytes(self.model, fmt, 1, self._capacity(context)) \
+        / self.splits(data)[1] * data
     stats = jax.devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
     if not limit:
@@ -385,7 +409,7 @@ class Runner:
       return a.max_batch
     free = limit - stats.get("bytes_in_use", 0)
     headroom = a.headroom_gb * 2**30 + 0.03 * limit
-    batch = int(max(1, min(a.max_batch, (free - headroom) // per_seq)))
+    batch = int(max(1, min(a.max_batch // data, (free - headroom) // per_seq))) * data
     self.memory_note = dict(bytes_limit=int(limit), bytes_free=int(free),
                             headroom_bytes=int(headroom), cache_bytes_per_seq=int(per_seq),
                             estimated_batch=batch)
@@ -406,7 +430,8 @@ class Runner:
         tries.append(batch)
         print(f"  OOM at batch {batch}; retrying smaller", flush=True)
         gc.collect()
-        batch = max(1, int(batch * 0.85))
+        data = 1 if MESH is None else MESH.shape["data"]
+        batch = max(data, int(batch * 0.85) // data * data)
     raise RuntimeError(f"OOM after retries {tries}")
 
   def prefill_case(self, fmt_name: str, prompt_len: int, chunk_size, repeats: int = 2) -> dict:
@@ -630,11 +655,9 @@ def main(argv=None) -> int:
   bandwidth = measure_read_bandwidth(int(gib * 2**30))
   print(f"HBM read bandwidth ({gib:g} GiB bf16 sum): {bandwidth / 1e9:.0f} GB/s", flush=True)
   t0 = time.perf_counter()
-  model = llama.random_model(args.config, seed=0, dtype=jnp.bfloat16)
-  if args.mesh:
+  if args.mesh:  # parameters created on their shards (70B fits where one GPU does not)
     MESH = jaxkv.make_mesh(**jaxkv.sharding.parse_mesh(args.mesh))
-    from models.sharding import shard_model  # pylint: disable=import-outside-toplevel
-    shard_model(model, MESH)
+  model = llama.random_model(args.config, seed=0, dtype=jnp.bfloat16, mesh=MESH)
   jax.block_until_ready(nnx.state(model))
   init_s = time.perf_counter() - t0
   runner = Runner(args, model, bandwidth)

@@ -237,6 +237,11 @@ CONFIGS: dict[str, LlamaConfig] = {
         num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
         rope_scaling=_LLAMA3_ROPE, max_position_embeddings=131072, bos_token_id=128000,
         eos_token_ids=(128001, 128008, 128009)),
+    "llama-3.1-70b": LlamaConfig(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80,
+        num_heads=64, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=_LLAMA3_ROPE, max_position_embeddings=131072, bos_token_id=128000,
+        eos_token_ids=(128001, 128008, 128009)),
 }
 """Built-in configs (shapes of the public checkpoints; weights are random)."""
 
@@ -742,17 +747,32 @@ class Llama(nnx.Module):
 
 
 # ---------------------------------------------------------------- factories
-def random_model(config: LlamaConfig | str, *, seed: int = 0, dtype=jnp.bfloat16) -> Llama:
+def random_model(config: LlamaConfig | str, *, seed: int = 0, dtype=jnp.bfloat16,
+                 mesh=None) -> Llama:
   """A Llama with random weights (normal, std 1/sqrt(fan_in); unit norms).
 
   Args:
     config: a `LlamaConfig` or a name in `CONFIGS`.
     seed: PRNG seed.
     dtype: parameter dtype.
+    mesh: a `jaxkv.make_mesh` mesh: every parameter is created on its shards
+      as `models.sharding` places it (one jitted init, never the whole model
+      on one device: a 70B model fits where no single GPU holds it). The
+      values are those of ``mesh=None`` with the same seed.
   """
   if isinstance(config, str):
     config = LlamaConfig.named(config)
-  return Llama(config, dtype=dtype, rngs=nnx.Rngs(params=seed))
+  build = lambda: Llama(config, dtype=dtype, rngs=nnx.Rngs(params=seed))  # noqa: E731
+  if mesh is None:
+    return build()
+  from models.sharding import param_specs  # pylint: disable=import-outside-toplevel
+  abstract = nnx.eval_shape(build)
+  graphdef, _ = nnx.split(abstract)
+  shardings = jax.tree_util.tree_map(
+      lambda spec: jax.sharding.NamedSharding(mesh, spec), param_specs(abstract, mesh),
+      is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  state = jax.jit(lambda: nnx.state(build(), nnx.Param), out_shardings=shardings)()
+  return nnx.merge(graphdef, state)
 
 
 def from_pretrained(path, dtype=None, *, mesh=None) -> Llama:

@@ -34,8 +34,25 @@ WIDE = llama.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, 
                          num_heads=16, num_kv_heads=8, head_dim=16, rope_theta=10000.0)
 NARROW = llama.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
                            num_heads=8, num_kv_heads=2, head_dim=16, rope_theta=10000.0)
-CASES = (("1x8", 1, 8, WIDE), ("2x4", 2, 4, WIDE), ("8x1", 8, 1, WIDE),
-         ("kv2_1x8", 1, 8, NARROW))
+
+
+def cases(n: int) -> tuple:
+  """Meshes over ``n`` devices: all model, all data, 2 x n/2, and 2 KV heads on model=n."""
+  out = [(f"1x{n}", 1, n, WIDE), (f"{n}x1", n, 1, WIDE)]
+  if n >= 4:
+    out.insert(1, (f"2x{n // 2}", 2, n // 2, WIDE))
+  if n > 2:
+    out.append((f"kv2_1x{n}", 1, n, NARROW))
+  return tuple(out)
+
+
+CASES = cases(8)
+
+
+def mixed_mesh(n: int):
+  """2 x n/2 (both axes split) when n >= 4, else 1 x n (heads split)."""
+  data = 2 if n >= 4 else 1
+  return sharding.make_mesh(data=data, model=n // data)
 
 
 def rel_err(got, want) -> float:
@@ -123,7 +140,17 @@ def run_case(name, data, model_size, config, want):
   t0 = time.time()
   want_pre, want_dec, want_out = want
   mesh = sharding.make_mesh(data=data, model=model_size)
-  model = shard_model(llama.random_model(config, seed=1, dtype=jnp.float32), mesh)
+  # Created on its shards (`random_model(mesh=)`) or placed after (`shard_model`):
+  # the same values as one device's either way.
+  if model_size > 1:
+    model = llama.random_model(config, seed=1, dtype=jnp.float32, mesh=mesh)
+  else:
+    model = shard_model(llama.random_model(config, seed=1, dtype=jnp.float32), mesh)
+  for got, ref in zip(jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)),
+                      jax.tree_util.tree_leaves(nnx.state(
+                          llama.random_model(config, seed=1, dtype=jnp.float32), nnx.Param)),
+                      strict=True):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref), err_msg=name)
   # Parameters placed as declared (Megatron columns / rows, vocab split).
   params = nnx.state(model, nnx.Param)
   for leaf, spec in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(
@@ -160,8 +187,11 @@ def run_case(name, data, model_size, config, want):
   print(f"OK {name} {time.time() - t0:.1f}s", flush=True)
 
 
-def run_kernel_case():
-  """`sharded_decode_attention` with the Pallas (Triton, interpret) kernel per shard vs one device."""
+def run_kernel_case(n: int = 8):
+  """`sharded_decode_attention` with the Pallas (Triton) kernel per shard vs one device.
+
+  Interpreted on CPU; compiled for the GPU when the devices are GPUs.
+  """
   t0 = time.time()
   b, s, hq, hkv, d, length = 4, 1, 8, 4, 64, 40
   rng = np.random.default_rng(1)
@@ -170,7 +200,7 @@ def run_kernel_case():
   cache = jaxkv.KVCache.init(FMT, b, hkv, d, 64, jnp.float32).prefill(k, v, lengths)
   q = jnp.asarray(rng.standard_normal((b, s, hq, d)), jnp.float32)
   want = jaxkv.decode_attention(q, cache, implementation="reference")
-  mesh = sharding.make_mesh(data=2, model=4)
+  mesh = mixed_mesh(n)
   placed = sharding.shard_cache(cache, mesh)
   check_placement(placed, mesh, "KVCache")
   assert placed.k.codes.sharding.is_equivalent_to(jax.sharding.NamedSharding(
@@ -187,12 +217,12 @@ def run_kernel_case():
   print(f"OK kernel_per_shard {time.time() - t0:.1f}s", flush=True)
 
 
-def run_load_case():
+def run_load_case(n: int = 8):
   """`from_pretrained(path, mesh=)` places every tensor as declared, values unchanged."""
   import tempfile  # pylint: disable=import-outside-toplevel
   from models.checkpoint import save_llama  # pylint: disable=import-outside-toplevel
   t0 = time.time()
-  mesh = sharding.make_mesh(data=2, model=4)
+  mesh = mixed_mesh(n)
   model = llama.random_model(WIDE, seed=3, dtype=jnp.float32)
   with tempfile.TemporaryDirectory() as path:
     save_llama(model, path)
@@ -210,16 +240,24 @@ def run_load_case():
 
 
 def main(argv) -> int:
-  if jax.device_count() < 8:
-    raise SystemExit(f"needs 8 devices, got {jax.device_count()} (set XLA_FLAGS)")
-  names = set(argv[1:]) or {c[0] for c in CASES}
+  """``sharding_checks.py [--devices N] [CASE ...]``: N (default 8, even) devices' meshes."""
+  args = list(argv[1:])
+  n = 8
+  if args[:1] == ["--devices"]:
+    n, args = int(args[1]), args[2:]
+  if n < 2 or n % 2 or jax.device_count() < n:
+    raise SystemExit(f"needs {n} (an even number >= 2) devices, got {jax.device_count()} "
+                     "(on CPU set XLA_FLAGS=--xla_force_host_platform_device_count)")
+  all_cases = cases(n)
+  names = set(args) or {c[0] for c in all_cases}
+  print(f"devices: {n} x {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
   jax.config.update("jax_default_matmul_precision", "highest")
-  if not argv[1:] or "kernel" in names:
-    run_kernel_case()
-  if not argv[1:] or "load" in names:
-    run_load_case()
+  if not args or "kernel" in names:
+    run_kernel_case(n)
+  if not args or "load" in names:
+    run_load_case(n)
   oracles = {}
-  for name, data, model_size, config in CASES:
+  for name, data, model_size, config in all_cases:
     if name not in names:
       continue
     if config not in oracles:
