@@ -758,7 +758,8 @@ def random_model(config: LlamaConfig | str, *, seed: int = 0, dtype=jnp.bfloat16
     mesh: a `jaxkv.make_mesh` mesh: every parameter is created on its shards
       as `models.sharding` places it (one jitted init, never the whole model
       on one device: a 70B model fits where no single GPU holds it). The
-      values are those of ``mesh=None`` with the same seed.
+      same random draws as ``mesh=None`` with the same seed; the jitted
+      scaling may round differently in the last bit.
   """
   if isinstance(config, str):
     config = LlamaConfig.named(config)

@@ -141,7 +141,7 @@ def run_case(name, data, model_size, config, want):
   want_pre, want_dec, want_out = want
   mesh = sharding.make_mesh(data=data, model=model_size)
   # Created on its shards (`random_model(mesh=)`) or placed after (`shard_model`):
-  # the same values as one device's either way.
+  # one device's values either way (the jitted init may round the scaling's last bit).
   if model_size > 1:
     model = llama.random_model(config, seed=1, dtype=jnp.float32, mesh=mesh)
   else:
@@ -150,7 +150,8 @@ def run_case(name, data, model_size, config, want):
                       jax.tree_util.tree_leaves(nnx.state(
                           llama.random_model(config, seed=1, dtype=jnp.float32), nnx.Param)),
                       strict=True):
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref), err_msg=name)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=3e-7, atol=0,
+                               err_msg=name)
   # Parameters placed as declared (Megatron columns / rows, vocab split).
   params = nnx.state(model, nnx.Param)
   for leaf, spec in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(
