@@ -77,7 +77,7 @@ TARGETS = {  # issue 4
     "maxbatch_32k_kivi2_throughput_vs_bf16": 4.2,
 }
 FILL_TOKENS = 1 << 18  # batch * chunk tokens of random K/V generated per fill call
-FAMILIES = ("weights", "attention", "cache_update", "copies", "other")
+FAMILIES = ("weights", "attention", "cache_update", "copies", "collectives", "other")
 
 
 def _jaxlib_version():
@@ -238,6 +238,9 @@ def _classify(name: str) -> str:
   if any(k in n for k in ("scatter", "dynamic_update_slice", "dynamic-update-slice",
                           "quantize", "pack", "flush")):
     return "cache_update"
+  if any(k in n for k in ("nccl", "all-reduce", "allreduce", "all-gather", "allgather",
+                          "reduce-scatter", "reducescatter", "all-to-all")):
+    return "collectives"
   if "copy" in n or "memcpy" in n or "memset" in n:
     return "copies"
   return "other"

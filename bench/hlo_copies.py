@@ -1,0 +1,107 @@
+"""Which buffers does a compiled decode program copy? (no weights or cache allocated)
+
+Compiles, from abstract shapes only, the two programs a decode runs through:
+the jitted multi-step loop (`jaxkv.decode_steps`, how `generate` decodes) and
+one cache-donating step (`jaxkv.decode_step`), and lists every ``copy``
+(and async ``copy-start``) in the optimized HLO above ``--min-bytes``, with
+its shape, bytes, the computation it sits in and the op that caused it. A
+copy of a weight or cache-sized buffer inside the loop body is what the
+profiler shows as ``MemcpyD2D`` per step.
+
+Example (GPU machine)::
+
+  python bench/hlo_copies.py --config llama-3.1-8b --layers 4 --format kivi4 \\
+      --context 131072 --out /tmp/copies.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jaxkv  # noqa: E402
+from jaxkv import decoding  # noqa: E402
+from models import llama  # noqa: E402
+
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+          "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_COPY = re.compile(r"%(\S+) = (\w+)\[([0-9,]*)\]\{?[^ ]*\s+(copy|copy-start)\(")
+
+
+def copies(hlo: str, min_bytes: int) -> list[dict]:
+  """Unfused copies in ``hlo`` (optimized HLO text) of at least ``min_bytes``."""
+  out, computation = [], None
+  for line in hlo.splitlines():
+    head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line.strip())
+    if head and "=" not in line.split("{")[0]:
+      computation = head.group(1)
+    m = _COPY.search(line)
+    if not m:
+      continue
+    dtype, dims = m.group(2), [int(d) for d in m.group(3).split(",") if d]
+    nbytes = int(np.prod(dims or [1])) * _BYTES.get(dtype, 4)
+    # A copy inside a fusion is a layout change the fused kernel does, not a memcpy.
+    if nbytes < min_bytes or (computation or "").startswith(("fused", "wrapped")):
+      continue
+    op = re.search(r'op_name="([^"]+)"', line)
+    out.append(dict(name=m.group(1), kind=m.group(4), dtype=dtype, shape=dims, bytes=nbytes,
+                    computation=computation, op_name=op.group(1) if op else None))
+  return out
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--config", default="llama-3.1-8b")
+  p.add_argument("--layers", type=int, default=4, help="decoder layers (compile time)")
+  p.add_argument("--format", default="kivi4")
+  p.add_argument("--context", type=int, default=131072, help="cache capacity")
+  p.add_argument("--batch", type=int, default=1)
+  p.add_argument("--steps", type=int, default=8, help="steps of the loop program")
+  p.add_argument("--min-bytes", type=int, default=1 << 20)
+  p.add_argument("--out", default=None, help="JSON path")
+  args = p.parse_args(argv)
+
+  config = dataclasses.replace(llama.LlamaConfig.named(args.config), num_layers=args.layers)
+  model = nnx.eval_shape(lambda: llama.random_model(config, dtype=jnp.bfloat16))
+  graphdef, state = nnx.split(model)
+  cache = jax.eval_shape(lambda: model.init_cache(args.format, args.batch, args.context))
+  tokens = jax.ShapeDtypeStruct((args.batch,), jnp.int32)
+  settings = decoding._settings(model, args.steps, "greedy", 1.0, None, None, None, None)  # pylint: disable=protected-access
+  programs = {
+      "loop": decoding._decode_steps_program.lower(  # pylint: disable=protected-access
+          graphdef, state, tokens, cache, jax.eval_shape(lambda: jax.random.key(0)),
+          jax.ShapeDtypeStruct((args.batch, 0), jnp.int32), jnp.float32(1), jnp.float32(1),
+          jnp.int32(0), settings=settings),
+      "step": jax.jit(lambda s, t, c: jaxkv.decode_step(nnx.merge(graphdef, s), t, c),
+                      donate_argnums=2).lower(state, tokens, cache),
+  }
+  result = dict(config=args.config, layers=args.layers, format=args.format,
+                context=args.context, batch=args.batch, device=jax.devices()[0].device_kind,
+                jax_version=jax.__version__, programs={})
+  for name, lowered in programs.items():
+    found = copies(lowered.compile().as_text(), args.min_bytes)
+    result["programs"][name] = found
+    total = sum(c["bytes"] for c in found)
+    print(f"== {name}: {len(found)} copies >= {args.min_bytes} B, {total / 2**20:.1f} MiB")
+    for c in sorted(found, key=lambda c: -c["bytes"])[:25]:
+      print(f"  {c['bytes'] / 2**20:9.1f} MiB {c['dtype']}{c['shape']} in {c['computation']}"
+            f"  <- {c['op_name']}")
+  if args.out:
+    with open(args.out, "w") as fh:
+      json.dump(result, fh, indent=2)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
