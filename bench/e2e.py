@@ -268,8 +268,37 @@ def _trace_events(trace_dir: str) -> tuple[list[tuple[str, float]], str]:
   return events, "host XLA thunks (CPU)"
 
 
+def _gpu_trace_details(trace_dir: str) -> tuple[int, dict]:
+  """GPUs with stream events in the trace, and where its memcpys come from.
+
+  The memcpy sources: ``"<hlo_module> / <hlo_op> / <memcpy_details>"`` (the
+  CUPTI stats of each ``Memcpy*`` event) -> ``[count, total_us]``.
+  """
+  from jax.profiler import ProfileData  # pylint: disable=import-outside-toplevel
+  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
+  devices, sources = set(), collections.defaultdict(lambda: [0, 0.0])
+  for plane in ProfileData.from_file(paths[-1]).planes if paths else []:
+    if not plane.name.startswith("/device:GPU"):
+      continue
+    for line in plane.lines:
+      if not line.name.startswith("Stream"):
+        continue
+      for ev in line.events:
+        devices.add(plane.name)
+        if "memcpy" in ev.name.lower():
+          st = dict(ev.stats)
+          key = " / ".join(str(st.get(k, "?")) for k in ("hlo_module", "hlo_op", "memcpy_details"))
+          sources[key][0] += 1
+          sources[key][1] += ev.duration_ns / 1e3
+  return len(devices), dict(sources)
+
+
 def _profile(run, trace_dir: str, steps: int) -> dict:
-  """Device time per step by family while ``run()`` executes ``steps`` decode steps."""
+  """Device time per step and device by family while ``run()`` runs ``steps`` decode steps.
+
+  On a mesh the kernels of every GPU are in the trace: the figures are their
+  sum divided by the number of GPUs (time per step on one GPU, on average).
+  """
   os.makedirs(trace_dir, exist_ok=True)
   jax.profiler.start_trace(trace_dir)
   try:
@@ -277,15 +306,20 @@ def _profile(run, trace_dir: str, steps: int) -> dict:
   finally:
     jax.profiler.stop_trace()
   events, source = _trace_events(trace_dir)
+  devices, memcpy = _gpu_trace_details(trace_dir)
+  per = steps * max(devices, 1)
   per_family = collections.defaultdict(float)
   top = collections.defaultdict(float)
   for name, dur in events:
-    per_family[_classify(name)] += dur / steps / 1e3  # us per step
-    top[name] += dur / steps / 1e3
-  return dict(source=source, trace_dir=trace_dir, steps=steps,
+    per_family[_classify(name)] += dur / per / 1e3  # us per step and device
+    top[name] += dur / per / 1e3
+  memcpy = dict(sorted(memcpy.items(), key=lambda kv: -kv[1][1])[:10])
+  return dict(source=source, trace_dir=trace_dir, steps=steps, devices=devices,
               family_us_per_step={f: per_family.get(f, 0.0) for f in FAMILIES},
               top_kernels_us_per_step=dict(sorted(top.items(), key=lambda kv: -kv[1])[:15]),
-              kernels_per_step=len(events) / steps)
+              kernels_per_step=len(events) / per,
+              memcpy_sources={k: dict(count=c, us_per_step=us / per) for k, (c, us) in
+                              memcpy.items()})
 
 
 def profile_decode(model, cache, tokens, trace_dir: str, steps: int, loop_steps: int,
@@ -597,6 +631,8 @@ def print_table(latency, batch_rows, prefill_rows, profiles, summary, skipped, e
       if p.get("in_loop"):
         top = list(p["in_loop"]["top_kernels_us_per_step"].items())[:6]
         print("    in-loop top: " + ", ".join(f"{n[:40]} {us:.0f}" for n, us in top))
+        for src, m in list(p["in_loop"].get("memcpy_sources", {}).items())[:3]:
+          print(f"    in-loop memcpy {m['us_per_step']:.0f} us/step x{m['count']}: {src[:150]}")
   print("\n== targets ==")
   for k, t in summary["targets"].items():
     m = "n/a" if t["measured"] is None else f"{t['measured']:.2f}x"
