@@ -694,11 +694,9 @@ def main(argv=None) -> int:
   bandwidth = measure_read_bandwidth(int(gib * 2**30))
   print(f"HBM read bandwidth ({gib:g} GiB bf16 sum): {bandwidth / 1e9:.0f} GB/s", flush=True)
   t0 = time.perf_counter()
-  model = llama.random_model(args.config, seed=0, dtype=jnp.bfloat16)
-  if args.mesh:
+  if args.mesh:  # weights drawn on their shards (70B fits where one GPU does not)
     MESH = jaxkv.make_mesh(**jaxkv.sharding.parse_mesh(args.mesh))
-    from models.sharding import shard_model  # pylint: disable=import-outside-toplevel
-    shard_model(model, MESH)
+  model = llama.random_model(args.config, seed=0, dtype=jnp.bfloat16, mesh=MESH)
   jax.block_until_ready(nnx.state(model))
   init_s = time.perf_counter() - t0
   runner = Runner(args, model, bandwidth)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import zlib
 from typing import Callable
 
 import jax
@@ -521,8 +522,11 @@ class Llama(nnx.Module):
       carry = body(layer, index, carry)
     return carry
 
-  def _embed(self, tokens: jax.Array) -> jax.Array:  # [B, T] -> [B, T, hidden]
+  def _embed(self, tokens: jax.Array, mesh=None) -> jax.Array:  # [B, T] -> [B, T, hidden]
     ids = jnp.clip(tokens, 0, self.config.vocab_size - 1)  # invalid ids are flagged, not read OOB
+    if mesh is not None:  # vocabulary-split table: local lookups + one all-reduce
+      from models.sharding import vocab_parallel_embed  # pylint: disable=import-outside-toplevel
+      return vocab_parallel_embed(self.embed_tokens[...], ids, mesh)
     return jnp.take(self.embed_tokens[...], ids, axis=0)
 
   def _logits(self, h: jax.Array) -> jax.Array:  # [..., hidden] -> float32 [..., vocab]
@@ -687,7 +691,7 @@ class Llama(nnx.Module):
 
         return layer(x, positions, attend)
 
-      x, new_cache = self._run_layers(body, (self._embed(chunk_tokens), cache))
+      x, new_cache = self._run_layers(body, (self._embed(chunk_tokens, mesh), cache))
       last = lengths - 1 - j * c                                   # [B]
       here = (last >= 0) & (last < c)
       x_at = jnp.take_along_axis(x, jnp.clip(last, 0, c - 1)[:, None, None], axis=1)[:, 0]
@@ -742,7 +746,7 @@ class Llama(nnx.Module):
 
       return layer(x, positions, attend)
 
-    x, cache = self._run_layers(body, (self._embed(tokens), cache))
+    x, cache = self._run_layers(body, (self._embed(tokens, mesh), cache))
     return self._logits(x), cache.commit(plan)
 
 
@@ -755,11 +759,13 @@ def random_model(config: LlamaConfig | str, *, seed: int = 0, dtype=jnp.bfloat16
     config: a `LlamaConfig` or a name in `CONFIGS`.
     seed: PRNG seed.
     dtype: parameter dtype.
-    mesh: a `jaxkv.make_mesh` mesh: every parameter is created on its shards
-      as `models.sharding` places it (one jitted init, never the whole model
-      on one device: a 70B model fits where no single GPU holds it). The
-      same random draws as ``mesh=None`` with the same seed; the jitted
-      scaling may round differently in the last bit.
+    mesh: a `jaxkv.make_mesh` mesh: every parameter is drawn straight onto its
+      shards as `models.sharding` places it, one small jitted program per
+      parameter shape (never the whole model on one device: a 70B model fits
+      where no single GPU holds it). The draws are keyed by parameter path,
+      so they do not depend on the mesh, but they differ from ``mesh=None``'s
+      (same distributions); for one device's values on a mesh use
+      ``models.sharding.shard_model(random_model(config), mesh)``.
   """
   if isinstance(config, str):
     config = LlamaConfig.named(config)
@@ -768,11 +774,29 @@ def random_model(config: LlamaConfig | str, *, seed: int = 0, dtype=jnp.bfloat16
     return build()
   from models.sharding import param_specs  # pylint: disable=import-outside-toplevel
   abstract = nnx.eval_shape(build)
-  graphdef, _ = nnx.split(abstract)
-  shardings = jax.tree_util.tree_map(
-      lambda spec: jax.sharding.NamedSharding(mesh, spec), param_specs(abstract, mesh),
-      is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-  state = jax.jit(lambda: nnx.state(build(), nnx.Param), out_shardings=shardings)()
+  graphdef, state = nnx.split(abstract)
+  specs = param_specs(abstract, mesh)
+  base = jax.random.key(seed)
+
+  @functools.lru_cache(maxsize=None)
+  def drawer(shape, std, spec):  # std None: ones (norm weights)
+    sharding = jax.sharding.NamedSharding(mesh, spec)
+    if std is None:
+      return jax.jit(lambda key: jnp.ones(shape, dtype), out_shardings=sharding)
+    return jax.jit(lambda key: (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype),
+                   out_shardings=sharding)
+
+  def draw(path, leaf, spec):
+    parts = (str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+    name = "/".join(p for p in parts if p != "value")  # nnx.Variable's payload
+    # The stds of `Linear` (fan_in ** -0.5), the embedding (1.0) and `RMSNorm` (ones).
+    std = (None if name.endswith("weight") else 1.0 if "embed_tokens" in name
+           else float(leaf.shape[0]) ** -0.5)
+    key = jax.random.fold_in(base, zlib.crc32(name.encode()))
+    return drawer(tuple(leaf.shape), std, spec)(key)
+
+  state = jax.tree_util.tree_map_with_path(
+      draw, state, specs, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
   return nnx.merge(graphdef, state)
 
 

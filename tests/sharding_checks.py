@@ -24,7 +24,7 @@ from flax import nnx
 import jaxkv
 from jaxkv import sharding
 from models import llama
-from models.sharding import param_specs, shard_model
+from models.sharding import param_specs, shard_model, vocab_parallel_embed
 
 FMT = "kivi4"
 BATCH, PROMPT, NEW = 8, 12, 5
@@ -140,18 +140,7 @@ def run_case(name, data, model_size, config, want):
   t0 = time.time()
   want_pre, want_dec, want_out = want
   mesh = sharding.make_mesh(data=data, model=model_size)
-  # Created on its shards (`random_model(mesh=)`) or placed after (`shard_model`):
-  # one device's values either way (the jitted init may round the scaling's last bit).
-  if model_size > 1:
-    model = llama.random_model(config, seed=1, dtype=jnp.float32, mesh=mesh)
-  else:
-    model = shard_model(llama.random_model(config, seed=1, dtype=jnp.float32), mesh)
-  for got, ref in zip(jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)),
-                      jax.tree_util.tree_leaves(nnx.state(
-                          llama.random_model(config, seed=1, dtype=jnp.float32), nnx.Param)),
-                      strict=True):
-    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=3e-7, atol=0,
-                               err_msg=name)
+  model = shard_model(llama.random_model(config, seed=1, dtype=jnp.float32), mesh)
   # Parameters placed as declared (Megatron columns / rows, vocab split).
   params = nnx.state(model, nnx.Param)
   for leaf, spec in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(
@@ -218,6 +207,45 @@ def run_kernel_case(n: int = 8):
   print(f"OK kernel_per_shard {time.time() - t0:.1f}s", flush=True)
 
 
+def run_embed_case(n: int = 8):
+  """`vocab_parallel_embed` equals ``table[ids]`` exactly and gathers nothing."""
+  t0 = time.time()
+  mesh = mixed_mesh(n)
+  rng = np.random.default_rng(2)
+  vocab, hidden = 64 * n, 24
+  table = jnp.asarray(rng.standard_normal((vocab, hidden)), jnp.bfloat16)
+  ids = rng.integers(0, vocab, (4, 5)).astype(np.int32)
+  ids[0, :2] = (0, vocab - 1)  # both ends of the vocabulary
+  placed = jax.device_put(table, jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec("model", None)))
+  fn = jax.jit(functools.partial(vocab_parallel_embed, mesh=mesh))
+  np.testing.assert_array_equal(np.asarray(fn(placed, ids), np.float32),
+                                np.asarray(table, np.float32)[ids])
+  assert "all-gather(" not in fn.lower(placed, ids).compile().as_text(), "embedding gathered"
+  print(f"OK embed_vocab_parallel {time.time() - t0:.1f}s", flush=True)
+
+
+def run_random_case(n: int = 8):
+  """`random_model(mesh=)`: drawn on its shards, the same on every mesh, one device's stds."""
+  t0 = time.time()
+  meshes = (sharding.make_mesh(data=1, model=n), mixed_mesh(n), sharding.make_mesh(data=n, model=1))
+  models = [llama.random_model(WIDE, seed=5, dtype=jnp.float32, mesh=m) for m in meshes]
+  ref = jax.tree_util.tree_leaves(nnx.state(llama.random_model(WIDE, seed=5, dtype=jnp.float32),
+                                            nnx.Param))
+  for mesh, model in zip(meshes, models):
+    specs = jax.tree_util.tree_leaves(param_specs(model, mesh), is_leaf=lambda x: isinstance(
+        x, jax.sharding.PartitionSpec))
+    leaves = jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))
+    first = jax.tree_util.tree_leaves(nnx.state(models[0], nnx.Param))
+    for leaf, spec, same, one in zip(leaves, specs, first, ref, strict=True):
+      assert leaf.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, spec), leaf.ndim)
+      np.testing.assert_array_equal(np.asarray(leaf), np.asarray(same))  # mesh-independent
+      a, b = np.asarray(leaf, np.float64), np.asarray(one, np.float64)
+      assert abs(a.std() - b.std()) <= 0.1 * b.std() + 1e-12 and abs(a.mean() - b.mean()) < 0.05, \
+          (a.shape, a.std(), b.std(), a.mean(), b.mean())
+  print(f"OK random_model_mesh {time.time() - t0:.1f}s", flush=True)
+
+
 def run_load_case(n: int = 8):
   """`from_pretrained(path, mesh=)` places every tensor as declared, values unchanged."""
   import tempfile  # pylint: disable=import-outside-toplevel
@@ -257,6 +285,10 @@ def main(argv) -> int:
     run_kernel_case(n)
   if not args or "load" in names:
     run_load_case(n)
+  if not args or "embed" in names:
+    run_embed_case(n)
+  if not args or "random" in names:
+    run_random_case(n)
   oracles = {}
   for name, data, model_size, config in all_cases:
     if name not in names:

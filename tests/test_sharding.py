@@ -50,4 +50,4 @@ def test_sharded_decode_matches_one_device():
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
   oks = [line for line in proc.stdout.splitlines() if line.startswith("OK ")]
-  assert len(oks) == 8, proc.stdout
+  assert len(oks) == 10, proc.stdout
