@@ -167,9 +167,211 @@ def _check_int(name, value, minimum=1):
     raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
 
 
+class ResidualBlockCache:
+  """What every residual-block cache shares (`KVCache`, `jaxkv.vq_cache.VQCache`).
+
+  The cache holds, per sequence, packed tokens ``[0, packed_len(L))`` in some
+  quantized storage and the rest in a full-precision residual block
+  (``k_residual, v_residual [B, Hkv, R, D]``), plus ``lengths``, ``overflow``,
+  ``nonfinite``, a static ``fmt`` (``token_group``, ``residual``,
+  ``packed_len``) and ``capacity``. Shapes, input checks, the eager overflow /
+  non-finite errors, the staging of an update and the read-back are the same;
+  a subclass supplies ``_extend_traced`` (how full groups are quantized and
+  written) and its storage's ``dequantize``.
+  """
+
+  _NAME = "KV cache"
+
+  # -------------------------------------------------------------- properties
+  @property
+  def batch(self) -> int:
+    return self.k_residual.shape[0]
+
+  @property
+  def kv_heads(self) -> int:
+    return self.k_residual.shape[1]
+
+  @property
+  def head_dim(self) -> int:
+    return self.k_residual.shape[3]
+
+  @property
+  def dtype(self):
+    return self.k_residual.dtype
+
+  @property
+  def packed_lens(self) -> jax.Array:
+    """``[B]`` tokens held quantized."""
+    return self.fmt.packed_len(self.lengths)
+
+  @property
+  def residual_lens(self) -> jax.Array:
+    """``[B]`` tokens held in the full-precision residual block."""
+    return self.lengths - self.packed_lens
+
+  @property
+  def nbytes(self) -> int:
+    """Device bytes held by the cache's arrays."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self))
+
+  def _raise_flagged(self, nonfinite_reason: str):
+    """Raises ValueError naming the sequences flagged ``overflow`` / ``nonfinite``."""
+    for flags, what, why in (
+        (self.overflow, f"overflow (capacity={self.capacity}) in", "updates that would pass "
+         "capacity, or prefill lengths outside [0, T], were not applied"),
+        (self.nonfinite, "holds non-finite values in", nonfinite_reason)):
+      if _is_concrete(flags) and bool(np.any(np.asarray(flags))):
+        bad = np.nonzero(np.asarray(flags))[0].tolist()
+        raise ValueError(f"{self._NAME} {what} sequences {bad}: {why}")
+    return self
+
+  # ------------------------------------------------------------------ update
+  def _validate_kv(self, k, v, what):
+    for name, x in (("k", k), ("v", v)):
+      if not hasattr(x, "shape") or x.ndim != 4:
+        raise ValueError(f"{what}: {name} must be [B, T, Hkv, D], got shape "
+                         f"{getattr(x, 'shape', type(x))}")
+    if k.shape != v.shape:
+      raise ValueError(f"{what}: k.shape={k.shape} != v.shape={v.shape}")
+    b, t, h, d = k.shape
+    if (b, h, d) != (self.batch, self.kv_heads, self.head_dim):
+      raise ValueError(
+          f"{what}: k/v shape {k.shape} does not match cache "
+          f"(batch={self.batch}, kv_heads={self.kv_heads}, head_dim={self.head_dim})")
+    if t < 1:
+      raise ValueError(f"{what}: need at least one token, got T={t}")
+    for name, x in (("k", k), ("v", v)):
+      if x.dtype != self.dtype:
+        raise TypeError(f"{what}: {name}.dtype={x.dtype} must equal the cache dtype {self.dtype}")
+
+  def prefill(self, k: jax.Array, v: jax.Array, lengths):
+    """Appends a ragged block of tokens: the first ``lengths[b]`` rows of each.
+
+    On an empty cache this is the prompt prefill; on a non-empty one it is a
+    chunked prefill (each sequence grows by its own ``lengths[b] >= 0``).
+
+    Args:
+      k, v: ``[B, T, Hkv, D]`` in the cache dtype.
+      lengths: ``[B]`` ints in ``[0, T]``; rows at positions >= length are ignored.
+    """
+    self._validate_kv(k, v, "prefill")
+    t = k.shape[1]
+    if isinstance(lengths, (list, tuple, np.ndarray)) or np.isscalar(lengths):
+      lengths = np.asarray(lengths)
+    if lengths.shape != (self.batch,):
+      raise ValueError(f"prefill: lengths.shape={lengths.shape} must be ({self.batch},)")
+    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+      raise TypeError(f"prefill: lengths.dtype={lengths.dtype} must be an integer dtype")
+    if _is_concrete(lengths):
+      ln = np.asarray(lengths)
+      if ln.min() < 0 or ln.max() > t:
+        raise ValueError(f"prefill: lengths={ln.tolist()} must lie in [0, T={t}]")
+    # Traced lengths outside [0, T] are rejected per sequence in `_extend_traced`
+    # (``overflow`` set, nothing written).
+    return self._extend(k, v, jnp.asarray(lengths, jnp.int32), "prefill")
+
+  def append(self, k_new: jax.Array, v_new: jax.Array):
+    """Appends ``S`` tokens to every sequence; ``k_new, v_new [B, S, Hkv, D]``."""
+    self._validate_kv(k_new, v_new, "append")
+    s = k_new.shape[1]
+    return self._extend(k_new, v_new, jnp.full((self.batch,), s, jnp.int32), "append")
+
+  def _extend(self, k_new, v_new, num_new, what="append"):
+    cap = self.capacity
+    if _is_concrete(self.lengths) and _is_concrete(num_new):
+      grown = np.asarray(self.lengths) + np.asarray(num_new)
+      if grown.max() > cap:
+        bad = np.nonzero(grown > cap)[0].tolist()
+        raise ValueError(f"{self._NAME} overflow: sequences {bad} would reach lengths "
+                         f"{grown[bad].tolist()} > capacity={cap}")
+    out = _jitted_extend(type(self))(self, k_new, v_new, num_new)
+    if _is_concrete(out.nonfinite) and _is_concrete(self.nonfinite):
+      new_bad = np.asarray(out.nonfinite) & ~np.asarray(self.nonfinite)
+      if new_bad.any():
+        raise ValueError(self._nonfinite_message(what, k_new, v_new, num_new, new_bad))
+    return out
+
+  def _nonfinite_message(self, what, k_new, v_new, num_new, new_bad) -> str:
+    return (f"{what}: k or v holds NaN/inf in sequences {np.nonzero(new_bad)[0].tolist()}; "
+            "the cache cannot store it")
+
+  def _stage(self, k_new, v_new, num_new) -> "Staging":
+    """The first half of every update: rows that fit, staged residual + new tokens."""
+    fmt, g = self.fmt, self.fmt.token_group
+    t = k_new.shape[1]
+    fits = (self.lengths + num_new <= self.capacity) & (num_new >= 0) & (num_new <= t)
+    num_new = jnp.where(fits, num_new, 0)
+    old_len = self.lengths
+    new_len = old_len + num_new
+    old_packed, new_packed = fmt.packed_len(old_len), fmt.packed_len(new_len)
+    n_groups = flush_groups(fmt, t)
+    rows = n_groups * g + fmt.residual
+    return Staging(
+        fits=fits, num_new=num_new, new_len=new_len, old_packed=old_packed,
+        flush=new_packed - old_packed,  # [B], multiple of G
+        flush_rows=n_groups * g,
+        k=stage_residual(self.k_residual, k_new, old_len - old_packed, num_new, rows),
+        v=stage_residual(self.v_residual, v_new, old_len - old_packed, num_new, rows))
+
+  def _finish(self, st: "Staging", nonfinite, **storage):
+    """The second half: the rows after the flushed ones become the residual."""
+    keep = st.new_len - self.fmt.packed_len(st.new_len)
+    r = self.fmt.residual
+    return dataclasses.replace(
+        self, **storage, k_residual=shift_residual(st.k, st.flush, keep, r),
+        v_residual=shift_residual(st.v, st.flush, keep, r), lengths=st.new_len,
+        overflow=self.overflow | ~st.fits, nonfinite=nonfinite)
+
+  # ---------------------------------------------------------------- readback
+  def _assemble(self, full_k, full_v) -> tuple[jax.Array, jax.Array]:
+    """``(k, v)`` float32 ``[B, capacity, Hkv, D]`` from dequantized ``[B, H, >= C, D]``.
+
+    Tokens ``[0, packed_len)`` from the packed storage, ``[packed_len, L)``
+    the exact residual values, zero past ``lengths``.
+    """
+    pos = jnp.arange(self.capacity)[None, :]            # [1, C]
+    packed = self.packed_lens[:, None]                  # [B, 1]
+    in_packed = pos < packed
+    in_residual = (pos >= packed) & (pos < self.lengths[:, None])
+    ridx = jnp.clip(pos - packed, 0, self.fmt.residual - 1)  # [B, C]
+
+    def one(full, residual):
+      res = jnp.take_along_axis(residual.astype(jnp.float32), ridx[:, None, :, None], axis=2)
+      out = jnp.where(in_packed[:, None, :, None], full[:, :, : self.capacity],
+                      jnp.where(in_residual[:, None, :, None], res, 0.0))
+      return jnp.swapaxes(out, 1, 2)                     # [B, C, H, D]
+
+    return one(full_k, self.k_residual), one(full_v, self.v_residual)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class KVCache:
+class Staging:
+  """One update's staged rows (`ResidualBlockCache._stage`); ``[B]`` unless noted."""
+
+  fits: jax.Array        # the update is applied (else ``overflow``)
+  num_new: jax.Array     # tokens appended (0 where it does not fit)
+  new_len: jax.Array
+  old_packed: jax.Array  # first packed row the flush writes
+  flush: jax.Array       # tokens flushed (a multiple of G)
+  k: jax.Array           # [B, H, flush_rows + R', D] residual rows + new tokens
+  v: jax.Array
+  flush_rows: int = _static()  # staged rows that may be quantized (static)
+
+
+_JITTED = {}
+
+
+def _jitted_extend(cls):
+  """``jax.jit(cls._extend_traced)``, once per class (then per format and shapes)."""
+  if cls not in _JITTED:
+    _JITTED[cls] = jax.jit(cls._extend_traced)
+  return _JITTED[cls]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache(ResidualBlockCache):
   """Quantized KV cache for a batch of sequences, one attention layer.
 
   Attributes:
@@ -246,164 +448,39 @@ class KVCache:
         nonfinite=jnp.zeros((batch,), bool),
         fmt=fmt, capacity=int(capacity), use_kernel=bool(use_kernel))
 
-  # -------------------------------------------------------------- properties
-  @property
-  def batch(self) -> int:
-    return self.k_residual.shape[0]
-
-  @property
-  def kv_heads(self) -> int:
-    return self.k_residual.shape[1]
-
-  @property
-  def head_dim(self) -> int:
-    return self.k_residual.shape[3]
-
-  @property
-  def dtype(self):
-    return self.k_residual.dtype
-
   @property
   def storage_len(self) -> int:
     """Token rows of the packed storage (capacity rounded up for kernels)."""
     return self.k.codes.shape[2]
-
-  @property
-  def packed_lens(self) -> jax.Array:
-    """``[B]`` tokens held quantized."""
-    return self.fmt.packed_len(self.lengths)
-
-  @property
-  def residual_lens(self) -> jax.Array:
-    """``[B]`` tokens held in the full-precision residual block."""
-    return self.lengths - self.packed_lens
-
-  @property
-  def nbytes(self) -> int:
-    """Device bytes held by the cache's arrays."""
-    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self))
 
   def check(self) -> "KVCache":
     """Raises ValueError if any sequence is flagged (``overflow``, ``nonfinite``); returns self.
 
     A no-op on traced flags (inside `jit`); call it on the returned cache.
     """
-    flags = self.overflow
-    if _is_concrete(flags) and bool(np.any(np.asarray(flags))):
-      bad = np.nonzero(np.asarray(flags))[0].tolist()
-      raise ValueError(f"KV cache overflow (capacity={self.capacity}) in sequences {bad}: "
-                       "updates that would pass capacity, or prefill lengths outside "
-                       "[0, T], were not applied")
-    flags = self.nonfinite
-    if _is_concrete(flags) and bool(np.any(np.asarray(flags))):
-      bad = np.nonzero(np.asarray(flags))[0].tolist()
-      raise ValueError(
-          f"KV cache holds non-finite values in sequences {bad}: a NaN/inf in k or v, or "
-          f"a value beyond the range of scale_dtype={self.fmt.scale_dtype} (attention "
-          "returns NaN for these sequences)")
-    return self
+    return self._raise_flagged(
+        "a NaN/inf in k or v, or a value beyond the range of "
+        f"scale_dtype={self.fmt.scale_dtype} (attention returns NaN for these sequences)")
 
-  # ------------------------------------------------------------------ update
-  def _validate_kv(self, k, v, what):
-    for name, x in (("k", k), ("v", v)):
-      if not hasattr(x, "shape") or x.ndim != 4:
-        raise ValueError(f"{what}: {name} must be [B, T, Hkv, D], got shape "
-                         f"{getattr(x, 'shape', type(x))}")
-    if k.shape != v.shape:
-      raise ValueError(f"{what}: k.shape={k.shape} != v.shape={v.shape}")
-    b, t, h, d = k.shape
-    if (b, h, d) != (self.batch, self.kv_heads, self.head_dim):
-      raise ValueError(
-          f"{what}: k/v shape {k.shape} does not match cache "
-          f"(batch={self.batch}, kv_heads={self.kv_heads}, head_dim={self.head_dim})")
-    if t < 1:
-      raise ValueError(f"{what}: need at least one token, got T={t}")
-    for name, x in (("k", k), ("v", v)):
-      if x.dtype != self.dtype:
-        raise TypeError(f"{what}: {name}.dtype={x.dtype} must equal the cache dtype {self.dtype}")
-
-  def prefill(self, k: jax.Array, v: jax.Array, lengths) -> "KVCache":
-    """Appends a ragged block of tokens: the first ``lengths[b]`` rows of each.
-
-    On an empty cache this is the prompt prefill; on a non-empty one it is a
-    chunked prefill (each sequence grows by its own ``lengths[b] >= 0``).
-
-    Args:
-      k, v: ``[B, T, Hkv, D]`` in the cache dtype.
-      lengths: ``[B]`` ints in ``[0, T]``; rows at positions >= length are ignored.
-    """
-    self._validate_kv(k, v, "prefill")
-    t = k.shape[1]
-    if isinstance(lengths, (list, tuple, np.ndarray)) or np.isscalar(lengths):
-      lengths = np.asarray(lengths)
-    if lengths.shape != (self.batch,):
-      raise ValueError(f"prefill: lengths.shape={lengths.shape} must be ({self.batch},)")
-    if not jnp.issubdtype(lengths.dtype, jnp.integer):
-      raise TypeError(f"prefill: lengths.dtype={lengths.dtype} must be an integer dtype")
-    if _is_concrete(lengths):
-      ln = np.asarray(lengths)
-      if ln.min() < 0 or ln.max() > t:
-        raise ValueError(f"prefill: lengths={ln.tolist()} must lie in [0, T={t}]")
-    # Traced lengths outside [0, T] are rejected per sequence in `_extend_traced`
-    # (``overflow`` set, nothing written).
-    return self._extend(k, v, jnp.asarray(lengths, jnp.int32), "prefill")
-
-  def append(self, k_new: jax.Array, v_new: jax.Array) -> "KVCache":
-    """Appends ``S`` tokens to every sequence; ``k_new, v_new [B, S, Hkv, D]``."""
-    self._validate_kv(k_new, v_new, "append")
-    s = k_new.shape[1]
-    return self._extend(k_new, v_new, jnp.full((self.batch,), s, jnp.int32), "append")
-
-  def _extend(self, k_new, v_new, num_new, what="append") -> "KVCache":
-    cap = self.capacity
-    if _is_concrete(self.lengths) and _is_concrete(num_new):
-      grown = np.asarray(self.lengths) + np.asarray(num_new)
-      if grown.max() > cap:
-        bad = np.nonzero(grown > cap)[0].tolist()
-        raise ValueError(f"KV cache overflow: sequences {bad} would reach lengths "
-                         f"{grown[bad].tolist()} > capacity={cap}")
-    out = _extend_jit(self, k_new, v_new, num_new)
-    if _is_concrete(out.nonfinite) and _is_concrete(self.nonfinite):
-      new_bad = np.asarray(out.nonfinite) & ~np.asarray(self.nonfinite)
-      if new_bad.any():
-        raise ValueError(_nonfinite_message(what, self, k_new, v_new, num_new, new_bad))
-    return out
+  def _nonfinite_message(self, what, k_new, v_new, num_new, new_bad) -> str:
+    return _nonfinite_message(what, self, k_new, v_new, num_new, new_bad)
 
   def _extend_traced(self, k_new, v_new, num_new) -> "KVCache":
-    fmt, cap = self.fmt, self.capacity
-    g, r = fmt.token_group, fmt.residual
-    t = k_new.shape[1]
-    fits = (self.lengths + num_new <= cap) & (num_new >= 0) & (num_new <= t)
-    num_new = jnp.where(fits, num_new, 0)
-    old_len = self.lengths
-    new_len = old_len + num_new
-    old_packed = fmt.packed_len(old_len)
-    new_packed = fmt.packed_len(new_len)
-    res_len = old_len - old_packed
-    flush = new_packed - old_packed           # [B], multiple of G
-    n_groups = flush_groups(fmt, t)
-    k_stage = stage_residual(self.k_residual, k_new, res_len, num_new, n_groups * g + r)
-    v_stage = stage_residual(self.v_residual, v_new, res_len, num_new, n_groups * g + r)
+    st = self._stage(k_new, v_new, num_new)
 
     def do_flush(sides):
-      k_side, v_side = sides
       out = []
-      for side, staged in ((k_side, k_stage), (v_side, v_stage)):
-        x = staged[:, :, : n_groups * g]
-        codes, scale, zero = side.quantize(x, fmt.scale_dtype, use_kernel=self.use_kernel)
-        out.append(side.write(codes, scale, zero, old_packed, flush))
+      for side, staged in zip(sides, (st.k, st.v)):
+        codes, scale, zero = side.quantize(staged[:, :, : st.flush_rows], self.fmt.scale_dtype,
+                                           use_kernel=self.use_kernel)
+        out.append(side.write(codes, scale, zero, st.old_packed, st.flush))
       return tuple(out)
 
-    k_side, v_side = jax.lax.cond(jnp.any(flush > 0), do_flush, lambda s: s, (self.k, self.v))
-    nonfinite = (self.nonfinite | nonfinite_rows(k_new, num_new) | nonfinite_rows(v_new, num_new)
-                 | _bad_groups(k_side, old_packed, flush) | _bad_groups(v_side, old_packed, flush))
-
-    new_res_len = new_len - new_packed
-    return dataclasses.replace(
-        self, k=k_side, v=v_side,
-        k_residual=shift_residual(k_stage, flush, new_res_len, r),
-        v_residual=shift_residual(v_stage, flush, new_res_len, r),
-        lengths=new_len, overflow=self.overflow | ~fits, nonfinite=nonfinite)
+    k_side, v_side = jax.lax.cond(jnp.any(st.flush > 0), do_flush, lambda s: s, (self.k, self.v))
+    nonfinite = (self.nonfinite | nonfinite_rows(k_new, st.num_new)
+                 | nonfinite_rows(v_new, st.num_new) | _bad_groups(k_side, st.old_packed, st.flush)
+                 | _bad_groups(v_side, st.old_packed, st.flush))
+    return self._finish(st, nonfinite, k=k_side, v=v_side)
 
   # ---------------------------------------------------------------- readback
   def dequantize(self, view: str = "target") -> tuple[jax.Array, jax.Array]:
@@ -415,20 +492,7 @@ class KVCache:
     formats: the upper 4-bit plane only; `jaxkv.hierarchical`).
     """
     hierarchical.check_view(view)
-    pos = jnp.arange(self.capacity)[None, :]            # [1, C]
-    packed = self.packed_lens[:, None]                  # [B, 1]
-    in_packed = pos < packed
-    in_residual = (pos >= packed) & (pos < self.lengths[:, None])
-    ridx = jnp.clip(pos - packed, 0, self.fmt.residual - 1)  # [B, C]
-
-    def assemble(side, residual):
-      full = side.dequantize(view)[:, :, : self.capacity]   # [B, H, C, D]
-      res = jnp.take_along_axis(residual.astype(jnp.float32), ridx[:, None, :, None], axis=2)
-      out = jnp.where(in_packed[:, None, :, None], full,
-                      jnp.where(in_residual[:, None, :, None], res, 0.0))
-      return jnp.swapaxes(out, 1, 2)                     # [B, C, H, D]
-
-    return assemble(self.k, self.k_residual), assemble(self.v, self.v_residual)
+    return self._assemble(self.k.dequantize(view), self.v.dequantize(view))
 
 
 # ------------------------------------------------- staging (shared helpers)
@@ -533,7 +597,3 @@ def _nonfinite_message(what, cache, k_new, v_new, num_new, new_bad) -> str:
           f"|x| <= 65504; use KVFormat(scale_dtype='float32') for larger values). "
           "See README 'Input policy'.")
 
-
-# Jitted once per (format, shapes): eager calls do not dispatch op by op, and
-# inside a user's jit these simply inline.
-_extend_jit = jax.jit(KVCache._extend_traced)
