@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU runner: the kernel tests compiled on the GPU (Triton family with
-# JAXKV_TEST_GPU=1, the Mosaic family on a Hopper GPU), then optionally a
+# JAXKV_TEST_GPU=1, the Mosaic family on a Hopper GPU), the sharded checks when
+# there are several GPUs (NVLink multicast kept off), then optionally a
 # benchmark. Usage (GPU machine, repo root):
 #   bash bench/gpu_tests.sh OUTDIR [TEST_TIMEOUT_S] [-- BENCH COMMAND...]
 # e.g. bash bench/gpu_tests.sh $OUT 300 -- python3 bench/attention.py --shapes 2 --out $OUT
@@ -21,4 +22,11 @@ JAXKV_TEST_GPU=1 timeout "$ttest" python3 -m pytest -q -p no:cacheprovider "${pa
   tests/test_autotune.py tests/test_cache.py tests/test_model_cache.py tests/test_vq_attention.py 2>&1 \
   | tee "$out/gpu_tests.log" | tail -25
 echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$out/gpu_tests.log"
+# Several GPUs: the sharded checks (tests/sharding_checks.py) on all of them.
+ngpu=$(nvidia-smi -L | grep -c "^GPU")
+if [ "$ngpu" -ge 2 ]; then
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  timeout 300 python3 tests/sharding_checks.py --devices $(( ngpu / 2 * 2 )) 2>&1 \
+    | tee "$out/sharding_checks.log" | tail -12
+fi
 if [ $# -gt 0 ]; then "$@" 2>&1 | tee "$out/bench.log" | tail -40; fi
