@@ -1,12 +1,14 @@
-"""Which buffers does a compiled decode program copy? (no weights or cache allocated)
+"""Which buffers does a compiled decode program copy, and how much scratch does it need?
 
-Compiles, from abstract shapes only, the two programs a decode runs through:
+Compiles, from abstract shapes only (no weights or cache allocated), the two programs a decode runs through:
 the jitted multi-step loop (`jaxkv.decode_steps`, how `generate` decodes) and
 one cache-donating step (`jaxkv.decode_step`), and lists every ``copy``
 (and async ``copy-start``) in the optimized HLO above ``--min-bytes``, with
-its shape, bytes, the computation it sits in and the op that caused it. A
-copy of a weight or cache-sized buffer inside the loop body is what the
-profiler shows as ``MemcpyD2D`` per step.
+its shape, bytes, the computation it sits in and the op that caused it, and
+XLA's memory analysis of each program (temporaries, arguments, outputs,
+aliased bytes) beside the cache size. A copy of a weight or cache-sized
+buffer inside the loop body is what the profiler shows as ``MemcpyD2D`` per
+step; temporaries much larger than the cache limit the batch that fits.
 
 Example (GPU machine)::
 
@@ -89,11 +91,19 @@ def main(argv=None) -> int:
   result = dict(config=args.config, layers=args.layers, format=args.format,
                 context=args.context, batch=args.batch, device=jax.devices()[0].device_kind,
                 jax_version=jax.__version__, programs={})
+  cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache))
+  result["cache_bytes"] = cache_bytes
   for name, lowered in programs.items():
-    found = copies(lowered.compile().as_text(), args.min_bytes)
-    result["programs"][name] = found
+    compiled = lowered.compile()
+    found = copies(compiled.as_text(), args.min_bytes)
+    mem = compiled.memory_analysis()
+    sizes = {k: int(getattr(mem, f"{k}_size_in_bytes", 0) or 0) if mem is not None else None
+             for k in ("temp", "argument", "output", "alias")}
+    result["programs"][name] = dict(copies=found, memory=sizes)
     total = sum(c["bytes"] for c in found)
-    print(f"== {name}: {len(found)} copies >= {args.min_bytes} B, {total / 2**20:.1f} MiB")
+    print(f"== {name}: {len(found)} copies >= {args.min_bytes} B, {total / 2**20:.1f} MiB; "
+          + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in sizes.items() if v is not None)
+          + f" (cache {cache_bytes / 2**30:.2f} GiB)")
     for c in sorted(found, key=lambda c: -c["bytes"])[:25]:
       print(f"  {c['bytes'] / 2**20:9.1f} MiB {c['dtype']}{c['shape']} in {c['computation']}"
             f"  <- {c['op_name']}")
