@@ -45,9 +45,8 @@ def copies(hlo: str, min_bytes: int) -> list[dict]:
   """Unfused copies in ``hlo`` (optimized HLO text) of at least ``min_bytes``."""
   out, computation = [], None
   for line in hlo.splitlines():
-    head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line.strip())
-    if head and "=" not in line.split("{")[0]:
-      computation = head.group(1)
+    if line[:1] not in (" ", "") and line.rstrip().endswith("{"):  # a computation's header
+      computation = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
     m = _COPY.search(line)
     if not m:
       continue
