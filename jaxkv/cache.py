@@ -167,6 +167,18 @@ def _check_int(name, value, minimum=1):
     raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
 
 
+def check_dims(fmt, batch, kv_heads, head_dim, capacity, dtype):
+  """Checks a cache's sizes and dtype before it is built; returns the dtype."""
+  _check_int("batch", batch)
+  _check_int("kv_heads", kv_heads)
+  _check_int("capacity", capacity)
+  fmt.validate_head_dim(head_dim)
+  dtype = jnp.dtype(dtype)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f"dtype={dtype} must be a floating dtype")
+  return dtype
+
+
 class ResidualBlockCache:
   """What every residual-block cache shares (`KVCache`, `jaxkv.vq_cache.VQCache`).
 
@@ -424,13 +436,7 @@ class KVCache(ResidualBlockCache):
       fmt = KVFormat.preset(fmt)
     if not isinstance(fmt, KVFormat):
       raise TypeError(f"fmt={fmt!r} must be a KVFormat or a preset name")
-    _check_int("batch", batch)
-    _check_int("kv_heads", kv_heads)
-    _check_int("capacity", capacity)
-    fmt.validate_head_dim(head_dim)
-    dtype = jnp.dtype(dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
-      raise TypeError(f"dtype={dtype} must be a floating dtype")
+    dtype = check_dims(fmt, batch, kv_heads, head_dim, capacity, dtype)
     align = max(STORAGE_ALIGN, fmt.token_group)
     storage = -(-capacity // align) * align
     if use_kernel is None:

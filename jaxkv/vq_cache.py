@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import vq
-from jaxkv.cache import (STORAGE_ALIGN, ResidualBlockCache, _check_int, _static,
+from jaxkv.cache import (STORAGE_ALIGN, ResidualBlockCache, _static, check_dims,
                          nonfinite_rows)
 from pallas_kernels.vq_attention import vq_dequantize
 
@@ -81,13 +81,7 @@ class VQCache(ResidualBlockCache):
       layer: which layer of a `VQCodebooks` to use.
     """
     fmt = vq.as_vq_format(fmt)
-    _check_int("batch", batch)
-    _check_int("kv_heads", kv_heads)
-    _check_int("capacity", capacity)
-    fmt.validate_head_dim(head_dim)
-    dtype = jnp.dtype(dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
-      raise TypeError(f"dtype={dtype} must be a floating dtype")
+    dtype = check_dims(fmt, batch, kv_heads, head_dim, capacity, dtype)
     if isinstance(codebooks, vq.VQCodebooks):
       if codebooks.fmt != fmt:
         raise ValueError(f"codebooks were learned for {codebooks.fmt}, not {fmt}")
