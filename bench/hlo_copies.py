@@ -38,7 +38,8 @@ from models import llama  # noqa: E402
 
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
           "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
-_COPY = re.compile(r"%(\S+) = (\w+)\[([0-9,]*)\]\{?[^ ]*\s+(copy|copy-start)\(")
+# ``%name = dtype[dims]{layout} copy(`` or, async, ``%name = (dtype[dims]{..}, ..) copy-start(``.
+_COPY = re.compile(r"%(\S+) = \(?(\w+)\[([0-9,]*)\][^=]*?\s(copy|copy-start)\(")
 
 
 def copies(hlo: str, min_bytes: int) -> list[dict]:
