@@ -661,8 +661,8 @@ def main(argv=None) -> int:
   p.add_argument("--headroom-gb", type=float, default=3.0, help="memory kept free at max batch")
   p.add_argument("--implementation", default=None, help="decode_attention implementation")
   p.add_argument("--mesh", default=None, metavar="data=D,model=M",
-                 help="shard weights, caches and attention on a device mesh (max-batch "
-                      "estimates stay per device)")
+                 help="shard weights, caches and attention on a device mesh; floors and "
+                      "max batch are per device (weights / model, cache / its shards)")
   p.add_argument("--bandwidth-gib", type=float, default=None,
                  help="size of the bandwidth probe (default 4 GiB on GPU, 0.25 on CPU)")
   p.add_argument("--profile", default=None, metavar="DIR",
