@@ -196,7 +196,7 @@ def build_llama(config: LlamaConfig, tensors: Iterable[tuple[str, Any]], *, dtyp
   for param, _ in targets.values():
     if id(param) in buffers:
       host = buffers.pop(id(param))
-      _set(param, jax.device_put(host, shardings[id(param)]) if mesh is not None
+      set_param(param, jax.device_put(host, shardings[id(param)]) if mesh is not None
            else jnp.asarray(host))
   return model
 
@@ -212,7 +212,8 @@ def _check_float_dtype(dtype, what: str):
   return dt
 
 
-def _set(param: nnx.Variable, value: jax.Array) -> None:
+def set_param(param: nnx.Variable, value: jax.Array) -> None:
+  """Replaces a parameter's value (flax 0.12's ``set_value``, ``.value`` before)."""
   if hasattr(param, "set_value"):  # flax >= 0.12
     param.set_value(value)
   else:

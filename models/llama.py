@@ -340,15 +340,20 @@ def _cudnn_compiles(dtype: str, q_heads: int, kv_heads: int, head_dim: int) -> b
 _ModuleList = getattr(nnx, "List", list)
 
 
-def _normal(rngs: nnx.Rngs, shape, std: float, dtype) -> jax.Array:
-  return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+def _normal_param(rngs: nnx.Rngs, shape, std: float, dtype) -> nnx.Param:
+  """A parameter drawn from N(0, std^2); ``init_std`` is kept as its metadata.
+
+  (`random_model(mesh=)` redraws each parameter on its shards from that.)
+  """
+  value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+  return nnx.Param(value, init_std=std)
 
 
 class Linear(nnx.Module):
   """Bias-free projection with an ``[in, out]`` kernel."""
 
   def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs):
-    self.kernel = nnx.Param(_normal(rngs, (in_features, out_features), in_features ** -0.5, dtype))
+    self.kernel = _normal_param(rngs, (in_features, out_features), in_features ** -0.5, dtype)
 
   def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
     return linear(x, self.kernel[...])
@@ -374,7 +379,7 @@ class RMSNorm(nnx.Module):
   """RMSNorm as HF computes it: normalize in float32, cast back, scale."""
 
   def __init__(self, dim: int, *, eps: float, dtype):
-    self.weight = nnx.Param(jnp.ones((dim,), dtype))
+    self.weight = nnx.Param(jnp.ones((dim,), dtype), init_std=None)  # None: ones
     self.eps = eps
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -491,7 +496,7 @@ class Llama(nnx.Module):
     c = config
     self.config = c
     self.dtype = jnp.dtype(dtype)
-    self.embed_tokens = nnx.Param(_normal(rngs, (c.vocab_size, c.hidden_size), 1.0, dtype))
+    self.embed_tokens = _normal_param(rngs, (c.vocab_size, c.hidden_size), 1.0, dtype)
 
     self.layers = _ModuleList([DecoderLayer(c, dtype=dtype, rngs=rngs)
                                for _ in range(c.num_layers)])
@@ -772,32 +777,26 @@ def random_model(config: LlamaConfig | str, *, seed: int = 0, dtype=jnp.bfloat16
   build = lambda: Llama(config, dtype=dtype, rngs=nnx.Rngs(params=seed))  # noqa: E731
   if mesh is None:
     return build()
-  from models.sharding import param_specs  # pylint: disable=import-outside-toplevel
-  abstract = nnx.eval_shape(build)
-  graphdef, state = nnx.split(abstract)
-  specs = param_specs(abstract, mesh)
+  # As `models.checkpoint` loads onto a mesh: an abstract model, each parameter
+  # then set from a value created on its shards (here drawn with its init_std).
+  from models.checkpoint import set_param  # pylint: disable=import-outside-toplevel
+  from models.sharding import param_shardings_by_variable  # pylint: disable=import-outside-toplevel
+  model = nnx.eval_shape(build)
+  shardings = param_shardings_by_variable(model, mesh)
   base = jax.random.key(seed)
 
   @functools.lru_cache(maxsize=None)
-  def drawer(shape, std, spec):  # std None: ones (norm weights)
-    sharding = jax.sharding.NamedSharding(mesh, spec)
+  def drawer(shape, std, sharding):  # one compiled program per parameter kind
     if std is None:
       return jax.jit(lambda key: jnp.ones(shape, dtype), out_shardings=sharding)
     return jax.jit(lambda key: (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype),
                    out_shardings=sharding)
 
-  def draw(path, leaf, spec):
-    parts = (str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
-    name = "/".join(p for p in parts if p != "value")  # nnx.Variable's payload
-    # The stds of `Linear` (fan_in ** -0.5), the embedding (1.0) and `RMSNorm` (ones).
-    std = (None if name.endswith("weight") else 1.0 if "embed_tokens" in name
-           else float(leaf.shape[0]) ** -0.5)
-    key = jax.random.fold_in(base, zlib.crc32(name.encode()))
-    return drawer(tuple(leaf.shape), std, spec)(key)
-
-  state = jax.tree_util.tree_map_with_path(
-      draw, state, specs, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-  return nnx.merge(graphdef, state)
+  for path, node in nnx.iter_graph(model):
+    if isinstance(node, nnx.Param):
+      key = jax.random.fold_in(base, zlib.crc32("/".join(map(str, path)).encode()))
+      set_param(node, drawer(tuple(node.shape), node.init_std, shardings[id(node)])(key))
+  return model
 
 
 def from_pretrained(path, dtype=None, *, mesh=None) -> Llama:
