@@ -246,13 +246,27 @@ def _classify(name: str) -> str:
   return "other"
 
 
-def _trace_events(trace_dir: str) -> tuple[list[tuple[str, float]], str]:
-  """``[(name, duration_ns)]`` of device kernels (GPU) or XLA thunks (CPU), and the source."""
+def _trace_events(trace_dir: str) -> tuple[list[tuple[str, float]], str, int, dict]:
+  """What a trace holds: ``(events, source, devices, memcpy_sources)``.
+
+  ``events``: ``[(name, duration_ns)]`` of device kernels (GPU) or XLA thunks
+  (CPU); ``devices``: GPUs with stream events (0 on CPU); ``memcpy_sources``:
+  ``"<hlo_module> / <hlo_op> / <memcpy_details>"`` (the CUPTI stats of each
+  ``Memcpy*`` event) -> ``[count, total_us]``.
+  """
   from jax.profiler import ProfileData  # pylint: disable=import-outside-toplevel
   from jaxkv.timing import gpu_kernel_events  # pylint: disable=import-outside-toplevel
-  gpu = gpu_kernel_events(trace_dir)
+  gpu = gpu_kernel_events(trace_dir, details=True)
   if gpu:
-    return [(n, d) for n, _, d in gpu], "gpu streams (CUPTI)"
+    sources = collections.defaultdict(lambda: [0, 0.0])
+    for name, _, dur, _, stats in gpu:
+      if "memcpy" in name.lower():
+        key = " / ".join(str(stats.get(k, "?"))
+                         for k in ("hlo_module", "hlo_op", "memcpy_details"))
+        sources[key][0] += 1
+        sources[key][1] += dur / 1e3
+    return ([(n, d) for n, _, d, _, _ in gpu], "gpu streams (CUPTI)",
+            len({dev for _, _, _, dev, _ in gpu}), dict(sources))
   paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
   events = []
   for plane in ProfileData.from_file(paths[-1]).planes if paths else []:
@@ -265,32 +279,7 @@ def _trace_events(trace_dir: str) -> tuple[list[tuple[str, float]], str]:
         if ev.name.startswith(("ThreadpoolListener", "ThunkExecutor", "end: ")):
           continue
         events.append((ev.name, ev.duration_ns))
-  return events, "host XLA thunks (CPU)"
-
-
-def _gpu_trace_details(trace_dir: str) -> tuple[int, dict]:
-  """GPUs with stream events in the trace, and where its memcpys come from.
-
-  The memcpy sources: ``"<hlo_module> / <hlo_op> / <memcpy_details>"`` (the
-  CUPTI stats of each ``Memcpy*`` event) -> ``[count, total_us]``.
-  """
-  from jax.profiler import ProfileData  # pylint: disable=import-outside-toplevel
-  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
-  devices, sources = set(), collections.defaultdict(lambda: [0, 0.0])
-  for plane in ProfileData.from_file(paths[-1]).planes if paths else []:
-    if not plane.name.startswith("/device:GPU"):
-      continue
-    for line in plane.lines:
-      if not line.name.startswith("Stream"):
-        continue
-      for ev in line.events:
-        devices.add(plane.name)
-        if "memcpy" in ev.name.lower():
-          st = dict(ev.stats)
-          key = " / ".join(str(st.get(k, "?")) for k in ("hlo_module", "hlo_op", "memcpy_details"))
-          sources[key][0] += 1
-          sources[key][1] += ev.duration_ns / 1e3
-  return len(devices), dict(sources)
+  return events, "host XLA thunks (CPU)", 0, {}
 
 
 def _profile(run, trace_dir: str, steps: int) -> dict:
@@ -305,8 +294,7 @@ def _profile(run, trace_dir: str, steps: int) -> dict:
     run()
   finally:
     jax.profiler.stop_trace()
-  events, source = _trace_events(trace_dir)
-  devices, memcpy = _gpu_trace_details(trace_dir)
+  events, source, devices, memcpy = _trace_events(trace_dir)
   per = steps * max(devices, 1)
   per_family = collections.defaultdict(float)
   top = collections.defaultdict(float)

@@ -33,8 +33,13 @@ _LEAD_MATMULS = 8
 _LEAD_DIM = 4096
 
 
-def gpu_kernel_events(trace_dir: str) -> list[tuple[str, float, float]]:
-  """(name, start_ns, duration_ns) of every kernel/memcpy on a GPU stream."""
+def gpu_kernel_events(trace_dir: str, *, details: bool = False) -> list[tuple]:
+  """(name, start_ns, duration_ns) of every kernel/memcpy on a GPU stream.
+
+  With ``details``, each tuple also holds the GPU (the trace plane's name)
+  and the event's CUPTI stats as a dict (``hlo_module``, ``hlo_op``,
+  ``memcpy_details``, ...).
+  """
   from jax.profiler import ProfileData  # jax >= 0.4.3x
   paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
   events = []
@@ -45,7 +50,9 @@ def gpu_kernel_events(trace_dir: str) -> list[tuple[str, float, float]]:
       continue
     for line in plane.lines:
       if line.name.startswith("Stream"):
-        events.extend((ev.name, ev.start_ns, ev.duration_ns) for ev in line.events)
+        events.extend((ev.name, ev.start_ns, ev.duration_ns)
+                      + ((plane.name, dict(ev.stats)) if details else ())
+                      for ev in line.events)
   return events
 
 
