@@ -145,8 +145,9 @@ class VQCache(ResidualBlockCache):
     ``[packed_len, L)`` the exact residual values. Attention over the cache
     must match attention over these.
     """
-    return self._assemble(vq_dequantize(self.k_codes, self.k_codebook),
-                          vq_dequantize(self.v_codes, self.v_codebook))
+    c = self.capacity  # gather centroids only for rows a token can occupy
+    return self._assemble(vq_dequantize(self.k_codes[:, :, :c], self.k_codebook),
+                          vq_dequantize(self.v_codes[:, :, :c], self.v_codebook))
 
 
 # Float32 distances one quantization step may hold ([B, H, chunk, n, E]).
