@@ -72,6 +72,7 @@ def main(argv=None) -> int:
   p.add_argument("--steps", type=int, default=8, help="steps of the loop program")
   p.add_argument("--min-bytes", type=int, default=1 << 20)
   p.add_argument("--out", default=None, help="JSON path")
+  p.add_argument("--hlo-dir", default=None, help="also write each program's optimized HLO text here")
   args = p.parse_args(argv)
 
   config = dataclasses.replace(llama.LlamaConfig.named(args.config), num_layers=args.layers)
@@ -95,7 +96,12 @@ def main(argv=None) -> int:
   result["cache_bytes"] = cache_bytes
   for name, lowered in programs.items():
     compiled = lowered.compile()
-    found = copies(compiled.as_text(), args.min_bytes)
+    text = compiled.as_text()
+    if args.hlo_dir:
+      os.makedirs(args.hlo_dir, exist_ok=True)
+      with open(os.path.join(args.hlo_dir, f"{name}-{args.format}-{args.layers}l.hlo.txt"), "w") as fh:
+        fh.write(text)
+    found = copies(text, args.min_bytes)
     mem = compiled.memory_analysis()
     sizes = {k: int(getattr(mem, f"{k}_size_in_bytes", 0) or 0) if mem is not None else None
              for k in ("temp", "argument", "output", "alias")}

@@ -10,6 +10,7 @@ Public API:
   reference_attention       exact attention on plain K/V
   generate, decode_steps,   jitted decoding with a model (`jaxkv.decoding`)
   decode_step
+  SplitModel                a model split once, for calling those in a loop
   autotune                  kernel config search on the current GPU (`jaxkv.tuning`;
                             timers in `jaxkv.timing`)
   make_mesh, shard_cache    a ("data", "model") device mesh; a cache placed on it
@@ -29,7 +30,7 @@ from jaxkv.attention import decode_attention, reference_attention
 from jaxkv.tuning import autotune
 from jaxkv.cache import KVCache, QuantizedKV
 from jaxkv.chunked_attention import chunk_attention
-from jaxkv.decoding import decode_step, decode_steps, generate
+from jaxkv.decoding import SplitModel, decode_step, decode_steps, generate
 from jaxkv.formats import PRESETS, KVFormat
 from jaxkv.model_cache import ModelCache
 from jaxkv import sharding
@@ -59,6 +60,7 @@ __all__ = [
     "decode_step",
     "decode_steps",
     "generate",
+    "SplitModel",
     "hierarchical",
     "make_mesh",
     "quant",

@@ -336,3 +336,38 @@ def test_bf16_model_generates(model):
   tokens, lengths = _prompts(9, 2, 140, [140, 99])
   out, out_len = generate(m16, tokens, lengths, kv_format="kivi4", max_new_tokens=4)
   assert np.asarray(out).shape == (2, 4) and np.all(np.asarray(out_len) == 4)
+
+
+def test_split_model_matches_model_and_is_a_snapshot(model):
+  """`SplitModel` gives the model's tokens, reuses its programs, and holds the weights it was built with."""
+  tokens, lengths = _prompts(31, 2, 12, [12, 5])
+  kw = dict(kv_format="kivi4", max_new_tokens=6, cache_dtype=jnp.float32)
+  want, want_len = generate(model, tokens, lengths, **kw)
+  split = jaxkv.SplitModel(model)
+  size = gen_mod._generate_program._cache_size()
+  got, got_len = generate(split, tokens, lengths, **kw)
+  assert gen_mod._generate_program._cache_size() == size  # same graphdef: same program
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(got_len), np.asarray(want_len))
+  # decode_steps from the same prefilled cache, model vs split.
+  outs = []
+  for m in (model, split):
+    cache = model.init_cache("kivi4", 2, 32, dtype=jnp.float32)
+    _, cache = model.prefill(jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32), cache)
+    out, _, cache = jaxkv.decode_steps(m, jnp.asarray([3, 7]), cache, 4)
+    outs.append((np.asarray(out), np.asarray(cache.lengths)))
+  np.testing.assert_array_equal(outs[0][0], outs[1][0])
+  np.testing.assert_array_equal(outs[0][1], lengths + 4)
+  # A snapshot: changing the model's weights afterwards changes the model's
+  # output but not the split's, until refresh().
+  other = llama.random_model(CFG, seed=99, dtype=jnp.float32)
+  changed = llama.random_model(CFG, seed=21, dtype=jnp.float32)
+  snap = jaxkv.SplitModel(changed)
+  nnx.update(changed, nnx.state(other))
+  new, _ = generate(changed, tokens, lengths, **kw)
+  old, _ = generate(snap, tokens, lengths, **kw)
+  fresh, _ = generate(snap.refresh(), tokens, lengths, **kw)
+  np.testing.assert_array_equal(np.asarray(old), np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(fresh), np.asarray(new))
+  assert not np.array_equal(np.asarray(new), np.asarray(want))
+  assert "SplitModel(Llama" in repr(snap)
