@@ -1,0 +1,109 @@
+"""A/B of split-kernel config variants: profiler kernel time, one process, one GPU.
+
+For each shape (indices into `bench/attention.py` SHAPES) and format, times
+jaxkv's Triton kernel under the default config and under named variants
+(``dataclasses.replace`` of it), beside cuDNN BF16 on the same shape, and
+prints a table of microseconds and ratios to cuDNN. Every variant's output is
+checked against the default's (relative error), so a faster wrong variant
+cannot pass unnoticed. A quick probe for kernel experiments; the full
+benchmark with loop timing and all baselines is `bench/attention.py`.
+
+Example (GPU machine)::
+
+  python bench/ab_attention.py --shapes 2,4,5 --formats kivi4,int8 \\
+      --variants 'noprefetch:prefetch=False;w8:num_warps=8' --out $OUT/ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import attention as A  # noqa: E402
+import pallas_kernels as pk  # noqa: E402
+from jaxkv import timing  # noqa: E402
+from jaxkv.formats import PRESETS  # noqa: E402
+
+
+def parse_variants(text: str) -> dict[str, dict]:
+  """``'name:field=value,field=value;name2:...'`` -> {name: {field: value}}."""
+  out = {}
+  for item in filter(None, (t.strip() for t in text.split(";"))):
+    name, _, fields = item.partition(":")
+    kv = {}
+    for f in filter(None, fields.split(",")):
+      key, _, val = f.partition("=")
+      kv[key] = {"True": True, "False": False}.get(val, None)
+      if kv[key] is None:
+        kv[key] = int(val)
+    out[name] = kv
+  return out
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--shapes", default="2,4,5")
+  p.add_argument("--formats", default="kivi4,kivi2,int8,k8v4")
+  p.add_argument("--variants", default="noprefetch:prefetch=False")
+  p.add_argument("--calls", type=int, default=16)
+  p.add_argument("--out", default=None)
+  args = p.parse_args(argv)
+  variants = parse_variants(args.variants)
+  rows = []
+  for si in (int(i) for i in args.shapes.split(",")):
+    b, t, hq, hkv, d, s = shape = A.SHAPES[si]
+    q = jax.random.normal(jax.random.PRNGKey(0), (b, s, hq, d), jnp.bfloat16)
+    lengths = jnp.full((b,), t, jnp.int32)
+    k = jax.random.normal(jax.random.PRNGKey(1), (b, t, hkv, d), jnp.bfloat16)
+    v = jax.random.normal(jax.random.PRNGKey(2), (b, t, hkv, d), jnp.bfloat16)
+    base_args = (q, k, v, lengths)
+    copies = A.rotating_copies(base_args, A.nbytes(k, v))
+    cudnn = timing.kernel_time(A.cudnn_bf16, copies, calls=args.calls)["kernel"] * 1e6
+    del copies, k, v
+    print(f"== {A.shape_id(shape)}: cuDNN bf16 {cudnn:.1f} us", flush=True)
+    for name in args.formats.split(","):
+      fmt = PRESETS[name]
+      data = A.random_packed(jax.random.PRNGKey(3), fmt, b, t, hkv, d)
+      default = pk.DecodeAttentionConfig.default(
+          batch=b, tokens=t, q_heads=hq, kv_heads=hkv, head_dim=d,
+          k_bits=fmt.k_bits, v_bits=fmt.v_bits, token_group=fmt.token_group, k_axis=fmt.k_axis)
+      configs = {"default": default}
+      configs.update({k_: dataclasses.replace(default, **kv) for k_, kv in variants.items()})
+      arrays = (q, data.arrays, data.lengths)
+      copies = A.rotating_copies(arrays, A.nbytes(*jax.tree.leaves(data.arrays)))
+      ref = None
+      for vname, config in configs.items():
+        fn = functools.partial(A.jaxkv_call, fmt=fmt, config=config)
+        try:
+          out = jax.jit(fn)(*arrays)
+          ref = out if ref is None else ref
+          err = A.rel_err(out, ref)
+          us = timing.kernel_time(fn, copies, calls=args.calls)["kernel"] * 1e6
+        except Exception as e:  # pylint: disable=broad-except
+          print(f"  {name:14s} {vname:12s} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+          continue
+        row = dict(shape=A.shape_id(shape), format=name, variant=vname, config=dataclasses.asdict(config),
+                   us=us, cudnn_us=cudnn, x_cudnn=cudnn / us, rel_err_vs_default=err)
+        rows.append(row)
+        print(f"  {name:14s} {vname:12s} {us:8.1f} us  {cudnn / us:5.2f}x cuDNN  err {err:.1e}",
+              flush=True)
+      del copies, data
+  if args.out:
+    with open(args.out, "w") as fh:
+      json.dump(dict(device=jax.devices()[0].device_kind, jax_version=jax.__version__,
+                     rows=rows), fh, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
