@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxkv.timing import kernel_time  # noqa: E402
 from jaxkv.formats import PRESETS, KVFormat  # noqa: E402
+import jaxkv  # noqa: E402
 import pallas_kernels as pk  # noqa: E402
 from pallas_kernels import mosaic_attention as ma  # noqa: E402
 from pallas_kernels.side_spec import SideSpec  # noqa: E402
@@ -51,6 +52,9 @@ SHAPES = [  # (B, T, Hq, Hkv, D, q_len)
     (64, 4096, 32, 8, 128, 1),
 ]
 FORMATS = ["kivi4", "kivi2", "int4-token-g4", "int8", "k8v4"]
+# Timed through the public API on a cache filled with random K/V (their own
+# kernels: `jaxkv.VQCache` -> VQ kernel, the hierarchical views -> Triton).
+CACHE_FORMATS = ["cq4", "cq2", "quantspec:draft", "quantspec:target"]
 UNROLL = 8   # distinct q arrays (and at most this many cache copies) per timing
 CALLS = 16   # calls traced per timing
 ROTATE_BYTES = 256 << 20  # > 5x the 50 MB L2 of an H100/H200
@@ -261,7 +265,25 @@ def measure_hbm_read(gib=4):
   return best
 
 
-def bench_shape(shape, formats, hbm, tune, log):
+def filled_cache(name, key, b, t, hkv, d):
+  """A cache of format ``name`` (``cq4``/``cq2``/``quantspec:<view>``) holding T random tokens."""
+  kk, kv, kc = jax.random.split(key, 3)
+  k = jax.random.normal(kk, (b, t, hkv, d), jnp.bfloat16)
+  v = jax.random.normal(kv, (b, t, hkv, d), jnp.bfloat16)
+  lengths = jnp.full((b,), t, jnp.int32)
+  fmt_name = name.split(":")[0]
+  if fmt_name in jaxkv.VQ_PRESETS:
+    fmt = jaxkv.VQ_PRESETS[fmt_name]
+    k1, k2 = jax.random.split(kc)
+    books = (jax.random.normal(k1, fmt.codebook_shape("k", hkv, d), fmt.codebook_dtype),
+             jax.random.normal(k2, fmt.codebook_shape("v", hkv, d), fmt.codebook_dtype))
+    cache = jaxkv.VQCache.init(fmt, books, b, hkv, d, t)
+  else:
+    cache = jaxkv.KVCache.init(fmt_name, b, hkv, d, t)
+  return jax.jit(lambda c, k, v, n: c.prefill(k, v, n))(cache, k, v, lengths)
+
+
+def bench_shape(shape, formats, hbm, tune, log, cache_formats=()):
   b, t, hq, hkv, d, s = shape
   key = jax.random.PRNGKey(hash(shape) % (1 << 30))
   kq, kk, kv, kc = jax.random.split(key, 4)
@@ -426,6 +448,39 @@ def bench_shape(shape, formats, hbm, tune, log):
       rows[f"mosaic_{name}"] = {"unsupported": why}
       log(f"  mosaic_{name}: falls back to Triton ({why})")
     del data
+
+  for name in cache_formats:  # default kernel configs, through jaxkv.decode_attention
+    view = name.split(":")[1] if ":" in name else "target"
+    try:
+      cache = filled_cache(name, jax.random.fold_in(kc, hash(name) % 1000), b, t, hkv, d)
+    except Exception as e:  # noqa: BLE001 - recorded, the other rows go on
+      rows[f"jaxkv_{name}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+      log(f"  jaxkv_{name} FAILED to fill: {rows[f'jaxkv_{name}']['error'][:200]}")
+      continue
+    call = functools.partial(jaxkv.decode_attention, view=view) if view != "target" \
+        else jaxkv.decode_attention
+    if view == "draft":  # the upper plane + scales of the packed tokens, the residual block
+      packed = int(cache.fmt.packed_len(t))
+      moved = int(cache.fmt.bytes_per_token(hkv, d, view="draft") * packed * b) \
+          + nbytes(cache.k_residual, cache.v_residual) + io
+    else:  # whole storage (capacity = T): codes, scales/codebooks, residual
+      moved = cache.nbytes + io
+    ref = jax.jit(functools.partial(call, implementation="reference"))(q, cache)
+    fn = functools.partial(call, implementation="pallas")
+    try:
+      out = jax.jit(fn)(q, cache)
+    except Exception as e:  # noqa: BLE001
+      rows[f"jaxkv_{name}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+      log(f"  jaxkv_{name} FAILED {rows[f'jaxkv_{name}']['error'][:200]}")
+      continue
+    row = record(f"jaxkv_{name}", fn, (cache,), moved, out, ref)
+    if row:
+      row["speedup_vs_best_bf16"] = best_bf16 / row["time_us"]
+      if "loop_us" in row:
+        row["speedup_vs_best_bf16_loop"] = best_bf16_loop / row["loop_us"]
+      log(f"  => jaxkv_{name}: {row['speedup_vs_best_bf16']:.2f}x best BF16 "
+          f"(loop {row.get('speedup_vs_best_bf16_loop', float('nan')):.2f}x)")
+    del cache
   return {"shape": dict(zip(("B", "T", "Hq", "Hkv", "D", "q_len"), shape)),
           "best_bf16_us": best_bf16, "best_bf16_wall_us": best_bf16_wall,
           "best_bf16_loop_us": best_bf16_loop, "rows": rows}
@@ -507,6 +562,9 @@ def main():
   ap.add_argument("--tune", type=int, default=4, help="configs tried per (shape, format)")
   ap.add_argument("--shapes", default=None, help="comma-separated shape indices")
   ap.add_argument("--formats", default=None)
+  ap.add_argument("--cache-formats", default=",".join(CACHE_FORMATS),
+                  help=f"formats timed through jaxkv.decode_attention on a filled cache "
+                       f"(default {','.join(CACHE_FORMATS)}; '' = none)")
   ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                   help="merge results of several runs into --out, no GPU needed")
@@ -547,7 +605,9 @@ def main():
              "shapes": []}
   for shape in shapes:
     log(f"shape {shape_id(shape)}")
-    results["shapes"].append(bench_shape(shape, formats, hbm, args.tune, log))
+    results["shapes"].append(bench_shape(
+        shape, formats, hbm, args.tune, log,
+        [f for f in args.cache_formats.split(",") if f.strip()]))
     with open(os.path.join(args.out, "partial.json"), "w") as f:  # survives a cut-off run
       json.dump(results, f, indent=1)
   if not args.no_flush:
@@ -602,7 +662,8 @@ def write_results(results, out_dir):
     plot(results, os.path.join(out_dir, f"attention-{tag}.png"))
   except Exception as e:  # noqa: BLE001
     print(f"plot failed: {e}")
-  formats = [f for f in FORMATS if any(f"jaxkv_{f}" in r["rows"] for r in results["shapes"])]
+  formats = [f for f in FORMATS + CACHE_FORMATS
+             if any("time_us" in r["rows"].get(f"jaxkv_{f}", {}) for r in results["shapes"])]
   print("\nshape                         best_bf16_us " + " ".join(f"{f:>14s}" for f in formats))
   for r in results["shapes"]:
     sh = r["shape"]

@@ -633,6 +633,67 @@ def print_table(latency, batch_rows, prefill_rows, profiles, summary, skipped, e
     print(f"\nskipped {len(skipped)} cases, {len(errors)} errors (see JSON)")
 
 
+def mesh_compare(args, plain: Runner, formats, contexts, bandwidth, dev) -> int:
+  """B=1 decode without a mesh and on ``args.mesh_compare``, alternating, one process.
+
+  The meshed model is a second copy of the weights placed on the mesh (same
+  seed); each (format, context) is timed plain, meshed, plain, meshed, so
+  drift of the GPU clock shows up as the spread of the plain pair.
+  """
+  global MESH  # pylint: disable=global-statement
+  mesh = jaxkv.make_mesh(**jaxkv.sharding.parse_mesh(args.mesh_compare))
+  MESH = mesh
+  meshed = Runner(args, llama.random_model(args.config, seed=0, dtype=jnp.bfloat16, mesh=mesh),
+                  bandwidth)
+  MESH = None
+  rows, errors = [], []
+  for c in sorted(contexts, reverse=True):
+    for f in formats:
+      pair = {"format": f, "context": c, "plain": [], "mesh": []}
+      for rep in range(2):
+        for key, runner, m in (("plain", plain, None), ("mesh", meshed, mesh)):
+          MESH = m
+          out = []
+          _guard(runner, f"decode {f} ctx={c} B=1 {key} rep {rep}",
+                 lambda f=f, c=c, runner=runner: runner.decode_case(f, c, 1), out, errors)
+          MESH = None
+          if out:
+            pair[key].append({k: out[0][k] for k in ("median_us", "per_call_median_us",
+                                                      "floor_us", "loop", "per_call")})
+      if pair["plain"] and pair["mesh"]:
+        for t in ("median_us", "per_call_median_us"):
+          best = {k: min(r[t] for r in pair[k]) for k in ("plain", "mesh")}
+          pair[f"mesh_over_plain_{t}"] = best["mesh"] / best["plain"]
+          pair[f"plain_spread_{t}"] = (max(r[t] for r in pair["plain"])
+                                       / min(r[t] for r in pair["plain"]))
+      rows.append(pair)
+  os.makedirs(args.out, exist_ok=True)
+  slug = "".join(ch if ch.isalnum() else "-" for ch in dev.device_kind.lower()).strip("-")
+  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+  path = os.path.join(args.out, f"e2e-mesh-compare-{slug}-{stamp}.json")
+  with open(path, "w") as fh:
+    json.dump(dict(meta=dict(gpu=dev.device_kind, jax_version=jax.__version__,
+                             jaxlib_version=_jaxlib_version(), model=args.config,
+                             mesh=dict(mesh.shape), hbm_read_bytes_per_s=bandwidth,
+                             method=mesh_compare.__doc__.strip()),
+                   rows=rows, errors=errors), fh, indent=2)
+  print(f"\nwrote {path}")
+  print(f"{'format':8} {'ctx':>7} {'loop plain/mesh us':>22} {'ratio':>6} {'spread':>6} "
+        f"{'per-call plain/mesh us':>24} {'ratio':>6}")
+  for r in rows:
+    if "mesh_over_plain_median_us" not in r:
+      print(f"{r['format']:8} {r['context']:>7} failed")
+      continue
+    lp = min(x["median_us"] for x in r["plain"])
+    lm = min(x["median_us"] for x in r["mesh"])
+    cp = min(x["per_call_median_us"] for x in r["plain"])
+    cm = min(x["per_call_median_us"] for x in r["mesh"])
+    print(f"{r['format']:8} {r['context']:>7} {lp:10.0f}/{lm:<11.0f} "
+          f"{r['mesh_over_plain_median_us']:6.3f} {r['plain_spread_median_us']:6.3f} "
+          f"{cp:11.0f}/{cm:<12.0f} {r['mesh_over_plain_per_call_median_us']:6.3f}")
+  return 0 if not errors else 1
+
+
 def main(argv=None) -> int:
   global MESH  # pylint: disable=global-statement
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -654,6 +715,10 @@ def main(argv=None) -> int:
   p.add_argument("--mesh", default=None, metavar="data=D,model=M",
                  help="shard weights, caches and attention on a device mesh; floors and "
                       "max batch are per device (weights / model, cache / its shards)")
+  p.add_argument("--mesh-compare", default=None, metavar="data=D,model=M",
+                 help="in one process, time every B=1 decode case without a mesh and on this "
+                      "mesh (a second model placed on it), alternating, and report the ratio; "
+                      "e.g. data=1,model=1 for the cost of the mesh code path on one GPU")
   p.add_argument("--bandwidth-gib", type=float, default=None,
                  help="size of the bandwidth probe (default 4 GiB on GPU, 0.25 on CPU)")
   p.add_argument("--profile", default=None, metavar="DIR",
@@ -692,6 +757,8 @@ def main(argv=None) -> int:
   init_s = time.perf_counter() - t0
   runner = Runner(args, model, bandwidth)
   latency, batch_rows, prefill_rows, errors = [], [], [], []
+  if args.mesh_compare:
+    return mesh_compare(args, runner, formats, contexts, bandwidth, dev)
 
   # Priority: the target cases first (longest context B=1, max batch), then the rest.
   top = max(contexts)
