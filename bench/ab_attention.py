@@ -55,6 +55,9 @@ def main(argv=None) -> int:
   p.add_argument("--shapes", default="2,4,5")
   p.add_argument("--formats", default="kivi4,kivi2,int8,k8v4")
   p.add_argument("--variants", default="noprefetch:prefetch=False")
+  p.add_argument("--mosaic", default="",
+                 help="Mosaic GPU variants (same syntax, fields of MosaicAttentionConfig "
+                      "replaced on its default; num_splits=-2 means half, -3 means double)")
   p.add_argument("--calls", type=int, default=16)
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
@@ -79,11 +82,24 @@ def main(argv=None) -> int:
           k_bits=fmt.k_bits, v_bits=fmt.v_bits, token_group=fmt.token_group, k_axis=fmt.k_axis)
       configs = {"default": default}
       configs.update({k_: dataclasses.replace(default, **kv) for k_, kv in variants.items()})
+      mdefault = A.ma.MosaicAttentionConfig.default(batch=b, tokens=t, kv_heads=hkv,
+                                                    num_sms=jax.devices()[0].core_count)
+      for k_, kv in parse_variants(args.mosaic).items():
+        kv = dict(kv)
+        if kv.get("num_splits") in (-2, -3):
+          kv["num_splits"] = (max(1, mdefault.num_splits // 2) if kv["num_splits"] == -2
+                              else mdefault.num_splits * 2)
+        ok, why = A.mosaic_supported(fmt, hq, hkv, d, s)
+        if ok:
+          configs[f"mosaic_{k_}"] = dataclasses.replace(mdefault, **kv)
+        else:
+          print(f"  {name:14s} mosaic_{k_}: unsupported ({why})", flush=True)
       arrays = (q, data.arrays, data.lengths)
       copies = A.rotating_copies(arrays, A.nbytes(*jax.tree.leaves(data.arrays)))
       ref = None
       for vname, config in configs.items():
-        fn = functools.partial(A.jaxkv_call, fmt=fmt, config=config)
+        call = A.mosaic_call if isinstance(config, A.ma.MosaicAttentionConfig) else A.jaxkv_call
+        fn = functools.partial(call, fmt=fmt, config=config)
         try:
           out = jax.jit(fn)(*arrays)
           ref = out if ref is None else ref

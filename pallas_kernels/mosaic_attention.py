@@ -58,6 +58,10 @@ class MosaicAttentionConfig:
     num_splits: programs per (batch, kv head) over the packed region; one
       more program per (batch, kv head) attends over the residual block.
     max_concurrent_steps: TMA pipeline depth (shared-memory stages).
+    tokens_m: the token block as the M dimension of both MMAs (``S^T = K q^T``,
+      ``O^T += V^T P^T``, query rows as N = 16/32/64) with K dequantized in
+      registers (v2); False runs v1 (query rows padded to M = 64, K and V
+      dequantized through shared memory).
 
   Search space (`jaxkv.autotune`): block_k in {64, 128}, num_splits around
   the heuristic (x1/2, x1, x2), max_concurrent_steps in {2, 3, 4}.
@@ -66,6 +70,7 @@ class MosaicAttentionConfig:
   block_k: int = 64
   num_splits: int = 8
   max_concurrent_steps: int = 3
+  tokens_m: bool = True
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -226,11 +231,13 @@ def mosaic_decode_attention(
   num_splits = config.num_splits
   grid_j = num_splits + 1  # the last program of each (b, h) takes the residual
 
-  # Query rows r = h * S + s, scaled by the softmax scale, zero-padded to M.
+  # Query rows r = h * S + s, scaled by the softmax scale, zero-padded to M
+  # (v1) or to the N of the tokens-on-M MMAs (v2).
+  n_pad = _rows_n(q_rows) if config.tokens_m else _M
   qh = q.reshape(batch, num_queries, kv_heads, group_q, head_dim)
   qh = qh.transpose(0, 2, 3, 1, 4).reshape(batch, kv_heads, q_rows, head_dim)
   qh = (qh.astype(jnp.float32) * sm_scale).astype(dtype)
-  qh = jnp.pad(qh, ((0, 0), (0, 0), (0, _M - q_rows), (0, 0)))
+  qh = jnp.pad(qh, ((0, 0), (0, 0), (0, n_pad - q_rows), (0, 0)))
   # Per-token scale/zero with one group per head: [B, H, C] so TMA boxes are rows.
   def squeeze_token(x, side):
     if x is None or side.axis != "token":
@@ -239,6 +246,21 @@ def mosaic_decode_attention(
   k_scale, k_zero = squeeze_token(k_scale, k_side), squeeze_token(k_zero, k_side)
   v_scale, v_zero = squeeze_token(v_scale, v_side), squeeze_token(v_zero, v_side)
   lengths = lengths.astype(jnp.int32)
+
+  def unpack_out(out):  # [B, H, rows, D] -> [B, S, Hq, D]
+    out = out[:, :, :q_rows].reshape(batch, kv_heads, group_q, num_queries, head_dim)
+    return out.transpose(0, 3, 1, 2, 4).reshape(batch, num_queries, q_heads,
+                                                head_dim).astype(q.dtype)
+
+  if config.tokens_m:
+    def arrays_of(codes, scale, zero, side):
+      return [codes] if side.bits == 16 else [codes, scale, zero]
+    o_part, l_part, m_part = _tokens_m_call(
+        qh, arrays_of(k_codes, k_scale, k_zero, k_side),
+        arrays_of(v_codes, v_scale, v_zero, v_side), k_residual, v_residual, lengths,
+        k_side=k_side, v_side=v_side, token_group=token_group, residual=residual,
+        num_queries=num_queries, q_rows=q_rows, config=config, dtype=dtype)
+    return unpack_out(_combine(jnp.swapaxes(o_part, -1, -2), l_part, m_part))
 
   k_w = k_codes.shape[-1]
   v_w = v_codes.shape[-1]
@@ -374,10 +396,7 @@ def mosaic_decode_attention(
       compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=_SEMANTICS),
       kernel_name=f"jaxkv_mosaic_dequant_attention_k{k_side.bits}v{v_side.bits}",
   )(lengths, qh, *k_in, *v_in, k_residual, v_residual)
-  out = _combine(o_part, l_part, m_part)[:, :, :q_rows]   # [B, H, rows, D]
-  out = out.reshape(batch, kv_heads, group_q, num_queries, head_dim)
-  return out.transpose(0, 3, 1, 2, 4).reshape(batch, num_queries, q_heads, head_dim).astype(
-      q.dtype)
+  return unpack_out(_combine(o_part, l_part, m_part))
 
 
 def _combine(o, l, m):
@@ -388,3 +407,245 @@ def _combine(o, l, m):
   num = jnp.sum(w[..., None] * o, axis=2)
   den = jnp.sum(w * l, axis=2)
   return jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+
+
+# ----------------------------------------------------------------------------
+# Tokens on M ("v2"): S^T = K_tile @ q^T and O^T += V_tile^T @ P^T.
+#
+# The packed token block is the M dimension of both MMAs, so the query rows of
+# one kv head (Hq/Hkv x S, padded to N = 16, 32 or 64) are the N dimension and
+# nothing is padded to the warpgroup's 64 rows. K is dequantized in registers
+# and is the register A operand of the score MMA (no shared-memory round trip);
+# V is dequantized into shared memory and read as the transposed A operand of
+# ``O^T += V^T @ P^T`` with ``P^T`` (``[bk, N]``) stored beside it. Codes become
+# exact 16-bit floats with one or / bitcast / subtract per element (the
+# exponent trick: ``bits(0x4300 | c)`` is ``128 + c`` in bfloat16, ``0x6400 | c``
+# is ``1024 + c`` in float16), then ``c * scale + zero`` in the cache dtype.
+# Softmax statistics of a ``[bk, N]`` score tile are column (axis 0)
+# reductions; the row sums are deferred (summed over tokens once at the end).
+# ----------------------------------------------------------------------------
+
+_MAGIC = {jnp.dtype(jnp.bfloat16): (0x4300, 128.0), jnp.dtype(jnp.float16): (0x6400, 1024.0)}
+
+
+def _rows_n(q_rows: int) -> int:
+  """N of the tokens-on-M MMAs for ``q_rows`` query rows: 16, 32 or 64."""
+  for n in (16, 32, 64):
+    if q_rows <= n:
+      return n
+  raise ValueError(f"{q_rows=} query rows per kv head > 64")
+
+
+def _plane_width(side: SideSpec, head_dim: int) -> int:
+  """Channels per plane (one plane for 8/16-bit sides)."""
+  return head_dim if side.bits >= 8 else head_dim * side.bits // 8
+
+
+def _affine_regs(scale_smem, zero_smem, side: SideSpec, c0: int, width: int, bk: int, dt):
+  """Scale/zero of a ``[bk, width]`` plane, broadcast to it (dtype ``dt``)."""
+  if side.axis == "token":
+    lay = plgpu.Layout.WGMMA.reduce(1)
+    sc = plgpu.load(scale_smem, (), layout=lay).astype(jnp.float32).astype(dt)
+    zr = plgpu.load(zero_smem, (), layout=lay).astype(jnp.float32).astype(dt)
+    dims = [0]
+  else:
+    lay = plgpu.Layout.WGMMA.reduce(0)
+    cols = pl.ds(c0, width)
+    sc = plgpu.load(scale_smem.at[0, cols], (), layout=lay).astype(jnp.float32).astype(dt)
+    zr = plgpu.load(zero_smem.at[0, cols], (), layout=lay).astype(jnp.float32).astype(dt)
+    dims = [1]
+  return (lax.broadcast_in_dim(sc, (bk, width), dims),
+          lax.broadcast_in_dim(zr, (bk, width), dims))
+
+
+def _dequant_planes(codes_smem, scale_smem, zero_smem, side: SideSpec, head_dim: int, dtype):
+  """Yields ``(c0, x)``: plane ``x`` = channels ``[c0, c0 + W)`` of the tile, ``[bk, W]``
+  values in ``dtype`` (WGMMA register layout)."""
+  raw = plgpu.load(codes_smem, (), layout=plgpu.Layout.WGMMA)  # [bk, W] uint8
+  bk = raw.shape[0]
+  width = _plane_width(side, head_dim)
+  if side.bits == 8:
+    # 8-bit codes exceed a 16-bit float's exponent trick: go through float32.
+    x = lax.bitcast_convert_type(raw.astype(jnp.uint32) | np.uint32(0x4B000000), jnp.float32)
+    x = x - np.float32(8388608.0)                        # 2^23 + c - 2^23 = c
+    sc, zr = _affine_regs(scale_smem, zero_smem, side, 0, width, bk, jnp.float32)
+    yield 0, (x * sc + zr).astype(dtype)
+    return
+  magic, base = _MAGIC[jnp.dtype(dtype)]
+  mask = np.uint16((1 << side.bits) - 1)
+  wide = raw.astype(jnp.uint16)
+  for plane in range(8 // side.bits):
+    c = wide >> np.uint16(plane * side.bits) if plane else wide
+    c = (c & mask) | np.uint16(magic)
+    x = lax.bitcast_convert_type(c, dtype) - jnp.asarray(base, dtype)  # exact code
+    sc, zr = _affine_regs(scale_smem, zero_smem, side, plane * width, width, bk, dtype)
+    yield plane * width, x * sc + zr
+
+
+def _tokens_m_call(qh, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v_side,
+                   token_group, residual, num_queries, q_rows, config, dtype):
+  """The v2 kernel; returns partials ``o [B,H,J+1,D,N], l, m [B,H,J+1,N]``."""
+  batch, kv_heads, n_rows, head_dim = qh.shape
+  bk = config.block_k
+  num_splits = config.num_splits
+  grid_j = num_splits + 1
+  f32 = jnp.float32
+  # Shared-memory tiles. q (the B operand of the score MMA, read K-major) is
+  # tiled by K's plane width; V tiles and P^T (A and B of the value MMA, one
+  # swizzle for both) are tiled by N.
+  kw = _plane_width(k_side, head_dim)
+  q_tf = _tiled(min(kw, 64), 16)
+  v_tf = _tiled(n_rows, 16)
+
+  def side_specs(side, codes, tf16):
+    if side.bits == 16:
+      return [plgpu.BlockSpec((bk, head_dim), lambda i: (i, 0), transforms=tf16)]
+    width = codes.shape[-1]
+    specs = [plgpu.BlockSpec((bk, width), lambda i: (i, 0), transforms=_tiled(width, 8))]
+    if side.axis == "token":
+      specs += [plgpu.BlockSpec((bk,), lambda i: (i,))] * 2
+    else:
+      g = side.group // bk
+      specs += [plgpu.BlockSpec((1, head_dim), lambda i, _g=g: (i // _g, 0))] * 2
+    return specs
+
+  k_specs = side_specs(k_side, k_in[0], q_tf)
+  v_specs = side_specs(v_side, v_in[0], v_tf)
+  nk, nv = len(k_specs), len(v_specs)
+
+  def attend(q_smem, k_tiles, v_tiles, pt_smem, vdq_smem, carry, *, token0, valid_below,
+             row_limit):
+    """One online-softmax step over ``bk`` tokens (tokens on M)."""
+    acc, m_i, l_i = carry
+
+    def scores(acc_ref):
+      if not isinstance(k_tiles, tuple):  # full-precision K tile in smem
+        plgpu.wgmma(acc_ref, k_tiles, plgpu.transpose_ref(q_smem, (1, 0)))
+      else:
+        for c0, x in _dequant_planes(*k_tiles, k_side, head_dim, dtype):
+          q_plane = q_smem.at[:, pl.ds(c0, kw)]
+          plgpu.wgmma(acc_ref, x, plgpu.transpose_ref(q_plane, (1, 0)))
+      return acc_ref[...]
+
+    s = pl.run_scoped(scores, plgpu.ACC((bk, n_rows), f32))   # [bk, N]
+    tok = token0 + plgpu.broadcasted_iota(jnp.int32, (bk, n_rows), 0,
+                                          layout=plgpu.Layout.WGMMA)
+    lim = lax.broadcast_in_dim(row_limit, (bk, n_rows), [1])
+    s = jnp.where((tok < valid_below) & (tok <= lim), s, -jnp.inf)
+    m_new = jnp.maximum(m_i, s.max(axis=0))                   # [N]
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp(m_i - m_safe)
+    p = jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [1]))
+    l_i = l_i * lax.broadcast_in_dim(alpha, l_i.shape, [1]) + p   # row sums deferred
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+    pt_smem[...] = p.astype(dtype)
+    if isinstance(v_tiles, tuple):
+      for c0, x in _dequant_planes(*v_tiles, v_side, head_dim, dtype):
+        vdq_smem[:, pl.ds(c0, x.shape[1])] = x
+      v_tile = vdq_smem
+    else:
+      v_tile = v_tiles
+    plgpu.commit_smem()
+
+    def pv(acc_ref):
+      plgpu.wgmma(acc_ref, plgpu.transpose_ref(v_tile, (1, 0)), pt_smem)
+
+    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+    return acc, m_new, l_i
+
+  def kernel(lengths_gmem, q_gmem, *refs):
+    k_refs, v_refs = refs[:3], refs[3:6]
+    kres_gmem, vres_gmem, o_gmem, l_gmem, m_gmem = refs[6:11]
+    q_smem, kres_smem, vdq_smem, pt_smem, o_smem, lm_smem, barrier = refs[11:]
+    b = lax.axis_index("b")
+    h = lax.axis_index("h")
+    j = lax.axis_index("j")
+    length = lengths_gmem[b]
+    packed = token_group * jnp.maximum(0, (length - residual + token_group) // token_group)
+    col = plgpu.broadcasted_iota(jnp.int32, (n_rows,), 0, layout=plgpu.Layout.WGMMA.reduce(0))
+    row_limit = length - num_queries + (col % q_rows) % num_queries
+
+    plgpu.copy_gmem_to_smem(q_gmem.at[b, h], q_smem, barrier)
+    plgpu.barrier_wait(barrier)
+
+    acc0 = plgpu.layout_cast(jnp.zeros((head_dim, n_rows), f32), plgpu.Layout.WGMMA)
+    m0 = plgpu.layout_cast(jnp.full((n_rows,), -jnp.inf, f32), plgpu.Layout.WGMMA.reduce(0))
+    l0 = plgpu.layout_cast(jnp.zeros((bk, n_rows), f32), plgpu.Layout.WGMMA)
+
+    def finish(carry):
+      acc, m_i, l_i = carry
+      o_smem[...] = acc
+      lm_smem[0] = l_i.sum(axis=0)
+      lm_smem[1] = m_i
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[b, h, j])
+      plgpu.copy_smem_to_gmem(lm_smem.at[0], l_gmem.at[b, h, j])
+      plgpu.copy_smem_to_gmem(lm_smem.at[1], m_gmem.at[b, h, j])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(j < num_splits)
+    def _packed():
+      per_split = pl.cdiv(pl.cdiv(packed, num_splits), bk) * bk
+      start = j * per_split
+      stop = jnp.minimum(start + per_split, packed)
+      num_blocks = jnp.maximum(0, pl.cdiv(stop - start, bk))
+      first = start // bk
+
+      def body(idx, *tiles_and_carry):
+        *tiles, carry = tiles_and_carry
+        (i,) = idx
+        kt, vt = tiles[:nk], tiles[nk:]
+        k_tiles = kt[0] if k_side.bits == 16 else tuple(kt)
+        v_tiles = vt[0] if v_side.bits == 16 else tuple(vt)
+        return attend(q_smem, k_tiles, v_tiles, pt_smem, vdq_smem, carry,
+                      token0=(first + i) * bk, valid_below=packed, row_limit=row_limit)
+
+      def shifted(spec):
+        im = spec.index_map
+        return dataclasses.replace(spec, index_map=lambda i, _im=im: _im(i + first))
+
+      pipeline = plgpu.emit_pipeline(
+          body, grid=(num_blocks,), in_specs=[shifted(s) for s in k_specs + v_specs],
+          max_concurrent_steps=config.max_concurrent_steps, init_carry=(acc0, m0, l0))
+      gm = [r.at[b, h] for r in k_refs[:nk]] + [r.at[b, h] for r in v_refs[:nv]]
+      finish(pipeline(*gm))
+
+    @pl.when(j == num_splits)
+    def _residual():
+      carry = (acc0, m0, l0)
+      num_res = length - packed
+      for r0 in range(0, residual, bk):
+        plgpu.copy_gmem_to_smem(kres_gmem.at[b, h, pl.ds(r0, bk)], kres_smem, barrier)
+        plgpu.barrier_wait(barrier)
+        plgpu.copy_gmem_to_smem(vres_gmem.at[b, h, pl.ds(r0, bk)], vdq_smem, barrier)
+        plgpu.barrier_wait(barrier)
+        # Residual row r holds token packed + r.
+        carry = attend(q_smem, kres_smem, vdq_smem, pt_smem, vdq_smem, carry,
+                       token0=packed + r0, valid_below=packed + num_res,
+                       row_limit=row_limit)
+      finish(carry)
+
+  k_in = list(k_in) + [k_in[0]] * (3 - len(k_in))  # unused slots repeat the codes
+  v_in = list(v_in) + [v_in[0]] * (3 - len(v_in))
+  scratch = [
+      plgpu.SMEM((n_rows, head_dim), dtype, transforms=q_tf),     # q
+      plgpu.SMEM((bk, head_dim), dtype, transforms=q_tf),         # residual K tile
+      plgpu.SMEM((bk, head_dim), dtype, transforms=v_tf),         # V tile (values)
+      plgpu.SMEM((bk, n_rows), dtype, transforms=v_tf),           # P^T
+      plgpu.SMEM((head_dim, n_rows), f32),                        # o^T
+      plgpu.SMEM((2, n_rows), f32),                               # l, m
+      plgpu.Barrier(),
+  ]
+  return plgpu.kernel(
+      kernel,
+      out_type=[
+          jax.ShapeDtypeStruct((batch, kv_heads, grid_j, head_dim, n_rows), f32),
+          jax.ShapeDtypeStruct((batch, kv_heads, grid_j, n_rows), f32),
+          jax.ShapeDtypeStruct((batch, kv_heads, grid_j, n_rows), f32),
+      ],
+      grid=(batch, kv_heads, grid_j),
+      grid_names=("b", "h", "j"),
+      scratch_types=scratch,
+      compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=_SEMANTICS),
+      kernel_name=f"jaxkv_mosaic_tokens_m_attention_k{k_side.bits}v{v_side.bits}",
+  )(lengths, qh, *k_in, *v_in, k_residual, v_residual)

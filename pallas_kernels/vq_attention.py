@@ -16,13 +16,24 @@ dot operands). Grid ``(batch, kv_head, split)`` as in
 `pallas_kernels.dequant_attention`: each split walks a contiguous slice of
 the packed region, the last one continues over the full-precision residual
 block; all ``Hq/Hkv`` query heads times ``S`` new queries of one kv head
-are the M rows of the dots. Per block of ``block_k`` tokens, each stage's
-codes are loaded expanded to ``[block_k, D]`` (one gather load that reads
-every code byte ``v`` times, from L1) and turned into centroid values by a
-second gather load from the head's flattened codebook; the summed tile is a
-plain dot operand (``q @ K^T``, ``p @ V``). The splits are merged in jnp
-(log-sum-exp). A lookup-table K path and a codebook-centric V accumulation
-are the alternatives to measure on a GPU (``bench/results/vq-NOTES.md``).
+are the M rows of the dots. The splits are merged in jnp (log-sum-exp).
+
+Lane planes. The interleaved ``[block_k, D]`` tile is never built: a side
+with vector ``v`` is computed as ``v`` planes of ``[block_k, n]``, plane
+``l`` holding channels ``j*v + l`` (j < n). Per block and stage, the codes
+are one contiguous ``[block_k, n]`` load (one byte per code) and each plane
+is one ``[block_k, n]`` gather from the head's flattened codebook; 16-bit
+codebooks are bitcast in the wrapper to uint32 words of two coordinates, so
+a code costs ``v/2`` gathers (lane ``2w`` in the low half of word ``w``,
+``2w + 1`` in the high half). Then ``q @ K^T = sum_l q_l @ K_l^T`` and
+``o_l = p @ V_l``. The wrapper permutes q's channels into K's plane order
+(``q_l`` is the contiguous column slice ``[l*n, (l+1)*n)``) and the merged
+output back from V's plane order; the residual rows are read plane by plane
+with strided loads. A side whose planes would be narrower than a Triton dot
+(``n < 16``: ``v = 8`` at ``D = 64``) is one plane in channel order instead,
+its tile built per element (`_gather_tile`). A lookup-table K path and a
+codebook-centric V accumulation are the alternatives to measure on a GPU
+(``bench/results/vq-NOTES.md``).
 
 Dot operands are in the cache dtype (float32 caches: IEEE float32 dots at
 HIGHEST precision). Unlike `dequant_attention`, nothing is rescaled for a
@@ -44,7 +55,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _triton
 
-_MIN_ROWS = 16  # smallest M of a Triton dot
+_MIN_DOT = 16  # smallest M, N or K of a Triton dot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,12 +189,56 @@ def _dot_t(a, b):
                          preferred_element_type=jnp.float32)
 
 
+@dataclasses.dataclass(frozen=True)
+class _SideLayout:
+  """How the kernel reads one side (module docstring, "Lane planes").
+
+  Attributes:
+    spec: the side's VQ parameters.
+    planes: lane planes the side is computed in: ``spec.vector``, or 1 (one
+      tile in channel order) when ``D / v`` is narrower than a Triton dot.
+    pair_dtype: the 16-bit codebook dtype when centroids are gathered as
+      uint32 words of two coordinates; None when gathered per coordinate.
+  """
+
+  spec: VQSideSpec
+  planes: int
+  pair_dtype: jnp.dtype | None
+
+  @classmethod
+  def of(cls, spec: VQSideSpec, head_dim: int, codebook_dtype) -> "_SideLayout":
+    if spec.sub_spaces(head_dim) < _MIN_DOT:
+      return cls(spec, 1, None)
+    codebook_dtype = jnp.dtype(codebook_dtype)  # v is even (2, 4 or 8): words hold whole pairs
+    return cls(spec, spec.vector, codebook_dtype if codebook_dtype.itemsize == 2 else None)
+
+  def flat_codebook(self, codebook: jax.Array) -> jax.Array:
+    """``[H, S, n, E, v]`` -> per kv head ``[H, S*n*E*v]``, or ``[H, S*n*E*v/2]``
+    uint32 words (coordinate 2w in the low half of word w) for `pair_dtype`."""
+    if self.pair_dtype is None:
+      return codebook.reshape(codebook.shape[0], -1)
+    pairs = codebook.reshape(*codebook.shape[:-1], -1, 2)  # [H, S, n, E, v/2, 2]
+    return lax.bitcast_convert_type(pairs, jnp.uint32).reshape(codebook.shape[0], -1)
+
+
+def _to_planes(x: jax.Array, planes: int) -> jax.Array:
+  """Channel order -> plane order: ``out[..., l*n + j] = x[..., j*planes + l]``."""
+  *lead, d = x.shape
+  return x.reshape(*lead, d // planes, planes).swapaxes(-1, -2).reshape(*lead, d)
+
+
+def _from_planes(x: jax.Array, planes: int) -> jax.Array:
+  """Inverse of `_to_planes`."""
+  *lead, d = x.shape
+  return x.reshape(*lead, planes, d // planes).swapaxes(-1, -2).reshape(*lead, d)
+
+
 def _gather_tile(codes_ref, codebook_ref, spec: VQSideSpec, t0, kb, head_dim):
   """Dequantized tokens ``[t0, t0 + kb)`` of one head as float32 ``[kb, D]``.
 
-  ``codes_ref [C, S*n]`` uint8, ``codebook_ref [S*n*E*v]`` (flattened
-  ``[S, n, E, v]``). Both loads are gathers: the codes expanded to one per
-  channel, then one centroid coordinate per channel.
+  The one-plane fallback. ``codes_ref [C, S*n]`` uint8, ``codebook_ref
+  [S*n*E*v]`` (flattened ``[S, n, E, v]``). Both loads are gathers: the
+  codes expanded to one per channel, then one centroid coordinate per channel.
   """
   n = head_dim // spec.vector
   tok = t0 + lax.broadcasted_iota(jnp.int32, (kb, 1), 0)
@@ -198,24 +253,53 @@ def _gather_tile(codes_ref, codebook_ref, spec: VQSideSpec, t0, kb, head_dim):
   return x
 
 
+def _gather_planes(codes_ref, codebook_ref, layout: _SideLayout, t0, kb, head_dim):
+  """Dequantized tokens ``[t0, t0 + kb)`` as ``layout.planes`` float32 tiles.
+
+  Returns a list whose entry ``l`` is ``[kb, D / planes]``: channels
+  ``j * planes + l``. ``codes_ref [C, S*n]`` uint8; ``codebook_ref`` one kv
+  head's `_SideLayout.flat_codebook`.
+  """
+  spec = layout.spec
+  if layout.planes == 1:
+    return [_gather_tile(codes_ref, codebook_ref, spec, t0, kb, head_dim)]
+  n, vec = spec.sub_spaces(head_dim), spec.vector
+  sub = lax.broadcasted_iota(jnp.int32, (1, n), 1)
+  planes = [None] * vec
+  for s in range(spec.stages):
+    code = codes_ref[pl.ds(t0, kb), pl.ds(s * n, n)].astype(jnp.int32)  # [kb, n]
+    entry = (s * n + sub) * spec.entries + code    # [kb, n] centroid of sub-vector j
+    if layout.pair_dtype is None:
+      parts = [codebook_ref[entry * vec + lane] for lane in range(vec)]
+    else:
+      parts = []
+      for w in range(vec // 2):
+        word = codebook_ref[entry * (vec // 2) + w]  # [kb, n] uint32: lanes 2w (low), 2w+1
+        for half in (word & 0xFFFF, word >> 16):
+          parts.append(lax.bitcast_convert_type(half.astype(jnp.uint16), layout.pair_dtype))
+    planes = [p.astype(jnp.float32) if x is None else x + p.astype(jnp.float32)
+              for x, p in zip(planes, parts)]
+  return planes
+
+
 def _vq_split_kernel(
     # inputs
     lengths_ref,     # [] int32: L_b
     scale_ref,       # [] float32: softmax scale
-    q_ref,           # [M, D] (rows padded to M)
+    q_ref,           # [M, D] (rows padded to M), channels in K's plane order
     k_codes_ref,     # [C, Sk*nk] uint8
-    k_codebook_ref,  # [Sk*nk*Ek*vk] flattened codebooks of this kv head
+    k_codebook_ref,  # [Sk*nk*Ek*vk] (or uint32 [Sk*nk*Ek*vk/2]) codebooks of this kv head
     v_codes_ref,     # [C, Sv*nv] uint8
-    v_codebook_ref,  # [Sv*nv*Ev*vv]
-    k_res_ref,       # [R, D]
-    v_res_ref,       # [R, D]
+    v_codebook_ref,  # [Sv*nv*Ev*vv] (or uint32 [Sv*nv*Ev*vv/2])
+    k_res_ref,       # [R, D] channel order
+    v_res_ref,       # [R, D] channel order
     # outputs
-    o_ref,           # [M, D] float32, unnormalized
+    o_ref,           # [M, D] float32, unnormalized, channels in V's plane order
     l_ref,           # [M] float32, softmax denominators
     m_ref,           # [M] float32, running maxima (-inf: no valid key)
     *,
-    k_spec: VQSideSpec,
-    v_spec: VQSideSpec,
+    k_layout: _SideLayout,
+    v_layout: _SideLayout,
     token_group: int,
     residual: int,
     num_queries: int,
@@ -225,13 +309,22 @@ def _vq_split_kernel(
 ):
   rows, head_dim = o_ref.shape
   dtype = k_res_ref.dtype
+  k_width, v_width = head_dim // k_layout.planes, head_dim // v_layout.planes
   split = pl.program_id(2)
   length = lengths_ref[()]
   sm_scale = scale_ref[()]
   packed = token_group * jnp.maximum(0, (length - residual + token_group) // token_group)
   # Row r is (query head h, new token s), r = h * S + s; it sees keys [0, L - S + s].
   row_limit = length - num_queries + lax.broadcasted_iota(jnp.int32, (rows,), 0) % num_queries
-  q = q_ref[...].astype(dtype)
+  q_planes = [q_ref[:, pl.ds(plane * k_width, k_width)].astype(dtype)
+              for plane in range(k_layout.planes)]
+
+  def scores(k_planes):  # q @ K^T, summed over K's planes
+    s = None
+    for q_l, k_l in zip(q_planes, k_planes):
+      part = _dot_t(q_l, k_l.astype(dtype))
+      s = part if s is None else s + part
+    return s
 
   def online_softmax(s, valid, m, l):
     s = jnp.where(valid, s * sm_scale, -jnp.inf)
@@ -241,17 +334,21 @@ def _vq_split_kernel(
     p = jnp.exp(s - m_safe[:, None])
     return p, alpha, m_new, alpha * l + jnp.sum(p, axis=1)
 
+  def accumulate(acc, alpha, p, v_planes):  # o_l = alpha * o_l + p @ V_l per plane
+    p = p.astype(dtype)
+    return tuple(alpha[:, None] * a + _dot(p, v.astype(dtype)) for a, v in zip(acc, v_planes))
+
   def packed_step(i, carry):
     m, l, acc = carry
     t0 = start + i * block_k
     t = t0 + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
     in_packed = t < packed
     valid = in_packed[None, :] & (t[None, :] <= row_limit[:, None])
-    k = _gather_tile(k_codes_ref, k_codebook_ref, k_spec, t0, block_k, head_dim)
-    p, alpha, m, l = online_softmax(_dot_t(q, k.astype(dtype)), valid, m, l)
-    v = _gather_tile(v_codes_ref, v_codebook_ref, v_spec, t0, block_k, head_dim)
-    v = jnp.where(in_packed[:, None], v, 0.0)
-    return m, l, alpha[:, None] * acc + _dot(p.astype(dtype), v.astype(dtype))
+    k = _gather_planes(k_codes_ref, k_codebook_ref, k_layout, t0, block_k, head_dim)
+    p, alpha, m, l = online_softmax(scores(k), valid, m, l)
+    v = _gather_planes(v_codes_ref, v_codebook_ref, v_layout, t0, block_k, head_dim)
+    v = [jnp.where(in_packed[:, None], v_l, 0.0) for v_l in v]
+    return m, l, accumulate(acc, alpha, p, v)
 
   # This split's slice of the packed region (a multiple of block_k tokens).
   per_split = pl.cdiv(pl.cdiv(packed, num_splits), block_k) * block_k
@@ -259,10 +356,11 @@ def _vq_split_kernel(
   stop = jnp.minimum(start + per_split, packed)
   num_blocks = jnp.maximum(0, pl.cdiv(stop - start, block_k))
   carry = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
-           jnp.zeros((rows, head_dim), jnp.float32))
+           tuple(jnp.zeros((rows, v_width), jnp.float32) for _ in range(v_layout.planes)))
   carry = lax.fori_loop(0, num_blocks, packed_step, carry)
 
-  # The last split continues the same online softmax over the residual rows.
+  # The last split continues the same online softmax over the residual rows,
+  # read plane by plane (plane l: every planes-th channel from l).
   num_res = length - packed
 
   def res_step(i, carry):
@@ -272,13 +370,18 @@ def _vq_split_kernel(
     in_res = idx < num_res
     valid = in_res[None, :] & ((packed + idx)[None, :] <= row_limit[:, None])
     tok = pl.ds(r0, res_block)
-    p, alpha, m, l = online_softmax(_dot_t(q, k_res_ref[tok, :]), valid, m, l)
-    v = jnp.where(in_res[:, None], v_res_ref[tok, :], 0)
-    return m, l, alpha[:, None] * acc + _dot(p.astype(dtype), v)
+    k = [k_res_ref[tok, pl.ds(plane, k_width, stride=k_layout.planes)]
+         for plane in range(k_layout.planes)]
+    p, alpha, m, l = online_softmax(scores(k), valid, m, l)
+    v = [v_res_ref[tok, pl.ds(plane, v_width, stride=v_layout.planes)]
+         for plane in range(v_layout.planes)]
+    v = [jnp.where(in_res[:, None], v_l, 0) for v_l in v]
+    return m, l, accumulate(acc, alpha, p, v)
 
   num_res_blocks = jnp.where(split == num_splits - 1, pl.cdiv(num_res, res_block), 0)
   m, l, acc = lax.fori_loop(0, num_res_blocks, res_step, carry)
-  o_ref[...] = acc
+  for plane, acc_l in enumerate(acc):
+    o_ref[:, pl.ds(plane * v_width, v_width)] = acc_l
   l_ref[...] = l
   m_ref[...] = m
 
@@ -354,17 +457,20 @@ def vq_decode_attention(
   res_block = min(residual & -residual, 64)
   group_q = q_heads // kv_heads
   q_rows = group_q * num_queries
-  rows = max(_MIN_ROWS, _triton.next_pow2(q_rows))
+  rows = max(_MIN_DOT, _triton.next_pow2(q_rows))
   sm_scale = jnp.asarray(head_dim ** -0.5 if scale is None else scale, jnp.float32)
   if sm_scale.shape != ():
     raise ValueError(f"scale must be a scalar, got shape {sm_scale.shape}")
 
-  # Rows r = h * S + s of kv head k's query block, zero-padded to the dot's M.
+  k_layout = _SideLayout.of(k_spec, head_dim, k_codebook.dtype)
+  v_layout = _SideLayout.of(v_spec, head_dim, v_codebook.dtype)
+  # Rows r = h * S + s of kv head k's query block, zero-padded to the dot's M,
+  # channels in K's plane order.
   qh = q.reshape(batch, num_queries, kv_heads, group_q, head_dim)
   qh = qh.transpose(0, 2, 3, 1, 4).reshape(batch, kv_heads, q_rows, head_dim)
-  qh = jnp.pad(qh, ((0, 0), (0, 0), (0, rows - q_rows), (0, 0)))
-  k_flat = k_codebook.reshape(kv_heads, -1)
-  v_flat = v_codebook.reshape(kv_heads, -1)
+  qh = jnp.pad(_to_planes(qh, k_layout.planes), ((0, 0), (0, 0), (0, rows - q_rows), (0, 0)))
+  k_flat = k_layout.flat_codebook(k_codebook)
+  v_flat = v_layout.flat_codebook(v_codebook)
   num_parts = config.num_splits
 
   def per_head(x):  # one (b, h) slice of a [B, H, ...] array per program
@@ -376,7 +482,7 @@ def vq_decode_attention(
 
   per_seq = pl.BlockSpec((None,), lambda b, h, j: (b,))
   kernel = functools.partial(
-      _vq_split_kernel, k_spec=k_spec, v_spec=v_spec, token_group=token_group,
+      _vq_split_kernel, k_layout=k_layout, v_layout=v_layout, token_group=token_group,
       residual=residual, num_queries=num_queries, num_splits=num_parts, block_k=block_k,
       res_block=res_block)
   o_part, l_part, m_part = pl.pallas_call(
@@ -402,7 +508,8 @@ def vq_decode_attention(
   )(lengths.astype(jnp.int32), jnp.broadcast_to(sm_scale, (batch,)), qh, k_codes, k_flat,
     v_codes, v_flat, k_residual, v_residual)
 
-  out = combine_splits(o_part, l_part, m_part)[:, :, :q_rows]  # [B, H, q_rows, D]
+  out = combine_splits(o_part, l_part, m_part)[:, :, :q_rows]  # [B, H, q_rows, D] V's planes
+  out = _from_planes(out, v_layout.planes)
   out = out.reshape(batch, kv_heads, group_q, num_queries, head_dim)
   return out.transpose(0, 3, 1, 2, 4).reshape(batch, num_queries, q_heads, head_dim).astype(q.dtype)
 
