@@ -38,6 +38,8 @@ def main(argv=None) -> int:
   p.add_argument("--shape", type=int, default=4)
   p.add_argument("--config", default=None, help="block_k,num_splits,num_warps,num_stages")
   p.add_argument("--calls", type=int, default=6)
+  p.add_argument("--mosaic", action="store_true",
+                 help="the Mosaic GPU kernel (default config; kernel regex jaxkv_mosaic)")
   args = p.parse_args(argv)
   b, t, hq, hkv, d, s = A.SHAPES[args.shape]
   fmt = PRESETS[args.format]
@@ -47,7 +49,11 @@ def main(argv=None) -> int:
     config = pk.DecodeAttentionConfig(block_k=bk, num_splits=ns, num_warps=nw, num_stages=st)
   q = jax.random.normal(jax.random.PRNGKey(0), (b, s, hq, d), jnp.bfloat16)
   data = A.random_packed(jax.random.PRNGKey(3), fmt, b, t, hkv, d)
-  f = jax.jit(functools.partial(A.jaxkv_call, fmt=fmt, config=config))
+  if args.mosaic:
+    config = A.ma.MosaicAttentionConfig.default(batch=b, tokens=t, kv_heads=hkv,
+                                                num_sms=jax.devices()[0].core_count)
+  call = A.mosaic_call if args.mosaic else A.jaxkv_call
+  f = jax.jit(functools.partial(call, fmt=fmt, config=config))
   for _ in range(args.calls):
     out = f(q, data.arrays, data.lengths)
   jax.block_until_ready(out)

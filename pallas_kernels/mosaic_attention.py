@@ -62,6 +62,9 @@ class MosaicAttentionConfig:
       ``O^T += V^T P^T``, query rows as N = 16/32/64) with K dequantized in
       registers (v2); False runs v1 (query rows padded to M = 64, K and V
       dequantized through shared memory).
+    fold_scales: (tokens_m only) apply per-token scales and zeros to the scores
+      (K) and to ``P`` (V) instead of to every code; per-channel K is always
+      dequantized per element.
 
   Search space (`jaxkv.autotune`): block_k in {64, 128}, num_splits around
   the heuristic (x1/2, x1, x2), max_concurrent_steps in {2, 3, 4}.
@@ -71,6 +74,7 @@ class MosaicAttentionConfig:
   num_splits: int = 8
   max_concurrent_steps: int = 3
   tokens_m: bool = True
+  fold_scales: bool = True
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -458,16 +462,22 @@ def _affine_regs(scale_smem, zero_smem, side: SideSpec, c0: int, width: int, bk:
           lax.broadcast_in_dim(zr, (bk, width), dims))
 
 
-def _dequant_planes(codes_smem, scale_smem, zero_smem, side: SideSpec, head_dim: int, dtype):
+def _dequant_planes(codes_smem, scale_smem, zero_smem, side: SideSpec, head_dim: int, dtype, *,
+                    affine: bool = True):
   """Yields ``(c0, x)``: plane ``x`` = channels ``[c0, c0 + W)`` of the tile, ``[bk, W]``
-  values in ``dtype`` (WGMMA register layout)."""
+  values in ``dtype`` (WGMMA register layout): ``c * scale + zero``, or the exact
+  codes ``c`` when ``affine`` is False (the caller folds scale and zero)."""
   raw = plgpu.load(codes_smem, (), layout=plgpu.Layout.WGMMA)  # [bk, W] uint8
   bk = raw.shape[0]
   width = _plane_width(side, head_dim)
   if side.bits == 8:
-    # 8-bit codes exceed a 16-bit float's exponent trick: go through float32.
+    # 8-bit codes exceed a 16-bit float's exponent trick: go through float32
+    # (exact: every code < 256 is a bfloat16/float16 integer).
     x = lax.bitcast_convert_type(raw.astype(jnp.uint32) | np.uint32(0x4B000000), jnp.float32)
     x = x - np.float32(8388608.0)                        # 2^23 + c - 2^23 = c
+    if not affine:
+      yield 0, x.astype(dtype)
+      return
     sc, zr = _affine_regs(scale_smem, zero_smem, side, 0, width, bk, jnp.float32)
     yield 0, (x * sc + zr).astype(dtype)
     return
@@ -478,8 +488,17 @@ def _dequant_planes(codes_smem, scale_smem, zero_smem, side: SideSpec, head_dim:
     c = wide >> np.uint16(plane * side.bits) if plane else wide
     c = (c & mask) | np.uint16(magic)
     x = lax.bitcast_convert_type(c, dtype) - jnp.asarray(base, dtype)  # exact code
-    sc, zr = _affine_regs(scale_smem, zero_smem, side, plane * width, width, bk, dtype)
-    yield plane * width, x * sc + zr
+    if affine:
+      sc, zr = _affine_regs(scale_smem, zero_smem, side, plane * width, width, bk, dtype)
+      x = x * sc + zr
+    yield plane * width, x
+
+
+def _token_affine(scale_smem, zero_smem):
+  """Per-token scale and zero of a block as float32 ``[bk]`` (WGMMA row vectors)."""
+  lay = plgpu.Layout.WGMMA.reduce(1)
+  return (plgpu.load(scale_smem, (), layout=lay).astype(jnp.float32),
+          plgpu.load(zero_smem, (), layout=lay).astype(jnp.float32))
 
 
 def _tokens_m_call(qh, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v_side,
@@ -513,21 +532,36 @@ def _tokens_m_call(qh, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v
   v_specs = side_specs(v_side, v_in[0], v_tf)
   nk, nv = len(k_specs), len(v_specs)
 
+  fold_k = config.fold_scales and k_side.bits < 16 and k_side.axis == "token"
+  fold_v = config.fold_scales and v_side.bits < 16
+
   def attend(q_smem, k_tiles, v_tiles, pt_smem, vdq_smem, carry, *, token0, valid_below,
-             row_limit):
-    """One online-softmax step over ``bk`` tokens (tokens on M)."""
-    acc, m_i, l_i = carry
+             row_limit, q_sum):
+    """One online-softmax step over ``bk`` tokens (tokens on M).
+
+    Folded scales (``config.fold_scales``): a per-token K side is applied to the
+    scores (``S^T = (C q^T) * s_t + z_t * sum(q)``), the V side to ``P`` (``O^T +=
+    C^T (P * s_t)^T``, and ``sum_t p * z_t`` kept per column), so those codes
+    need no per-element affine.
+    """
+    acc, m_i, l_i, z_i = carry
+    packed_k = isinstance(k_tiles, tuple)
+    packed_v = isinstance(v_tiles, tuple)
 
     def scores(acc_ref):
-      if not isinstance(k_tiles, tuple):  # full-precision K tile in smem
+      if not packed_k:  # full-precision K tile in smem
         plgpu.wgmma(acc_ref, k_tiles, plgpu.transpose_ref(q_smem, (1, 0)))
       else:
-        for c0, x in _dequant_planes(*k_tiles, k_side, head_dim, dtype):
+        for c0, x in _dequant_planes(*k_tiles, k_side, head_dim, dtype, affine=not fold_k):
           q_plane = q_smem.at[:, pl.ds(c0, kw)]
           plgpu.wgmma(acc_ref, x, plgpu.transpose_ref(q_plane, (1, 0)))
       return acc_ref[...]
 
     s = pl.run_scoped(scores, plgpu.ACC((bk, n_rows), f32))   # [bk, N]
+    if packed_k and fold_k:
+      ksc, kzr = _token_affine(k_tiles[1], k_tiles[2])
+      s = (s * lax.broadcast_in_dim(ksc, s.shape, [0])
+           + lax.broadcast_in_dim(kzr, s.shape, [0]) * lax.broadcast_in_dim(q_sum, s.shape, [1]))
     tok = token0 + plgpu.broadcasted_iota(jnp.int32, (bk, n_rows), 0,
                                           layout=plgpu.Layout.WGMMA)
     lim = lax.broadcast_in_dim(row_limit, (bk, n_rows), [1])
@@ -536,11 +570,18 @@ def _tokens_m_call(qh, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp(m_i - m_safe)
     p = jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [1]))
-    l_i = l_i * lax.broadcast_in_dim(alpha, l_i.shape, [1]) + p   # row sums deferred
+    alpha_b = lax.broadcast_in_dim(alpha, l_i.shape, [1])
+    l_i = l_i * alpha_b + p                                    # row sums deferred
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-    pt_smem[...] = p.astype(dtype)
-    if isinstance(v_tiles, tuple):
-      for c0, x in _dequant_planes(*v_tiles, v_side, head_dim, dtype):
+    if packed_v and fold_v:
+      vsc, vzr = _token_affine(v_tiles[1], v_tiles[2])
+      z_i = z_i * alpha_b + p * lax.broadcast_in_dim(vzr, p.shape, [0])
+      pt_smem[...] = (p * lax.broadcast_in_dim(vsc, p.shape, [0])).astype(dtype)
+    else:
+      z_i = z_i * alpha_b
+      pt_smem[...] = p.astype(dtype)
+    if packed_v:
+      for c0, x in _dequant_planes(*v_tiles, v_side, head_dim, dtype, affine=not fold_v):
         vdq_smem[:, pl.ds(c0, x.shape[1])] = x
       v_tile = vdq_smem
     else:
@@ -551,9 +592,9 @@ def _tokens_m_call(qh, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v
       plgpu.wgmma(acc_ref, plgpu.transpose_ref(v_tile, (1, 0)), pt_smem)
 
     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-    return acc, m_new, l_i
+    return acc, m_new, l_i, z_i
 
-  def kernel(lengths_gmem, q_gmem, *refs):
+  def kernel(lengths_gmem, q_gmem, qsum_gmem, *refs):
     k_refs, v_refs = refs[:3], refs[3:6]
     kres_gmem, vres_gmem, o_gmem, l_gmem, m_gmem = refs[6:11]
     q_smem, kres_smem, vdq_smem, pt_smem, o_smem, lm_smem, barrier = refs[11:]
@@ -571,9 +612,14 @@ def _tokens_m_call(qh, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v
     acc0 = plgpu.layout_cast(jnp.zeros((head_dim, n_rows), f32), plgpu.Layout.WGMMA)
     m0 = plgpu.layout_cast(jnp.full((n_rows,), -jnp.inf, f32), plgpu.Layout.WGMMA.reduce(0))
     l0 = plgpu.layout_cast(jnp.zeros((bk, n_rows), f32), plgpu.Layout.WGMMA)
+    q_sum = (plgpu.load(qsum_gmem.at[b, h], (), layout=plgpu.Layout.WGMMA.reduce(0),
+                        optimized=False)
+             if fold_k else None)
 
     def finish(carry):
-      acc, m_i, l_i = carry
+      acc, m_i, l_i, z_i = carry
+      if fold_v:  # + sum_t p_t * zero_t on every channel
+        acc = acc + lax.broadcast_in_dim(z_i.sum(axis=0), acc.shape, [1])
       o_smem[...] = acc
       lm_smem[0] = l_i.sum(axis=0)
       lm_smem[1] = m_i
@@ -598,7 +644,8 @@ def _tokens_m_call(qh, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v
         k_tiles = kt[0] if k_side.bits == 16 else tuple(kt)
         v_tiles = vt[0] if v_side.bits == 16 else tuple(vt)
         return attend(q_smem, k_tiles, v_tiles, pt_smem, vdq_smem, carry,
-                      token0=(first + i) * bk, valid_below=packed, row_limit=row_limit)
+                      token0=(first + i) * bk, valid_below=packed, row_limit=row_limit,
+                      q_sum=q_sum)
 
       def shifted(spec):
         im = spec.index_map
@@ -606,13 +653,13 @@ def _tokens_m_call(qh, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v
 
       pipeline = plgpu.emit_pipeline(
           body, grid=(num_blocks,), in_specs=[shifted(s) for s in k_specs + v_specs],
-          max_concurrent_steps=config.max_concurrent_steps, init_carry=(acc0, m0, l0))
+          max_concurrent_steps=config.max_concurrent_steps, init_carry=(acc0, m0, l0, l0))
       gm = [r.at[b, h] for r in k_refs[:nk]] + [r.at[b, h] for r in v_refs[:nv]]
       finish(pipeline(*gm))
 
     @pl.when(j == num_splits)
     def _residual():
-      carry = (acc0, m0, l0)
+      carry = (acc0, m0, l0, l0)
       num_res = length - packed
       for r0 in range(0, residual, bk):
         plgpu.copy_gmem_to_smem(kres_gmem.at[b, h, pl.ds(r0, bk)], kres_smem, barrier)
@@ -622,7 +669,7 @@ def _tokens_m_call(qh, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v
         # Residual row r holds token packed + r.
         carry = attend(q_smem, kres_smem, vdq_smem, pt_smem, vdq_smem, carry,
                        token0=packed + r0, valid_below=packed + num_res,
-                       row_limit=row_limit)
+                       row_limit=row_limit, q_sum=q_sum)
       finish(carry)
 
   k_in = list(k_in) + [k_in[0]] * (3 - len(k_in))  # unused slots repeat the codes
@@ -648,4 +695,4 @@ def _tokens_m_call(qh, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v
       scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=_SEMANTICS),
       kernel_name=f"jaxkv_mosaic_tokens_m_attention_k{k_side.bits}v{v_side.bits}",
-  )(lengths, qh, *k_in, *v_in, k_residual, v_residual)
+  )(lengths, qh, jnp.sum(qh.astype(f32), axis=-1), *k_in, *v_in, k_residual, v_residual)

@@ -86,8 +86,10 @@ def test_mosaic_attention(name, b, hkv, group, d, s, lengths, capacity, dtype):
   key = _key(name, b, hkv, group, d, s, lengths)
   cache = _cache(fmt, b, hkv, d, lengths, capacity, dtype, key)
   q = jax.random.normal(jax.random.fold_in(key, 1), (b, s, hkv * group, d)).astype(dtype)
-  # Both orientations: tokens on M (v2, the default) and query rows on M (v1).
-  configs = [ma.MosaicAttentionConfig(block_k=64, num_splits=3, tokens_m=t) for t in (True, False)]
+  # Tokens on M (v2, the default) with and without folded scales, and query
+  # rows on M (v1).
+  configs = [ma.MosaicAttentionConfig(block_k=64, num_splits=3, tokens_m=t, fold_scales=f)
+             for t, f in ((True, True), (True, False), (False, False))]
   if not ON_HOPPER:
     for config in configs:
       lowered = jax.jit(_call, static_argnums=2).trace(q, cache, config).lower(
@@ -99,8 +101,8 @@ def test_mosaic_attention(name, b, hkv, group, d, s, lengths, capacity, dtype):
   for config in configs:
     out = np.asarray(jax.jit(_call, static_argnums=2)(q, cache, config), np.float64)
     err = np.abs(out - ref).max() / np.abs(ref).max()
-    assert np.isfinite(out).all(), f"{config.tokens_m=}"
-    assert err < _TOL[dtype], f"{config.tokens_m=}: max rel err {err:.2e}"
+    assert np.isfinite(out).all(), f"{config=}"
+    assert err < _TOL[dtype], f"{config=}: max rel err {err:.2e}"
   # And through the public entry point with the default config.
   got = jaxkv.decode_attention(q, cache, implementation="mosaic")
   err2 = np.abs(np.asarray(got, np.float64) - ref).max() / np.abs(ref).max()
