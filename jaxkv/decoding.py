@@ -385,11 +385,11 @@ def decode_steps(model, tokens, cache, num_steps: int, *, sampler: str | Callabl
                        None, mesh)
   graphdef, state = _split(model)
   rng = jax.random.key(0) if rng is None else rng
-  stops = jnp.asarray(_stop_array(stop_tokens, tokens.shape[0]))
+  stops = _stop_array(stop_tokens, tokens.shape[0])
   return _decode_steps_program(graphdef, state, tokens, cache, rng, stops,
-                               jnp.float32(temperature),
-                               jnp.float32(1.0 if top_p is None else top_p),
-                               jnp.int32(pad_token_id), settings=settings)
+                               np.float32(temperature),
+                               np.float32(1.0 if top_p is None else top_p),
+                               np.int32(pad_token_id), settings=settings)
 
 
 def _stop_array(stop_tokens, batch: int) -> np.ndarray:
@@ -508,8 +508,8 @@ def generate(model, prompt_tokens, prompt_lengths, *, kv_format: KVFormat | str 
   graphdef, state = _split(model)
   tokens, lengths, cache = _generate_program(
       graphdef, state, prompt_tokens, prompt_lengths, cache, rng, stops,
-      jnp.float32(temperature), jnp.float32(1.0 if top_p is None else top_p),
-      jnp.int32(pad_token_id), jnp.int32(max_new_tokens if num_steps is None else num_steps),
+      np.float32(temperature), np.float32(1.0 if top_p is None else top_p),
+      np.int32(pad_token_id), np.int32(max_new_tokens if num_steps is None else num_steps),
       settings=settings)
   if return_cache:
     return tokens, lengths, cache

@@ -303,8 +303,8 @@ def speculative_generate(model, prompt_tokens, prompt_lengths, *, max_new_tokens
   tokens, num, verifs, accepted, cache = _speculative_program(
       graphdef, state, draft_weights, jnp.asarray(prompt_tokens, jnp.int32),
       jnp.asarray(lengths, jnp.int32), cache, jax.random.key(0) if rng is None else rng,
-      jnp.asarray(_stop_array(stop_tokens, b)), jnp.float32(temperature),
-      jnp.int32(pad_token_id), settings=settings)
+      _stop_array(stop_tokens, b), np.float32(temperature),
+      np.int32(pad_token_id), settings=settings)
   v, a = np.asarray(verifs), np.asarray(accepted)
   emitted_after_first = np.asarray(num) - 1
   stats = dict(verifications=v, accepted=a,
