@@ -82,8 +82,7 @@ def main(argv=None) -> int:
           k_bits=fmt.k_bits, v_bits=fmt.v_bits, token_group=fmt.token_group, k_axis=fmt.k_axis)
       configs = {"default": default}
       configs.update({k_: dataclasses.replace(default, **kv) for k_, kv in variants.items()})
-      mdefault = A.ma.MosaicAttentionConfig.default(batch=b, tokens=t, kv_heads=hkv,
-                                                    num_sms=jax.devices()[0].core_count)
+      mdefault = A.mosaic_default(fmt, b, t, hkv)
       for k_, kv in parse_variants(args.mosaic).items():
         kv = dict(kv)
         if kv.get("num_splits") in (-2, -3):

@@ -192,9 +192,15 @@ def mosaic_supported(fmt, hq, hkv, d, s):
                      residual=fmt.residual)
 
 
-def mosaic_configs(b, t, hkv, limit):
-  base = ma.MosaicAttentionConfig.default(batch=b, tokens=t, kv_heads=hkv,
-                                          num_sms=jax.devices()[0].core_count)
+def mosaic_default(fmt, b, t, hkv):
+  """The Mosaic heuristic config for a format and shape (what dispatch uses)."""
+  return ma.MosaicAttentionConfig.default(
+      batch=b, tokens=t, kv_heads=hkv, num_sms=jax.devices()[0].core_count, k_bits=fmt.k_bits,
+      v_bits=fmt.v_bits, token_group=fmt.token_group, residual=fmt.residual)
+
+
+def mosaic_configs(fmt, b, t, hkv, limit):
+  base = mosaic_default(fmt, b, t, hkv)
   rep = dataclasses.replace
   cands = [base, rep(base, num_splits=base.num_splits * 2),
            rep(base, num_splits=max(1, base.num_splits // 2)),
@@ -443,7 +449,7 @@ def bench_shape(shape, formats, hbm, tune, log, cache_formats=()):
     try_configs(f"jaxkv_{name}", jaxkv_call, candidate_configs(fmt, b, t, hq, hkv, d, tune))
     ok, why = mosaic_supported(fmt, hq, hkv, d, s)
     if ok:
-      try_configs(f"mosaic_{name}", mosaic_call, mosaic_configs(b, t, hkv, tune))
+      try_configs(f"mosaic_{name}", mosaic_call, mosaic_configs(fmt, b, t, hkv, tune))
     else:
       rows[f"mosaic_{name}"] = {"unsupported": why}
       log(f"  mosaic_{name}: falls back to Triton ({why})")

@@ -50,8 +50,7 @@ def main(argv=None) -> int:
   q = jax.random.normal(jax.random.PRNGKey(0), (b, s, hq, d), jnp.bfloat16)
   data = A.random_packed(jax.random.PRNGKey(3), fmt, b, t, hkv, d)
   if args.mosaic:
-    config = A.ma.MosaicAttentionConfig.default(batch=b, tokens=t, kv_heads=hkv,
-                                                num_sms=jax.devices()[0].core_count)
+    config = A.mosaic_default(fmt, b, t, hkv)
   call = A.mosaic_call if args.mosaic else A.jaxkv_call
   f = jax.jit(functools.partial(call, fmt=fmt, config=config))
   for _ in range(args.calls):

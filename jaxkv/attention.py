@@ -164,7 +164,7 @@ def _mosaic_supported(q, cache, config=None) -> tuple[bool, str]:
     return False, "the Mosaic GPU kernels need a Hopper (sm_90) GPU"
   from pallas_kernels import mosaic_attention  # pylint: disable=import-outside-toplevel
   k_side, v_side = _mosaic_specs(cache)
-  block_k = getattr(config, "block_k", 64)
+  block_k = (config if config is not None else _mosaic_default(cache)).block_k
   return mosaic_attention.supports(
       k_side, v_side, head_dim=cache.head_dim, q_rows=q.shape[2] // cache.kv_heads * q.shape[1],
       dtype=cache.dtype, token_group=cache.fmt.token_group, residual=cache.fmt.residual,
@@ -242,13 +242,21 @@ def _is_mosaic_config(config) -> bool:
   return isinstance(config, mosaic_attention.MosaicAttentionConfig)
 
 
+def _mosaic_default(cache):
+  """The heuristic Mosaic config for a cache (supports() is checked against it)."""
+  from pallas_kernels import mosaic_attention  # pylint: disable=import-outside-toplevel
+  fmt = cache.fmt
+  return mosaic_attention.MosaicAttentionConfig.default(
+      batch=cache.batch, tokens=cache.storage_len, kv_heads=cache.kv_heads,
+      num_sms=getattr(jax.devices()[0], "core_count", 132), k_bits=fmt.k_bits,
+      v_bits=fmt.v_bits, token_group=fmt.token_group, residual=fmt.residual)
+
+
 def _mosaic_attention(q, cache, *, scale, config):
   from pallas_kernels import mosaic_attention  # pylint: disable=import-outside-toplevel
   k_side, v_side = _mosaic_specs(cache)
   if config is None:
-    config = mosaic_attention.MosaicAttentionConfig.default(
-        batch=cache.batch, tokens=cache.storage_len, kv_heads=cache.kv_heads,
-        num_sms=getattr(jax.devices()[0], "core_count", 132))
+    config = _mosaic_default(cache)
   sm_scale = cache.head_dim ** -0.5 if scale is None else scale
   return mosaic_attention.mosaic_decode_attention(
       q, cache.k.codes, cache.k.scale, cache.k.zero, cache.v.codes, cache.v.scale,

@@ -86,14 +86,23 @@ class MosaicAttentionConfig:
 
   @classmethod
   def default(cls, *, batch: int, tokens: int, kv_heads: int, num_sms: int = 132,
+              k_bits: int = 4, v_bits: int = 4, token_group: int = 128, residual: int = 128,
               **unused) -> "MosaicAttentionConfig":
-    """Heuristic: about 2 programs per SM, at least 4 blocks per split."""
+    """Heuristic: about 2 programs per SM, at least 4 blocks per split.
+
+    From the v2 A/B on H100 and H200 (`bench/results/mosaic-NOTES.md`): sides
+    of 2 bits take 128-token blocks (kivi2 52 -> 36 us at (1, 32768, 32, 8)),
+    where fixed per-step costs dominate; 4 pipeline stages unless both sides
+    are 8-bit (int8 lost 10-25 % with 4, kivi4/k8v4 gained 2-5 %).
+    """
     del unused
-    block_k = 64
+    fits_128 = token_group % 128 == 0 and residual % 128 == 0
+    block_k = 128 if min(k_bits, v_bits) <= 2 and fits_128 else 64
     blocks = max(1, tokens // block_k)
     want = max(1, (2 * num_sms) // max(1, batch * kv_heads))
     splits = max(1, min(want, blocks // 4, 64))
-    return cls(block_k=block_k, num_splits=splits, max_concurrent_steps=3)
+    stages = 3 if (k_bits >= 8 and v_bits >= 8) or block_k == 128 else 4
+    return cls(block_k=block_k, num_splits=splits, max_concurrent_steps=stages)
 
 
 def _swizzle(width_bytes: int) -> int:

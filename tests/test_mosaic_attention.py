@@ -155,3 +155,19 @@ def test_side_spec_of_formats():
   assert SideSpec.of(PRESETS["bf16"], "v", 64) == SideSpec(16, "token", 1)
   with pytest.raises(ValueError):
     SideSpec(3)
+
+
+@pytest.mark.parametrize("name,block_k,stages", [
+    ("kivi2", 128, 3), ("kivi4", 64, 4), ("k8v4", 64, 4), ("int8", 64, 3), ("kivi2-r2g", 64, 4),
+])
+def test_default_config_per_format(name, block_k, stages):
+  fmt = _fmt(name)
+  config = ma.MosaicAttentionConfig.default(
+      batch=1, tokens=32768, kv_heads=8, k_bits=fmt.k_bits, v_bits=fmt.v_bits,
+      token_group=fmt.token_group, residual=fmt.residual)
+  assert (config.block_k, config.max_concurrent_steps) == (block_k, stages)
+  # The default always fits the format (dispatch checks supports() with it).
+  ok, why = ma.supports(SideSpec.of(fmt, "k", 128), SideSpec.of(fmt, "v", 128), head_dim=128,
+                        q_rows=4, dtype=jnp.bfloat16, token_group=fmt.token_group,
+                        residual=fmt.residual, block_k=config.block_k)
+  assert ok, why
