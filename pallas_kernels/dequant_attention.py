@@ -74,11 +74,6 @@ class DecodeAttentionConfig:
       terms) elementwise over ``[rows, block_k]`` and reduce them once after
       the loop, instead of a cross-warp row reduction per step: fewer
       instructions and barriers, more registers (so fewer resident programs).
-    tokens_m: compute the packed region transposed, with the token block as
-      the M dimension of the dots (``S^T = codes @ q^T``, ``O^T = codes^T @
-      P^T``): M is ``block_k`` (and the plane width for V) instead of the
-      ``Hq/Hkv * S`` query rows padded to 16, so on Hopper the dots can be
-      warpgroup MMAs with no padded rows (module docstring, "Orientation").
 
   Search space (`jaxkv.autotune`): block_k in {32, 64, 128, 256}, num_splits
   around the heuristic (x1/2, x1, x2), num_warps in {2, 4}, num_stages in
@@ -91,7 +86,6 @@ class DecodeAttentionConfig:
   num_stages: int = 2
   defer_sums: bool = True
   prefetch: bool = True
-  tokens_m: bool = False
 
   def __post_init__(self):
     if not _triton.is_pow2(self.block_k) or not 16 <= self.block_k <= 256:
@@ -238,12 +232,6 @@ def _dot(a, b):
   return jnp.dot(a, b, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
 
-def _dot_tn(a, b):
-  """``a.T @ b``."""
-  return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
-                         preferred_element_type=jnp.float32)
-
-
 def _dot_t(a, b):
   """``a @ b.T``."""
   return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
@@ -330,7 +318,6 @@ def _split_kernel(
     use_asm: bool,
     defer_sums: bool,
     prefetch: bool = False,
-    tokens_m: bool = False,
 ):
   rows, head_dim = o_ref.shape
   q_rows = q_ref.shape[0]
@@ -522,98 +509,6 @@ def _split_kernel(
         new_accs[idx] = alpha[:, None] * accs[idx] + part
     return m_new, l, new_accs, new_zaccs
 
-  # ----- tokens on M (``tokens_m``): the same step, transposed. Scores are
-  # ``[kb, rows]``, softmax statistics are reduced over axis 0, and the
-  # per-plane output accumulators are ``[w, rows]`` (transposed once after
-  # the loop). Same algebra, same operand dtypes and normalizations as above.
-  def k_scores_t(t0, kb, k_aff):
-    """Scores ``[kb, rows]`` of packed tokens [t0, t0 + kb)."""
-    tok = pl.ds(t0, kb)
-    if k_side.bits == 16:
-      return _dot_t(k_codes_ref[tok, :].astype(dtype), q_dots[0])
-    if k_side.axis == "channel":
-      s = None
-      for bcol, w, planes in k_side.chunks(head_dim):
-        codes = unpack(k_codes_ref, tok, bcol, w, k_side, k_dt)
-        for plane, col, _ in planes:
-          idx = k_flat.index((bcol, w, plane, col, 0))
-          qf = q_f32[idx]
-          scale, zero = k_side.affine(k_aff[idx][0].astype(jnp.float32),
-                                      k_aff[idx][1].astype(jnp.float32))
-          if k_channel_norm:
-            s_max = jnp.max(jnp.abs(scale))
-            s_max = jnp.where(s_max > 0, s_max, 1.0)
-            part = _dot_t(codes[plane], (qf * (scale / s_max)).astype(k_dt)) * s_max
-          else:
-            part = _dot_t(codes[plane], (qf * scale).astype(k_dt))
-          part = part + jnp.sum(qf * zero, axis=1)[None, :]
-          s = part if s is None else s + part
-      return s
-    per_group = [None] * num_k_groups
-    for bcol, w, planes in k_side.chunks(head_dim):
-      codes = unpack(k_codes_ref, tok, bcol, w, k_side, k_dt)
-      for plane, col, g in planes:
-        qd = q_dots[k_flat.index((bcol, w, plane, col, g))]
-        part = _dot_t(codes[plane], qd)
-        per_group[g] = part if per_group[g] is None else per_group[g] + part
-    s = None
-    for g in range(num_k_groups):
-      scale, zero = k_side.affine(k_aff[g][0].astype(jnp.float32),
-                                  k_aff[g][1].astype(jnp.float32))
-      term = per_group[g] * scale[:, None] + zero[:, None] * q_sums[g][None, :]
-      s = term if s is None else s + term
-    return s
-
-  def step_t(t0, kb, carry, aff):
-    m, l, accs, zaccs = carry
-    k_aff, v_aff = aff
-    t = t0 + lax.broadcasted_iota(jnp.int32, (kb,), 0)
-    in_packed = t < packed
-    valid = in_packed[:, None] & (t[:, None] <= row_limit[None, :])
-    s = jnp.where(valid, k_scores_t(t0, kb, k_aff) * k_mult[None, :], -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s, axis=0))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp(m - m_safe)
-    p = jnp.exp(s - m_safe[None, :])
-    if defer_sums:
-      l = alpha[None, :] * l + p
-    else:
-      l = alpha * l + jnp.sum(p, axis=0)
-    tok = pl.ds(t0, kb)
-    if v_side.bits == 16:
-      v = jnp.where(in_packed[:, None], v_codes_ref[tok, :].astype(dtype), 0)
-      return m_new, l, [alpha[None, :] * accs[0] + _dot_tn(v, p.astype(dtype))], zaccs
-    p_scaled, v_mult, new_zaccs = [], [], []
-    for g in range(v_groups):
-      scale = jnp.where(in_packed, v_aff[g][0].astype(jnp.float32), 0.0)
-      zero = jnp.where(in_packed, v_aff[g][1].astype(jnp.float32), 0.0)
-      scale, zero = v_side.affine(scale, zero)
-      if v_norm:
-        s_max = jnp.max(jnp.abs(scale))
-        s_max = jnp.where(s_max > 0, s_max, 1.0)
-        p_scaled.append((p * (scale / s_max)[:, None]).astype(v_dt))
-        v_mult.append(s_max)
-      else:
-        p_scaled.append((p * scale[:, None]).astype(v_dt))
-        v_mult.append(None)
-      if defer_sums:
-        new_zaccs.append(alpha[None, :] * zaccs[g] + p * zero[:, None])
-      else:
-        new_zaccs.append(alpha * zaccs[g] + jnp.sum(p * zero[:, None], axis=0))
-    new_accs = list(accs)
-    for bcol, w, planes in v_side.chunks(head_dim):
-      codes = unpack(v_codes_ref, tok, bcol, w, v_side, v_dt)
-      for plane, col, g in planes:
-        idx = v_flat.index((bcol, w, plane, col, g))
-        part = _dot_tn(codes[plane], p_scaled[g])     # [w, rows]
-        if v_mult[g] is not None:
-          part = part * v_mult[g]
-        new_accs[idx] = alpha[None, :] * accs[idx] + part
-    return m_new, l, new_accs, new_zaccs
-
-  if tokens_m:
-    step = step_t  # noqa: F811 (the packed loop below runs the transposed step)
-
   # Per-channel K: a step never crosses a token group (one scale row per step).
   sub_k = (min(token_group, block_k) if k_side.axis == "channel" and k_side.bits < 16
            else block_k)
@@ -640,23 +535,17 @@ def _split_kernel(
   start = split * per_split
   stop = jnp.minimum(start + per_split, packed)
   num_blocks = jnp.maximum(0, pl.cdiv(stop - start, block_k))
-  if defer_sums:
-    sums_shape = (sub_k, rows) if tokens_m else (rows, sub_k)
-  else:
-    sums_shape = (rows,)
+  sums_shape = (rows, sub_k) if defer_sums else (rows,)
   carry = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros(sums_shape, jnp.float32),
-           [jnp.zeros((w, rows) if tokens_m else (rows, w), jnp.float32)
-            for (_, w, _, _, _) in v_flat],
+           [jnp.zeros((rows, w), jnp.float32) for (_, w, _, _, _) in v_flat],
            [jnp.zeros(sums_shape, jnp.float32) for _ in range(v_groups)])
   if prefetch:
     carry = (carry, load_affine(start, sub_k))
   carry = lax.fori_loop(0, num_blocks, body, carry)
   m, l, accs, zaccs = carry[0] if prefetch else carry
   if defer_sums:
-    l = jnp.sum(l, axis=0 if tokens_m else 1)
-    zaccs = [jnp.sum(z, axis=0 if tokens_m else 1) for z in zaccs]
-  if tokens_m:
-    accs = [a.T for a in accs]
+    l = jnp.sum(l, axis=1)
+    zaccs = [jnp.sum(z, axis=1) for z in zaccs]
 
   # The last split also attends over the residual (full precision) rows,
   # continuing the same online softmax with the same per-plane accumulators.
@@ -875,7 +764,7 @@ def dequant_decode_attention(
       _split_kernel, k_side=k_side, v_side=v_side, token_group=fmt.token_group,
       residual=fmt.residual, num_queries=num_queries, num_splits=config.num_splits,
       block_k=block_k, res_block=res_block, use_asm=not interpret,
-      defer_sums=config.defer_sums, prefetch=config.prefetch, tokens_m=config.tokens_m)
+      defer_sums=config.defer_sums, prefetch=config.prefetch)
   num_k, num_v = len(k_arrays), len(v_arrays)
 
   def kernel_with_nones(lengths_ref, scale_ref, layer_ref, q_ref, *refs):

@@ -118,6 +118,65 @@ def _tiled(width_elems: int, itemsize_bits: int):
   return (plgpu.TilingTransform((8, sw * 8 // itemsize_bits)), plgpu.SwizzleTransform(sw))
 
 
+def _side_specs(side: SideSpec, width: int, head_dim: int, bk: int, values_transforms):
+  """Pipeline BlockSpecs of one side: code tile ``[bk, width]`` (+ scale, zero),
+  or a ``[bk, D]`` value tile (``values_transforms``) for a 16-bit side."""
+  if side.bits == 16:
+    return [plgpu.BlockSpec((bk, head_dim), lambda i: (i, 0), transforms=values_transforms)]
+  specs = [plgpu.BlockSpec((bk, width), lambda i: (i, 0), transforms=_tiled(width, 8))]
+  if side.axis == "token":
+    specs += [plgpu.BlockSpec((bk,), lambda i: (i,))] * 2
+  else:
+    g = side.group // bk
+    specs += [plgpu.BlockSpec((1, head_dim), lambda i, _g=g: (i // _g, 0))] * 2
+  return specs
+
+
+def _split_blocks(packed, j, num_splits: int, bk: int):
+  """``(first, num_blocks)``: the ``bk``-token blocks of split ``j`` of the packed region."""
+  per_split = pl.cdiv(pl.cdiv(packed, num_splits), bk) * bk
+  start = j * per_split
+  stop = jnp.minimum(start + per_split, packed)
+  return start // bk, jnp.maximum(0, pl.cdiv(stop - start, bk))
+
+
+def _shifted(spec, first):
+  """``spec`` with its block index offset by ``first`` (a split's first block)."""
+  im = spec.index_map
+  return dataclasses.replace(spec, index_map=lambda i, _im=im: _im(i + first))
+
+
+def _program_start(lengths_gmem, q_gmem, q_smem, barrier, *, token_group: int, residual: int,
+                   num_queries: int, q_rows: int, rows: int, row_layout):
+  """What every program reads first: its ``(b, h, j)``, the sequence length, the
+  packed length (the residual rule) and each query row's causal limit (row
+  ``r = head * S + s`` sees tokens ``<= length - S + s``); q is copied to smem."""
+  b = lax.axis_index("b")
+  h = lax.axis_index("h")
+  j = lax.axis_index("j")
+  length = lengths_gmem[b]
+  packed = token_group * jnp.maximum(0, (length - residual + token_group) // token_group)
+  row = plgpu.broadcasted_iota(jnp.int32, (rows,), 0, layout=row_layout)
+  row_limit = length - num_queries + (row % q_rows) % num_queries
+  plgpu.copy_gmem_to_smem(q_gmem.at[b, h], q_smem, barrier)
+  plgpu.barrier_wait(barrier)
+  return b, h, j, length, packed, row_limit
+
+
+def _write_partials(acc, l_i, m_i, o_smem, lm_smem, o_gmem, l_gmem, m_gmem, idx, rows=None):
+  """Stores one program's unnormalized output and softmax statistics (first
+  ``rows`` rows of the smem tiles when given) to its slot ``idx`` in HBM."""
+  o_smem[...] = acc
+  lm_smem[0] = l_i
+  lm_smem[1] = m_i
+  plgpu.commit_smem()
+  part = slice(None) if rows is None else pl.ds(0, rows)
+  plgpu.copy_smem_to_gmem(o_smem.at[part], o_gmem.at[idx])
+  plgpu.copy_smem_to_gmem(lm_smem.at[0, part], l_gmem.at[idx])
+  plgpu.copy_smem_to_gmem(lm_smem.at[1, part], m_gmem.at[idx])
+  plgpu.wait_smem_to_gmem(0)
+
+
 def supports(k_side: SideSpec, v_side: SideSpec, *, head_dim: int, q_rows: int,
              dtype, token_group: int, residual: int, block_k: int = 64) -> tuple[bool, str]:
   """Whether the Mosaic kernel serves this case; ``(False, reason)`` if not."""
@@ -283,20 +342,8 @@ def mosaic_decode_attention(
                                   if s.bits < 16])
   dq_transforms = _tiled(plane_width, 16)
 
-  def side_specs(side, width):
-    """(in_specs, gmem-slicer) of one side's code/scale/zero tiles."""
-    if side.bits == 16:
-      return [plgpu.BlockSpec((bk, head_dim), lambda i: (i, 0), transforms=dq_transforms)]
-    specs = [plgpu.BlockSpec((bk, width), lambda i: (i, 0), transforms=_tiled(width, 8))]
-    if side.axis == "token":
-      specs += [plgpu.BlockSpec((bk,), lambda i: (i,))] * 2
-    else:
-      g = side.group // bk
-      specs += [plgpu.BlockSpec((1, head_dim), lambda i, _g=g: (i // _g, 0))] * 2
-    return specs
-
-  k_specs = side_specs(k_side, k_w)
-  v_specs = side_specs(v_side, v_w)
+  k_specs = _side_specs(k_side, k_w, head_dim, bk, dq_transforms)
+  v_specs = _side_specs(v_side, v_w, head_dim, bk, dq_transforms)
   nk, nv = len(k_specs), len(v_specs)
 
   def kernel(lengths_gmem, q_gmem, *refs):
@@ -304,16 +351,9 @@ def mosaic_decode_attention(
     v_refs = refs[3:6]
     kres_gmem, vres_gmem, o_gmem, l_gmem, m_gmem = refs[6:11]
     q_smem, kdq_smem, vdq_smem, o_smem, lm_smem, barrier = refs[11:]
-    b = lax.axis_index("b")
-    h = lax.axis_index("h")
-    j = lax.axis_index("j")
-    length = lengths_gmem[b]
-    packed = token_group * jnp.maximum(0, (length - residual + token_group) // token_group)
-    row = plgpu.broadcasted_iota(jnp.int32, (_M,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
-    row_limit = length - num_queries + (row % q_rows) % num_queries
-
-    plgpu.copy_gmem_to_smem(q_gmem.at[b, h], q_smem, barrier)
-    plgpu.barrier_wait(barrier)
+    b, h, j, length, packed, row_limit = _program_start(
+        lengths_gmem, q_gmem, q_smem, barrier, token_group=token_group, residual=residual,
+        num_queries=num_queries, q_rows=q_rows, rows=_M, row_layout=plgpu.Layout.WGMMA.reduce(1))
 
     acc0 = plgpu.layout_cast(jnp.zeros((_M, head_dim), jnp.float32), plgpu.Layout.WGMMA)
     m0 = plgpu.layout_cast(jnp.full((_M,), -jnp.inf, jnp.float32),
@@ -322,22 +362,12 @@ def mosaic_decode_attention(
 
     def finish(carry):
       acc, m_i, l_i = carry
-      o_smem[...] = acc
-      lm_smem[0] = l_i
-      lm_smem[1] = m_i
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, out_rows)], o_gmem.at[b, h, j])
-      plgpu.copy_smem_to_gmem(lm_smem.at[0, pl.ds(0, out_rows)], l_gmem.at[b, h, j])
-      plgpu.copy_smem_to_gmem(lm_smem.at[1, pl.ds(0, out_rows)], m_gmem.at[b, h, j])
-      plgpu.wait_smem_to_gmem(0)
+      _write_partials(acc, l_i, m_i, o_smem, lm_smem, o_gmem, l_gmem, m_gmem, (b, h, j),
+                      rows=out_rows)
 
     @pl.when(j < num_splits)
     def _packed():
-      per_split = pl.cdiv(pl.cdiv(packed, num_splits), bk) * bk
-      start = j * per_split
-      stop = jnp.minimum(start + per_split, packed)
-      num_blocks = jnp.maximum(0, pl.cdiv(stop - start, bk))
-      first = start // bk
+      first, num_blocks = _split_blocks(packed, j, num_splits, bk)
 
       def body(idx, *tiles_and_carry):
         *tiles, carry = tiles_and_carry
@@ -357,12 +387,8 @@ def mosaic_decode_attention(
         return _attend_block(q_smem, k_tile, v_tile, carry, token0=(first + i) * bk,
                              valid_below=packed, row_limit=row_limit, dtype=dtype)
 
-      def shifted(spec):
-        im = spec.index_map
-        return dataclasses.replace(spec, index_map=lambda i, _im=im: _im(i + first))
-
       pipeline = plgpu.emit_pipeline(
-          body, grid=(num_blocks,), in_specs=[shifted(s) for s in k_specs + v_specs],
+          body, grid=(num_blocks,), in_specs=[_shifted(s, first) for s in k_specs + v_specs],
           max_concurrent_steps=config.max_concurrent_steps, init_carry=(acc0, m0, l0))
       gm = [r.at[b, h] for r in k_refs[:nk]] + [r.at[b, h] for r in v_refs[:nv]]
       finish(pipeline(*gm))
@@ -525,20 +551,8 @@ def _tokens_m_call(qh, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v
   q_tf = _tiled(min(kw, 64), 16)
   v_tf = _tiled(n_rows, 16)
 
-  def side_specs(side, codes, tf16):
-    if side.bits == 16:
-      return [plgpu.BlockSpec((bk, head_dim), lambda i: (i, 0), transforms=tf16)]
-    width = codes.shape[-1]
-    specs = [plgpu.BlockSpec((bk, width), lambda i: (i, 0), transforms=_tiled(width, 8))]
-    if side.axis == "token":
-      specs += [plgpu.BlockSpec((bk,), lambda i: (i,))] * 2
-    else:
-      g = side.group // bk
-      specs += [plgpu.BlockSpec((1, head_dim), lambda i, _g=g: (i // _g, 0))] * 2
-    return specs
-
-  k_specs = side_specs(k_side, k_in[0], q_tf)
-  v_specs = side_specs(v_side, v_in[0], v_tf)
+  k_specs = _side_specs(k_side, k_in[0].shape[-1], head_dim, bk, q_tf)
+  v_specs = _side_specs(v_side, v_in[0].shape[-1], head_dim, bk, v_tf)
   nk, nv = len(k_specs), len(v_specs)
 
   fold_k = config.fold_scales and k_side.bits < 16 and k_side.axis == "token"
@@ -607,16 +621,11 @@ def _tokens_m_call(qh, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v
     k_refs, v_refs = refs[:3], refs[3:6]
     kres_gmem, vres_gmem, o_gmem, l_gmem, m_gmem = refs[6:11]
     q_smem, kres_smem, vdq_smem, pt_smem, o_smem, lm_smem, barrier = refs[11:]
-    b = lax.axis_index("b")
-    h = lax.axis_index("h")
-    j = lax.axis_index("j")
-    length = lengths_gmem[b]
-    packed = token_group * jnp.maximum(0, (length - residual + token_group) // token_group)
-    col = plgpu.broadcasted_iota(jnp.int32, (n_rows,), 0, layout=plgpu.Layout.WGMMA.reduce(0))
-    row_limit = length - num_queries + (col % q_rows) % num_queries
-
-    plgpu.copy_gmem_to_smem(q_gmem.at[b, h], q_smem, barrier)
-    plgpu.barrier_wait(barrier)
+    # Query rows are the columns of the [bk, N] score tiles here.
+    b, h, j, length, packed, row_limit = _program_start(
+        lengths_gmem, q_gmem, q_smem, barrier, token_group=token_group, residual=residual,
+        num_queries=num_queries, q_rows=q_rows, rows=n_rows,
+        row_layout=plgpu.Layout.WGMMA.reduce(0))
 
     acc0 = plgpu.layout_cast(jnp.zeros((head_dim, n_rows), f32), plgpu.Layout.WGMMA)
     m0 = plgpu.layout_cast(jnp.full((n_rows,), -jnp.inf, f32), plgpu.Layout.WGMMA.reduce(0))
@@ -629,22 +638,12 @@ def _tokens_m_call(qh, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v
       acc, m_i, l_i, z_i = carry
       if fold_v:  # + sum_t p_t * zero_t on every channel
         acc = acc + lax.broadcast_in_dim(z_i.sum(axis=0), acc.shape, [1])
-      o_smem[...] = acc
-      lm_smem[0] = l_i.sum(axis=0)
-      lm_smem[1] = m_i
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[b, h, j])
-      plgpu.copy_smem_to_gmem(lm_smem.at[0], l_gmem.at[b, h, j])
-      plgpu.copy_smem_to_gmem(lm_smem.at[1], m_gmem.at[b, h, j])
-      plgpu.wait_smem_to_gmem(0)
+      _write_partials(acc, l_i.sum(axis=0), m_i, o_smem, lm_smem, o_gmem, l_gmem, m_gmem,
+                      (b, h, j))
 
     @pl.when(j < num_splits)
     def _packed():
-      per_split = pl.cdiv(pl.cdiv(packed, num_splits), bk) * bk
-      start = j * per_split
-      stop = jnp.minimum(start + per_split, packed)
-      num_blocks = jnp.maximum(0, pl.cdiv(stop - start, bk))
-      first = start // bk
+      first, num_blocks = _split_blocks(packed, j, num_splits, bk)
 
       def body(idx, *tiles_and_carry):
         *tiles, carry = tiles_and_carry
@@ -656,12 +655,8 @@ def _tokens_m_call(qh, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v
                       token0=(first + i) * bk, valid_below=packed, row_limit=row_limit,
                       q_sum=q_sum)
 
-      def shifted(spec):
-        im = spec.index_map
-        return dataclasses.replace(spec, index_map=lambda i, _im=im: _im(i + first))
-
       pipeline = plgpu.emit_pipeline(
-          body, grid=(num_blocks,), in_specs=[shifted(s) for s in k_specs + v_specs],
+          body, grid=(num_blocks,), in_specs=[_shifted(s, first) for s in k_specs + v_specs],
           max_concurrent_steps=config.max_concurrent_steps, init_carry=(acc0, m0, l0, l0))
       gm = [r.at[b, h] for r in k_refs[:nk]] + [r.at[b, h] for r in v_refs[:nv]]
       finish(pipeline(*gm))
