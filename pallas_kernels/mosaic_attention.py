@@ -499,14 +499,9 @@ def _affine_regs(scale_smem, zero_smem, side: SideSpec, c0: int, width: int, bk:
 
 def _dequant_planes(codes_smem, scale_smem, zero_smem, side: SideSpec, head_dim: int, dtype, *,
                     affine: bool = True):
-  """Yields ``(c0, x, offset)``: plane ``x`` = channels ``[c0, c0 + W)`` of the tile,
-  ``[bk, W]`` values in ``dtype`` (WGMMA register layout).
-
-  With ``affine``: ``x = c * scale + zero`` and ``offset = 0``. Without it the
-  caller folds scale and zero, and ``x = c + offset`` exactly: 4/2-bit codes
-  keep the exponent trick's base (``offset`` 128 for bfloat16, 1024 for float16),
-  saving a subtraction per element; 8-bit codes come back as ``c`` (offset 0).
-  """
+  """Yields ``(c0, x)``: plane ``x`` = channels ``[c0, c0 + W)`` of the tile, ``[bk, W]``
+  values in ``dtype`` (WGMMA register layout): ``c * scale + zero``, or the exact
+  codes ``c`` when ``affine`` is False (the caller folds scale and zero)."""
   raw = plgpu.load(codes_smem, (), layout=plgpu.Layout.WGMMA)  # [bk, W] uint8
   bk = raw.shape[0]
   width = _plane_width(side, head_dim)
@@ -516,10 +511,10 @@ def _dequant_planes(codes_smem, scale_smem, zero_smem, side: SideSpec, head_dim:
     x = lax.bitcast_convert_type(raw.astype(jnp.uint32) | np.uint32(0x4B000000), jnp.float32)
     x = x - np.float32(8388608.0)                        # 2^23 + c - 2^23 = c
     if not affine:
-      yield 0, x.astype(dtype), 0.0
+      yield 0, x.astype(dtype)
       return
     sc, zr = _affine_regs(scale_smem, zero_smem, side, 0, width, bk, jnp.float32)
-    yield 0, (x * sc + zr).astype(dtype), 0.0
+    yield 0, (x * sc + zr).astype(dtype)
     return
   magic, base = _MAGIC[jnp.dtype(dtype)]
   mask = np.uint16((1 << side.bits) - 1)
@@ -527,17 +522,11 @@ def _dequant_planes(codes_smem, scale_smem, zero_smem, side: SideSpec, head_dim:
   for plane in range(8 // side.bits):
     c = wide >> np.uint16(plane * side.bits) if plane else wide
     c = (c & mask) | np.uint16(magic)
-    x = lax.bitcast_convert_type(c, dtype)               # base + c, exact
+    x = lax.bitcast_convert_type(c, dtype) - jnp.asarray(base, dtype)  # exact code
     if affine:
       sc, zr = _affine_regs(scale_smem, zero_smem, side, plane * width, width, bk, dtype)
-      yield plane * width, (x - jnp.asarray(base, dtype)) * sc + zr, 0.0
-    else:
-      yield plane * width, x, base
-
-
-def _code_offset(side: SideSpec, dtype) -> float:
-  """The offset `_dequant_planes(affine=False)` leaves in a side's values."""
-  return 0.0 if side.bits == 8 else _MAGIC[jnp.dtype(dtype)][1]
+      x = x * sc + zr
+    yield plane * width, x
 
 
 def _token_affine(scale_smem, zero_smem):
@@ -566,66 +555,36 @@ def _tokens_m_call(qh, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v
   v_specs = _side_specs(v_side, v_in[0].shape[-1], head_dim, bk, v_tf)
   nk, nv = len(k_specs), len(v_specs)
 
-  fold = config.fold_scales
-  fold_k = fold and k_side.bits < 16 and k_side.axis == "token"
-  # Per-channel K folded into q: Q_s^T = q^T * scale (per token group) is the
-  # B operand, stored [D, N] (N-major, the V tile's swizzle), so each plane's
-  # K (its width) must be a multiple of N.
-  fold_kc = fold and k_side.bits < 16 and k_side.axis == "channel" and kw % n_rows == 0
-  fold_v = fold and v_side.bits < 16
+  fold_k = config.fold_scales and k_side.bits < 16 and k_side.axis == "token"
+  fold_v = config.fold_scales and v_side.bits < 16
 
-  def attend(q_smem, k_tiles, v_tiles, pt_smem, vdq_smem, qs_smem, carry, *, token0,
-             valid_below, row_limit, q_sum, q_t):
+  def attend(q_smem, k_tiles, v_tiles, pt_smem, vdq_smem, carry, *, token0, valid_below,
+             row_limit, q_sum):
     """One online-softmax step over ``bk`` tokens (tokens on M).
 
-    Folded scales (``config.fold_scales``), so codes need no per-element affine:
-    a per-token K side is applied to the scores (``S^T = (C q^T) s_t + z_t
-    sum(q)``); a per-channel K side to q (``S^T = C (q s)^T + q . z``, the scaled
-    q tile rebuilt per block); the V side to ``P`` (``O^T += C^T (P s_t)^T`` and
-    ``sum_t p z_t`` kept per column). The codes then enter the MMAs as
-    ``c + offset`` (the exponent trick's base), corrected in the same terms.
+    Folded scales (``config.fold_scales``): a per-token K side is applied to the
+    scores (``S^T = (C q^T) * s_t + z_t * sum(q)``), the V side to ``P`` (``O^T +=
+    C^T (P * s_t)^T``, and ``sum_t p * z_t`` kept per column), so those codes
+    need no per-element affine.
     """
     acc, m_i, l_i, z_i = carry
     packed_k = isinstance(k_tiles, tuple)
     packed_v = isinstance(v_tiles, tuple)
-    bias = None
-    if packed_k and fold_kc:  # Q_s^T [D, N] for this block's token group
-      ksc = plgpu.load(k_tiles[1].at[0], (), layout=plgpu.Layout.WGMMA.reduce(1))
-      kzr = plgpu.load(k_tiles[2].at[0], (), layout=plgpu.Layout.WGMMA.reduce(1))
-      qs = (q_t * lax.broadcast_in_dim(ksc.astype(f32), q_t.shape, [0])).astype(dtype)
-      qs_smem[...] = qs
-      bias_terms = q_t * lax.broadcast_in_dim(kzr.astype(f32), q_t.shape, [0])
-      off = _code_offset(k_side, dtype)
-      if off:
-        bias_terms = bias_terms - off * qs.astype(f32)
-      bias = bias_terms.sum(axis=0)                              # [N]
-      plgpu.commit_smem()
-    k_off = [0.0]
 
     def scores(acc_ref):
       if not packed_k:  # full-precision K tile in smem
         plgpu.wgmma(acc_ref, k_tiles, plgpu.transpose_ref(q_smem, (1, 0)))
       else:
-        for c0, x, off in _dequant_planes(*k_tiles, k_side, head_dim, dtype,
-                                          affine=not (fold_k or fold_kc)):
-          k_off[0] = off
-          if fold_kc:
-            plgpu.wgmma(acc_ref, x, qs_smem.at[pl.ds(c0, kw)])
-          else:
-            q_plane = q_smem.at[:, pl.ds(c0, kw)]
-            plgpu.wgmma(acc_ref, x, plgpu.transpose_ref(q_plane, (1, 0)))
+        for c0, x in _dequant_planes(*k_tiles, k_side, head_dim, dtype, affine=not fold_k):
+          q_plane = q_smem.at[:, pl.ds(c0, kw)]
+          plgpu.wgmma(acc_ref, x, plgpu.transpose_ref(q_plane, (1, 0)))
       return acc_ref[...]
 
     s = pl.run_scoped(scores, plgpu.ACC((bk, n_rows), f32))   # [bk, N]
-    if bias is not None:
-      s = s + lax.broadcast_in_dim(bias, s.shape, [1])
     if packed_k and fold_k:
       ksc, kzr = _token_affine(k_tiles[1], k_tiles[2])
-      qs_b = lax.broadcast_in_dim(q_sum, s.shape, [1])
-      if k_off[0]:
-        s = s - k_off[0] * qs_b
       s = (s * lax.broadcast_in_dim(ksc, s.shape, [0])
-           + lax.broadcast_in_dim(kzr, s.shape, [0]) * qs_b)
+           + lax.broadcast_in_dim(kzr, s.shape, [0]) * lax.broadcast_in_dim(q_sum, s.shape, [1]))
     tok = token0 + plgpu.broadcasted_iota(jnp.int32, (bk, n_rows), 0,
                                           layout=plgpu.Layout.WGMMA)
     lim = lax.broadcast_in_dim(row_limit, (bk, n_rows), [1])
@@ -637,21 +596,15 @@ def _tokens_m_call(qh, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v
     alpha_b = lax.broadcast_in_dim(alpha, l_i.shape, [1])
     l_i = l_i * alpha_b + p                                    # row sums deferred
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-    v_planes = (list(_dequant_planes(*v_tiles, v_side, head_dim, dtype, affine=not fold_v))
-                if packed_v else [])
     if packed_v and fold_v:
       vsc, vzr = _token_affine(v_tiles[1], v_tiles[2])
-      pt = (p * lax.broadcast_in_dim(vsc, p.shape, [0])).astype(dtype)
-      z_new = p * lax.broadcast_in_dim(vzr, p.shape, [0])
-      if v_planes[0][2]:  # the V values carry the offset: subtract it through P^T
-        z_new = z_new - v_planes[0][2] * pt.astype(f32)
-      z_i = z_i * alpha_b + z_new
-      pt_smem[...] = pt
+      z_i = z_i * alpha_b + p * lax.broadcast_in_dim(vzr, p.shape, [0])
+      pt_smem[...] = (p * lax.broadcast_in_dim(vsc, p.shape, [0])).astype(dtype)
     else:
       z_i = z_i * alpha_b
       pt_smem[...] = p.astype(dtype)
     if packed_v:
-      for c0, x, _ in v_planes:
+      for c0, x in _dequant_planes(*v_tiles, v_side, head_dim, dtype, affine=not fold_v):
         vdq_smem[:, pl.ds(c0, x.shape[1])] = x
       v_tile = vdq_smem
     else:
@@ -664,10 +617,10 @@ def _tokens_m_call(qh, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v
     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
     return acc, m_new, l_i, z_i
 
-  def kernel(lengths_gmem, q_gmem, qsum_gmem, qt_gmem, *refs):
+  def kernel(lengths_gmem, q_gmem, qsum_gmem, *refs):
     k_refs, v_refs = refs[:3], refs[3:6]
     kres_gmem, vres_gmem, o_gmem, l_gmem, m_gmem = refs[6:11]
-    q_smem, kres_smem, vdq_smem, pt_smem, qs_smem, o_smem, lm_smem, barrier = refs[11:]
+    q_smem, kres_smem, vdq_smem, pt_smem, o_smem, lm_smem, barrier = refs[11:]
     # Query rows are the columns of the [bk, N] score tiles here.
     b, h, j, length, packed, row_limit = _program_start(
         lengths_gmem, q_gmem, q_smem, barrier, token_group=token_group, residual=residual,
@@ -680,8 +633,6 @@ def _tokens_m_call(qh, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v
     q_sum = (plgpu.load(qsum_gmem.at[b, h], (), layout=plgpu.Layout.WGMMA.reduce(0),
                         optimized=False)
              if fold_k else None)
-    q_t = (plgpu.load(qt_gmem.at[b, h], (), layout=plgpu.Layout.WGMMA, optimized=False)
-           if fold_kc else None)                                   # [D, N] f32
 
     def finish(carry):
       acc, m_i, l_i, z_i = carry
@@ -700,9 +651,9 @@ def _tokens_m_call(qh, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v
         kt, vt = tiles[:nk], tiles[nk:]
         k_tiles = kt[0] if k_side.bits == 16 else tuple(kt)
         v_tiles = vt[0] if v_side.bits == 16 else tuple(vt)
-        return attend(q_smem, k_tiles, v_tiles, pt_smem, vdq_smem, qs_smem, carry,
+        return attend(q_smem, k_tiles, v_tiles, pt_smem, vdq_smem, carry,
                       token0=(first + i) * bk, valid_below=packed, row_limit=row_limit,
-                      q_sum=q_sum, q_t=q_t)
+                      q_sum=q_sum)
 
       pipeline = plgpu.emit_pipeline(
           body, grid=(num_blocks,), in_specs=[_shifted(s, first) for s in k_specs + v_specs],
@@ -720,9 +671,9 @@ def _tokens_m_call(qh, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v
         plgpu.copy_gmem_to_smem(vres_gmem.at[b, h, pl.ds(r0, bk)], vdq_smem, barrier)
         plgpu.barrier_wait(barrier)
         # Residual row r holds token packed + r.
-        carry = attend(q_smem, kres_smem, vdq_smem, pt_smem, vdq_smem, qs_smem, carry,
+        carry = attend(q_smem, kres_smem, vdq_smem, pt_smem, vdq_smem, carry,
                        token0=packed + r0, valid_below=packed + num_res,
-                       row_limit=row_limit, q_sum=q_sum, q_t=q_t)
+                       row_limit=row_limit, q_sum=q_sum)
       finish(carry)
 
   k_in = list(k_in) + [k_in[0]] * (3 - len(k_in))  # unused slots repeat the codes
@@ -732,7 +683,6 @@ def _tokens_m_call(qh, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v
       plgpu.SMEM((bk, head_dim), dtype, transforms=q_tf),         # residual K tile
       plgpu.SMEM((bk, head_dim), dtype, transforms=v_tf),         # V tile (values)
       plgpu.SMEM((bk, n_rows), dtype, transforms=v_tf),           # P^T
-      plgpu.SMEM((head_dim, n_rows), dtype, transforms=v_tf),     # (q * k_scale)^T
       plgpu.SMEM((head_dim, n_rows), f32),                        # o^T
       plgpu.SMEM((2, n_rows), f32),                               # l, m
       plgpu.Barrier(),
@@ -749,5 +699,4 @@ def _tokens_m_call(qh, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v
       scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=_SEMANTICS),
       kernel_name=f"jaxkv_mosaic_tokens_m_attention_k{k_side.bits}v{v_side.bits}",
-  )(lengths, qh, jnp.sum(qh.astype(f32), axis=-1), jnp.swapaxes(qh, -1, -2).astype(f32),
-    *k_in, *v_in, k_residual, v_residual)
+  )(lengths, qh, jnp.sum(qh.astype(f32), axis=-1), *k_in, *v_in, k_residual, v_residual)
