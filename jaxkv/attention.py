@@ -174,11 +174,11 @@ def _mosaic_supported(q, cache, config=None) -> tuple[bool, str]:
 _SUPPORTED = {"triton": _triton_supported, "mosaic": _mosaic_supported}
 
 
-# Tried in this order when no implementation is forced. Measured on an H100
-# (jax 0.11.2, bench/results/attention-mosaic-v1-*): the first Mosaic kernel
-# (rows padded to M = 64, generic int -> float conversions) is 1.3-1.9x slower
-# than the Triton family, so Triton stays the default and Mosaic serves only
-# what Triton cannot. Swap the order once Mosaic is the faster one.
+# Tried in this order when no implementation is forced. Measured on H100 and
+# H200 (jax 0.11.2, bench/results/attention-20261124-*, mosaic-NOTES.md): the
+# Mosaic kernel (v2: tokens on the wgmma M dimension) is 1.1-1.4x slower than
+# the Triton family, so Triton stays the default and Mosaic serves only what
+# Triton cannot. Swap the order once Mosaic is the faster one.
 PALLAS_ORDER = ("triton", "mosaic")
 
 
