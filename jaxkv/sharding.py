@@ -141,15 +141,18 @@ def named(mesh: Mesh, specs):
 
 # -------------------------------------------------------------------- caches
 def cache_specs(cache, mesh: Mesh):
-  """`PartitionSpec`s of a `ModelCache`, `KVCache`, `LayerView` or `AppendPlan`.
+  """`PartitionSpec`s of a `ModelCache`, `KVCache`, `VQCache`, `LayerView` or `AppendPlan`.
 
-  Storage ``[(L,) B, Hkv, C, X]``: batch over ``"data"``, kv heads over
-  ``"model"`` (each replicated when not divisible); ``[B]`` lengths and
+  Storage ``[(L,) B, Hkv, C, X]`` (codes, scales, hierarchical planes,
+  residual rows): batch over ``"data"``, kv heads over ``"model"`` (each
+  replicated when not divisible); VQ codebooks ``[Hkv, ...]`` with their kv
+  heads, replicated over ``"data"``; ``[B]`` lengths and
   flags over ``"data"``; a layer index replicated. Works on arrays and on
   `jax.ShapeDtypeStruct`s (`jax.eval_shape` output).
   """
   from jaxkv.cache import KVCache  # pylint: disable=import-outside-toplevel
   from jaxkv.model_cache import AppendPlan, LayerView, ModelCache  # pylint: disable=import-outside-toplevel
+  from jaxkv.vq_cache import VQCache  # pylint: disable=import-outside-toplevel
 
   def per_seq(x):
     return logical_spec(mesh, x.shape, ("batch",))
@@ -161,10 +164,11 @@ def cache_specs(cache, mesh: Mesh):
                                lengths=per_seq(cache.lengths), overflow=per_seq(cache.overflow))
   if isinstance(cache, ModelCache):
     lead, flags = ("layers",), ("overflow", "invalid", "nonfinite")
-  elif isinstance(cache, KVCache):
+  elif isinstance(cache, (KVCache, VQCache)):
     lead, flags = (), ("overflow", "nonfinite")
   else:
-    raise TypeError(f"cache must be a jaxkv.ModelCache or KVCache, got {type(cache).__name__}")
+    raise TypeError(f"cache must be a jaxkv.ModelCache, KVCache or VQCache, "
+                    f"got {type(cache).__name__}")
   logical = lead + ("batch", "kv_heads", "cache_seq", None)
   # Storage: heads sharded only together with the batch rule of the residual
   # (one decision for every leaf, so all leaves of a sequence/head agree).
@@ -174,6 +178,14 @@ def cache_specs(cache, mesh: Mesh):
     return P(*ref[: len(lead) + 2], *([None] * (x.ndim - len(lead) - 2)))
 
   side = lambda s: jax.tree_util.tree_map(storage, s)  # noqa: E731
+  if isinstance(cache, VQCache):
+    # Codebooks [Hkv, S, n, E, v] go with their kv heads, replicated over "data".
+    books = P(ref[1], *([None] * (cache.k_codebook.ndim - 1)))
+    return dataclasses.replace(
+        cache, k_codes=storage(cache.k_codes), v_codes=storage(cache.v_codes),
+        k_codebook=books, v_codebook=books, k_residual=storage(cache.k_residual),
+        v_residual=storage(cache.v_residual), lengths=per_seq(cache.lengths),
+        **{f: per_seq(getattr(cache, f)) for f in flags})
   return dataclasses.replace(
       cache, k=side(cache.k), v=side(cache.v), k_residual=storage(cache.k_residual),
       v_residual=storage(cache.v_residual), lengths=per_seq(cache.lengths),
@@ -186,7 +198,7 @@ def cache_shardings(cache, mesh: Mesh):
 
 
 def shard_cache(cache, mesh: Mesh):
-  """Places a `ModelCache` / `KVCache` on ``mesh`` (`cache_specs`); returns the placed cache."""
+  """Places a `ModelCache` / `KVCache` / `VQCache` on ``mesh`` (`cache_specs`); returns it placed."""
   return jax.device_put(cache, cache_shardings(cache, mesh))
 
 
@@ -252,8 +264,9 @@ def sharded_decode_attention(q: jax.Array, cache, mesh: Mesh, **kwargs) -> jax.A
 
   Args:
     q: ``[B, S, Hq, D]``.
-    cache: a `KVCache` or `ModelCache.layer_view` sharded as `cache_specs`
-      says (other placements are resharded to it).
+    cache: a `KVCache` (any format, QuantSpec's hierarchical one too), a
+      `VQCache` or a `ModelCache.layer_view` sharded as `cache_specs` says
+      (other placements are resharded to it).
     mesh: a `make_mesh` mesh.
     **kwargs: `jaxkv.decode_attention` keywords (``scale``,
       ``implementation``, ``config``); a traced ``scale`` is replicated.

@@ -207,6 +207,40 @@ def run_kernel_case(n: int = 8):
   print(f"OK kernel_per_shard {time.time() - t0:.1f}s", flush=True)
 
 
+def run_formats_case(n: int = 8):
+  """VQ and QuantSpec caches: placed by `cache_specs` (codebooks with their heads),
+  `sharded_decode_attention` with their kernels per shard equal to one device,
+  and no all-gather in the compiled call."""
+  t0 = time.time()
+  b, s, hq, hkv, d, length = 4, 2, 8, 4, 64, 300
+  rng = np.random.default_rng(3)
+  k, v = (jnp.asarray(rng.standard_normal((b, length, hkv, d)), jnp.float32) for _ in range(2))
+  lengths = jnp.asarray([300, 129, 260, 7], jnp.int32)
+  q = jnp.asarray(rng.standard_normal((b, s, hq, d)), jnp.float32)
+  books = jaxkv.vq.fit(k[None, 0], v[None, 0], "cq4", iters=2)
+  caches = {
+      "cq4": jaxkv.VQCache.init("cq4", books, b, hkv, d, 512, jnp.float32, layer=0),
+      "quantspec": jaxkv.KVCache.init("quantspec", b, hkv, d, 512, jnp.float32),
+  }
+  mesh = mixed_mesh(n)
+  for name, cache in caches.items():
+    cache = cache.prefill(k, v, lengths)
+    placed = sharding.shard_cache(cache, mesh)
+    check_placement(placed, mesh, name)
+    views = ("draft", "target") if name == "quantspec" else (None,)
+    for view in views:
+      kw = {} if view is None else {"view": view}
+      want = jaxkv.decode_attention(q, cache, implementation="reference", **kw)
+      fn = jax.jit(functools.partial(sharding.sharded_decode_attention, mesh=mesh,
+                                     implementation="triton", **kw))
+      got = fn(q, placed)
+      assert rel_err(got, want) < 1e-4, (name, view, rel_err(got, want))
+      assert "all-gather(" not in fn.lower(q, placed).compile().as_text(), (name, "gathers")
+  books_spec = sharding.cache_specs(caches["cq4"], mesh).k_codebook
+  assert books_spec[0] == "model" and all(a is None for a in books_spec[1:]), books_spec
+  print(f"OK formats_per_shard {time.time() - t0:.1f}s", flush=True)
+
+
 def run_embed_case(n: int = 8):
   """`vocab_parallel_embed` equals ``table[ids]`` exactly and gathers nothing."""
   t0 = time.time()
@@ -283,6 +317,8 @@ def main(argv) -> int:
   jax.config.update("jax_default_matmul_precision", "highest")
   if not args or "kernel" in names:
     run_kernel_case(n)
+  if not args or "formats" in names:
+    run_formats_case(n)
   if not args or "load" in names:
     run_load_case(n)
   if not args or "embed" in names:
