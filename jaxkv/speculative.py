@@ -50,9 +50,10 @@ class SpecSettings:
   max_new_tokens: int
   gamma: int
   sampler: str  # "greedy" or "sample"
+  mesh: Any = None  # a jaxkv.make_mesh mesh, or None
 
 
-def block_forward(model, tokens, cache, stage_k, stage_v, staged, *, view: str):
+def block_forward(model, tokens, cache, stage_k, stage_v, staged, *, view: str, mesh=None):
   """Runs ``tokens [B, S]`` after the committed cache and ``staged`` staged tokens.
 
   Args:
@@ -62,25 +63,42 @@ def block_forward(model, tokens, cache, stage_k, stage_v, staged, *, view: str):
     stage_k, stage_v: per layer ``[B, P, Hkv, D]`` staged K/V (tuples).
     staged: ``[B]`` int32 staged tokens before this block.
     view: the cache view attention reads.
+    mesh: the mesh the model and cache are sharded on: vocabulary-parallel
+      embedding lookups and the staged attention per shard (`jax.shard_map`,
+      each device's sequences and KV heads); None without one.
   Returns:
     ``(logits [B, S, V] float32, stage_k, stage_v)`` with the block's K/V
     written at staged rows ``[staged, staged + S)``.
   """
   s = tokens.shape[1]
   positions = (cache.lengths + staged)[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]
-  x = model._embed(tokens)  # pylint: disable=protected-access
+  x = model._embed(tokens, mesh)  # pylint: disable=protected-access
   new_k, new_v = [], []
+  attention = functools.partial(staged_attention, view=view)
   for index, layer in enumerate(model.layers):
-    def attend(q, k, v, _, index=index):
+    layer_cache = cache.layer(index)
+    layer_attention = attention if mesh is None else _per_shard(attention, layer_cache, mesh)
+
+    def attend(q, k, v, _, index=index, layer_cache=layer_cache, fn=layer_attention):
       sk = write_staged(stage_k[index], k, staged)
       sv = write_staged(stage_v[index], v, staged)
-      o = staged_attention(q, cache.layer(index), sk, sv, staged + s, view=view)
+      o = fn(q, layer_cache, sk, sv, staged + s)
       return o.astype(q.dtype), (sk, sv)
 
     x, (sk, sv) = layer(x, positions, attend)
     new_k.append(sk)
     new_v.append(sv)
   return model._logits(x), tuple(new_k), tuple(new_v)  # pylint: disable=protected-access
+
+
+def _per_shard(attention, layer_cache, mesh):
+  """``attention(q, cache, k_stage, v_stage, staged)`` run per shard of ``mesh``: each
+  device attends over its own sequences and KV heads (nothing of the cache gathered)."""
+  from jaxkv import sharding  # pylint: disable=import-outside-toplevel
+  act = sharding.heads_spec(layer_cache, mesh)
+  seq = jax.sharding.PartitionSpec(act[0])
+  return sharding.shard_map(attention, mesh,
+                            (act, sharding.cache_specs(layer_cache, mesh), act, act, seq), act)
 
 
 @jax.tree_util.register_dataclass
@@ -142,7 +160,8 @@ def _spec_step(model, draft, s: SpecState, stop_tokens, temperature, pad_token_i
   def draft_step(i, c):
     sk, sv, tok, drafts, q_probs = c
     logits, sk, sv = block_forward(draft, tok[:, None], cache, sk, sv,
-                                   jnp.full((b,), i, jnp.int32), view="draft")
+                                   jnp.full((b,), i, jnp.int32), view="draft",
+                                   mesh=settings.mesh)
     logits = logits[:, 0]
     if settings.sampler == "greedy":
       nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -160,7 +179,8 @@ def _spec_step(model, draft, s: SpecState, stop_tokens, temperature, pad_token_i
 
   block = jnp.concatenate([s.token[:, None], drafts], axis=1)             # [B, g+1]
   logits_t, sk, sv = block_forward(model, block, cache, empty, empty,
-                                   jnp.zeros((b,), jnp.int32), view="target")
+                                   jnp.zeros((b,), jnp.int32), view="target",
+                                   mesh=settings.mesh)
   if settings.sampler == "greedy":
     n_acc, emitted = _accept_greedy(drafts, logits_t)
   else:
@@ -178,9 +198,22 @@ def _spec_step(model, draft, s: SpecState, stop_tokens, temperature, pad_token_i
 
   # Commit the K/V of the fed tokens block[:count] (the target's) to the cache.
   plan = cache.plan_append(count)
-  for index in range(cache.num_layers):
-    cache = cache.append_layer(index, sk[index], sv[index], plan)
-  cache = cache.commit(plan)
+
+  def append_layers(cache, sk, sv, plan):
+    for index in range(cache.num_layers):
+      cache = cache.append_layer(index, sk[index], sv[index], plan)
+    return cache
+
+  if settings.mesh is not None:  # per device: its sequences and KV heads (no gather)
+    from jaxkv import sharding  # pylint: disable=import-outside-toplevel
+    c_spec, act = sharding.cache_specs(cache, settings.mesh), sharding.heads_spec(cache,
+                                                                                 settings.mesh)
+    stages = (act,) * cache.num_layers
+    append_layers = sharding.shard_map(
+        append_layers, settings.mesh,
+        (c_spec, stages, stages, sharding.cache_specs(plan, settings.mesh)), c_spec)
+  cache = append_layers(cache, sk, sv, plan)
+  cache = _constrain(cache.commit(plan), settings.mesh)
 
   last = jnp.take_along_axis(emitted, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
   num_generated = s.num_generated + count
@@ -207,7 +240,13 @@ def _speculative_program(graphdef, state, draft_state, prompt_tokens, prompt_len
   model = nnx.merge(graphdef, state)
   draft = model if draft_state is None else model.with_draft_weights(draft_state)
   b = prompt_tokens.shape[0]
-  logits, cache = model.prefill(prompt_tokens, prompt_lengths, cache)
+  mesh = settings.mesh
+  if mesh is None:
+    logits, cache = model.prefill(prompt_tokens, prompt_lengths, cache)
+  else:
+    logits, cache = model.prefill(prompt_tokens, prompt_lengths, _constrain(cache, mesh),
+                                  mesh=mesh)
+    cache = _constrain(cache, mesh)
   rng, key = jax.random.split(rng)
   if settings.sampler == "greedy":
     token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -225,13 +264,19 @@ def _speculative_program(graphdef, state, draft_state, prompt_tokens, prompt_len
   return loop.out, loop.num_generated, loop.verifications, loop.accepted, loop.cache
 
 
+def _constrain(cache, mesh):
+  """Keeps the cache in its `cache_specs` placement on a mesh (identity without one)."""
+  from jaxkv.sharding import constrain_cache  # pylint: disable=import-outside-toplevel
+  return constrain_cache(cache, mesh)
+
+
 def speculative_generate(model, prompt_tokens, prompt_lengths, *, max_new_tokens: int,
                          gamma: int = 4, kv_format: KVFormat | str = "quantspec",
                          draft_weights="int4", sampler: str = "greedy",
                          temperature: float = 1.0, stop_tokens=None,
                          rng: jax.Array | None = None, capacity: int | None = None,
                          cache_dtype=None, pad_token_id: int = 0, group_size: int = 128,
-                         return_cache: bool = False):
+                         return_cache: bool = False, mesh=None):
   """Self-speculative generation (QuantSpec): draft on 4 bits, verify on 8.
 
   Args:
@@ -249,6 +294,11 @@ def speculative_generate(model, prompt_tokens, prompt_lengths, *, max_new_tokens
       `jaxkv.generate`.
     group_size: input rows per weight group for ``"int4"``/``"int8"``.
     return_cache: also return the final cache.
+    mesh: a `jaxkv.make_mesh` mesh the model is placed on
+      (`models.sharding.shard_model` or ``random_model(mesh=)``): the cache is
+      created sharded (`jaxkv.shard_cache` placement), the prompt is prefilled
+      per shard, and the loop keeps the cache in place. Same tokens as one
+      device (greedy).
   Returns:
     ``(tokens [B, max_new_tokens] int32, lengths [B] int32, stats)`` where
     ``stats`` holds per sequence ``verifications`` and ``accepted`` (draft
@@ -297,9 +347,14 @@ def speculative_generate(model, prompt_tokens, prompt_lengths, *, max_new_tokens
   if capacity < needed:
     raise ValueError(f"capacity={capacity} < prompt length {t} + max_new_tokens "
                      f"{max_new_tokens} - 1")
-  cache = model.init_cache(kv_format, b, capacity, dtype=cache_dtype)
+  if mesh is None:
+    cache = model.init_cache(kv_format, b, capacity, dtype=cache_dtype)
+  else:  # each device allocates only its shard
+    from jaxkv.sharding import init_sharded  # pylint: disable=import-outside-toplevel
+    cache = init_sharded(lambda: model.init_cache(kv_format, b, capacity, dtype=cache_dtype),
+                         mesh)
   graphdef, state = nnx.split(model)
-  settings = SpecSettings(int(max_new_tokens), int(gamma), sampler)
+  settings = SpecSettings(int(max_new_tokens), int(gamma), sampler, mesh)
   tokens, num, verifs, accepted, cache = _speculative_program(
       graphdef, state, draft_weights, jnp.asarray(prompt_tokens, jnp.int32),
       jnp.asarray(lengths, jnp.int32), cache, jax.random.key(0) if rng is None else rng,

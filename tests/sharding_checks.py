@@ -241,6 +241,38 @@ def run_formats_case(n: int = 8):
   print(f"OK formats_per_shard {time.time() - t0:.1f}s", flush=True)
 
 
+def run_speculative_case(n: int = 8):
+  """`speculative_generate(mesh=)` (QuantSpec cache, int4 draft weights): the same greedy
+  tokens and statistics as one device, the cache placed as declared afterwards."""
+  t0 = time.time()
+  tokens, lengths = inputs()
+  one = llama.random_model(WIDE, seed=4, dtype=jnp.float32)
+  kw = dict(max_new_tokens=NEW + 3, gamma=3, kv_format="quantspec", draft_weights="int4",
+            group_size=32)
+  want, want_n, want_stats = jaxkv.speculative_generate(one, tokens, lengths, **kw)
+  mesh = mixed_mesh(n)
+  model = shard_model(one, mesh)
+  out, num, stats, cache = jaxkv.speculative_generate(model, tokens, lengths, mesh=mesh,
+                                                      return_cache=True, **kw)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(want), err_msg="speculative tokens")
+  np.testing.assert_array_equal(np.asarray(num), np.asarray(want_n))
+  np.testing.assert_array_equal(stats["accepted"], want_stats["accepted"])
+  check_placement(cache, mesh, "speculative_generate")
+  # The compiled program (draft, verify, commit in one while loop) gathers no
+  # cache storage: the staged attention and the commit's appends run per shard.
+  from jaxkv import speculative  # pylint: disable=import-outside-toplevel
+  fresh = sharding.init_sharded(lambda: model.init_cache("quantspec", BATCH, PROMPT + NEW + 3),
+                                mesh)
+  graphdef, state = nnx.split(model)
+  hlo = speculative._speculative_program.lower(  # pylint: disable=protected-access
+      graphdef, state, model.quantize_weights(bits=4, group_size=32), jnp.asarray(tokens),
+      jnp.asarray(lengths), fresh, jax.random.key(0),
+      speculative._stop_array(None, BATCH), np.float32(1), np.int32(0),  # pylint: disable=protected-access
+      settings=speculative.SpecSettings(NEW + 3, 3, "greedy", mesh)).compile().as_text()
+  check_hlo(hlo, fresh, "speculative_generate", allow_small=True)
+  print(f"OK speculative_mesh {time.time() - t0:.1f}s", flush=True)
+
+
 def run_embed_case(n: int = 8):
   """`vocab_parallel_embed` equals ``table[ids]`` exactly and gathers nothing."""
   t0 = time.time()
@@ -319,6 +351,8 @@ def main(argv) -> int:
     run_kernel_case(n)
   if not args or "formats" in names:
     run_formats_case(n)
+  if not args or "speculative" in names:
+    run_speculative_case(n)
   if not args or "load" in names:
     run_load_case(n)
   if not args or "embed" in names:
