@@ -348,7 +348,7 @@ def _generate(args) -> int:
   if args.speculative is not None:
     if not fmt.hierarchical:
       raise ValueError(f"--speculative needs a hierarchical --kv-format (quantspec), got {args.kv}")
-    for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p), ("--mesh", args.mesh),
+    for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p),
                         ("--implementation", args.implementation)):
       if value is not None:
         raise ValueError(f"{flag} is not supported with --speculative")
@@ -415,7 +415,7 @@ def _generate(args) -> int:
     out, out_len, spec = speculative_generate(
         model, tokens, lengths, kv_format=fmt, max_new_tokens=n, gamma=args.speculative,
         draft_weights=args.draft_weights, sampler=args.sampler, temperature=args.temperature,
-        stop_tokens=stops or None, rng=jax.random.key(args.seed), capacity=capacity)
+        stop_tokens=stops or None, rng=jax.random.key(args.seed), capacity=capacity, mesh=mesh)
     stamps = [time.perf_counter()]
     print(f"speculative (gamma={args.speculative}, draft weights {args.draft_weights}): "
           f"acceptance {spec['acceptance_rate']:.3f}, "
