@@ -22,9 +22,10 @@ sample from ``normalize(max(0, p - q))``), so each output token is
 distributed as the target's temperature-``T`` distribution.
 
 The whole loop (draft, verify, accept, commit) is one jitted program with a
-`lax.while_loop`; attention over the staged tokens is the dense jnp
-reference (`jaxkv.staged_cache.staged_attention`), so this path is for CPU
-and correctness today; GPU kernels for it are future work (README).
+`lax.while_loop`. Attention (`jaxkv.staged_cache.staged_attention`) reads
+the committed tokens with the Triton kernel on a GPU (each layer in place,
+the draft or target view) and merges its log-sum-exp with dense attention
+over the few staged rows; elsewhere it is the jnp reference.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def block_forward(model, tokens, cache, stage_k, stage_v, staged, *, view: str, 
   new_k, new_v = [], []
   attention = functools.partial(staged_attention, view=view)
   for index, layer in enumerate(model.layers):
-    layer_cache = cache.layer(index)
+    layer_cache = cache.layer_view(index)  # the kernel reads the layer in place
     layer_attention = attention if mesh is None else _per_shard(attention, layer_cache, mesh)
 
     def attend(q, k, v, _, index=index, layer_cache=layer_cache, fn=layer_attention):

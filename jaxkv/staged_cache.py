@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import hierarchical
-from jaxkv.attention import reference_attention
+from jaxkv.attention import check_scale, reference_attention
 from jaxkv.cache import KVCache
 
 
@@ -58,23 +58,104 @@ def assemble(k_hist: jax.Array, v_hist: jax.Array, lengths: jax.Array, k_stage: 
   return put(k_hist, k_stage), put(v_hist, v_stage)
 
 
-def staged_attention(q: jax.Array, cache: KVCache, k_stage: jax.Array, v_stage: jax.Array,
-                     staged: jax.Array, *, view: str = "target", scale=None) -> jax.Array:
+def staged_attention(q: jax.Array, cache, k_stage: jax.Array, v_stage: jax.Array,
+                     staged: jax.Array, *, view: str = "target", scale=None,
+                     implementation: str | None = None) -> jax.Array:
   """Decode attention of the S newest (staged) queries over cache + staged tokens.
 
   Args:
     q: ``[B, S, Hq, D]``, the queries of the last S staged tokens.
-    cache: the committed `KVCache` (lengths ``L_b``).
+    cache: the committed `KVCache` (lengths ``L_b``), or a
+      `ModelCache.layer_view` (the kernel then reads the layer in place).
     k_stage, v_stage: ``[B, P, Hkv, D]`` staged K/V; rows ``[0, staged_b)`` valid.
     staged: ``[B]`` staged tokens (``>= S``).
     view: committed tokens read as ``cache.dequantize(view)``.
+    scale: softmax scale, default ``D ** -0.5``.
+    implementation: ``"reference"`` (dequantize the committed tokens, dense
+      attention over them and the staged rows), ``"triton"`` (the Triton
+      kernel over the committed tokens, returning its log-sum-exp, merged with
+      dense attention over the few staged rows; interpret mode off GPU), or
+      None: Triton on a GPU when it serves the cache, the reference elsewhere.
   Returns:
     ``[B, S, Hq, D]`` in q's dtype; query i sees tokens ``[0, L + staged - S + i]``.
   """
+  from jaxkv.model_cache import LayerView  # pylint: disable=import-outside-toplevel
   hierarchical.check_view(view)
-  k_hist, v_hist = cache.dequantize(view)
-  k, v = assemble(k_hist, v_hist, cache.lengths, k_stage, v_stage, staged)
-  return reference_attention(q, k, v, cache.lengths + staged, scale=scale)
+  scale = check_scale(scale)
+  impl = _staged_implementation(q, cache, implementation)
+  if impl == "reference":
+    if isinstance(cache, LayerView):
+      cache = cache.materialize()
+    k_hist, v_hist = cache.dequantize(view)
+    k, v = assemble(k_hist, v_hist, cache.lengths, k_stage, v_stage, staged)
+    return reference_attention(q, k, v, cache.lengths + staged, scale=scale)
+  return _staged_attention_kernel(q, cache, k_stage, v_stage, staged, view=view, scale=scale)
+
+
+def _fold_queries(q: jax.Array, kv_heads: int) -> jax.Array:
+  """``[B, S, Hq, D]`` -> ``[B, 1, Hkv*S*G, D]`` (kv-head major): every query sees the
+  whole committed cache as one decode query of a wider GQA group."""
+  b, s, hq, d = q.shape
+  g = hq // kv_heads
+  return q.reshape(b, s, kv_heads, g, d).transpose(0, 2, 1, 3, 4).reshape(b, 1, -1, d)
+
+
+def _staged_implementation(q, cache, implementation) -> str:
+  from jaxkv.attention import resolve_implementation  # pylint: disable=import-outside-toplevel
+  on_gpu = jax.default_backend() == "gpu"
+  if implementation is None:
+    implementation = ("triton", "reference") if on_gpu else "reference"
+  if implementation == "mosaic" or implementation == ("mosaic",):
+    raise ValueError("implementation='mosaic': staged attention needs the Triton kernel's "
+                     "log-sum-exp output; use 'triton' or 'reference'")
+  impl = resolve_implementation(_fold_queries(q, cache.kv_heads), cache, implementation)
+  return "triton" if impl == "mosaic" else impl
+
+
+def _staged_attention_kernel(q, cache, k_stage, v_stage, staged, *, view, scale):
+  """The Triton kernel over the committed tokens, merged (log-sum-exp) with the staged rows."""
+  import pallas_kernels  # pylint: disable=import-outside-toplevel
+  from jaxkv.attention import _poison  # pylint: disable=import-outside-toplevel
+  from jaxkv.model_cache import LayerView  # pylint: disable=import-outside-toplevel
+  b, s, hq, d = q.shape
+  hkv = cache.kv_heads
+  g = hq // hkv
+  scale = d ** -0.5 if scale is None else scale
+  layer = None
+  if isinstance(cache, LayerView):  # read the layer of the stacked arrays in place
+    layer = cache.index
+    cache = dataclasses.replace(cache.stacked, lengths=cache.lengths, overflow=cache.overflow)
+  o_c, lse_c = pallas_kernels.pallas_decode_attention(
+      _fold_queries(q, hkv), cache, scale=scale, interpret=jax.default_backend() != "gpu",
+      layer=layer, view=view, return_lse=True)
+  o_c = o_c.astype(jnp.float32).reshape(b, hkv, s, g, d).transpose(0, 2, 1, 3, 4)  # [B,S,H,G,D]
+  lse_c = lse_c.reshape(b, hkv, s, g).transpose(0, 2, 1, 3)                       # [B,S,H,G]
+  # The staged rows: query i sees rows [0, staged - S + i].
+  hi = jax.lax.Precision.HIGHEST
+  qf = q.astype(jnp.float32).reshape(b, s, hkv, g, d)
+  logits = jnp.einsum("bshgd,bphd->bshgp", qf, k_stage.astype(jnp.float32), precision=hi) * scale
+  rows = jnp.arange(k_stage.shape[1])
+  limit = staged[:, None] - s + jnp.arange(s)[None, :]                              # [B, S]
+  visible = (rows[None, None, :] <= limit[:, :, None])[:, :, None, None, :]         # [B,S,1,1,P]
+  logits = jnp.where(visible, logits, -jnp.inf)
+  m_s = jnp.max(logits, axis=-1)
+  m_s = jnp.where(jnp.isfinite(m_s), m_s, 0.0)
+  p = jnp.where(visible, jnp.exp(logits - m_s[..., None]), 0.0)
+  l_s = jnp.sum(p, axis=-1)
+  o_s = jnp.einsum("bshgp,bphd->bshgd", p, v_stage.astype(jnp.float32), precision=hi)
+  lse_s = jnp.where(l_s > 0, m_s + jnp.log(jnp.where(l_s > 0, l_s, 1.0)), -jnp.inf)
+  # Merge the two softmax blocks by their log-sum-exps.
+  m = jnp.maximum(lse_c, lse_s)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  w_c, w_s = jnp.exp(lse_c - m), jnp.exp(lse_s - m)          # o_s is unnormalized (sum p)
+  den = w_c + w_s
+  out = (o_c * w_c[..., None] + o_s * (w_s / jnp.where(l_s > 0, l_s, 1.0))[..., None])
+  out = jnp.where((den > 0)[..., None], out / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+  stage_rows = rows[None, :] < staged[:, None]                                      # [B, P]
+  stage_bad = jnp.any(stage_rows[:, :, None, None]
+                      & ~(jnp.isfinite(k_stage) & jnp.isfinite(v_stage)), axis=(1, 2, 3))
+  nonfinite = cache.nonfinite if hasattr(cache, "nonfinite") else jnp.zeros((b,), bool)
+  return _poison(out.reshape(b, s, hq, d), q, nonfinite | stage_bad).astype(q.dtype)
 
 
 @jax.tree_util.register_dataclass
@@ -174,10 +255,11 @@ class StagedCache:
     k_hist, v_hist = self.cache.dequantize(view)
     return assemble(k_hist, v_hist, self.cache.lengths, self.k_stage, self.v_stage, self.staged)
 
-  def attention(self, q: jax.Array, *, view: str = "target", scale=None) -> jax.Array:
+  def attention(self, q: jax.Array, *, view: str = "target", scale=None,
+                implementation: str | None = None) -> jax.Array:
     """`staged_attention` of ``q [B, S, Hq, D]`` (the last S staged tokens)."""
     return staged_attention(q, self.cache, self.k_stage, self.v_stage, self.staged, view=view,
-                            scale=scale)
+                            scale=scale, implementation=implementation)
 
 
 __all__ = ["StagedCache", "assemble", "staged_attention", "write_staged"]

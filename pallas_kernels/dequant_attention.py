@@ -599,6 +599,7 @@ def _combine_kernel(
     m_ref,    # [J, M]
     # outputs
     out_ref,  # [Mo, dblk] in q's dtype
+    lse_ref=None,  # [Mo] float32 log-sum-exp of the (scaled) scores, when asked for
     *,
     parts_block: int,
 ):
@@ -628,6 +629,8 @@ def _combine_kernel(
   # l == 0: no visible key (zeros); a NaN l (NaN scores) stays NaN, never 0.
   safe = jnp.where(l == 0, 1.0, l)
   out_ref[...] = jnp.where((l == 0)[:, None], 0.0, acc / safe[:, None]).astype(out_ref.dtype)
+  if lse_ref is not None:  # -inf where no key is visible
+    lse_ref[...] = jnp.where(l == 0, -jnp.inf, m + jnp.log(safe))
 
 
 class _LayerRef:
@@ -652,7 +655,7 @@ def _side_arrays(codes, scale, zero, bits):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("fmt", "config", "interpret", "view"))
+    jax.jit, static_argnames=("fmt", "config", "interpret", "view", "return_lse"))
 def dequant_decode_attention(
     q: jax.Array,           # [B, S, Hq, D]
     k_codes: jax.Array,     # [B, H, C, D*kb/8] uint8 | [B, H, C, D]
@@ -671,7 +674,8 @@ def dequant_decode_attention(
     interpret: bool = False,
     layer: jax.Array | None = None,
     view: str = "target",
-) -> jax.Array:
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Decode attention of S new queries over a packed cache (raw arrays).
 
   Args:
@@ -693,9 +697,13 @@ def dequant_decode_attention(
     view: hierarchical (``fmt.hierarchical``) caches: ``"target"`` combines
       both 4-bit planes into 8-bit codes in the kernel, ``"draft"`` reads
       the upper plane only (a 4-bit read; `jaxkv.hierarchical`).
+    return_lse: also return the log-sum-exp of each query's scaled scores
+      (natural log; -inf where no key is visible), so a caller can merge this
+      attention with attention over keys outside the cache.
 
   Returns:
-    ``[B, S, Hq, D]`` in q's dtype.
+    ``[B, S, Hq, D]`` in q's dtype; with ``return_lse`` also ``[B, S, Hq]``
+    float32.
   """
   stacked = layer is not None
   lead = 1 if stacked else 0
@@ -808,7 +816,12 @@ def dequant_decode_attention(
   while (parts_block * 2 <= num_parts and num_parts % (parts_block * 2) == 0
          and parts_block * 2 * q_block * dblk <= budget):
     parts_block *= 2
-  out = pl.pallas_call(
+  out_specs = [pl.BlockSpec((None, None, q_block, dblk), lambda b, h, d: (b, h, 0, d))]
+  out_shape = [jax.ShapeDtypeStruct((batch, kv_heads, q_block, head_dim), q.dtype)]
+  if return_lse:  # every column block writes the same lse rows
+    out_specs.append(pl.BlockSpec((None, None, q_block), lambda b, h, d: (b, h, 0)))
+    out_shape.append(jax.ShapeDtypeStruct((batch, kv_heads, q_block), jnp.float32))
+  outs = pl.pallas_call(
       functools.partial(_combine_kernel, parts_block=parts_block),
       grid=(batch, kv_heads, head_dim // dblk),
       in_specs=[
@@ -816,14 +829,18 @@ def dequant_decode_attention(
           pl.BlockSpec((None, None, num_parts, rows), lambda b, h, d: (b, h, 0, 0)),
           pl.BlockSpec((None, None, num_parts, rows), lambda b, h, d: (b, h, 0, 0)),
       ],
-      out_specs=pl.BlockSpec((None, None, q_block, dblk), lambda b, h, d: (b, h, 0, d)),
-      out_shape=jax.ShapeDtypeStruct((batch, kv_heads, q_block, head_dim), q.dtype),
+      out_specs=out_specs,
+      out_shape=out_shape,
       compiler_params=_triton.compiler_params(num_warps=4, num_stages=2),
       interpret=interpret,
       name="jaxkv_decode_combine",
   )(o_part, l_part, m_part)
-  out = out[:, :, :q_rows].reshape(batch, kv_heads, group_q, num_queries, head_dim)
-  return out.transpose(0, 3, 1, 2, 4).reshape(batch, num_queries, q_heads, head_dim)
+  out = outs[0][:, :, :q_rows].reshape(batch, kv_heads, group_q, num_queries, head_dim)
+  out = out.transpose(0, 3, 1, 2, 4).reshape(batch, num_queries, q_heads, head_dim)
+  if not return_lse:
+    return out
+  lse = outs[1][:, :, :q_rows].reshape(batch, kv_heads, group_q, num_queries)
+  return out, lse.transpose(0, 3, 1, 2).reshape(batch, num_queries, q_heads)
 
 
 def supports(fmt: CacheFormat, *, head_dim: int, num_q_heads: int | None = None,
@@ -911,7 +928,7 @@ def dequant_decode_attention_reference(
 def pallas_decode_attention(q: jax.Array, cache, *, scale: float | jax.Array | None = None,
                             config: DecodeAttentionConfig | None = None,
                             interpret: bool = False, layer=None,
-                            view: str = "target") -> jax.Array:
+                            view: str = "target", return_lse: bool = False):
   """`dequant_decode_attention` over a `jaxkv.cache.KVCache`.
 
   Args:
@@ -923,11 +940,13 @@ def pallas_decode_attention(q: jax.Array, cache, *, scale: float | jax.Array | N
     layer: with a layer-stacked cache (`jaxkv.ModelCache`), the layer to read
       in place.
     view: ``"target"`` or (hierarchical caches) ``"draft"``.
+    return_lse: also return each query's log-sum-exp (`dequant_decode_attention`).
 
   Returns:
-    ``[B, S, Hq, D]`` in q's dtype.
+    ``[B, S, Hq, D]`` in q's dtype (and ``[B, S, Hq]`` float32 with ``return_lse``).
   """
   return dequant_decode_attention(
       q, cache.k.codes, cache.k.scale, cache.k.zero, cache.v.codes, cache.v.scale,
       cache.v.zero, cache.k_residual, cache.v_residual, cache.lengths,
-      fmt=cache.fmt, scale=scale, config=config, interpret=interpret, layer=layer, view=view)
+      fmt=cache.fmt, scale=scale, config=config, interpret=interpret, layer=layer, view=view,
+      return_lse=return_lse)

@@ -390,6 +390,44 @@ def test_staged_attention_matches_float64_and_rollback_errors():
     StagedCache.wrap(cache, 0)
 
 
+@pytest.mark.parametrize("s,group,d", [(1, 4, 64), (5, 4, 64), (3, 1, 32)])
+def test_staged_attention_kernel_path(s, group, d):
+  """The Triton kernel over the committed tokens (its log-sum-exp) merged with the staged
+  rows equals the float64 oracle, for a `KVCache` and for a model cache's layer view."""
+  from jaxkv.staged_cache import StagedCache, staged_attention, write_staged
+  b, hkv, staging = 3, 2, 6
+  lengths = np.asarray([70, 37, 3], np.int32)
+  k, v = _history(b, 70, hkv, d, 31 + s)
+  cache = jaxkv.KVCache.init(QS_SMALL, b, hkv, d, 96, jnp.float32, use_kernel=False)
+  sc = StagedCache.wrap(cache.prefill(k, v, lengths), staging)
+  k2, v2 = _history(b, s + 1, hkv, d, 41 + s)
+  sc = sc.append(k2, v2)                                 # s + 1 staged rows per sequence
+  q = jax.random.normal(jax.random.PRNGKey(51 + s), (b, s, group * hkv, d))
+  model_cache = jaxkv.ModelCache.init(QS_SMALL, 2, b, hkv, d, 96, jnp.float32, use_kernel=False)
+  plan = model_cache.plan_append(jnp.asarray(lengths))
+  k_pad = jnp.pad(k, ((0, 0), (0, 26), (0, 0), (0, 0)))
+  v_pad = jnp.pad(v, ((0, 0), (0, 26), (0, 0), (0, 0)))
+  for layer in range(2):  # layer 1 holds the history, layer 0 other values
+    scale = 1.0 if layer == 1 else -0.5
+    model_cache = model_cache.append_layer(layer, k_pad * scale, v_pad * scale, plan)
+  model_cache = model_cache.commit(plan)
+  for view in ("target", "draft"):
+    kd, vd = sc.dequantize(view)
+    want = np_attention_dequantized(np.asarray(q, np.float64), np.asarray(kd), np.asarray(vd),
+                                    lengths + s + 1)
+    tol = 2e-5 * np.abs(want).max()
+    got = sc.attention(q, view=view, implementation="triton")
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=tol)
+    stage_k = write_staged(jnp.zeros((b, staging, hkv, d)), k2, jnp.zeros((b,), jnp.int32))
+    stage_v = write_staged(jnp.zeros((b, staging, hkv, d)), v2, jnp.zeros((b,), jnp.int32))
+    got_view = staged_attention(q, model_cache.layer_view(1), stage_k, stage_v,
+                                jnp.full((b,), s + 1, jnp.int32), view=view,
+                                implementation="triton")
+    np.testing.assert_allclose(np.asarray(got_view, np.float64), want, rtol=0, atol=tol)
+  with pytest.raises(ValueError, match="log-sum-exp"):
+    sc.attention(q, implementation="mosaic")
+
+
 def test_chunk_attention_blocked_reads_the_target_view():
   """Chunked / multi-turn prefill over a quantspec history: blocked path == dense spec."""
   b, hkv, d = 2, 2, 32
