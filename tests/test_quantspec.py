@@ -390,7 +390,7 @@ def test_staged_attention_matches_float64_and_rollback_errors():
     StagedCache.wrap(cache, 0)
 
 
-@pytest.mark.parametrize("s,group,d", [(1, 4, 64), (5, 4, 64), (3, 1, 32)])
+@pytest.mark.parametrize("s,group,d", [(5, 4, 64), (1, 1, 32)])
 def test_staged_attention_kernel_path(s, group, d):
   """The Triton kernel over the committed tokens (its log-sum-exp) merged with the staged
   rows equals the float64 oracle, for a `KVCache` and for a model cache's layer view."""
