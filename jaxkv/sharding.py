@@ -178,18 +178,15 @@ def cache_specs(cache, mesh: Mesh):
     return P(*ref[: len(lead) + 2], *([None] * (x.ndim - len(lead) - 2)))
 
   side = lambda s: jax.tree_util.tree_map(storage, s)  # noqa: E731
+  common = dict(k_residual=storage(cache.k_residual), v_residual=storage(cache.v_residual),
+                lengths=per_seq(cache.lengths), **{f: per_seq(getattr(cache, f)) for f in flags})
   if isinstance(cache, VQCache):
     # Codebooks [Hkv, S, n, E, v] go with their kv heads, replicated over "data".
     books = P(ref[1], *([None] * (cache.k_codebook.ndim - 1)))
-    return dataclasses.replace(
-        cache, k_codes=storage(cache.k_codes), v_codes=storage(cache.v_codes),
-        k_codebook=books, v_codebook=books, k_residual=storage(cache.k_residual),
-        v_residual=storage(cache.v_residual), lengths=per_seq(cache.lengths),
-        **{f: per_seq(getattr(cache, f)) for f in flags})
-  return dataclasses.replace(
-      cache, k=side(cache.k), v=side(cache.v), k_residual=storage(cache.k_residual),
-      v_residual=storage(cache.v_residual), lengths=per_seq(cache.lengths),
-      **{f: per_seq(getattr(cache, f)) for f in flags})
+    return dataclasses.replace(cache, k_codes=storage(cache.k_codes),
+                               v_codes=storage(cache.v_codes), k_codebook=books,
+                               v_codebook=books, **common)
+  return dataclasses.replace(cache, k=side(cache.k), v=side(cache.v), **common)
 
 
 def cache_shardings(cache, mesh: Mesh):

@@ -105,11 +105,13 @@ def _staged_implementation(q, cache, implementation) -> str:
   on_gpu = jax.default_backend() == "gpu"
   if implementation is None:
     implementation = ("triton", "reference") if on_gpu else "reference"
-  if implementation == "mosaic" or implementation == ("mosaic",):
-    raise ValueError("implementation='mosaic': staged attention needs the Triton kernel's "
-                     "log-sum-exp output; use 'triton' or 'reference'")
-  impl = resolve_implementation(_fold_queries(q, cache.kv_heads), cache, implementation)
-  return "triton" if impl == "mosaic" else impl
+  names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
+  if "mosaic" in names:
+    raise ValueError(f"implementation={implementation!r}: staged attention needs the Triton "
+                     "kernel's log-sum-exp output; use 'triton' or 'reference'")
+  # "pallas" means the Pallas family that returns a log-sum-exp: Triton.
+  names = tuple("triton" if n == "pallas" else n for n in names)
+  return resolve_implementation(_fold_queries(q, cache.kv_heads), cache, names)
 
 
 def _staged_attention_kernel(q, cache, k_stage, v_stage, staged, *, view, scale):

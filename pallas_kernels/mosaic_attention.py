@@ -146,6 +146,24 @@ def _shifted(spec, first):
   return dataclasses.replace(spec, index_map=lambda i, _im=im: _im(i + first))
 
 
+def _run_split(step, specs, gmem_refs, *, packed, j, num_splits: int, bk: int,
+               max_concurrent_steps: int, init_carry):
+  """Pipelines split ``j``'s packed blocks through ``step(tiles, carry, token0)``
+  (`plgpu.emit_pipeline` over TMA tiles of ``specs`` from ``gmem_refs``); returns
+  the final carry."""
+  first, num_blocks = _split_blocks(packed, j, num_splits, bk)
+
+  def body(idx, *tiles_and_carry):
+    *tiles, carry = tiles_and_carry
+    (i,) = idx
+    return step(tiles, carry, (first + i) * bk)
+
+  pipeline = plgpu.emit_pipeline(
+      body, grid=(num_blocks,), in_specs=[_shifted(spec, first) for spec in specs],
+      max_concurrent_steps=max_concurrent_steps, init_carry=init_carry)
+  return pipeline(*gmem_refs)
+
+
 def _program_start(lengths_gmem, q_gmem, q_smem, barrier, *, token_group: int, residual: int,
                    num_queries: int, q_rows: int, rows: int, row_layout):
   """What every program reads first: its ``(b, h, j)``, the sequence length, the
@@ -367,11 +385,7 @@ def mosaic_decode_attention(
 
     @pl.when(j < num_splits)
     def _packed():
-      first, num_blocks = _split_blocks(packed, j, num_splits, bk)
-
-      def body(idx, *tiles_and_carry):
-        *tiles, carry = tiles_and_carry
-        (i,) = idx
+      def step(tiles, carry, token0):
         kt, vt = tiles[:nk], tiles[nk:]
         if k_side.bits == 16:
           k_tile = kt[0]
@@ -384,14 +398,14 @@ def mosaic_decode_attention(
           _dequant_into(vt[0], vt[1], vt[2], vdq_smem, v_side, dtype)
           v_tile = vdq_smem
         plgpu.commit_smem()
-        return _attend_block(q_smem, k_tile, v_tile, carry, token0=(first + i) * bk,
+        return _attend_block(q_smem, k_tile, v_tile, carry, token0=token0,
                              valid_below=packed, row_limit=row_limit, dtype=dtype)
 
-      pipeline = plgpu.emit_pipeline(
-          body, grid=(num_blocks,), in_specs=[_shifted(s, first) for s in k_specs + v_specs],
-          max_concurrent_steps=config.max_concurrent_steps, init_carry=(acc0, m0, l0))
       gm = [r.at[b, h] for r in k_refs[:nk]] + [r.at[b, h] for r in v_refs[:nv]]
-      finish(pipeline(*gm))
+      finish(_run_split(step, k_specs + v_specs, gm, packed=packed, j=j,
+                        num_splits=num_splits, bk=bk,
+                        max_concurrent_steps=config.max_concurrent_steps,
+                        init_carry=(acc0, m0, l0)))
 
     @pl.when(j == num_splits)
     def _residual():
@@ -482,16 +496,19 @@ def _plane_width(side: SideSpec, head_dim: int) -> int:
 
 def _affine_regs(scale_smem, zero_smem, side: SideSpec, c0: int, width: int, bk: int, dt):
   """Scale/zero of a ``[bk, width]`` plane, broadcast to it (dtype ``dt``)."""
+  def to_dt(x):  # float16 scales -> bfloat16 through float32; no-op when they match
+    return x if x.dtype == jnp.dtype(dt) else x.astype(jnp.float32).astype(dt)
+
   if side.axis == "token":
     lay = plgpu.Layout.WGMMA.reduce(1)
-    sc = plgpu.load(scale_smem, (), layout=lay).astype(jnp.float32).astype(dt)
-    zr = plgpu.load(zero_smem, (), layout=lay).astype(jnp.float32).astype(dt)
+    sc = to_dt(plgpu.load(scale_smem, (), layout=lay))
+    zr = to_dt(plgpu.load(zero_smem, (), layout=lay))
     dims = [0]
   else:
     lay = plgpu.Layout.WGMMA.reduce(0)
     cols = pl.ds(c0, width)
-    sc = plgpu.load(scale_smem.at[0, cols], (), layout=lay).astype(jnp.float32).astype(dt)
-    zr = plgpu.load(zero_smem.at[0, cols], (), layout=lay).astype(jnp.float32).astype(dt)
+    sc = to_dt(plgpu.load(scale_smem.at[0, cols], (), layout=lay))
+    zr = to_dt(plgpu.load(zero_smem.at[0, cols], (), layout=lay))
     dims = [1]
   return (lax.broadcast_in_dim(sc, (bk, width), dims),
           lax.broadcast_in_dim(zr, (bk, width), dims))
@@ -643,23 +660,18 @@ def _tokens_m_call(qh, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v
 
     @pl.when(j < num_splits)
     def _packed():
-      first, num_blocks = _split_blocks(packed, j, num_splits, bk)
-
-      def body(idx, *tiles_and_carry):
-        *tiles, carry = tiles_and_carry
-        (i,) = idx
+      def step(tiles, carry, token0):
         kt, vt = tiles[:nk], tiles[nk:]
         k_tiles = kt[0] if k_side.bits == 16 else tuple(kt)
         v_tiles = vt[0] if v_side.bits == 16 else tuple(vt)
-        return attend(q_smem, k_tiles, v_tiles, pt_smem, vdq_smem, carry,
-                      token0=(first + i) * bk, valid_below=packed, row_limit=row_limit,
-                      q_sum=q_sum)
+        return attend(q_smem, k_tiles, v_tiles, pt_smem, vdq_smem, carry, token0=token0,
+                      valid_below=packed, row_limit=row_limit, q_sum=q_sum)
 
-      pipeline = plgpu.emit_pipeline(
-          body, grid=(num_blocks,), in_specs=[_shifted(s, first) for s in k_specs + v_specs],
-          max_concurrent_steps=config.max_concurrent_steps, init_carry=(acc0, m0, l0, l0))
       gm = [r.at[b, h] for r in k_refs[:nk]] + [r.at[b, h] for r in v_refs[:nv]]
-      finish(pipeline(*gm))
+      finish(_run_split(step, k_specs + v_specs, gm, packed=packed, j=j,
+                        num_splits=num_splits, bk=bk,
+                        max_concurrent_steps=config.max_concurrent_steps,
+                        init_carry=(acc0, m0, l0, l0)))
 
     @pl.when(j == num_splits)
     def _residual():
