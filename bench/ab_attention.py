@@ -12,6 +12,9 @@ Example (GPU machine)::
 
   python bench/ab_attention.py --shapes 2,4,5 --formats kivi4,int8 \\
       --variants 'noprefetch:prefetch=False;w8:num_warps=8' --out $OUT/ab.json
+
+Hierarchical views go by ``quantspec:draft`` / ``quantspec:target`` in
+``--formats`` (a filled `jaxkv.KVCache`, `pallas_decode_attention(view=...)`).
 """
 
 from __future__ import annotations
@@ -50,6 +53,47 @@ def parse_variants(text: str) -> dict[str, dict]:
   return out
 
 
+def _time_variants(name, shape, configs, call, args_, copies, cudnn, calls):
+  """Times ``call(*args_, config=c)`` per named config; rows with errors vs the first."""
+  rows, ref = [], None
+  for vname, config in configs.items():
+    fn = functools.partial(call, config=config)
+    try:
+      out = jax.jit(fn)(*args_)
+      ref = out if ref is None else ref
+      err = A.rel_err(out, ref)
+      us = timing.kernel_time(fn, copies, calls=calls)["kernel"] * 1e6
+    except Exception as e:  # pylint: disable=broad-except
+      print(f"  {name:16s} {vname:12s} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+      continue
+    rows.append(dict(shape=A.shape_id(shape), format=name, variant=vname,
+                     config=dataclasses.asdict(config), us=us, cudnn_us=cudnn,
+                     x_cudnn=cudnn / us, rel_err_vs_default=err))
+    print(f"  {name:16s} {vname:12s} {us:8.1f} us  {cudnn / us:5.2f}x cuDNN  err {err:.1e}",
+          flush=True)
+  return rows
+
+
+def view_rows(name, q, shape, variants, cudnn, calls):
+  """Triton variants of one hierarchical view on a cache filled with random K/V."""
+  b, t, hq, hkv, d, _ = shape
+  view = name.split(":")[1]
+  cache = A.filled_cache(name, jax.random.PRNGKey(4), b, t, hkv, d)
+  fmt = cache.fmt
+  bits = 4 if view == "draft" else 8
+  default = pk.DecodeAttentionConfig.default(
+      batch=b, tokens=t, q_heads=hq, kv_heads=hkv, head_dim=d, k_bits=bits, v_bits=bits,
+      token_group=fmt.token_group, k_axis=fmt.k_axis)
+  configs = {"default": default}
+  configs.update({k_: dataclasses.replace(default, **kv) for k_, kv in variants.items()})
+
+  def call(q, cache, *, config):
+    return pk.pallas_decode_attention(q, cache, config=config, view=view)
+
+  copies = A.rotating_copies((q, cache), A.nbytes(*jax.tree.leaves(cache)))
+  return _time_variants(name, shape, configs, call, (q, cache), copies, cudnn, calls)
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--shapes", default="2,4,5")
@@ -75,6 +119,9 @@ def main(argv=None) -> int:
     del copies, k, v
     print(f"== {A.shape_id(shape)}: cuDNN bf16 {cudnn:.1f} us", flush=True)
     for name in args.formats.split(","):
+      if ":" in name:  # a hierarchical view ("quantspec:draft" / "quantspec:target")
+        rows += view_rows(name, q, shape, variants, cudnn, args.calls)
+        continue
       fmt = PRESETS[name]
       data = A.random_packed(jax.random.PRNGKey(3), fmt, b, t, hkv, d)
       default = pk.DecodeAttentionConfig.default(
@@ -95,23 +142,12 @@ def main(argv=None) -> int:
           print(f"  {name:14s} mosaic_{k_}: unsupported ({why})", flush=True)
       arrays = (q, data.arrays, data.lengths)
       copies = A.rotating_copies(arrays, A.nbytes(*jax.tree.leaves(data.arrays)))
-      ref = None
-      for vname, config in configs.items():
-        call = A.mosaic_call if isinstance(config, A.ma.MosaicAttentionConfig) else A.jaxkv_call
-        fn = functools.partial(call, fmt=fmt, config=config)
-        try:
-          out = jax.jit(fn)(*arrays)
-          ref = out if ref is None else ref
-          err = A.rel_err(out, ref)
-          us = timing.kernel_time(fn, copies, calls=args.calls)["kernel"] * 1e6
-        except Exception as e:  # pylint: disable=broad-except
-          print(f"  {name:14s} {vname:12s} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
-          continue
-        row = dict(shape=A.shape_id(shape), format=name, variant=vname, config=dataclasses.asdict(config),
-                   us=us, cudnn_us=cudnn, x_cudnn=cudnn / us, rel_err_vs_default=err)
-        rows.append(row)
-        print(f"  {name:14s} {vname:12s} {us:8.1f} us  {cudnn / us:5.2f}x cuDNN  err {err:.1e}",
-              flush=True)
+
+      def call(q, arrays, lengths, *, config, _fmt=fmt):
+        fn = A.mosaic_call if isinstance(config, A.ma.MosaicAttentionConfig) else A.jaxkv_call
+        return fn(q, arrays, lengths, fmt=_fmt, config=config)
+
+      rows += _time_variants(name, shape, configs, call, arrays, copies, cudnn, args.calls)
       del copies, data
   if args.out:
     with open(args.out, "w") as fh:

@@ -539,6 +539,8 @@ class Llama(nnx.Module):
     if self.lm_head is None:  # tied: contract with the [vocab, hidden] embedding directly
       return jnp.einsum("...h,vh->...v", h, self.embed_tokens[...],
                         preferred_element_type=jnp.float32)
+    if not isinstance(self.lm_head, Linear):  # a draft's `QuantizedLinear`
+      return self.lm_head(h, out_dtype=jnp.float32)
     return jnp.dot(h, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
 
   def _check_cache(self, cache) -> None:

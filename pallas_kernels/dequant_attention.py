@@ -391,14 +391,15 @@ def _split_kernel(
   def unpack(ref, tok, bcol, w, side, dt):
     if not side.hier:
       return _unpack_planes(ref[tok, pl.ds(bcol, w)], side.bits, dt, use_asm)
-    # Target view: byte j of a plane holds elements j (low nibble) and j + D/2
-    # (high nibble); the upper and lower nibbles of an element form its c8.
-    upper = ref[tok, pl.ds(bcol, w)]
-    lower = ref[tok, pl.ds(head_dim // 2 + bcol, w)]
-    low_nib = np.uint8(15)
-    c8 = [((upper & low_nib) << np.uint8(4)) | (lower & low_nib),
-          (upper & np.uint8(0xF0)) | (lower >> np.uint8(4))]
-    return [_unpack_planes(c, 8, dt, use_asm)[0] for c in c8]
+    # Target view: each plane unpacks as two plain 4-bit planes (upper codes
+    # C_U, lower codes C_L + 8; packed bf16x2/f16x2 bit tricks) and combines
+    # them as c8 = 16 C_U + (C_L + 8), exact in ``dt`` (float16: c8 < 256).
+    # Composing the bytes first (shift/or on uint8) cost one 32-bit op per
+    # element per step and made the target view 1.7x slower than int8.
+    upper = _unpack_planes(ref[tok, pl.ds(bcol, w)], 4, dt, use_asm)
+    lower = _unpack_planes(ref[tok, pl.ds(head_dim // 2 + bcol, w)], 4, dt, use_asm)
+    sixteen = jnp.asarray(16.0, dt)
+    return [u * sixteen + lo for u, lo in zip(upper, lower)]
 
   def load_affine(t0, kb):
     """Raw (stored dtype) scales and zeros a step over tokens [t0, t0 + kb) reads.

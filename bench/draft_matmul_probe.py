@@ -1,0 +1,136 @@
+"""How fast is the QuantSpec draft model's 4-bit matmul on this GPU?
+
+For each linear layer shape of Llama-3.1-8B (``[in, out]``), one decode
+token (``x [B, in]``, B = 1 and 8): profiler kernel time of
+
+- ``bf16``: ``x @ W`` with the full bfloat16 kernel (the target's weights);
+- ``xla``: ``x @ dequantize(W4)`` inside a jitted program (packed 4-bit
+  codes, float32 group scales, the dequantization left for XLA to fuse);
+- ``kernel``: `QuantizedWeight.matmul`, the Pallas kernel
+  `pallas_kernels.int4_matmul` on a GPU (what the draft model runs);
+
+beside the bytes floor of each (weights read once at the measured HBM read
+bandwidth). If XLA materializes the dequantized kernel, ``draft`` costs more
+than ``bf16`` (it did: 3.3x at ``[4096, 14336]`` on an H100, jax 0.11.2).
+
+Usage (GPU machine): ``python3 bench/draft_matmul_probe.py --out $OUT/draft_mm.json``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jaxkv import timing  # noqa: E402
+from models import draft_weights as dw  # noqa: E402
+from pallas_kernels import int4_matmul as i4  # noqa: E402
+
+# Llama-3.1-8B linear layers: q, k/v, o, gate/up, down.
+SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)]
+ROTATE = 4  # weight copies cycled so that none is read from L2
+
+
+def sweep(n_in, n_out, qs, group, calls):
+  """Kernel time of config variants at B=1, each checked against the default's output."""
+  base = i4.Int4MatmulConfig.default(n_in=n_in, n_out=n_out, group=qs[0].group)
+  groups = n_in // qs[0].group
+  variants = {"default": base}
+  for bn in (64, 256):
+    if n_out % bn == 0:
+      variants[f"bn{bn}"] = dataclasses.replace(base, block_n=bn)
+  for f in (2, 4):
+    if groups % (base.num_splits * f) == 0:
+      variants[f"splits_x{f}"] = dataclasses.replace(base, num_splits=base.num_splits * f)
+  if base.num_splits % 2 == 0:
+    variants["splits_half"] = dataclasses.replace(base, num_splits=base.num_splits // 2)
+  variants["warps8"] = dataclasses.replace(base, num_warps=8)
+  variants["warps2"] = dataclasses.replace(base, num_warps=2)
+  variants["stages4"] = dataclasses.replace(base, num_stages=4)
+  variants["stages2"] = dataclasses.replace(base, num_stages=2)
+  x = jax.random.normal(jax.random.PRNGKey(5), (1, n_in), jnp.bfloat16)
+  out, ref = [], None
+  for name, cfg in variants.items():
+    def fn(x, qw, _c=cfg):
+      return i4.int4_matmul(x, qw.codes, qw.scale, qw.zero, group=qw.group, config=_c)
+    try:
+      y = jax.jit(fn)(x, qs[0])
+      ref = y if ref is None else ref
+      err = float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref)))
+      us = timing.kernel_time(fn, [(x, q) for q in qs], calls=calls)["kernel"] * 1e6
+    except Exception as e:  # pylint: disable=broad-except
+      print(f"    {name:12s} FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
+      continue
+    out.append(dict(n_in=n_in, n_out=n_out, batch=1, variant=name,
+                    config=dataclasses.asdict(cfg), kernel_us=us, rel_err_vs_default=err))
+    print(f"    {name:12s} {us:7.1f} us  err {err:.1e}  {cfg}", flush=True)
+  return out
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--batches", default="1,8")
+  p.add_argument("--group", type=int, default=128)
+  p.add_argument("--calls", type=int, default=16)
+  p.add_argument("--sweep", action="store_true",
+                 help="also time kernel config variants at B=1 (correctness checked)")
+  p.add_argument("--out", default=None)
+  args = p.parse_args(argv)
+  from e2e import measure_read_bandwidth  # pylint: disable=import-outside-toplevel
+  bw = measure_read_bandwidth(1 << 32)
+  rows = []
+  for n_in, n_out in SHAPES:
+    key = jax.random.PRNGKey(n_in * 7 + n_out)
+    ws = [jax.random.normal(jax.random.fold_in(key, i), (n_in, n_out), jnp.bfloat16) * 0.02
+          for i in range(ROTATE)]
+    qs = [dw.quantize_kernel(w, bits=4, group_size=args.group) for w in ws]
+    for b in (int(x) for x in args.batches.split(",")):
+      x = jax.random.normal(jax.random.fold_in(key, 99), (b, n_in), jnp.bfloat16)
+
+      def full(x, w):
+        return x @ w
+
+      def xla(x, qw):
+        return x @ qw.dequantize(jnp.bfloat16)
+
+      def kernel(x, qw):
+        return qw.matmul(x)
+
+      full_bytes = n_in * n_out * 2
+      draft_bytes = dw.nbytes({"w": qs[0]})
+      row = dict(n_in=n_in, n_out=n_out, batch=b, bf16_floor_us=full_bytes / bw * 1e6,
+                 draft_floor_us=draft_bytes / bw * 1e6, draft_bytes=draft_bytes)
+      want = jax.jit(full)(x, ws[0]).astype(jnp.float32)
+      for name, fn, args_ in (("bf16", full, ws), ("xla", xla, qs), ("kernel", kernel, qs)):
+        t = timing.kernel_time(fn, [(x, a) for a in args_], calls=args.calls)
+        row[f"{name}_us"] = t["kernel"] * 1e6
+        row[f"{name}_kernels"] = t["kernels"]
+        row[f"{name}_max_abs_diff_vs_bf16"] = float(
+            jnp.max(jnp.abs(jax.jit(fn)(x, args_[0]).astype(jnp.float32) - want)))
+      rows.append(row)
+      print(f"[{n_in:5d} x {n_out:5d}] B={b}: bf16 {row['bf16_us']:7.1f} us "
+            f"(floor {row['bf16_floor_us']:6.1f})  xla int4 {row['xla_us']:7.1f}  "
+            f"kernel int4 {row['kernel_us']:7.1f} (floor {row['draft_floor_us']:6.1f})  "
+            f"|diff| xla {row['xla_max_abs_diff_vs_bf16']:.2e} "
+            f"kernel {row['kernel_max_abs_diff_vs_bf16']:.2e}", flush=True)
+    if args.sweep:
+      rows += sweep(n_in, n_out, qs, args.group, args.calls)
+    del ws, qs
+  if args.out:
+    with open(args.out, "w") as fh:
+      json.dump(dict(device=jax.devices()[0].device_kind, jax_version=jax.__version__,
+                     hbm_read_gb_s=bw / 1e9, rows=rows), fh, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  sys.exit(main())
