@@ -158,7 +158,7 @@ def _pair_bits(value: float, dtype) -> int:
   return (half << 16) | half
 
 
-def _unpack_asm(bits: int, dtype, plane: int) -> str:
+def _unpack_asm(bits: int, dtype, plane: int, hier_plane: int | None = None) -> str:
   """PTX turning 4 packed bytes into the 4 exact codes of one plane.
 
   Operands: outputs ``$0`` (elements 0-1) and ``$1`` (elements 2-3) as
@@ -170,6 +170,12 @@ def _unpack_asm(bits: int, dtype, plane: int) -> str:
   the plane's bits and the exponent, and one ``fma`` that removes the base.
   Every constant but one (the exponent filler) is an immediate, so ptxas
   does not rematerialize masks inside the loop.
+
+  ``hier_plane`` (QuantSpec target view, ``bits == 8``): the inputs are two
+  words, ``$2`` the upper-plane bytes and ``$3`` the lower-plane bytes of 4
+  byte columns; plane ``p``'s 8-bit codes ``16 C_U + (C_L + 8)`` are composed
+  for all 4 bytes at once (a shift and one ``lop3`` per word) before the
+  8-bit unpack.
   """
   magic, base, low_bits = _MAGIC[jnp.dtype(dtype)]
   suffix = "bf16x2" if jnp.dtype(dtype) == jnp.bfloat16 else "f16x2"
@@ -179,11 +185,20 @@ def _unpack_asm(bits: int, dtype, plane: int) -> str:
   keep = magic | (((1 << bits) - 1) << at)  # exponent byte + the code's bits
   scale = _pair_bits(2.0 ** -at, dtype)
   bias = _pair_bits(-base * 2.0 ** -at, dtype)
-  lines = ["{", ".reg .b32 w, lo, hi, fill, sc, bs;",
+  lines = ["{", ".reg .b32 w, t, lo, hi, fill, sc, bs;",
            f"mov.b32 fill, {(magic >> 8) * 0x01010101:#010x};",
            f"mov.b32 sc, {scale:#010x};", f"mov.b32 bs, {bias:#010x};"]
   src = "$2"
-  if pre:
+  if hier_plane is not None:
+    if bits != 8 or pre:
+      raise ValueError(f"hierarchical codes need 8-bit float16 unpacking, got {bits=} {dtype}")
+    # lop3 0xE4 = (a & c) | (b & ~c): high nibbles from a, low from b.
+    if hier_plane == 0:   # element j: upper low nibble -> high, lower low nibble -> low
+      lines += ["shl.b32 t, $2, 4;", "lop3.b32 w, t, $3, 0xF0F0F0F0, 0xE4;"]
+    else:                 # element j + D/2: the high nibbles
+      lines += ["shr.u32 t, $3, 4;", "lop3.b32 w, $2, t, 0xF0F0F0F0, 0xE4;"]
+    src = "w"
+  elif pre:
     lines.append(f"shr.u32 w, $2, {pre};")
     src = "w"
   lines += [f"prmt.b32 lo, {src}, fill, 0x5140;",   # [b0, m, b1, m]
@@ -391,15 +406,27 @@ def _split_kernel(
   def unpack(ref, tok, bcol, w, side, dt):
     if not side.hier:
       return _unpack_planes(ref[tok, pl.ds(bcol, w)], side.bits, dt, use_asm)
-    # Target view: each plane unpacks as two plain 4-bit planes (upper codes
-    # C_U, lower codes C_L + 8; packed bf16x2/f16x2 bit tricks) and combines
-    # them as c8 = 16 C_U + (C_L + 8), exact in ``dt`` (float16: c8 < 256).
-    # Composing the bytes first (shift/or on uint8) cost one 32-bit op per
-    # element per step and made the target view 1.7x slower than int8.
-    upper = _unpack_planes(ref[tok, pl.ds(bcol, w)], 4, dt, use_asm)
-    lower = _unpack_planes(ref[tok, pl.ds(head_dim // 2 + bcol, w)], 4, dt, use_asm)
-    sixteen = jnp.asarray(16.0, dt)
-    return [u * sixteen + lo for u, lo in zip(upper, lower)]
+    # Target view: byte j of a plane holds elements j (low nibble) and j + D/2
+    # (high nibble); an element's upper and lower nibbles form its 8-bit code
+    # c8 = 16 C_U + (C_L + 8), exact in ``dt`` (float16). Compiled: one PTX
+    # block per 4 byte columns composes the codes in 32-bit words and unpacks
+    # them (`_unpack_asm` with ``hier_plane``). Composing with uint8 tensor
+    # ops instead made the target view 1.7x slower than int8.
+    upper = ref[tok, pl.ds(bcol, w)]
+    lower = ref[tok, pl.ds(head_dim // 2 + bcol, w)]
+    if use_asm and dt == jnp.float16:
+      out = []
+      for plane in range(2):
+        [codes] = plgpu.elementwise_inline_asm(
+            _unpack_asm(8, dt, 0, hier_plane=plane), args=[upper, lower],
+            constraints="=r,=r,r,r", pack=4,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(upper.shape, dt)])
+        out.append(codes)
+      return out
+    low_nib = np.uint8(15)
+    c8 = [((upper & low_nib) << np.uint8(4)) | (lower & low_nib),
+          (upper & np.uint8(0xF0)) | (lower >> np.uint8(4))]
+    return [_unpack_planes(c, 8, dt, False)[0] for c in c8]
 
   def load_affine(t0, kb):
     """Raw (stored dtype) scales and zeros a step over tokens [t0, t0 + kb) reads.
@@ -725,9 +752,13 @@ def dequant_decode_attention(
     raise ValueError(f"view={view!r} must be 'target', or 'draft' for a hierarchical format")
   draft = view == "draft"
   if config is None:
+    # Hierarchical caches take the 4-bit defaults in both views: the target
+    # view's two-plane read ran 58.3 / 163.7 us at (1, 32K / 128K, 32, 8) with
+    # them against 63.0 / 181.8 with the 8-bit ones (H100, jax 0.11.2).
+    sub4 = fmt.hierarchical
     config = DecodeAttentionConfig.default(
         batch=batch, tokens=capacity, q_heads=q_heads, kv_heads=kv_heads,
-        head_dim=head_dim, k_bits=4 if draft else fmt.k_bits, v_bits=4 if draft else fmt.v_bits,
+        head_dim=head_dim, k_bits=4 if sub4 else fmt.k_bits, v_bits=4 if sub4 else fmt.v_bits,
         token_group=fmt.token_group, k_axis=fmt.k_axis, itemsize=k_residual.dtype.itemsize)
   block_k = config.block_k
   if capacity % block_k:

@@ -54,9 +54,22 @@ def _fma(a, b, c, suffix):
   return res[0] | (res[1] << 16)
 
 
-def run_ptx(text: str, word: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """Executes the asm body on uint32 words ``$2``; returns ``($0, $1)``."""
+def _lop3(a, b, c, lut: int):
+  """PTX ``lop3.b32``: bit i of d is bit ``4 a_i + 2 b_i + c_i`` of ``lut`` (the LUT
+  is ``F(0xF0, 0xCC, 0xAA)``)."""
+  out = np.zeros_like(a)
+  for bit in range(32):
+    idx = (((a >> bit) & 1) << 2) | (((b >> bit) & 1) << 1) | ((c >> bit) & 1)
+    out |= ((lut >> idx.astype(np.uint64)) & 1) << bit
+  return out
+
+
+def run_ptx(text: str, word: np.ndarray, word3: np.ndarray | None = None
+            ) -> tuple[np.ndarray, np.ndarray]:
+  """Executes the asm body on uint32 words ``$2`` (and ``$3``); returns ``($0, $1)``."""
   regs = {"$2": word.astype(np.uint64)}
+  if word3 is not None:
+    regs["$3"] = word3.astype(np.uint64)
 
   def val(tok):
     tok = tok.strip()
@@ -72,6 +85,10 @@ def run_ptx(text: str, word: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
       regs[args[0]] = val(args[1])
     elif op == "shr.u32":
       regs[args[0]] = val(args[1]) >> _imm(args[2])
+    elif op == "shl.b32":
+      regs[args[0]] = (val(args[1]) << _imm(args[2])) & 0xFFFFFFFF
+    elif op == "lop3.b32":
+      regs[args[0]] = _lop3(val(args[1]), val(args[2]), val(args[3]), _imm(args[4]))
     elif op == "and.b32":
       regs[args[0]] = val(args[1]) & val(args[2])
     elif op == "or.b32":
@@ -105,3 +122,23 @@ def test_unpack_asm_gives_exact_codes(bits, dtype):
       want = (byte[i] >> (plane * bits)) & ((1 << bits) - 1)
       np.testing.assert_array_equal(got[i].astype(np.float64), want.astype(np.float64),
                                     err_msg=f"bits={bits} plane={plane} element {i}")
+
+
+def test_hierarchical_asm_composes_exact_8bit_codes():
+  """QuantSpec target view: upper/lower plane bytes -> c8 = 16 C_U + (C_L + 8) per element."""
+  rng = np.random.default_rng(7)
+  every = np.arange(256, dtype=np.uint64)
+  upper = np.concatenate([np.repeat(every, 256) << (8 * (i % 4)) for i in range(2)]
+                         + [rng.integers(0, 2**32, 8192, dtype=np.uint64)])
+  lower = np.concatenate([np.tile(every, 256) << (8 * ((i + 1) % 4)) for i in range(2)]
+                         + [rng.integers(0, 2**32, 8192, dtype=np.uint64)])
+  ub = [(upper >> (8 * i)) & 0xFF for i in range(4)]
+  lb = [(lower >> (8 * i)) & 0xFF for i in range(4)]
+  for plane in range(2):
+    out0, out1 = run_ptx(_unpack_asm(8, jnp.float16, 0, hier_plane=plane), upper, lower)
+    got = _halves(out0, np.float16) + _halves(out1, np.float16)
+    for i in range(4):
+      shift = 4 * plane  # plane 0: low nibbles (element j), plane 1: high (element j + D/2)
+      want = 16 * ((ub[i] >> shift) & 15) + ((lb[i] >> shift) & 15)
+      np.testing.assert_array_equal(got[i].astype(np.float64), want.astype(np.float64),
+                                    err_msg=f"plane={plane} element {i}")
