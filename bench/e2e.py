@@ -117,12 +117,15 @@ def weight_bytes(model) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(nnx.state(model)))
 
 
-def cache_read_bytes(cache: jaxkv.ModelCache, context: int) -> int:
-  """Bytes one decode step reads from the cache: packed tokens plus the residual block."""
+def cache_read_bytes(cache: jaxkv.ModelCache, context: int, view: str = "target") -> int:
+  """Bytes one decode step reads from the cache: packed tokens plus the residual block.
+
+  ``view="draft"`` (hierarchical formats): the upper 4-bit plane only.
+  """
   fmt = cache.fmt
   dtype_bytes = jnp.dtype(cache.dtype).itemsize
   packed = fmt.packed_len(context)
-  per_token = fmt.bytes_per_token(cache.kv_heads, cache.head_dim, dtype_bytes)
+  per_token = fmt.bytes_per_token(cache.kv_heads, cache.head_dim, dtype_bytes, view=view)
   residual = 2 * cache.kv_heads * fmt.residual * cache.head_dim * dtype_bytes
   return int(cache.num_layers * cache.batch * (per_token * packed + residual))
 

@@ -21,8 +21,9 @@ Public API:
   hierarchical              QuantSpec's two-plane INT8 codes (draft / target views)
   StagedCache               a KVCache plus unflushed tokens: append(flush=False),
                             rollback, flush (`jaxkv.staged_cache`)
-  speculative_generate      self-speculative decoding on a "quantspec" cache
-                            (`jaxkv.speculative`)
+  speculative_generate,     self-speculative decoding on a "quantspec" cache
+  speculative_steps         (`jaxkv.speculative`); the latter: N rounds from a
+                            cache the caller holds, like decode_steps
 """
 
 from jaxkv import hierarchical, quant
@@ -38,7 +39,7 @@ from jaxkv.sharding import make_mesh, shard_cache, sharded_decode_attention
 from jaxkv import vq
 from jaxkv.vq import VQ_PRESETS, VQCodebooks, VQFormat
 from jaxkv.vq_cache import VQCache
-from jaxkv.speculative import speculative_generate
+from jaxkv.speculative import speculative_generate, speculative_steps
 from jaxkv.staged_cache import StagedCache
 
 __version__ = "0.1.0"
@@ -70,4 +71,5 @@ __all__ = [
     "sharding",
     "vq",
     "speculative_generate",
+    "speculative_steps",
 ]

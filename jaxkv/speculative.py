@@ -22,10 +22,14 @@ sample from ``normalize(max(0, p - q))``), so each output token is
 distributed as the target's temperature-``T`` distribution.
 
 The whole loop (draft, verify, accept, commit) is one jitted program with a
-`lax.while_loop`. Attention (`jaxkv.staged_cache.staged_attention`) reads
-the committed tokens with the Triton kernel on a GPU (each layer in place,
-the draft or target view) and merges its log-sum-exp with dense attention
-over the few staged rows; elsewhere it is the jnp reference.
+`lax.while_loop`. `speculative_steps` runs the same rounds from a cache the
+caller holds (e.g. after ``model.prefill``): exactly N of them in one jitted
+`lax.fori_loop`, cache donated, the speculative analogue of
+`jaxkv.decode_steps` (what `bench/speculative.py --timing` times). Attention
+(`jaxkv.staged_cache.staged_attention`) reads the committed tokens with the
+Triton kernel on a GPU (each layer in place, the draft or target view) and
+merges its log-sum-exp with dense attention over the few staged rows;
+elsewhere it is the jnp reference.
 """
 
 from __future__ import annotations
@@ -39,8 +43,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxkv.decoding import _check_ids, _is_stop, _stop_array
+from jaxkv.decoding import SplitModel, _check_ids, _is_stop, _split, _stop_array
 from jaxkv.formats import KVFormat
+from jaxkv.model_cache import ModelCache
 from jaxkv.staged_cache import staged_attention, write_staged
 
 
@@ -265,6 +270,34 @@ def _speculative_program(graphdef, state, draft_state, prompt_tokens, prompt_len
   return loop.out, loop.num_generated, loop.verifications, loop.accepted, loop.cache
 
 
+@functools.partial(jax.jit, static_argnames=("settings", "num_rounds"),
+                   donate_argnames=("cache",))
+def _speculative_steps_program(graphdef, state, draft_state, token, cache, rng, stop_tokens,
+                               temperature, pad_token_id, *, settings: SpecSettings,
+                               num_rounds: int):
+  """``num_rounds`` rounds from ``token [B]`` (not yet in the cache), no prefill.
+
+  Returns ``(out [B, N], emitted [B], verifications [B], accepted [B], cache)``
+  with ``N = settings.max_new_tokens >= num_rounds * (gamma + 1)``, so the
+  max-new-tokens cut of `_spec_step` never ends a sequence early.
+  """
+  model = nnx.merge(graphdef, state)
+  draft = model if draft_state is None else model.with_draft_weights(draft_state)
+  b = token.shape[0]
+  zeros = jnp.zeros((b,), jnp.int32)
+  loop = SpecState(cache=_constrain(cache, settings.mesh), token=token,
+                   out=jnp.full((b, settings.max_new_tokens), pad_token_id, jnp.int32),
+                   num_generated=zeros, done=jnp.zeros((b,), bool), rng=rng,
+                   verifications=zeros, accepted=zeros)
+  loop = jax.lax.fori_loop(
+      0, num_rounds,
+      lambda _, s: _spec_step(model, draft, s, stop_tokens, temperature, pad_token_id,
+                              settings),
+      loop)
+  return (loop.out, loop.num_generated, loop.verifications, loop.accepted,
+          _constrain(loop.cache, settings.mesh))
+
+
 def _constrain(cache, mesh):
   """Keeps the cache in its `cache_specs` placement on a mesh (identity without one)."""
   from jaxkv.sharding import constrain_cache  # pylint: disable=import-outside-toplevel
@@ -322,12 +355,7 @@ def speculative_generate(model, prompt_tokens, prompt_lengths, *, max_new_tokens
   if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
       or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
-  if isinstance(gamma, bool) or not isinstance(gamma, (int, np.integer)) or not 1 <= gamma <= 16:
-    raise ValueError(f"gamma={gamma!r} must be an int in [1, 16]")
-  if sampler not in ("greedy", "sample"):
-    raise ValueError(f"sampler={sampler!r} must be 'greedy' or 'sample'")
-  if sampler == "sample" and not temperature > 0:
-    raise ValueError(f"temperature={temperature!r} must be > 0")
+  _check_spec_args(gamma, sampler, temperature)
   if isinstance(kv_format, str):
     kv_format = KVFormat.preset(kv_format)
   if not isinstance(kv_format, KVFormat):
@@ -335,14 +363,7 @@ def speculative_generate(model, prompt_tokens, prompt_lengths, *, max_new_tokens
   if not kv_format.hierarchical:
     raise ValueError(f"kv_format={kv_format} must be hierarchical (e.g. 'quantspec'): the "
                      "draft reads its upper 4-bit plane")
-  if isinstance(draft_weights, str):
-    if draft_weights not in ("int4", "int8", "full"):
-      raise ValueError(f"draft_weights={draft_weights!r} must be 'int4', 'int8', 'full' or a "
-                       "dict from model.quantize_weights()")
-    draft_weights = (None if draft_weights == "full" else
-                     model.quantize_weights(bits=int(draft_weights[3:]), group_size=group_size))
-  elif draft_weights is not None and not isinstance(draft_weights, dict):
-    raise TypeError(f"draft_weights must be a string or a dict, got {type(draft_weights).__name__}")
+  draft_weights = _draft_state(model, draft_weights, group_size)
   needed = t + max_new_tokens - 1
   capacity = t + max_new_tokens if capacity is None else capacity
   if capacity < needed:
@@ -361,14 +382,122 @@ def speculative_generate(model, prompt_tokens, prompt_lengths, *, max_new_tokens
       jnp.asarray(lengths, jnp.int32), cache, jax.random.key(0) if rng is None else rng,
       _stop_array(stop_tokens, b), np.float32(temperature),
       np.int32(pad_token_id), settings=settings)
-  v, a = np.asarray(verifs), np.asarray(accepted)
-  emitted_after_first = np.asarray(num) - 1
-  stats = dict(verifications=v, accepted=a,
-               acceptance_rate=float(a.sum() / max(1, gamma * v.sum())),
-               tokens_per_verification=float(emitted_after_first.sum() / max(1, v.sum())))
+  stats = _round_stats(verifs, accepted, np.asarray(num) - 1, gamma)  # the first: prefill's
   if return_cache:
     return tokens, num, stats, cache
   return tokens, num, stats
 
 
-__all__ = ["SpecSettings", "block_forward", "speculative_generate"]
+def _check_spec_args(gamma, sampler, temperature) -> None:
+  """ValueErrors for the round settings shared by `speculative_generate` and `speculative_steps`."""
+  if isinstance(gamma, bool) or not isinstance(gamma, (int, np.integer)) or not 1 <= gamma <= 16:
+    raise ValueError(f"gamma={gamma!r} must be an int in [1, 16]")
+  if sampler not in ("greedy", "sample"):
+    raise ValueError(f"sampler={sampler!r} must be 'greedy' or 'sample'")
+  if sampler == "sample" and not temperature > 0:
+    raise ValueError(f"temperature={temperature!r} must be > 0")
+
+
+def _draft_state(model, draft_weights, group_size: int):
+  """The draft's weights as the program takes them: a dict of `QuantizedWeight`, or None
+  (``"full"``: the draft is the model itself, reading the draft view of the cache)."""
+  if isinstance(draft_weights, str):
+    if draft_weights not in ("int4", "int8", "full"):
+      raise ValueError(f"draft_weights={draft_weights!r} must be 'int4', 'int8', 'full' or a "
+                       "dict from model.quantize_weights()")
+    if draft_weights == "full":
+      return None
+    model = model.model if isinstance(model, SplitModel) else model
+    return model.quantize_weights(bits=int(draft_weights[3:]), group_size=group_size)
+  if draft_weights is not None and not isinstance(draft_weights, dict):
+    raise TypeError(f"draft_weights must be a string or a dict, got {type(draft_weights).__name__}")
+  return draft_weights
+
+
+def _round_stats(verifications, accepted, emitted, gamma: int) -> dict:
+  """Per sequence ``verifications [B]``, ``accepted [B]``; totals over the rounds that
+  emitted ``emitted [B]`` tokens."""
+  v, a, e = np.asarray(verifications), np.asarray(accepted), np.asarray(emitted)
+  return dict(verifications=v, accepted=a,
+              acceptance_rate=float(a.sum() / max(1, gamma * v.sum())),
+              tokens_per_verification=float(e.sum() / max(1, v.sum())))
+
+
+def speculative_steps(model, token, cache, num_rounds: int, *, gamma: int = 4,
+                      draft_weights="int4", group_size: int = 128, sampler: str = "greedy",
+                      temperature: float = 1.0, rng: jax.Array | None = None,
+                      stop_tokens=None, pad_token_id: int = 0, mesh=None):
+  """Runs ``num_rounds`` speculative rounds from a cache the caller holds; cache donated.
+
+  The speculative analogue of `jaxkv.decode_steps`: the cache already holds
+  the prompt (``model.prefill`` on a hierarchical cache, or filled
+  otherwise) and ``token`` is the last emitted token, whose K/V is not yet
+  in it. Each round drafts ``gamma`` tokens, verifies them in one target
+  pass and commits the accepted ones (1 to ``gamma + 1`` tokens per
+  sequence). Exactly ``num_rounds`` rounds run in one jitted `lax.fori_loop`
+  (compiled once per shapes, ``num_rounds``, ``gamma`` and sampler); a
+  sequence that emitted a stop token stays put for the rest.
+
+  Args:
+    model: a `models.llama.Llama`, or a `jaxkv.SplitModel` of one (no
+      per-call ``nnx.split``; use it when calling this in a loop).
+    token: ``[B]`` int, the last emitted token of each sequence.
+    cache: a hierarchical (``"quantspec"``) `jaxkv.ModelCache` with room for
+      ``num_rounds * (gamma + 1)`` more tokens per sequence; consumed
+      (donated), use the returned one. Its lengths are read to check the
+      room (the call waits for the cache).
+    num_rounds: verification rounds to run (static, >= 1).
+    gamma: draft tokens per round (1 to 16).
+    draft_weights, group_size, sampler, temperature, stop_tokens,
+      pad_token_id: as in `speculative_generate`. Pass a dict from
+      ``model.quantize_weights()`` to quantize once when calling repeatedly.
+    mesh: the `jaxkv.make_mesh` mesh the model and the cache
+      (`jaxkv.shard_cache`) are placed on; None without one.
+    rng: PRNG key for ``sampler="sample"`` (default ``jax.random.key(0)``).
+  Returns:
+    ``(tokens [B, num_rounds * (gamma + 1)] int32, counts [B] int32, stats,
+    cache)``: row ``b`` holds ``counts[b]`` emitted tokens then
+    ``pad_token_id``; ``stats`` as in `speculative_generate`
+    (``tokens_per_verification`` = emitted tokens per round; numpy, so the
+    call returns when the program is done); the cache grown by ``counts[b]``
+    tokens: ``token`` and every emitted token but the last, which is the
+    next call's ``token`` (``tokens[b, counts[b] - 1]``).
+  Raises:
+    ValueError: a non-hierarchical cache, ``token`` not ``[B]`` in
+      ``[0, vocab)``, ``num_rounds < 1``, ``gamma`` outside [1, 16], or a
+      cache without room for ``num_rounds * (gamma + 1)`` more tokens.
+  """
+  if not isinstance(cache, ModelCache):
+    raise TypeError(f"cache must be a jaxkv.ModelCache (model.init_cache), got "
+                    f"{type(cache).__name__}")
+  if not cache.fmt.hierarchical:
+    raise ValueError(f"cache format {cache.fmt} must be hierarchical (e.g. 'quantspec'): the "
+                     "draft reads its upper 4-bit plane")
+  token = jnp.asarray(token) if isinstance(token, (list, tuple)) else token
+  if getattr(token, "ndim", None) != 1 or token.shape[0] != cache.batch:
+    raise ValueError(f"token.shape={getattr(token, 'shape', None)} must be [{cache.batch}] "
+                     "(the cache batch)")
+  _check_ids("token", token, model.config.vocab_size)
+  if isinstance(num_rounds, bool) or not isinstance(num_rounds, (int, np.integer)) \
+      or num_rounds < 1:
+    raise ValueError(f"num_rounds={num_rounds!r} must be an int >= 1")
+  _check_spec_args(gamma, sampler, temperature)
+  room = int(num_rounds) * (int(gamma) + 1)  # each round commits at most gamma + 1 tokens
+  if not isinstance(cache.lengths, jax.core.Tracer):
+    longest = int(np.max(np.asarray(cache.lengths)))
+    if longest + room > cache.capacity:
+      raise ValueError(f"cache capacity={cache.capacity} has no room for num_rounds={num_rounds} "
+                       f"x (gamma={gamma} + 1) = {room} more tokens after the longest sequence's "
+                       f"{longest}: needs capacity >= {longest + room}")
+  draft_state = _draft_state(model, draft_weights, group_size)
+  graphdef, state = _split(model)
+  settings = SpecSettings(room, int(gamma), sampler, mesh)
+  tokens, counts, verifs, accepted, cache = _speculative_steps_program(
+      graphdef, state, draft_state, jnp.asarray(token, jnp.int32), cache,
+      jax.random.key(0) if rng is None else rng, _stop_array(stop_tokens, cache.batch),
+      np.float32(temperature), np.int32(pad_token_id), settings=settings,
+      num_rounds=int(num_rounds))
+  return tokens, counts, _round_stats(verifs, accepted, counts, gamma), cache
+
+
+__all__ = ["SpecSettings", "block_forward", "speculative_generate", "speculative_steps"]

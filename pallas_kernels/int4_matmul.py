@@ -1,10 +1,14 @@
 """Group-wise 4-bit weight x activation matmul for decode (a few rows), Pallas Triton.
 
 The draft model of QuantSpec reads every linear kernel in 4 bits. Left to
-XLA, ``x @ dequantize(W4)`` on an H100 (jax 0.11.2) took 130-135 us for a
+XLA, ``x @ dequantize(W4)`` on an H100 (jax 0.11.2) took 99-133 us for a
 ``[4096, 14336]`` kernel where the bf16 dot takes 39 us and the 4-bit bytes
-allow 12 us (`bench/results/speculative-NOTES.md`): the dequantized kernel is
-materialized. This kernel reads the codes once and never writes them back.
+allow 13 us (`bench/results/speculative-NOTES.md`). This kernel reads the
+codes once and never writes a dequantized copy.
+
+Measured (H100, jax 0.11.2, B = 1, default config before the 2-warp change):
+``[4096, 14336]`` 30.4 us vs bf16 39.2 us, XLA's int4 98.9 us, floor 13.1 us;
+``[4096, 4096]`` 11.8 vs 14.5; ``[4096, 1024]`` 7.2 vs 17.0.
 
 Storage (`pack_weight`): a ``[in, out]`` kernel in groups of ``G`` input rows
 (one float32 ``(scale, zero)`` per group and output column, the cache's
@@ -57,7 +61,7 @@ class Int4MatmulConfig:
 
   block_n: int = 128
   num_splits: int = 1
-  num_warps: int = 4
+  num_warps: int = 2
   num_stages: int = 3
 
   def __post_init__(self):
@@ -69,7 +73,13 @@ class Int4MatmulConfig:
   @classmethod
   def default(cls, *, n_in: int, n_out: int, group: int,
               num_sms: int | None = None) -> "Int4MatmulConfig":
-    """About 4 programs per SM: 128 columns each, the groups split to fill the GPU."""
+    """About 4 programs per SM: 128 columns each, the groups split to fill the GPU.
+
+    From the sweep of `bench/draft_matmul_probe.py --sweep` (H100, jax 0.11.2,
+    Llama-3.1-8B shapes, B = 1): 2 warps beat 4 by 5-10 % on the
+    ``[4096, 14336]`` / ``[14336, 4096]`` kernels (27.7 / 25.7 us vs 30.6 /
+    28.1) and lost 5 % on ``[4096, 1024]``; 64-column blocks were slower.
+    """
     num_sms = num_sms or _triton.num_sms()
     block_n = next((b for b in (128, 64, 32, 16) if n_out % b == 0), 16)
     groups = n_in // group

@@ -1,7 +1,10 @@
-"""Self-speculative decoding (QuantSpec, issue 14): `jaxkv.speculative_generate`.
+"""Self-speculative decoding (QuantSpec, issue 14): `jaxkv.speculative_generate`,
+`jaxkv.speculative_steps`.
 
-Oracles: plain greedy `jaxkv.generate` with the same hierarchical format and
-full weights (greedy must match it token for token), and the target model's
+Oracles: plain greedy `jaxkv.generate` (for `speculative_steps`: plain greedy
+`jaxkv.decode_steps` on an identically prefilled cache) with the same
+hierarchical format and full weights (greedy must match it token for token),
+and the target model's
 exact next-token probabilities (speculative sampling must reproduce them;
 chi-square test with a stated power).
 """
@@ -14,10 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from scipy import stats as sps
 
 import jaxkv
-from jaxkv.speculative import speculative_generate
+from jaxkv import speculative as spec_mod
+from jaxkv.speculative import speculative_generate, speculative_steps
 from models import draft_weights as dw
 from models import llama
 from tests.model_fixtures import SMALL, full_f32_matmuls  # noqa: F401  (autouse fixture)
@@ -58,6 +63,85 @@ def test_greedy_matches_plain_greedy_ragged_batch(model):
     for a, w, side in zip(cache.dequantize(), want_cache.dequantize(), (cache.k, cache.v)):
       step = float(np.nanmax(np.asarray(side.scale, np.float32))) / 16
       np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=0, atol=step + 1e-5)
+
+
+def _prefilled(model, prompts, lengths, capacity):
+  """A QS_SMALL cache holding the prompts, and the greedy first token ``[B]``."""
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def prefill(state, tokens, lengths, cache):
+    logits, cache = nnx.merge(graphdef, state).prefill(tokens, lengths, cache)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+
+  cache = model.init_cache(QS_SMALL, prompts.shape[0], capacity)
+  return prefill(state, jnp.asarray(prompts, jnp.int32), jnp.asarray(lengths, jnp.int32), cache)
+
+
+def test_speculative_steps_matches_decode_steps_ragged_batch(model):
+  rng = np.random.default_rng(9)
+  prompts = rng.integers(3, SMALL.vocab_size, (2, 40))
+  lengths = np.asarray([40, 9])
+  gamma, rounds, capacity = 3, 3, 80
+  token, cache = _prefilled(model, prompts, lengths, capacity)
+  want_token, want_cache = _prefilled(model, prompts, lengths, capacity)
+  steps = 2 * rounds * (gamma + 1)
+  want, _, want_cache = jaxkv.decode_steps(model, want_token, want_cache, steps)
+  want = np.asarray(want)
+  weights = model.quantize_weights(bits=4, group_size=32)
+  # Two calls of `rounds` rounds (one compiled program); the second starts from the
+  # first's last emitted token.
+  got, got_counts = [], []
+  program = spec_mod._speculative_steps_program  # pylint: disable=protected-access
+  compiled = program._cache_size()  # pylint: disable=protected-access
+  for _ in range(2):
+    tokens, counts, st, cache = speculative_steps(model, token, cache, rounds, gamma=gamma,
+                                                  draft_weights=weights)
+    tokens, counts = np.asarray(tokens), np.asarray(counts)
+    assert tokens.shape == (2, rounds * (gamma + 1))
+    assert np.all((rounds <= counts) & (counts <= rounds * (gamma + 1)))
+    np.testing.assert_array_equal(st["verifications"], [rounds, rounds])
+    assert st["tokens_per_verification"] == pytest.approx(counts.sum() / (2 * rounds))
+    for b in range(2):  # padding after the emitted tokens
+      assert np.all(tokens[b, counts[b]:] == 0)
+    got.append(tokens)
+    got_counts.append(counts)
+    token = jnp.asarray(tokens[np.arange(2), counts - 1])
+  # One compiled program for both calls.
+  assert program._cache_size() == compiled + 1  # pylint: disable=protected-access
+  for b in range(2):
+    seq = np.concatenate([got[0][b, :got_counts[0][b]], got[1][b, :got_counts[1][b]]])
+    np.testing.assert_array_equal(seq, want[b, :len(seq)], err_msg=f"sequence {b}")
+  # The cache holds the prompt, the first token and every emitted token but the last.
+  np.testing.assert_array_equal(np.asarray(cache.lengths),
+                                lengths + got_counts[0] + got_counts[1])
+  np.testing.assert_array_equal(np.asarray(cache.packed_lens),
+                                QS_SMALL.packed_len(np.asarray(cache.lengths)))
+  assert not np.any(np.asarray(cache.overflow))
+
+
+def test_speculative_steps_argument_errors(model):
+  token = jnp.asarray([5, 6])
+  cache = model.init_cache(QS_SMALL, 2, 16)
+  with pytest.raises(ValueError, match="must be hierarchical"):
+    speculative_steps(model, token, model.init_cache("kivi4", 2, 16), 1, gamma=2)
+  with pytest.raises(ValueError, match="num_rounds=0"):
+    speculative_steps(model, token, cache, 0)
+  with pytest.raises(ValueError, match="gamma=17"):
+    speculative_steps(model, token, cache, 1, gamma=17)
+  with pytest.raises(ValueError, match=r"token.shape=\(3,\)"):
+    speculative_steps(model, jnp.asarray([5, 6, 7]), cache, 1)
+  with pytest.raises(ValueError, match="must lie in"):
+    speculative_steps(model, jnp.asarray([5, SMALL.vocab_size]), cache, 1)
+  # 5 rounds of gamma 3 may commit 20 tokens: more than an empty cache of 16 holds.
+  with pytest.raises(ValueError, match="needs capacity >= 20"):
+    speculative_steps(model, token, cache, 5, gamma=3)
+  # 3 rounds (12 tokens) fit an empty cache, not one already holding 10 tokens.
+  held = dataclasses.replace(cache, lengths=jnp.asarray([10, 2], jnp.int32))
+  with pytest.raises(ValueError, match="needs capacity >= 22"):
+    speculative_steps(model, token, held, 3, gamma=3)
+  with pytest.raises(TypeError, match="jaxkv.ModelCache"):
+    speculative_steps(model, token, cache.layer(0), 1)
 
 
 @pytest.mark.slow
@@ -160,7 +244,8 @@ def test_argument_errors(model):
 def test_draft_weights_against_numpy_model(model):
   w = model.layers[1].mlp.down_proj.kernel[...]                         # [128, 64]
   q = dw.quantize_kernel(w, bits=4, group_size=32)
-  assert q.codes.dtype == jnp.uint4 and q.group == 32
+  assert q.codes.dtype == jnp.uint8 and q.codes.shape == (64, 64) and q.shape == (128, 64)
+  assert q.group == 32 and q.bits == 4
   wn = np.asarray(w, np.float64).reshape(4, 32, 64)
   lo, hi = wn.min(1, keepdims=True), wn.max(1, keepdims=True)
   scale = (hi - lo) / 15
@@ -169,10 +254,18 @@ def test_draft_weights_against_numpy_model(model):
   np.testing.assert_allclose(np.asarray(q.scale)[:, None], scale, rtol=1e-6)
   weights = dw.quantize_weights(model, group_size=32)
   assert len(weights) == 7 * SMALL.num_layers + 1  # q, k, v, o, gate, up, down + lm_head
-  assert dw.nbytes(weights) < sum(x.codes.size for x in weights.values()) * 4 / 4
+  # Half a byte per weight plus a float32 (scale, zero) per group and column.
+  assert dw.nbytes(weights) == sum(x.shape[0] * x.shape[1] // 2 + 8 * x.scale.size
+                                   for x in weights.values())
   d = dw.draft_model(model, weights)
-  # The model itself is unchanged; the draft's kernels are the dequantized copies.
-  assert not np.array_equal(np.asarray(d.layers[1].mlp.down_proj.kernel[...]), np.asarray(w))
+  # The model itself is unchanged; the draft's layers read the 4-bit copies.
+  layer = d.layers[1].mlp.down_proj
+  assert isinstance(layer, dw.QuantizedLinear)
+  np.testing.assert_array_equal(np.asarray(layer.weight.dequantize()), np.asarray(q.dequantize()))
+  x = jax.random.normal(jax.random.key(3), (2, 3, 128), jnp.float32)
+  np.testing.assert_allclose(np.asarray(layer(x), np.float64),
+                             np.asarray(x, np.float64) @ np.asarray(q.dequantize(), np.float64),
+                             rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(np.asarray(model.layers[1].mlp.down_proj.kernel[...]),
                                 np.asarray(w))
 
