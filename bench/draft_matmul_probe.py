@@ -44,18 +44,21 @@ def sweep(n_in, n_out, qs, group, calls):
   base = i4.Int4MatmulConfig.default(n_in=n_in, n_out=n_out, group=qs[0].group)
   groups = n_in // qs[0].group
   variants = {"default": base}
-  for bn in (64, 256):
-    if n_out % bn == 0:
-      variants[f"bn{bn}"] = dataclasses.replace(base, block_n=bn)
-  for f in (2, 4):
+  per_split = groups // base.num_splits
+  for warps in (2, 4):
+    for bn in (128, 256):
+      for unroll in (1, 2, 4):
+        if n_out % bn or per_split % unroll:
+          continue
+        cfg = dataclasses.replace(base, num_warps=warps, block_n=bn, unroll=unroll)
+        if cfg != base:
+          variants[f"w{warps}_bn{bn}_u{unroll}"] = cfg
+  for f in (2,):
     if groups % (base.num_splits * f) == 0:
       variants[f"splits_x{f}"] = dataclasses.replace(base, num_splits=base.num_splits * f)
   if base.num_splits % 2 == 0:
     variants["splits_half"] = dataclasses.replace(base, num_splits=base.num_splits // 2)
-  variants["warps8"] = dataclasses.replace(base, num_warps=8)
-  variants["warps2"] = dataclasses.replace(base, num_warps=2)
-  variants["stages4"] = dataclasses.replace(base, num_stages=4)
-  variants["stages2"] = dataclasses.replace(base, num_stages=2)
+  variants["warps1"] = dataclasses.replace(base, num_warps=1)
   x = jax.random.normal(jax.random.PRNGKey(5), (1, n_in), jnp.bfloat16)
   out, ref = [], None
   for name, cfg in variants.items():
