@@ -140,8 +140,12 @@ def _kernel(x_ref, codes_ref, scale_ref, zero_ref, o_ref, *, group, groups_per_s
             unroll, code_dtype, use_asm):
   half = group // 2
   split = pl.program_id(1)
-  rows = x_ref.shape[0]
+  rows = o_ref.shape[-2]          # the dots' M (>= 16)
   block_n = o_ref.shape[-1]
+
+  def x_cols(start):              # [rows, G/2]; a single x row is broadcast, not padded
+    x = x_ref[:, pl.ds(start, half)]
+    return jnp.broadcast_to(x, (rows, half)) if x_ref.shape[0] == 1 else x
 
   def dot(a, b):
     return jnp.dot(a, b, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
@@ -149,8 +153,7 @@ def _kernel(x_ref, codes_ref, scale_ref, zero_ref, o_ref, *, group, groups_per_s
   def group_step(g, acc):
     c = codes_ref[pl.ds(g * half, half), :]                       # [G/2, bn] uint8
     lo, hi = _unpack_planes(c, 4, code_dtype, use_asm)            # exact codes
-    x_lo = x_ref[:, pl.ds(g * group, half)]                       # [rows, G/2]
-    x_hi = x_ref[:, pl.ds(g * group + half, half)]
+    x_lo, x_hi = x_cols(g * group), x_cols(g * group + half)     # [rows, G/2]
     d = dot(x_lo.astype(code_dtype), lo) + dot(x_hi.astype(code_dtype), hi)
     x_sum = (jnp.sum(x_lo.astype(jnp.float32), axis=1)
              + jnp.sum(x_hi.astype(jnp.float32), axis=1))       # [rows]
@@ -201,14 +204,17 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, zero: jax.Arr
     raise ValueError(f"{config} does not tile out={n_out} / {groups} groups")
   code_dtype = x.dtype if x.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
   m = max(16, _triton.next_pow2(rows))
-  x2 = jnp.pad(x.reshape(rows, n_in), ((0, m - rows), (0, 0)))
+  # One row (a decode step at B = 1) is read once per step and broadcast to
+  # the dot's 16 rows in registers; more rows are zero-padded in HBM.
+  x_rows = 1 if rows == 1 else m
+  x2 = jnp.pad(x.reshape(rows, n_in), ((0, x_rows - rows), (0, 0)))
   bn, splits = config.block_n, config.num_splits
   part = pl.pallas_call(
       functools.partial(_kernel, group=group, groups_per_split=groups // splits,
                         unroll=config.unroll, code_dtype=code_dtype, use_asm=not interpret),
       grid=(n_out // bn, splits),
       in_specs=[
-          pl.BlockSpec((m, n_in), lambda n, s: (0, 0)),
+          pl.BlockSpec((x_rows, n_in), lambda n, s: (0, 0)),
           pl.BlockSpec((n_in // 2, bn), lambda n, s: (0, n)),
           pl.BlockSpec((groups, bn), lambda n, s: (0, n)),
           pl.BlockSpec((groups, bn), lambda n, s: (0, n)),
