@@ -83,7 +83,7 @@ def view_rows(name, q, shape, variants, cudnn, calls):
   bits = 4 if view == "draft" else 8
   default = pk.DecodeAttentionConfig.default(
       batch=b, tokens=t, q_heads=hq, kv_heads=hkv, head_dim=d, k_bits=bits, v_bits=bits,
-      token_group=fmt.token_group, k_axis=fmt.k_axis)
+      token_group=fmt.token_group, k_axis=fmt.k_axis, residual=fmt.residual)
   configs = {"default": default}
   configs.update({k_: dataclasses.replace(default, **kv) for k_, kv in variants.items()})
 
@@ -126,7 +126,8 @@ def main(argv=None) -> int:
       data = A.random_packed(jax.random.PRNGKey(3), fmt, b, t, hkv, d)
       default = pk.DecodeAttentionConfig.default(
           batch=b, tokens=t, q_heads=hq, kv_heads=hkv, head_dim=d,
-          k_bits=fmt.k_bits, v_bits=fmt.v_bits, token_group=fmt.token_group, k_axis=fmt.k_axis)
+          k_bits=fmt.k_bits, v_bits=fmt.v_bits, token_group=fmt.token_group, k_axis=fmt.k_axis,
+          residual=fmt.residual)
       configs = {"default": default}
       configs.update({k_: dataclasses.replace(default, **kv) for k_, kv in variants.items()})
       mdefault = A.mosaic_default(fmt, b, t, hkv)

@@ -242,7 +242,7 @@ def loop_time(fn, qs, copies, iters=8):
 def candidate_configs(fmt, b, t, hq, hkv, d, limit):
   base = pk.DecodeAttentionConfig.default(
       batch=b, tokens=t, q_heads=hq, kv_heads=hkv, head_dim=d, k_bits=fmt.k_bits,
-      v_bits=fmt.v_bits, token_group=fmt.token_group, k_axis=fmt.k_axis)
+      v_bits=fmt.v_bits, token_group=fmt.token_group, k_axis=fmt.k_axis, residual=fmt.residual)
   rep = dataclasses.replace
   other_warps = 4 if base.num_warps == 2 else 2
   cands = [base, rep(base, num_splits=max(1, base.num_splits // 2)),

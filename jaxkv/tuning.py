@@ -29,7 +29,7 @@ def search_space(q, cache) -> list[pk.DecodeAttentionConfig]:
   base = pk.DecodeAttentionConfig.default(
       batch=batch, tokens=cache.storage_len, q_heads=q_heads, kv_heads=cache.kv_heads,
       head_dim=head_dim, k_bits=fmt.k_bits, v_bits=fmt.v_bits,
-      token_group=fmt.token_group, k_axis=fmt.k_axis)
+      token_group=fmt.token_group, k_axis=fmt.k_axis, residual=fmt.residual)
   blocks = [b for b in (32, 64, 128, 256) if cache.storage_len % b == 0]
   splits = sorted({max(1, base.num_splits // 2), base.num_splits, base.num_splits * 2})
   out = []
@@ -37,7 +37,8 @@ def search_space(q, cache) -> list[pk.DecodeAttentionConfig]:
       blocks, splits, (2, 4), (2, 3), (True, False)):
     if num_splits * block_k > cache.storage_len * 2:
       continue
-    out.append(pk.DecodeAttentionConfig(block_k, num_splits, num_warps, num_stages, defer))
+    out.append(pk.DecodeAttentionConfig(block_k, num_splits, num_warps, num_stages, defer,
+                                        residual_program=base.residual_program))
   return out or [base]
 
 

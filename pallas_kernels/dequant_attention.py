@@ -61,8 +61,16 @@ class DecodeAttentionConfig:
   Attributes:
     block_k: packed tokens per inner-loop step (power of two, at most 256;
       with per-channel K it divides the token group G or is a multiple of it).
-    num_splits: programs per (batch, kv head) over the packed region (the
-      last also takes the residual block).
+    num_splits: programs per (batch, kv head) over the packed region.
+    residual_program: one more program per (batch, kv head) attends over the
+      residual block alone (the partials padded to a multiple of 8 with
+      empty programs, so the combine loads them in power-of-two blocks);
+      False: the last packed split also takes the residual block, and is the
+      slowest program of the grid by that block. Measured (H100, jax 0.11.2,
+      `bench/results/attention-residual-program-*.json`): a win for a
+      residual of 256 rows (quantspec draft view 37.2 vs 42.6 us at (1, 32K,
+      32, 8)), a loss for 128 (int8 46.1 vs 40.2, k8v4 42.0 vs 36.0: more
+      programs); `default` turns it on for residuals of >= 256 rows.
     num_warps: Triton warps per program.
     num_stages: Triton software-pipelining depth of the inner loop.
     prefetch: load each step's scales and zero points one step ahead (carried
@@ -86,6 +94,15 @@ class DecodeAttentionConfig:
   num_stages: int = 2
   defer_sums: bool = True
   prefetch: bool = True
+  residual_program: bool = False
+
+  @property
+  def num_parts(self) -> int:
+    """Partials per (batch, kv head): the splits, the residual program, padding."""
+    if not self.residual_program:
+      return self.num_splits
+    parts = self.num_splits + 1
+    return parts if parts <= 8 else -(-parts // 8) * 8
 
   def __post_init__(self):
     if not _triton.is_pow2(self.block_k) or not 16 <= self.block_k <= 256:
@@ -101,7 +118,7 @@ class DecodeAttentionConfig:
   def default(cls, *, batch: int, tokens: int, q_heads: int, kv_heads: int,
               head_dim: int, k_bits: int, v_bits: int, token_group: int = 128,
               k_axis: str = "channel", num_sms: int | None = None,
-              itemsize: int = 2) -> "DecodeAttentionConfig":
+              itemsize: int = 2, residual: int = 128) -> "DecodeAttentionConfig":
     """Heuristic: ~2 programs per SM (4 with an 8-bit side), >= 2 steps per split.
 
     Measured on an H100 (the benchmark's config
@@ -125,7 +142,8 @@ class DecodeAttentionConfig:
     if itemsize > 2:
       stages = 1
     warps = 2 if k_axis == "token" else 4
-    return cls(block_k=block_k, num_splits=max(1, splits), num_warps=warps, num_stages=stages)
+    return cls(block_k=block_k, num_splits=max(1, splits), num_warps=warps, num_stages=stages,
+               residual_program=residual >= 256)
 
 
 def _code_dtype(bits, cache_dtype):
@@ -328,6 +346,7 @@ def _split_kernel(
     residual: int,
     num_queries: int,
     num_splits: int,
+    residual_split: int,
     block_k: int,
     res_block: int,
     use_asm: bool,
@@ -575,12 +594,14 @@ def _split_kernel(
     l = jnp.sum(l, axis=1)
     zaccs = [jnp.sum(z, axis=1) for z in zaccs]
 
-  # The last split also attends over the residual (full precision) rows,
-  # continuing the same online softmax with the same per-plane accumulators.
-  # It is straight-line code under a branch, not a loop: a loop would be
+  # Program ``residual_split`` attends over the residual (full precision)
+  # rows: its own program after the packed splits (``residual_program``; it
+  # has no packed blocks), or the last packed split continuing the same
+  # online softmax with the same per-plane accumulators. Either way it is
+  # straight-line code under a branch, not a loop: a loop would be
   # software-pipelined, and its staging buffers (several [res_block, D] tiles
   # per stage) would take shared memory from every program for a block that
-  # only the last split reads once.
+  # one program reads once. Programs past it (padding) write empty partials.
   num_res = length - packed
   q_res, res_mult = q_operands(dtype, dtype == jnp.float16 and q_dtype != jnp.float16)
 
@@ -609,7 +630,7 @@ def _split_kernel(
     return carry
 
   m_packed = m
-  m, l, accs = lax.cond(split == num_splits - 1, residual_part, lambda c: c, (m, l, accs))
+  m, l, accs = lax.cond(split == residual_split, residual_part, lambda c: c, (m, l, accs))
   # Rescale the zero accumulators by how far the residual moved the max.
   alpha_z = jnp.exp(m_packed - jnp.where(m == -jnp.inf, 0.0, m))
   for (_, w, _, col, g), acc in zip(v_flat, accs):
@@ -759,7 +780,8 @@ def dequant_decode_attention(
     config = DecodeAttentionConfig.default(
         batch=batch, tokens=capacity, q_heads=q_heads, kv_heads=kv_heads,
         head_dim=head_dim, k_bits=4 if sub4 else fmt.k_bits, v_bits=4 if sub4 else fmt.v_bits,
-        token_group=fmt.token_group, k_axis=fmt.k_axis, itemsize=k_residual.dtype.itemsize)
+        token_group=fmt.token_group, k_axis=fmt.k_axis, itemsize=k_residual.dtype.itemsize,
+        residual=fmt.residual)
   block_k = config.block_k
   if capacity % block_k:
     raise ValueError(f"cache capacity {capacity} must be a multiple of block_k={block_k}")
@@ -780,7 +802,7 @@ def dequant_decode_attention(
   # to the full M of its dots, so every row of a dot operand is its own register.
   q_block = _triton.next_pow2(q_rows)
   qh = jnp.pad(qh, ((0, 0), (0, 0), (0, rows - q_rows), (0, 0)))
-  num_parts = config.num_splits
+  num_parts = config.num_parts
 
   def full(x):  # one (b, h) slice of a [B, H, ...] array per program
     return pl.BlockSpec((None, None, *x.shape[2:]),
@@ -803,6 +825,7 @@ def dequant_decode_attention(
   kernel = functools.partial(
       _split_kernel, k_side=k_side, v_side=v_side, token_group=fmt.token_group,
       residual=fmt.residual, num_queries=num_queries, num_splits=config.num_splits,
+      residual_split=config.num_splits if config.residual_program else config.num_splits - 1,
       block_k=block_k, res_block=res_block, use_asm=not interpret,
       defer_sums=config.defer_sums, prefetch=config.prefetch)
   num_k, num_v = len(k_arrays), len(v_arrays)

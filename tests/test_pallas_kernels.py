@@ -181,6 +181,10 @@ CONFIG_CASES = [
     ("k8v4", pk.DecodeAttentionConfig(block_k=32, num_splits=1, num_warps=2, num_stages=1)),
     # block_k below the per-channel token group: two steps per group.
     ("kivi2", pk.DecodeAttentionConfig(block_k=64, num_splits=5, num_warps=4, num_stages=2)),
+    # The residual block as its own program: 3 splits + 1, and 9 splits + 1
+    # padded to 16 partials.
+    ("kivi4", pk.DecodeAttentionConfig(block_k=64, num_splits=3, residual_program=True)),
+    ("int8", pk.DecodeAttentionConfig(block_k=64, num_splits=9, residual_program=True)),
     # Row sums reduced on every step instead of once after the loop.
     ("kivi4", pk.DecodeAttentionConfig(block_k=128, num_splits=2, defer_sums=False)),
 ]
