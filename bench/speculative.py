@@ -300,13 +300,8 @@ class TimingRun:
     self.start = time.perf_counter()
     self.skipped, self.errors = [], []
 
-  def over_budget(self, what: str) -> bool:
-    elapsed = time.perf_counter() - self.start
-    if elapsed > self.args.time_budget:
-      self.skipped.append(dict(case=what, reason=f"time budget ({elapsed:.0f}s elapsed)"))
-      print(f"  skip {what}: time budget", flush=True)
-      return True
-    return False
+  # Records a skipped case once --time-budget has passed (uses start, args, skipped).
+  over_budget = e2e.Runner.over_budget
 
   def guard(self, what: str, fn) -> None:
     """Runs ``fn()`` unless over budget; an exception is recorded (its caches freed)."""
