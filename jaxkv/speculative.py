@@ -244,7 +244,8 @@ def _is_stop_block(tokens, stop_tokens):
 def _speculative_program(graphdef, state, draft_state, prompt_tokens, prompt_lengths, cache,
                          rng, stop_tokens, temperature, pad_token_id, *, settings: SpecSettings):
   model = nnx.merge(graphdef, state)
-  draft = model if draft_state is None else model.with_draft_weights(draft_state)
+  draft = model if draft_state is None else model.with_draft_weights(
+      draft_state, use_kernel=settings.mesh is None)
   b = prompt_tokens.shape[0]
   mesh = settings.mesh
   if mesh is None:
@@ -282,7 +283,8 @@ def _speculative_steps_program(graphdef, state, draft_state, token, cache, rng, 
   max-new-tokens cut of `_spec_step` never ends a sequence early.
   """
   model = nnx.merge(graphdef, state)
-  draft = model if draft_state is None else model.with_draft_weights(draft_state)
+  draft = model if draft_state is None else model.with_draft_weights(
+      draft_state, use_kernel=settings.mesh is None)
   b = token.shape[0]
   zeros = jnp.zeros((b,), jnp.int32)
   loop = SpecState(cache=_constrain(cache, settings.mesh), token=token,

@@ -80,11 +80,13 @@ class QuantizedWeight:
     return (self.bits == 4 and jax.default_backend() == "gpu"
             and i4.supports(*self.shape, self.group, rows)[0])
 
-  def matmul(self, x: jax.Array, out_dtype=None) -> jax.Array:
+  def matmul(self, x: jax.Array, out_dtype=None, *, use_kernel: bool = True) -> jax.Array:
     """``x @ W``: ``[..., in] -> [..., out]``, accumulated in float32, returned in
-    ``out_dtype`` (default ``x.dtype``)."""
+    ``out_dtype`` (default ``x.dtype``). ``use_kernel=False`` always takes the
+    dequantize + dot path (XLA partitions it on a mesh; the kernel is one
+    device's)."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    if self.kernel_ok(math.prod(x.shape[:-1])):
+    if use_kernel and self.kernel_ok(math.prod(x.shape[:-1])):
       y = i4.int4_matmul(x, self.codes, self.scale, self.zero, group=self.group)
       return y.astype(out_dtype)
     w = self.dequantize(x.dtype)
@@ -117,12 +119,13 @@ def quantize_kernel(w: jax.Array, *, bits: int = 4, group_size: int = 128) -> Qu
 class QuantizedLinear(nnx.Module):
   """A `models.llama.Linear` whose kernel is a `QuantizedWeight` (the draft's layers)."""
 
-  def __init__(self, weight: QuantizedWeight):
+  def __init__(self, weight: QuantizedWeight, *, use_kernel: bool = True):
     self.codes = nnx.Variable(weight.codes)
     self.scale = nnx.Variable(weight.scale)
     self.zero = nnx.Variable(weight.zero)
     self.group = weight.group
     self.bits = weight.bits
+    self.use_kernel = use_kernel
 
   @property
   def weight(self) -> QuantizedWeight:
@@ -130,7 +133,7 @@ class QuantizedLinear(nnx.Module):
                            bits=self.bits)
 
   def __call__(self, x: jax.Array, out_dtype=None) -> jax.Array:  # [..., in] -> [..., out]
-    return self.weight.matmul(x, out_dtype)
+    return self.weight.matmul(x, out_dtype, use_kernel=self.use_kernel)
 
 
 def _linears(model):
@@ -161,11 +164,13 @@ def quantize_weights(model, *, bits: int = 4, group_size: int = 128) -> dict[str
   return weights
 
 
-def draft_model(model, weights: dict[str, QuantizedWeight]):
+def draft_model(model, weights: dict[str, QuantizedWeight], *, use_kernel: bool = True):
   """``model`` with its linear layers replaced by `QuantizedLinear` over ``weights``.
 
   A new module graph over the same arrays (``model`` is not changed); every
   linear layer named in ``weights`` must exist with the weight's shape.
+  ``use_kernel=False``: the layers never run the Pallas kernel (a model
+  sharded on a mesh, where XLA partitions the dequantize + dot instead).
   """
   draft = nnx.clone(model)  # new Variables over the same (immutable) arrays
   found = 0
@@ -179,7 +184,7 @@ def draft_model(model, weights: dict[str, QuantizedWeight]):
     parent = draft
     for p in path[:-1]:
       parent = parent[p] if isinstance(p, int) else getattr(parent, p)
-    setattr(parent, path[-1], QuantizedLinear(w))
+    setattr(parent, path[-1], QuantizedLinear(w, use_kernel=use_kernel))
     found += 1
   if found != len(weights):
     raise ValueError(f"{len(weights) - found} draft weights name no linear layer of the model")

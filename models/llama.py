@@ -516,10 +516,11 @@ class Llama(nnx.Module):
     from models.draft_weights import quantize_weights  # pylint: disable=import-outside-toplevel
     return quantize_weights(self, bits=bits, group_size=group_size)
 
-  def with_draft_weights(self, weights: dict) -> "Llama":
-    """This model with its linear layers reading ``weights`` (from `quantize_weights`)."""
+  def with_draft_weights(self, weights: dict, *, use_kernel: bool = True) -> "Llama":
+    """This model with its linear layers reading ``weights`` (from `quantize_weights`);
+    ``use_kernel=False`` keeps the 4-bit layers off the Pallas kernel (a mesh)."""
     from models.draft_weights import draft_model  # pylint: disable=import-outside-toplevel
-    return draft_model(self, weights)
+    return draft_model(self, weights, use_kernel=use_kernel)
 
   def _run_layers(self, body: Callable, carry):
     """``carry = body(layer, index, carry)`` for every layer, in order (unrolled)."""
