@@ -1,4 +1,5 @@
-"""Pallas GPU kernels of jaxkv: quantize+pack, dequant split-K attention, combine.
+"""Pallas GPU kernels of jaxkv: quantize+pack, dequant split-K attention, combine,
+and the 4-bit weight matmul of QuantSpec's draft model.
 
 An implementation detail reached through `jaxkv.decode_attention(...,
 implementation="pallas")` and `KVCache`'s pack path. Every kernel sits behind
@@ -11,15 +12,21 @@ from pallas_kernels.dequant_attention import dequant_decode_attention
 from pallas_kernels.dequant_attention import dequant_decode_attention_reference
 from pallas_kernels.dequant_attention import pallas_decode_attention
 from pallas_kernels.dequant_attention import supports
+from pallas_kernels.int4_matmul import Int4MatmulConfig
+from pallas_kernels.int4_matmul import int4_matmul
+from pallas_kernels.int4_matmul import int4_matmul_reference
 from pallas_kernels.pack import PackConfig
 from pallas_kernels.pack import quantize_pack
 from pallas_kernels.pack import quantize_pack_reference
 
 __all__ = [
     "DecodeAttentionConfig",
+    "Int4MatmulConfig",
     "PackConfig",
     "dequant_decode_attention",
     "dequant_decode_attention_reference",
+    "int4_matmul",
+    "int4_matmul_reference",
     "pallas_decode_attention",
     "quantize_pack",
     "quantize_pack_reference",
