@@ -12,9 +12,9 @@ from pallas_kernels.dequant_attention import dequant_decode_attention
 from pallas_kernels.dequant_attention import dequant_decode_attention_reference
 from pallas_kernels.dequant_attention import pallas_decode_attention
 from pallas_kernels.dequant_attention import supports
+# The module `pallas_kernels.int4_matmul` keeps its name (importing its
+# function here would shadow it): use `pallas_kernels.int4_matmul.int4_matmul`.
 from pallas_kernels.int4_matmul import Int4MatmulConfig
-from pallas_kernels.int4_matmul import int4_matmul
-from pallas_kernels.int4_matmul import int4_matmul_reference
 from pallas_kernels.pack import PackConfig
 from pallas_kernels.pack import quantize_pack
 from pallas_kernels.pack import quantize_pack_reference
@@ -25,8 +25,6 @@ __all__ = [
     "PackConfig",
     "dequant_decode_attention",
     "dequant_decode_attention_reference",
-    "int4_matmul",
-    "int4_matmul_reference",
     "pallas_decode_attention",
     "quantize_pack",
     "quantize_pack_reference",
