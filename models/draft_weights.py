@@ -151,7 +151,7 @@ def quantize_weights(model, *, bits: int = 4, group_size: int = 128) -> dict[str
 
   Args:
     model: a `models.llama.Llama`.
-    bits: 4 (uint4 codes) or 8.
+    bits: 4 (codes packed two per byte) or 8 (uint8 codes).
     group_size: input rows per (scale, zero); a kernel whose input size it
       does not divide uses ``gcd(in, group_size)`` (SmolLM2's 576: 64).
   Returns:
