@@ -74,6 +74,10 @@ class Int4MatmulConfig:
       raise ValueError(f"num_splits={self.num_splits} must be >= 1")
     if self.unroll < 1:
       raise ValueError(f"unroll={self.unroll} must be >= 1")
+    if self.num_warps not in (1, 2, 4, 8, 16):
+      raise ValueError(f"num_warps={self.num_warps} must be a power of two <= 16")
+    if self.num_stages < 1:
+      raise ValueError(f"num_stages={self.num_stages} must be >= 1")
 
   @classmethod
   def default(cls, *, n_in: int, n_out: int, group: int,

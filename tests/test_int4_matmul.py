@@ -76,6 +76,8 @@ def test_int4_matmul_refuses_what_it_cannot_serve():
                    sc[:2], sc[:2], group=32, interpret=True)
   with pytest.raises(ValueError, match="block_n=48"):
     i4.Int4MatmulConfig(block_n=48)
+  with pytest.raises(ValueError, match="num_warps=3"):
+    i4.Int4MatmulConfig(num_warps=3)
   with pytest.raises(ValueError, match="does not tile"):
     i4.int4_matmul(jnp.ones((1, 128), jnp.bfloat16), jnp.zeros((64, 32), jnp.uint8),
                    sc, sc, group=32, config=i4.Int4MatmulConfig(block_n=16, num_splits=3),
