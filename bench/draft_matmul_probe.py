@@ -44,15 +44,13 @@ def sweep(n_in, n_out, qs, group, calls):
   base = i4.Int4MatmulConfig.default(n_in=n_in, n_out=n_out, group=qs[0].group)
   groups = n_in // qs[0].group
   variants = {"default": base}
-  per_split = groups // base.num_splits
   for warps in (2, 4):
     for bn in (128, 256):
-      for unroll in (1, 2, 4):
-        if n_out % bn or per_split % unroll:
-          continue
-        cfg = dataclasses.replace(base, num_warps=warps, block_n=bn, unroll=unroll)
-        if cfg != base:
-          variants[f"w{warps}_bn{bn}_u{unroll}"] = cfg
+      if n_out % bn:
+        continue
+      cfg = dataclasses.replace(base, num_warps=warps, block_n=bn)
+      if cfg != base:
+        variants[f"w{warps}_bn{bn}"] = cfg
   for f in (2,):
     if groups % (base.num_splits * f) == 0:
       variants[f"splits_x{f}"] = dataclasses.replace(base, num_splits=base.num_splits * f)

@@ -19,6 +19,16 @@ def compiler_params(*, num_warps: int, num_stages: int):
   return _COMPILER_PARAMS_CLS(num_warps=num_warps, num_stages=num_stages)
 
 
+def check_launch(config) -> None:
+  """ValueErrors for a kernel config's ``num_splits``, ``num_warps`` and ``num_stages``."""
+  if config.num_splits < 1:
+    raise ValueError(f"num_splits={config.num_splits} must be >= 1")
+  if config.num_warps not in (1, 2, 4, 8, 16):
+    raise ValueError(f"num_warps={config.num_warps} must be a power of two <= 16")
+  if config.num_stages < 1:
+    raise ValueError(f"num_stages={config.num_stages} must be >= 1")
+
+
 def next_pow2(n: int) -> int:
   return 1 << max(0, int(n) - 1).bit_length()
 

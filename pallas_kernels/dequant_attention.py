@@ -107,12 +107,7 @@ class DecodeAttentionConfig:
   def __post_init__(self):
     if not _triton.is_pow2(self.block_k) or not 16 <= self.block_k <= 256:
       raise ValueError(f"block_k={self.block_k} must be a power of two in [16, 256]")
-    if self.num_splits < 1:
-      raise ValueError(f"num_splits={self.num_splits} must be >= 1")
-    if self.num_warps not in (1, 2, 4, 8, 16):
-      raise ValueError(f"num_warps={self.num_warps} must be a power of two <= 16")
-    if self.num_stages < 1:
-      raise ValueError(f"num_stages={self.num_stages} must be >= 1")
+    _triton.check_launch(self)
 
   @classmethod
   def default(cls, *, batch: int, tokens: int, q_heads: int, kv_heads: int,

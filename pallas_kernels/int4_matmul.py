@@ -57,27 +57,17 @@ class Int4MatmulConfig:
     block_n: output columns per program (a power of two dividing ``out``).
     num_splits: programs along the input dimension (divides the group count).
     num_warps, num_stages: Triton launch parameters.
-    unroll: groups per loop step (divides the groups of a split): more
-      independent loads in flight per step.
   """
 
   block_n: int = 128
   num_splits: int = 1
   num_warps: int = 2
   num_stages: int = 3
-  unroll: int = 1
 
   def __post_init__(self):
     if not _triton.is_pow2(self.block_n) or not 16 <= self.block_n <= 512:
       raise ValueError(f"block_n={self.block_n} must be a power of two in [16, 512]")
-    if self.num_splits < 1:
-      raise ValueError(f"num_splits={self.num_splits} must be >= 1")
-    if self.unroll < 1:
-      raise ValueError(f"unroll={self.unroll} must be >= 1")
-    if self.num_warps not in (1, 2, 4, 8, 16):
-      raise ValueError(f"num_warps={self.num_warps} must be a power of two <= 16")
-    if self.num_stages < 1:
-      raise ValueError(f"num_stages={self.num_stages} must be >= 1")
+    _triton.check_launch(self)
 
   @classmethod
   def default(cls, *, n_in: int, n_out: int, group: int,
@@ -87,7 +77,8 @@ class Int4MatmulConfig:
     From the sweep of `bench/draft_matmul_probe.py --sweep` (H100, jax 0.11.2,
     Llama-3.1-8B shapes, B = 1): 2 warps beat 4 by 5-10 % on the
     ``[4096, 14336]`` / ``[14336, 4096]`` kernels (27.7 / 25.7 us vs 30.6 /
-    28.1) and lost 5 % on ``[4096, 1024]``; 64-column blocks were slower.
+    28.1) and lost 5 % on ``[4096, 1024]``; 64- and 256-column blocks were
+    slower, and so was unrolling 2-4 groups per loop step (tried, removed).
     """
     num_sms = num_sms or _triton.num_sms()
     block_n = next((b for b in (128, 64, 32, 16) if n_out % b == 0), 16)
@@ -141,7 +132,7 @@ def int4_matmul_reference(x: jax.Array, packed: jax.Array, scale: jax.Array,
 
 # ------------------------------------------------------------------- kernel
 def _kernel(x_ref, codes_ref, scale_ref, zero_ref, o_ref, *, group, groups_per_split,
-            unroll, code_dtype, use_asm):
+            code_dtype, use_asm):
   half = group // 2
   split = pl.program_id(1)
   rows = o_ref.shape[-2]          # the dots' M (>= 16)
@@ -154,7 +145,8 @@ def _kernel(x_ref, codes_ref, scale_ref, zero_ref, o_ref, *, group, groups_per_s
   def dot(a, b):
     return jnp.dot(a, b, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
-  def group_step(g, acc):
+  def body(i, acc):
+    g = split * groups_per_split + i
     c = codes_ref[pl.ds(g * half, half), :]                       # [G/2, bn] uint8
     lo, hi = _unpack_planes(c, 4, code_dtype, use_asm)            # exact codes
     x_lo, x_hi = x_cols(g * group), x_cols(g * group + half)     # [rows, G/2]
@@ -165,13 +157,7 @@ def _kernel(x_ref, codes_ref, scale_ref, zero_ref, o_ref, *, group, groups_per_s
     zr = zero_ref[pl.ds(g, 1), :]
     return acc + d * sc + x_sum[:, None] * zr
 
-  def body(i, acc):
-    for u in range(unroll):
-      acc = group_step(split * groups_per_split + i * unroll + u, acc)
-    return acc
-
-  acc = lax.fori_loop(0, groups_per_split // unroll, body,
-                      jnp.zeros((rows, block_n), jnp.float32))
+  acc = lax.fori_loop(0, groups_per_split, body, jnp.zeros((rows, block_n), jnp.float32))
   o_ref[...] = acc
 
 
@@ -203,8 +189,7 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, zero: jax.Arr
     raise ValueError(f"scale {scale.shape} / zero {zero.shape} must be [{groups}, {n_out}]")
   if config is None:
     config = Int4MatmulConfig.default(n_in=n_in, n_out=n_out, group=group)
-  if n_out % config.block_n or groups % config.num_splits \
-      or (groups // config.num_splits) % config.unroll:
+  if n_out % config.block_n or groups % config.num_splits:
     raise ValueError(f"{config} does not tile out={n_out} / {groups} groups")
   code_dtype = x.dtype if x.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
   m = max(16, _triton.next_pow2(rows))
@@ -215,7 +200,7 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, zero: jax.Arr
   bn, splits = config.block_n, config.num_splits
   part = pl.pallas_call(
       functools.partial(_kernel, group=group, groups_per_split=groups // splits,
-                        unroll=config.unroll, code_dtype=code_dtype, use_asm=not interpret),
+                        code_dtype=code_dtype, use_asm=not interpret),
       grid=(n_out // bn, splits),
       in_specs=[
           pl.BlockSpec((x_rows, n_in), lambda n, s: (0, 0)),

@@ -42,7 +42,7 @@ def test_pack_layout_and_round_trip():
 
 @pytest.mark.parametrize("n_in,n_out,group,lead,dtype,config", [
     (256, 96, 64, (1,), jnp.bfloat16, i4.Int4MatmulConfig(block_n=32, num_splits=2)),
-    (512, 128, 128, (1, 5), jnp.float32, i4.Int4MatmulConfig(block_n=64, num_splits=2, unroll=2)),
+    (512, 128, 128, (1, 5), jnp.float32, i4.Int4MatmulConfig(block_n=64, num_splits=4)),
     (192, 48, 32, (3,), jnp.float16, i4.Int4MatmulConfig(block_n=16, num_splits=3)),
     (384, 64, 128, (2, 8), jnp.bfloat16, None),  # 16 rows, default config
 ])
