@@ -89,11 +89,8 @@ class QuantizedWeight:
     if use_kernel and self.kernel_ok(math.prod(x.shape[:-1])):
       y = i4.int4_matmul(x, self.codes, self.scale, self.zero, group=self.group)
       return y.astype(out_dtype)
-    w = self.dequantize(x.dtype)
-    if jnp.dtype(out_dtype) == jnp.dtype(x.dtype):
-      from models.llama import linear  # pylint: disable=import-outside-toplevel
-      return linear(x, w)
-    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
+    from models.llama import linear  # pylint: disable=import-outside-toplevel
+    return linear(x, self.dequantize(x.dtype), out_dtype)
 
 
 def quantize_kernel(w: jax.Array, *, bits: int = 4, group_size: int = 128) -> QuantizedWeight:

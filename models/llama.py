@@ -355,18 +355,21 @@ class Linear(nnx.Module):
   def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs):
     self.kernel = _normal_param(rngs, (in_features, out_features), in_features ** -0.5, dtype)
 
-  def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
-    return linear(x, self.kernel[...])
+  def __call__(self, x: jax.Array, out_dtype=None) -> jax.Array:  # [..., in] -> [..., out]
+    return linear(x, self.kernel[...], out_dtype)
 
 
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:  # [..., in] @ [in, out] -> [..., out]
-  """``x @ w`` accumulated in float32, cast back to ``x.dtype``.
+def linear(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
+  """``x [..., in] @ w [in, out]`` accumulated in float32, cast to ``out_dtype``
+  (default ``x.dtype``; another dtype: a plain dot, e.g. float32 logits).
 
   A single row is padded to two. On an H100 (jax 0.11.2) 32 layers' MLP
   weights read by one-row dots took 2.98 ms (separate arrays) and 13.0 ms
   (static slices of stacked arrays), two-row dots 2.63-2.66 ms; the floor is
   2.51 ms (`bench/results/e2e-NOTES.md`).
   """
+  if out_dtype is not None and jnp.dtype(out_dtype) != jnp.dtype(x.dtype):
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
   lead = x.shape[:-1]
   if math.prod(lead) == 1:
     x2 = jnp.pad(x.reshape(1, -1), ((0, 1), (0, 0)))
@@ -540,9 +543,7 @@ class Llama(nnx.Module):
     if self.lm_head is None:  # tied: contract with the [vocab, hidden] embedding directly
       return jnp.einsum("...h,vh->...v", h, self.embed_tokens[...],
                         preferred_element_type=jnp.float32)
-    if not isinstance(self.lm_head, Linear):  # a draft's `QuantizedLinear`
-      return self.lm_head(h, out_dtype=jnp.float32)
-    return jnp.dot(h, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
+    return self.lm_head(h, out_dtype=jnp.float32)  # a `Linear` or a draft's `QuantizedLinear`
 
   def _check_cache(self, cache) -> None:
     c = self.config

@@ -104,6 +104,11 @@ class DecodeAttentionConfig:
     parts = self.num_splits + 1
     return parts if parts <= 8 else -(-parts // 8) * 8
 
+  @property
+  def residual_split(self) -> int:
+    """The program that attends over the residual block."""
+    return self.num_splits if self.residual_program else self.num_splits - 1
+
   def __post_init__(self):
     if not _triton.is_pow2(self.block_k) or not 16 <= self.block_k <= 256:
       raise ValueError(f"block_k={self.block_k} must be a power of two in [16, 256]")
@@ -820,7 +825,7 @@ def dequant_decode_attention(
   kernel = functools.partial(
       _split_kernel, k_side=k_side, v_side=v_side, token_group=fmt.token_group,
       residual=fmt.residual, num_queries=num_queries, num_splits=config.num_splits,
-      residual_split=config.num_splits if config.residual_program else config.num_splits - 1,
+      residual_split=config.residual_split,
       block_k=block_k, res_block=res_block, use_asm=not interpret,
       defer_sums=config.defer_sums, prefetch=config.prefetch)
   num_k, num_v = len(k_arrays), len(v_arrays)
