@@ -130,19 +130,25 @@ def acceptance_table(path: str) -> tuple[dict, dict]:
   return rows, result.get("settings", {})
 
 
-def _timed(run, reps: int) -> tuple[float, list[float], object]:
-  """``(compile_plus_first_s, times_s, last result)``: ``run()`` once to compile, once to
-  warm (discarded), then ``reps`` timed calls; each call waits for its result."""
+def _timed(run, reps: int, after=None) -> tuple[float, list[float], list]:
+  """``(compile_plus_first_s, times_s, timed results)``: ``run()`` once to compile, once
+  to warm (discarded), then ``reps`` timed calls; each call waits for its result, and
+  ``after(result)`` (if given) runs after every call, outside the timed region."""
   t0 = time.perf_counter()
   out = jax.block_until_ready(run())
   compile_s = time.perf_counter() - t0
-  times = []
+  times, outs = [], []
   for rep in range(reps + 1):
+    if after is not None:
+      after(out)
     t0 = time.perf_counter()
     out = jax.block_until_ready(run())
     if rep:
       times.append(time.perf_counter() - t0)
-  return compile_s, times, out
+      outs.append(out)
+  if after is not None:
+    after(out)
+  return compile_s, times, outs
 
 
 def time_spec_rounds(split, weights, cache, token, *, gamma: int, rounds: int, reps: int):
@@ -158,24 +164,15 @@ def time_spec_rounds(split, weights, cache, token, *, gamma: int, rounds: int, r
   def call():
     tokens, counts, st, box["cache"] = jaxkv.speculative_steps(
         split, box["token"], box["cache"], rounds, gamma=gamma, draft_weights=weights)
-    jax.block_until_ready(tokens)
     return tokens, counts, st
 
-  def next_token(tokens, counts):  # outside the timed region (its own dispatch)
+  def next_token(out):  # outside the timed region (its own dispatch)
+    tokens, counts, _ = out
     box["token"] = jax.block_until_ready(tokens[jnp.arange(tokens.shape[0]), counts - 1])
 
-  t0 = time.perf_counter()
-  tokens, counts, _ = call()
-  compile_s = time.perf_counter() - t0
-  next_token(tokens, counts)
-  times, stats = [], []
-  for rep in range(reps + 1):  # rep 0 warms
-    t0 = time.perf_counter()
-    tokens, counts, st = call()
-    if rep:
-      times.append((time.perf_counter() - t0) / rounds)
-      stats.append(st)
-    next_token(tokens, counts)
+  compile_s, call_times, outs = _timed(call, reps, after=next_token)
+  times = [t / rounds for t in call_times]
+  stats = [st for _, _, st in outs]
   verifs = sum(int(st["verifications"].sum()) for st in stats)
   accepted = sum(int(st["accepted"].sum()) for st in stats)
   emitted = sum(st["tokens_per_verification"] * int(st["verifications"].sum()) for st in stats)
@@ -460,10 +457,9 @@ def timing_main(args) -> int:
                   "linears + the rest] + cache bytes of the draft view) + weight bytes + cache "
                   "bytes of the target view) / bandwidth; commits not included. Weight bytes "
                   "count the whole embedding table, as e2e does. *_if_draft_reads_bf16_weights: "
-                  "the same with the draft reading bf16 weights, as it does where the int4 "
-                  "copies are dequantized apart from the dot (XLA hoists loop-invariant "
-                  "dequantization out of the loops: seen on CPU with a dequantize-then-dot "
-                  "draft model, then every draft step reads bf16 weights)"),
+                  "the same with the draft reading bf16 weights, as a draft that dequantizes its "
+                  "int4 copies apart from the dot does (the CPU path: XLA hoists the "
+                  "loop-invariant dequantization); on a GPU the draft runs the int4 kernel"),
           peak_bytes_in_use="device peak so far when the row was written (monotone)",
           modeled=MODELED_NOTE,
           acceptance_source=dict(
