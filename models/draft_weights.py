@@ -70,10 +70,8 @@ class QuantizedWeight:
 
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
     """``[in, out]`` in ``dtype`` (float32 arithmetic)."""
-    n_in, n_out = self.shape
-    c = self.unpacked_codes().astype(jnp.float32).reshape(n_in // self.group, self.group, n_out)
-    w = c * self.scale[:, None, :] + self.zero[:, None, :]
-    return w.reshape(n_in, n_out).astype(dtype)
+    return i4.dequantize_groups(self.unpacked_codes(), self.scale, self.zero,
+                                self.group).astype(dtype)
 
   def kernel_ok(self, rows: int) -> bool:
     """Whether ``x @ self`` with ``rows`` rows runs the Pallas kernel on this backend."""

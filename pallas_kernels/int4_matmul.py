@@ -120,13 +120,18 @@ def unpack_weight(packed: jax.Array, group: int) -> jax.Array:
   return jnp.swapaxes(codes, 1, 2).reshape(2 * half, n_out)
 
 
+def dequantize_groups(codes: jax.Array, scale: jax.Array, zero: jax.Array,
+                      group: int) -> jax.Array:
+  """``codes [in, out]`` (unpacked) -> float32 ``codes * scale + zero`` per group of rows."""
+  n_in, n_out = codes.shape
+  c = codes.astype(jnp.float32).reshape(n_in // group, group, n_out)
+  return (c * scale[:, None, :] + zero[:, None, :]).reshape(n_in, n_out)
+
+
 def int4_matmul_reference(x: jax.Array, packed: jax.Array, scale: jax.Array,
                           zero: jax.Array, *, group: int) -> jax.Array:
   """The spec (jnp, float32): ``x @ (codes * scale + zero)``, ``[..., in] -> [..., out]``."""
-  codes = unpack_weight(packed, group).astype(jnp.float32)
-  n_in, n_out = codes.shape
-  w = (codes.reshape(n_in // group, group, n_out) * scale[:, None, :]
-       + zero[:, None, :]).reshape(n_in, n_out)
+  w = dequantize_groups(unpack_weight(packed, group), scale, zero, group)
   return jnp.dot(x.astype(jnp.float32), w, precision=lax.Precision.HIGHEST)
 
 
@@ -218,5 +223,5 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, zero: jax.Arr
   return part.sum(axis=0)[:rows].reshape(*lead, n_out)
 
 
-__all__ = ["Int4MatmulConfig", "MAX_ROWS", "int4_matmul", "int4_matmul_reference",
+__all__ = ["Int4MatmulConfig", "MAX_ROWS", "dequantize_groups", "int4_matmul", "int4_matmul_reference",
            "pack_weight", "supports", "unpack_weight"]
