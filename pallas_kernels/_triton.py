@@ -53,6 +53,16 @@ def stack_last(values: list[jax.Array]) -> jax.Array:
   return joined.reshape(*joined.shape[:-2], len(values))
 
 
+def compute_capability() -> tuple[int, int]:
+  """``(major, minor)`` of the default GPU; ``(0, 0)`` off a GPU or when unknown."""
+  cc = getattr(jax.devices()[0], "compute_capability", None)
+  try:
+    major, minor = str(cc).split(".")[:2]
+    return int(major), int(minor)
+  except (ValueError, TypeError):
+    return 0, 0
+
+
 def num_sms() -> int:
   """Streaming multiprocessors of the default device (132 on H100/H200)."""
   return int(getattr(jax.devices()[0], "core_count", 0) or 132)

@@ -82,6 +82,17 @@ class DecodeAttentionConfig:
       terms) elementwise over ``[rows, block_k]`` and reduce them once after
       the loop, instead of a cross-warp row reduction per step: fewer
       instructions and barriers, more registers (so fewer resident programs).
+    fast_exp: softmax exponentials as one ``ex2.approx.ftz.f32`` each, with
+      log2(e) folded into the score scale (the running maxima kept in base-2
+      units inside the kernel, written out in natural units); False:
+      ``jnp.exp``, which lowers to libdevice's accurate ``expf`` (six
+      instructions per element).
+    chain_dots: the products of one score tile (the planes of the K codes)
+      accumulate into one MMA accumulator chain (``dot(a, b) + acc``, which
+      Triton folds into the MMA), instead of separate products summed
+      afterwards.
+    unpack_sub: on sm_90+, bfloat16 codes leave their magic base by one
+      ``sub.bf16x2`` with no multiplier register (see `_unpack_asm`).
 
   Search space (`jaxkv.autotune`): block_k in {32, 64, 128, 256}, num_splits
   around the heuristic (x1/2, x1, x2), num_warps in {2, 4}, num_stages in
@@ -95,6 +106,9 @@ class DecodeAttentionConfig:
   defer_sums: bool = True
   prefetch: bool = True
   residual_program: bool = False
+  fast_exp: bool = True
+  chain_dots: bool = True
+  unpack_sub: bool = True
 
   @property
   def num_parts(self) -> int:
@@ -176,7 +190,8 @@ def _pair_bits(value: float, dtype) -> int:
   return (half << 16) | half
 
 
-def _unpack_asm(bits: int, dtype, plane: int, hier_plane: int | None = None) -> str:
+def _unpack_asm(bits: int, dtype, plane: int, hier_plane: int | None = None,
+                sub: bool = False) -> str:
   """PTX turning 4 packed bytes into the 4 exact codes of one plane.
 
   Operands: outputs ``$0`` (elements 0-1) and ``$1`` (elements 2-3) as
@@ -189,6 +204,13 @@ def _unpack_asm(bits: int, dtype, plane: int, hier_plane: int | None = None) -> 
   Every constant but one (the exponent filler) is an immediate, so ptxas
   does not rematerialize masks inside the loop.
 
+  ``sub`` (bfloat16 on sm_90+, where ``sub.bf16x2`` exists): the word is
+  shifted so the plane's bits sit at bit 0 of each byte and the base leaves
+  by one ``sub`` with no multiplier. The multiplier of the ``fma`` form is a
+  register constant, and Nsight Compute showed ptxas packing it into the
+  upper half of a register that receives a (prefetched) scale load, so the
+  dequantization waited on that load: the kernel's hottest stall.
+
   ``hier_plane`` (QuantSpec target view, ``bits == 8``): the inputs are two
   words, ``$2`` the upper-plane bytes and ``$3`` the lower-plane bytes of 4
   byte columns; plane ``p``'s 8-bit codes ``16 C_U + (C_L + 8)`` are composed
@@ -199,13 +221,18 @@ def _unpack_asm(bits: int, dtype, plane: int, hier_plane: int | None = None) -> 
   suffix = "bf16x2" if jnp.dtype(dtype) == jnp.bfloat16 else "f16x2"
   shift = plane * bits
   pre = max(0, shift + bits - low_bits)  # right shift so the code fits
+  if sub:
+    pre = shift
   at = shift - pre
   keep = magic | (((1 << bits) - 1) << at)  # exponent byte + the code's bits
   scale = _pair_bits(2.0 ** -at, dtype)
   bias = _pair_bits(-base * 2.0 ** -at, dtype)
   lines = ["{", ".reg .b32 w, t, lo, hi, fill, sc, bs;",
-           f"mov.b32 fill, {(magic >> 8) * 0x01010101:#010x};",
-           f"mov.b32 sc, {scale:#010x};", f"mov.b32 bs, {bias:#010x};"]
+           f"mov.b32 fill, {(magic >> 8) * 0x01010101:#010x};"]
+  if sub:
+    lines.append(f"mov.b32 bs, {_pair_bits(base, dtype):#010x};")
+  else:
+    lines += [f"mov.b32 sc, {scale:#010x};", f"mov.b32 bs, {bias:#010x};"]
   src = "$2"
   if hier_plane is not None:
     if bits != 8 or pre:
@@ -224,12 +251,15 @@ def _unpack_asm(bits: int, dtype, plane: int, hier_plane: int | None = None) -> 
   for out, reg in (("$0", "lo"), ("$1", "hi")):
     if bits < 8:
       lines.append(f"and.b32 {reg}, {reg}, {keep | (keep << 16):#010x};")
-    lines.append(f"fma.rn.{suffix} {out}, {reg}, sc, bs;")
+    if sub:
+      lines.append(f"sub.rn.{suffix} {out}, {reg}, bs;")
+    else:
+      lines.append(f"fma.rn.{suffix} {out}, {reg}, sc, bs;")
   lines.append("}")
   return "\n".join(lines)
 
 
-def _unpack_planes(byte_block, bits, dtype, use_asm):
+def _unpack_planes(byte_block, bits, dtype, use_asm, sub=False):
   """All ``8/bits`` planes of a ``[t, w]`` uint8 block as exact codes in ``dtype``.
 
   ``use_asm`` (compiled GPU kernels) runs `_unpack_asm`, one call per plane
@@ -241,7 +271,8 @@ def _unpack_planes(byte_block, bits, dtype, use_asm):
   for plane in range(planes):
     if use_asm and dtype != jnp.float32:
       [codes] = plgpu.elementwise_inline_asm(
-          _unpack_asm(bits, dtype, plane), args=[byte_block], constraints="=r,=r,r", pack=4,
+          _unpack_asm(bits, dtype, plane, sub=sub and dtype == jnp.bfloat16),
+          args=[byte_block], constraints="=r,=r,r", pack=4,
           result_shape_dtypes=[jax.ShapeDtypeStruct(byte_block.shape, dtype)])
       out.append(codes)
       continue
@@ -269,6 +300,23 @@ def _dot_t(a, b):
   """``a @ b.T``."""
   return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
                          preferred_element_type=jnp.float32)
+
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+
+def _exp2(x, use_asm):
+  """``2 ** x`` (float32): one ``ex2.approx.ftz.f32`` per element when compiled.
+
+  Its relative error (~2e-7) is below float32 softmax rounding; -inf gives 0.
+  """
+  if not use_asm:
+    return jnp.exp2(x)
+  [y] = plgpu.elementwise_inline_asm(
+      "ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+  return y
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,6 +400,9 @@ def _split_kernel(
     use_asm: bool,
     defer_sums: bool,
     prefetch: bool = False,
+    fast_exp: bool = False,
+    chain_dots: bool = False,
+    unpack_sub: bool = False,
 ):
   rows, head_dim = o_ref.shape
   q_rows = q_ref.shape[0]
@@ -364,13 +415,20 @@ def _split_kernel(
   # [0, L - S + s] (causal among the S new tokens).
   row_s = (lax.broadcasted_iota(jnp.int32, (rows,), 0) % q_rows) % num_queries
   row_limit = length - num_queries + row_s
+  # fast_exp: scores (and the running maxima) in base-2 units, exponentials
+  # by ex2; the maxima are written out in natural units.
+  if fast_exp:
+    exp = functools.partial(_exp2, use_asm=use_asm)
+    sm_scale = sm_scale * _LOG2E
+  else:
+    exp = jnp.exp
 
   def online_softmax(s, valid, m, l):
     s = jnp.where(valid, s, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp(m - m_safe)
-    p = jnp.exp(s - m_safe[:, None])
+    alpha = exp(m - m_safe)
+    p = exp(s - m_safe[:, None])
     return p, alpha, m_new, alpha * l + jnp.sum(p, axis=1)
 
   k_flat = k_side.flat(head_dim)
@@ -424,7 +482,7 @@ def _split_kernel(
 
   def unpack(ref, tok, bcol, w, side, dt):
     if not side.hier:
-      return _unpack_planes(ref[tok, pl.ds(bcol, w)], side.bits, dt, use_asm)
+      return _unpack_planes(ref[tok, pl.ds(bcol, w)], side.bits, dt, use_asm, unpack_sub)
     # Target view: byte j of a plane holds elements j (low nibble) and j + D/2
     # (high nibble); an element's upper and lower nibbles form its 8-bit code
     # c8 = 16 C_U + (C_L + 8), exact in ``dt`` (float16). Compiled: one PTX
@@ -471,11 +529,44 @@ def _split_kernel(
         v_aff.append((v_scale_ref[tok, g], v_zero_ref[tok, g]))
     return k_aff, v_aff
 
+  def k_scores_chained(tok, k_aff):
+    """Per-channel K scores as one accumulator chain over the planes.
+
+    ``sum_c q_c (s_c code_c + z_c) = (q s) . code + q . z``: the zero-point
+    term of every plane starts the chain, each plane's ``(q s) . code``
+    is added by its MMA. A float16 operand is normalized by the step's
+    largest scale (over all planes, so one factor serves the chain).
+    """
+    scales, bias = [], None
+    for idx in range(len(k_flat)):
+      scale, zero = k_side.affine(k_aff[idx][0].astype(jnp.float32),
+                                  k_aff[idx][1].astype(jnp.float32))
+      scales.append(scale)
+      part = jnp.sum(q_f32[idx] * zero, axis=1)
+      bias = part if bias is None else bias + part
+    s_max = None
+    if k_channel_norm:
+      for scale in scales:
+        part = jnp.max(jnp.abs(scale))
+        s_max = part if s_max is None else jnp.maximum(s_max, part)
+      s_max = jnp.where(s_max > 0, s_max, 1.0)
+      bias = bias / s_max
+    s = jnp.broadcast_to(bias[:, None], (rows, tok.size))
+    for bcol, w, planes in k_side.chunks(head_dim):
+      codes = unpack(k_codes_ref, tok, bcol, w, k_side, k_dt)
+      for plane, col, _ in planes:
+        idx = k_flat.index((bcol, w, plane, col, 0))
+        scale = scales[idx] if s_max is None else scales[idx] / s_max
+        s = _dot_t((q_f32[idx] * scale).astype(k_dt), codes[plane]) + s
+    return s if s_max is None else s * s_max
+
   def k_scores(t0, kb, k_aff):
     """Scores [rows, kb] of packed tokens [t0, t0 + kb)."""
     tok = pl.ds(t0, kb)
     if k_side.bits == 16:
       return _dot_t(q_dots[0], k_codes_ref[tok, :].astype(dtype))
+    if k_side.axis == "channel" and chain_dots:
+      return k_scores_chained(tok, k_aff)
     if k_side.axis == "channel":
       s = None
       for bcol, w, planes in k_side.chunks(head_dim):
@@ -499,6 +590,9 @@ def _split_kernel(
       codes = unpack(k_codes_ref, tok, bcol, w, k_side, k_dt)
       for plane, col, g in planes:
         qd = q_dots[k_flat.index((bcol, w, plane, col, g))]
+        if chain_dots and per_group[g] is not None:
+          per_group[g] = _dot_t(qd, codes[plane]) + per_group[g]
+          continue
         part = _dot_t(qd, codes[plane])
         per_group[g] = part if per_group[g] is None else per_group[g] + part
     s = None
@@ -518,8 +612,8 @@ def _split_kernel(
     s = jnp.where(valid, k_scores(t0, kb, k_aff) * k_mult[:, None], -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp(m - m_safe)
-    p = jnp.exp(s - m_safe[:, None])
+    alpha = exp(m - m_safe)
+    p = exp(s - m_safe[:, None])
     if defer_sums:
       l = alpha[:, None] * l + p
     else:
@@ -632,13 +726,13 @@ def _split_kernel(
   m_packed = m
   m, l, accs = lax.cond(split == residual_split, residual_part, lambda c: c, (m, l, accs))
   # Rescale the zero accumulators by how far the residual moved the max.
-  alpha_z = jnp.exp(m_packed - jnp.where(m == -jnp.inf, 0.0, m))
+  alpha_z = exp(m_packed - jnp.where(m == -jnp.inf, 0.0, m))
   for (_, w, _, col, g), acc in zip(v_flat, accs):
     if v_side.bits < 16:
       acc = acc + (alpha_z * zaccs[g])[:, None]
     o_ref[:, pl.ds(col, w)] = acc
   l_ref[...] = l
-  m_ref[...] = m
+  m_ref[...] = m * _LN2 if fast_exp else m
 
 
 def _combine_kernel(
@@ -827,7 +921,9 @@ def dequant_decode_attention(
       residual=fmt.residual, num_queries=num_queries, num_splits=config.num_splits,
       residual_split=config.residual_split,
       block_k=block_k, res_block=res_block, use_asm=not interpret,
-      defer_sums=config.defer_sums, prefetch=config.prefetch)
+      defer_sums=config.defer_sums, prefetch=config.prefetch, fast_exp=config.fast_exp,
+      chain_dots=config.chain_dots,
+      unpack_sub=config.unpack_sub and _triton.compute_capability() >= (9, 0))
   num_k, num_v = len(k_arrays), len(v_arrays)
 
   def kernel_with_nones(lengths_ref, scale_ref, layer_ref, q_ref, *refs):

@@ -95,6 +95,11 @@ def run_ptx(text: str, word: np.ndarray, word3: np.ndarray | None = None
       regs[args[0]] = val(args[1]) | val(args[2])
     elif op == "prmt.b32":
       regs[args[0]] = _prmt(val(args[1]), val(args[2]), _imm(args[3]))
+    elif (m := re.fullmatch(r"sub\.rn\.(bf16x2|f16x2)", op)):
+      one = _imm("0x3f803f80" if m.group(1) == "bf16x2" else "0x3c003c00")
+      neg = val(args[2]) ^ 0x80008000  # a - b = a * 1 + (-b): one rounding
+      regs[args[0]] = _fma(val(args[1]), np.full_like(word, one, dtype=np.uint64), neg,
+                           m.group(1))
     elif (m := re.fullmatch(r"fma\.rn\.(bf16x2|f16x2)", op)):
       regs[args[0]] = _fma(val(args[1]), val(args[2]), val(args[3]), m.group(1))
     else:
@@ -102,9 +107,10 @@ def run_ptx(text: str, word: np.ndarray, word3: np.ndarray | None = None
   return regs["$0"], regs["$1"]
 
 
+@pytest.mark.parametrize("sub", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("bits", [2, 4, 8])
-def test_unpack_asm_gives_exact_codes(bits, dtype):
+def test_unpack_asm_gives_exact_codes(bits, dtype, sub):
   if bits == 8 and dtype == jnp.bfloat16:
     pytest.skip("8-bit codes are fed to the dots as float16 (bf16 holds 0..255 inexactly)")
   rng = np.random.default_rng(bits)
@@ -116,7 +122,7 @@ def test_unpack_asm_gives_exact_codes(bits, dtype):
   dt = _HALF["bf16x2" if dtype == jnp.bfloat16 else "f16x2"]
   byte = [(words >> (8 * i)) & 0xFF for i in range(4)]
   for plane in range(8 // bits):
-    out0, out1 = run_ptx(_unpack_asm(bits, dtype, plane), words)
+    out0, out1 = run_ptx(_unpack_asm(bits, dtype, plane, sub=sub), words)
     got = _halves(out0, dt) + _halves(out1, dt)
     for i in range(4):
       want = (byte[i] >> (plane * bits)) & ((1 << bits) - 1)
