@@ -87,10 +87,6 @@ class DecodeAttentionConfig:
       units inside the kernel, written out in natural units); False:
       ``jnp.exp``, which lowers to libdevice's accurate ``expf`` (six
       instructions per element).
-    chain_dots: the products of one score tile (the planes of the K codes)
-      accumulate into one MMA accumulator chain (``dot(a, b) + acc``, which
-      Triton folds into the MMA), instead of separate products summed
-      afterwards.
     unpack_sub: on sm_90+, bfloat16 codes leave their magic base by one
       ``sub.bf16x2`` with no multiplier register (see `_unpack_asm`).
 
@@ -107,7 +103,6 @@ class DecodeAttentionConfig:
   prefetch: bool = True
   residual_program: bool = False
   fast_exp: bool = True
-  chain_dots: bool = True
   unpack_sub: bool = True
 
   @property
@@ -401,7 +396,6 @@ def _split_kernel(
     defer_sums: bool,
     prefetch: bool = False,
     fast_exp: bool = False,
-    chain_dots: bool = False,
     unpack_sub: bool = False,
 ):
   rows, head_dim = o_ref.shape
@@ -529,13 +523,15 @@ def _split_kernel(
         v_aff.append((v_scale_ref[tok, g], v_zero_ref[tok, g]))
     return k_aff, v_aff
 
-  def k_scores_chained(tok, k_aff):
+  def k_scores_channel(tok, k_aff):
     """Per-channel K scores as one accumulator chain over the planes.
 
     ``sum_c q_c (s_c code_c + z_c) = (q s) . code + q . z``: the zero-point
     term of every plane starts the chain, each plane's ``(q s) . code``
     is added by its MMA. A float16 operand is normalized by the step's
     largest scale (over all planes, so one factor serves the chain).
+    Triton folds each ``dot + acc`` into the MMA's accumulator; measured 3-5 %
+    faster than summing separate products (H100, kivi4/kivi2).
     """
     scales, bias = [], None
     for idx in range(len(k_flat)):
@@ -565,36 +561,15 @@ def _split_kernel(
     tok = pl.ds(t0, kb)
     if k_side.bits == 16:
       return _dot_t(q_dots[0], k_codes_ref[tok, :].astype(dtype))
-    if k_side.axis == "channel" and chain_dots:
-      return k_scores_chained(tok, k_aff)
     if k_side.axis == "channel":
-      s = None
-      for bcol, w, planes in k_side.chunks(head_dim):
-        codes = unpack(k_codes_ref, tok, bcol, w, k_side, k_dt)
-        for plane, col, _ in planes:
-          idx = k_flat.index((bcol, w, plane, col, 0))
-          qf = q_f32[idx]
-          scale, zero = k_side.affine(k_aff[idx][0].astype(jnp.float32),
-                                      k_aff[idx][1].astype(jnp.float32))
-          if k_channel_norm:
-            s_max = jnp.max(jnp.abs(scale))
-            s_max = jnp.where(s_max > 0, s_max, 1.0)
-            part = _dot_t((qf * (scale / s_max)).astype(k_dt), codes[plane]) * s_max
-          else:
-            part = _dot_t((qf * scale).astype(k_dt), codes[plane])
-          part = part + jnp.sum(qf * zero, axis=1)[:, None]
-          s = part if s is None else s + part
-      return s
+      return k_scores_channel(tok, k_aff)
     per_group = [None] * num_k_groups
     for bcol, w, planes in k_side.chunks(head_dim):
       codes = unpack(k_codes_ref, tok, bcol, w, k_side, k_dt)
       for plane, col, g in planes:
         qd = q_dots[k_flat.index((bcol, w, plane, col, g))]
-        if chain_dots and per_group[g] is not None:
-          per_group[g] = _dot_t(qd, codes[plane]) + per_group[g]
-          continue
-        part = _dot_t(qd, codes[plane])
-        per_group[g] = part if per_group[g] is None else per_group[g] + part
+        per_group[g] = (_dot_t(qd, codes[plane]) if per_group[g] is None
+                        else _dot_t(qd, codes[plane]) + per_group[g])
     s = None
     for g in range(num_k_groups):
       scale, zero = k_side.affine(k_aff[g][0].astype(jnp.float32),
@@ -922,7 +897,6 @@ def dequant_decode_attention(
       residual_split=config.residual_split,
       block_k=block_k, res_block=res_block, use_asm=not interpret,
       defer_sums=config.defer_sums, prefetch=config.prefetch, fast_exp=config.fast_exp,
-      chain_dots=config.chain_dots,
       unpack_sub=config.unpack_sub and _triton.compute_capability() >= (9, 0))
   num_k, num_v = len(k_arrays), len(v_arrays)
 
