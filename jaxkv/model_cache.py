@@ -17,8 +17,9 @@ One append (a decode step or a prefill chunk) is three phases:
    `lax.dynamic_update_slice` of ``[B, Hkv, R, D]``) and the flushed token
    groups (a scatter of at most ``flush_groups * G`` rows per sequence;
    sequences that flush nothing scatter out of bounds, which drops the
-   rows). No `lax.cond` and nothing cache-sized is copied: under `jit` with the
-   cache donated (or in a loop carry) both updates happen in place.
+   rows; in a decode step under a `lax.cond` that skips it when no sequence
+   flushes). Nothing cache-sized is copied: under `jit` with the cache
+   donated (or in a loop carry) both updates happen in place.
    ``cache.layer(layer, plan)`` is the layer's `jaxkv.KVCache` view (slices of
    the stacked storage, the new lengths), so `jaxkv.decode_attention` and the
    Pallas kernels run unchanged.
@@ -245,12 +246,15 @@ class ModelCache:
     """Writes the first ``plan.num_new[b]`` rows of ``k_new, v_new [B, T, Hkv, D]`` into a layer.
 
     Lengths are not advanced (all layers append at the same positions; call
-    `commit` once after the last layer).
+    `commit` once after the last layer). The packed-region write (two pack
+    kernels and six scatters per layer) runs under a `lax.cond` on "any
+    sequence flushes": a decode step flushes on one step in G.
     """
-    return self.append_layer_with_history(index, k_new, v_new, plan)[0]
+    return self.append_layer_with_history(index, k_new, v_new, plan, lazy_flush=True)[0]
 
   def append_layer_with_history(self, index, k_new: jax.Array, v_new: jax.Array,
-                                plan: AppendPlan) -> tuple["ModelCache", KVCache]:
+                                plan: AppendPlan, *, lazy_flush: bool = False
+                                ) -> tuple["ModelCache", KVCache]:
     """`append_layer`, also returning the layer's `KVCache` view *before* the append.
 
     The view is what a prefill chunk attends to. It is read after the write
@@ -259,16 +263,22 @@ class ModelCache:
     temporary (computed before the write). Reading the stacked storage
     before writing it would make XLA copy the whole stacked array to keep
     the old version.
+
+    ``lazy_flush`` (static): quantize and write the flushed groups under a
+    `lax.cond` that skips them when no sequence flushes (the write changes
+    nothing then). Only the packed sides are the cond's operands: with the
+    residual inside it, XLA copied the stacked residual in and out of the
+    cond on every layer (`tests/test_model_cache.py` checks the compiled step).
     """
     fmt, g, r = self.fmt, self.fmt.token_group, self.fmt.residual
     t = k_new.shape[1]
     n_groups = flush_groups(fmt, t)
     res_len = plan.old_lengths - plan.old_packed
     keep = plan.new_lengths - plan.old_packed - plan.flush
-    out, old_res = {}, {}
+    out, old_res, to_pack = {}, {}, []
     out["nonfinite"] = (self.nonfinite | nonfinite_rows(k_new, plan.num_new)
                         | nonfinite_rows(v_new, plan.num_new))
-    for name, side, new in (("k", self.k, k_new), ("v", self.v, v_new)):
+    for name, new in (("k", k_new), ("v", v_new)):
       residual = getattr(self, f"{name}_residual")
       layer_res = jax.lax.dynamic_index_in_dim(residual, index, 0, keepdims=False)
       staged = stage_residual(layer_res, new.astype(residual.dtype), res_len, plan.num_new,
@@ -276,15 +286,27 @@ class ModelCache:
       # The history's residual rows [0, res_len) are the first staged rows: a
       # temporary computed before the write (rows past res_len are masked).
       old_res[name] = staged[:, :, :r]
-      # Quantized every step, kept only where a sequence flushes: the pack
-      # kernel skips the sequences that do not (`active`).
-      codes, scale, zero = side.quantize(  # reads only static fields and dtypes
-          staged[:, :, : n_groups * g], fmt.scale_dtype, use_kernel=self.use_kernel,
-          active=plan.flush > 0)
-      out[name] = _write_rows(side, index, codes, scale, zero, plan.old_packed, plan.flush)
+      to_pack.append(staged[:, :, : n_groups * g])
       new_res = shift_residual(staged, plan.flush, keep, r)         # [B, H, R, D]
       out[f"{name}_residual"] = jax.lax.dynamic_update_index_in_dim(
           residual, new_res.astype(residual.dtype), index, 0)
+
+    def write(sides):
+      written = []
+      for side, rows in zip(sides, to_pack):
+        # Quantized for all sequences, kept only where one flushes: the pack
+        # kernel skips the sequences that do not (`active`).
+        codes, scale, zero = side.quantize(  # reads only static fields and dtypes
+            rows, fmt.scale_dtype, use_kernel=self.use_kernel, active=plan.flush > 0)
+        written.append(_write_rows(side, index, codes, scale, zero, plan.old_packed,
+                                   plan.flush))
+      return tuple(written)
+
+    sides = (self.k, self.v)
+    if lazy_flush:
+      out["k"], out["v"] = jax.lax.cond(jnp.any(plan.flush > 0), write, lambda s: s, sides)
+    else:
+      out["k"], out["v"] = write(sides)
     new = dataclasses.replace(self, **out)
     history = dataclasses.replace(new.layer(index), k_residual=old_res["k"],
                                   v_residual=old_res["v"], lengths=self.lengths,
