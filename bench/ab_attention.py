@@ -53,10 +53,9 @@ def parse_variants(text: str) -> dict[str, dict]:
   return out
 
 
-def _time_variants(name, shape, configs, call, args_, copies, cudnn, calls, ref=None):
-  """Times ``call(*args_, config=c)`` per named config; rows with errors vs ``ref``
-  (default: the first config's output). Returns (rows, ref)."""
-  rows = []
+def _time_variants(name, shape, configs, call, args_, copies, cudnn, calls):
+  """Times ``call(*args_, config=c)`` per named config; rows with errors vs the first."""
+  rows, ref = [], None
   for vname, config in configs.items():
     fn = functools.partial(call, config=config)
     try:
@@ -72,7 +71,7 @@ def _time_variants(name, shape, configs, call, args_, copies, cudnn, calls, ref=
                      x_cudnn=cudnn / us, rel_err_vs_default=err))
     print(f"  {name:16s} {vname:12s} {us:8.1f} us  {cudnn / us:5.2f}x cuDNN  err {err:.1e}",
           flush=True)
-  return rows, ref
+  return rows
 
 
 def view_rows(name, q, shape, variants, cudnn, calls):
@@ -92,7 +91,7 @@ def view_rows(name, q, shape, variants, cudnn, calls):
     return pk.pallas_decode_attention(q, cache, config=config, view=view)
 
   copies = A.rotating_copies((q, cache), A.nbytes(*jax.tree.leaves(cache)))
-  return _time_variants(name, shape, configs, call, (q, cache), copies, cudnn, calls)[0]
+  return _time_variants(name, shape, configs, call, (q, cache), copies, cudnn, calls)
 
 
 def main(argv=None) -> int:
@@ -130,13 +129,7 @@ def main(argv=None) -> int:
           k_bits=fmt.k_bits, v_bits=fmt.v_bits, token_group=fmt.token_group, k_axis=fmt.k_axis,
           residual=fmt.residual)
       configs = {"default": default}
-      cm_configs = {}  # V codes channel-major (`layout.to_channel_major`): own arrays
-      for k_, kv in variants.items():
-        kv = dict(kv)
-        if kv.pop("v_channel_major", False):
-          cm_configs[k_] = dataclasses.replace(default, **kv)
-        else:
-          configs[k_] = dataclasses.replace(default, **kv)
+      configs.update({k_: dataclasses.replace(default, **kv) for k_, kv in variants.items()})
       mdefault = A.mosaic_default(fmt, b, t, hkv)
       for k_, kv in parse_variants(args.mosaic).items():
         kv = dict(kv)
@@ -155,25 +148,8 @@ def main(argv=None) -> int:
         fn = A.mosaic_call if isinstance(config, A.ma.MosaicAttentionConfig) else A.jaxkv_call
         return fn(q, arrays, lengths, fmt=_fmt, config=config)
 
-      new_rows, ref = _time_variants(name, shape, configs, call, arrays, copies, cudnn,
-                                     args.calls)
-      rows += new_rows
-      del copies
-      for k_, cfg in cm_configs.items():
-        step = min(fmt.token_group, cfg.block_k)
-        cm = list(data.arrays)
-        cm[3] = pk.layout.to_channel_major(cm[3], fmt.v_bits, step)
-        cm_arrays = (q, tuple(cm), data.lengths)
-        copies = A.rotating_copies(cm_arrays, A.nbytes(*jax.tree.leaves(cm)))
-
-        def cm_call(q, arrays, lengths, *, config, _fmt=fmt):
-          return pk.dequant_decode_attention(q, *arrays, lengths, fmt=_fmt, config=config,
-                                             v_channel_major=True)
-
-        rows += _time_variants(name, shape, {k_: cfg}, cm_call, cm_arrays, copies, cudnn,
-                               args.calls, ref=ref)[0]
-        del copies
-      del data
+      rows += _time_variants(name, shape, configs, call, arrays, copies, cudnn, args.calls)
+      del copies, data
   if args.out:
     with open(args.out, "w") as fh:
       json.dump(dict(device=jax.devices()[0].device_kind, jax_version=jax.__version__,

@@ -40,8 +40,6 @@ def main(argv=None) -> int:
   p.add_argument("--calls", type=int, default=6)
   p.add_argument("--mosaic", action="store_true",
                  help="the Mosaic GPU kernel (default config; kernel regex jaxkv_mosaic)")
-  p.add_argument("--v-channel-major", action="store_true",
-                 help="V codes channel-major (`layout.to_channel_major`, default config)")
   args = p.parse_args(argv)
   b, t, hq, hkv, d, s = A.SHAPES[args.shape]
   fmt = PRESETS[args.format]
@@ -54,22 +52,9 @@ def main(argv=None) -> int:
   if args.mosaic:
     config = A.mosaic_default(fmt, b, t, hkv)
   call = A.mosaic_call if args.mosaic else A.jaxkv_call
-  arrays = data.arrays
-  if args.v_channel_major:
-    config = config or pk.DecodeAttentionConfig.default(
-        batch=b, tokens=t, q_heads=hq, kv_heads=hkv, head_dim=d, k_bits=fmt.k_bits,
-        v_bits=fmt.v_bits, token_group=fmt.token_group, k_axis=fmt.k_axis,
-        residual=fmt.residual)
-    arrays = list(arrays)
-    arrays[3] = pk.layout.to_channel_major(arrays[3], fmt.v_bits,
-                                           min(fmt.token_group, config.block_k))
-
-    def call(q, arrays, lengths, *, fmt, config):  # noqa: F811
-      return pk.dequant_decode_attention(q, *arrays, lengths, fmt=fmt, config=config,
-                                         v_channel_major=True)
   f = jax.jit(functools.partial(call, fmt=fmt, config=config))
   for _ in range(args.calls):
-    out = f(q, arrays, data.lengths)
+    out = f(q, data.arrays, data.lengths)
   jax.block_until_ready(out)
   print(f"{args.format} {A.SHAPES[args.shape]} config={config}: ok")
   return 0

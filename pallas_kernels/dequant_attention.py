@@ -397,7 +397,6 @@ def _split_kernel(
     prefetch: bool = False,
     fast_exp: bool = False,
     unpack_sub: bool = False,
-    v_channel_major: bool = False,
 ):
   rows, head_dim = o_ref.shape
   q_rows = q_ref.shape[0]
@@ -428,7 +427,6 @@ def _split_kernel(
 
   k_flat = k_side.flat(head_dim)
   v_flat = v_side.flat(head_dim)
-  v_cm = v_channel_major  # V codes [D, C * vb / 8] (`layout.to_channel_major`)
   k_dt = dtype if k_side.bits == 16 else _code_dtype(k_side.code_bits, dtype)
   v_dt = dtype if v_side.bits == 16 else _code_dtype(v_side.code_bits, dtype)
   # q per K plane, [rows, w] in q's dtype (kept in registers across the loop).
@@ -475,9 +473,6 @@ def _split_kernel(
   # elementwise over [rows, kb] and reduced once after the loop: a row sum of
   # an mma tile crosses warps (shared memory and a barrier) on every step.
   defer_sums = defer_sums and v_groups <= 2
-  if v_cm:  # one accumulator per channel group: (byte col, width, plane, out col, group)
-    v_flat = [(g * v_side.group, v_side.group, 0, g * v_side.group, g) for g in range(v_groups)]
-    v_chunks = 8 // v_side.bits  # token chunks per step (one per plane)
 
   def unpack(ref, tok, bcol, w, side, dt):
     if not side.hier:
@@ -522,12 +517,7 @@ def _split_kernel(
       tok = pl.ds(jnp.minimum(t0, k_scale_ref.shape[0] - kb), kb)
       for g in range(head_dim // k_side.group):
         k_aff.append((k_scale_ref[tok, g], k_zero_ref[tok, g]))
-    if v_side.bits < 16 and v_cm:  # per token chunk, per group
-      base, chunk = jnp.minimum(t0, v_scale_ref.shape[0] - kb), kb // v_chunks
-      for c in range(v_chunks):
-        tok = pl.ds(base + c * chunk, chunk)
-        v_aff.append([(v_scale_ref[tok, g], v_zero_ref[tok, g]) for g in range(v_groups)])
-    elif v_side.bits < 16:
+    if v_side.bits < 16:
       tok = pl.ds(jnp.minimum(t0, v_scale_ref.shape[0] - kb), kb)
       for g in range(v_groups):
         v_aff.append((v_scale_ref[tok, g], v_zero_ref[tok, g]))
@@ -635,56 +625,6 @@ def _split_kernel(
         new_accs[idx] = alpha[:, None] * accs[idx] + part
     return m_new, l, new_accs, new_zaccs
 
-  def step_cm(t0, kb, carry, aff):
-    """`step` over channel-major V codes: the step's tokens in ``v_chunks``
-    chunks (one per code plane), one shared running max; each chunk's
-    ``P_c @ V_c`` reads its plane of the ``[Gd, kb * vb / 8]`` byte tile with
-    consecutive tokens in consecutive bytes."""
-    m, l, accs, zaccs = carry
-    k_aff, v_aff = aff
-    chunk = kb // v_chunks
-    scores, in_packed = [], []
-    for c in range(v_chunks):
-      t = t0 + c * chunk + lax.broadcasted_iota(jnp.int32, (chunk,), 0)
-      inside = t < packed
-      valid = inside[None, :] & (t[None, :] <= row_limit[:, None])
-      scores.append(jnp.where(valid, k_scores(t0 + c * chunk, chunk, k_aff) * k_mult[:, None],
-                              -jnp.inf))
-      in_packed.append(inside)
-    m_new = m
-    for sc in scores:
-      m_new = jnp.maximum(m_new, jnp.max(sc, axis=1))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = exp(m - m_safe)
-    ps = [exp(sc - m_safe[:, None]) for sc in scores]
-    p_sum = functools.reduce(lambda a, b: a + b, ps)
-    l = alpha[:, None] * l + p_sum if defer_sums else alpha * l + jnp.sum(p_sum, axis=1)
-    new_accs, new_zaccs = [], []
-    for g in range(v_groups):
-      rows_g = pl.ds(g * v_side.group, v_side.group)
-      planes = _unpack_planes(v_codes_ref[rows_g, pl.ds(t0 * v_side.bits // 8, chunk)],
-                              v_side.bits, v_dt, use_asm, unpack_sub)  # [Gd, chunk] each
-      acc, z_sum = alpha[:, None] * accs[g], None
-      for c in range(v_chunks):
-        scale = jnp.where(in_packed[c], v_aff[c][g][0].astype(jnp.float32), 0.0)
-        zero = jnp.where(in_packed[c], v_aff[c][g][1].astype(jnp.float32), 0.0)
-        scale, zero = v_side.affine(scale, zero)
-        z_term = ps[c] * zero[None, :]
-        z_sum = z_term if z_sum is None else z_sum + z_term
-        if v_norm:  # p * scale in float16: divide by the chunk's largest scale
-          s_max = jnp.max(jnp.abs(scale))
-          s_max = jnp.where(s_max > 0, s_max, 1.0)
-          acc = acc + _dot_t((ps[c] * (scale / s_max)[None, :]).astype(v_dt), planes[c]) * s_max
-        else:
-          acc = _dot_t((ps[c] * scale[None, :]).astype(v_dt), planes[c]) + acc
-      new_accs.append(acc)
-      new_zaccs.append(alpha[:, None] * zaccs[g] + z_sum if defer_sums
-                       else alpha * zaccs[g] + jnp.sum(z_sum, axis=1))
-    return m_new, l, new_accs, new_zaccs
-
-  if v_cm:
-    step = step_cm  # noqa: F811
-
   # Per-channel K: a step never crosses a token group (one scale row per step).
   sub_k = (min(token_group, block_k) if k_side.axis == "channel" and k_side.bits < 16
            else block_k)
@@ -711,7 +651,7 @@ def _split_kernel(
   start = split * per_split
   stop = jnp.minimum(start + per_split, packed)
   num_blocks = jnp.maximum(0, pl.cdiv(stop - start, block_k))
-  sums_shape = ((rows, sub_k // v_chunks if v_cm else sub_k) if defer_sums else (rows,))
+  sums_shape = (rows, sub_k) if defer_sums else (rows,)
   carry = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros(sums_shape, jnp.float32),
            [jnp.zeros((rows, w), jnp.float32) for (_, w, _, _, _) in v_flat],
            [jnp.zeros(sums_shape, jnp.float32) for _ in range(v_groups)])
@@ -833,8 +773,7 @@ def _side_arrays(codes, scale, zero, bits):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("fmt", "config", "interpret", "view", "return_lse",
-                                "v_channel_major"))
+    jax.jit, static_argnames=("fmt", "config", "interpret", "view", "return_lse"))
 def dequant_decode_attention(
     q: jax.Array,           # [B, S, Hq, D]
     k_codes: jax.Array,     # [B, H, C, D*kb/8] uint8 | [B, H, C, D]
@@ -854,7 +793,6 @@ def dequant_decode_attention(
     layer: jax.Array | None = None,
     view: str = "target",
     return_lse: bool = False,
-    v_channel_major: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Decode attention of S new queries over a packed cache (raw arrays).
 
@@ -880,10 +818,6 @@ def dequant_decode_attention(
     return_lse: also return the log-sum-exp of each query's scaled scores
       (natural log; -inf where no key is visible), so a caller can merge this
       attention with attention over keys outside the cache.
-    v_channel_major: (experiment; `bench/ab_attention.py`) ``v_codes`` is
-      ``[B, H, D, C * vb / 8]`` in `layout.to_channel_major` order with blocks
-      of the kernel's step (``min(G, block_k)`` tokens); per-channel K,
-      packed V, not hierarchical.
 
   Returns:
     ``[B, S, Hq, D]`` in q's dtype; with ``return_lse`` also ``[B, S, Hq]``
@@ -920,12 +854,6 @@ def dequant_decode_attention(
   block_k = config.block_k
   if capacity % block_k:
     raise ValueError(f"cache capacity {capacity} must be a multiple of block_k={block_k}")
-  if v_channel_major and (fmt.k_axis != "channel" or fmt.k_bits == 16 or fmt.v_bits == 16
-                          or fmt.hierarchical):
-    raise ValueError("v_channel_major needs per-channel packed K, packed V, no hierarchy")
-  if v_channel_major and min(fmt.token_group, block_k) * fmt.v_bits // 8 < 16:
-    raise ValueError(f"v_channel_major: a step of {min(fmt.token_group, block_k)} tokens "
-                     f"gives {fmt.v_bits}-bit chunks under the 16 tokens of a Triton dot")
   # Residual rows per unrolled step: at most 8 steps, tiles of >= 32 rows.
   res_block = min(residual & -residual, max(32, residual // 8))
   gd = fmt.channel_group_for(head_dim)
@@ -969,8 +897,7 @@ def dequant_decode_attention(
       residual_split=config.residual_split,
       block_k=block_k, res_block=res_block, use_asm=not interpret,
       defer_sums=config.defer_sums, prefetch=config.prefetch, fast_exp=config.fast_exp,
-      unpack_sub=config.unpack_sub and _triton.compute_capability() >= (9, 0),
-      v_channel_major=v_channel_major)
+      unpack_sub=config.unpack_sub and _triton.compute_capability() >= (9, 0))
   num_k, num_v = len(k_arrays), len(v_arrays)
 
   def kernel_with_nones(lengths_ref, scale_ref, layer_ref, q_ref, *refs):

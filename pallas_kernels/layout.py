@@ -241,22 +241,3 @@ def dequantize(packed: jax.Array, scale: jax.Array, zero: jax.Array, bits: int, 
 
 
 quantize_groups = _quantize_groups  # public name (draft weights quantize [G, group, N] blocks)
-
-
-def to_channel_major(codes: jax.Array, bits: int, block: int) -> jax.Array:
-  """Token-major packed codes ``[..., C, D*bits/8]`` -> channel-major ``[..., D, C*bits/8]``.
-
-  Per channel, the tokens are packed along the row in blocks of ``block``
-  tokens, planar inside each block: byte ``j`` of block ``k`` holds tokens
-  ``k * block + i * block * bits / 8 + j`` in plane ``i``. A kernel step over
-  one block then unpacks plane ``i`` as the ``[D, block * bits / 8]`` tile of
-  the block's ``i``-th token chunk, with consecutive tokens in consecutive
-  bytes (the order the ``P @ V`` product's operand wants). The layout of the
-  Triton kernel's ``v_channel_major`` experiment (`bench/ab_attention.py`).
-  """
-  c = codes.shape[-2]
-  if c % block:
-    raise ValueError(f"tokens {c} must be a multiple of block={block}")
-  values = jnp.swapaxes(unpack(codes, bits), -1, -2)                  # [..., D, C]
-  blocks = values.reshape(*values.shape[:-1], c // block, block)
-  return pack(blocks, bits).reshape(*values.shape[:-1], c * bits // 8)

@@ -199,35 +199,6 @@ def test_attention_configs(name, config):
   np.testing.assert_allclose(np.asarray(out, np.float64), _oracle(q, cache), atol=tol, rtol=tol)
 
 
-V_CHANNEL_MAJOR_CASES = [
-    # (format, batch, kv_heads, group_q, head_dim, num_queries, lengths, dtype, config)
-    ("kivi4", 2, 2, 4, 128, 1, (700, 300), jnp.bfloat16,
-     pk.DecodeAttentionConfig(block_k=128, num_splits=3)),
-    ("kivi2", 1, 1, 8, 64, 3, (650,), jnp.float32,
-     pk.DecodeAttentionConfig(block_k=128, num_splits=2, defer_sums=False)),
-    ("kivi4-g32", 2, 3, 1, 128, 2, (700, 257), jnp.float16,
-     pk.DecodeAttentionConfig(block_k=64, num_splits=2, num_stages=1)),
-]
-
-
-@pytest.mark.parametrize("name,batch,kv_heads,group_q,head_dim,num_queries,lengths,dtype,config",
-                         V_CHANNEL_MAJOR_CASES, ids=[c[0] for c in V_CHANNEL_MAJOR_CASES])
-def test_attention_v_channel_major(name, batch, kv_heads, group_q, head_dim, num_queries,
-                                   lengths, dtype, config):
-  """The channel-major V experiment (`layout.to_channel_major`) against the oracle."""
-  q, cache = _make_case(name, batch, kv_heads, group_q, head_dim, num_queries, lengths, 768,
-                        dtype)
-  step = min(cache.fmt.token_group, config.block_k)
-  v_codes = pk.layout.to_channel_major(cache.v.codes, cache.fmt.v_bits, step)
-  out = pk.dequant_decode_attention(
-      q, cache.k.codes, cache.k.scale, cache.k.zero, v_codes, cache.v.scale, cache.v.zero,
-      cache.k_residual, cache.v_residual, cache.lengths, fmt=cache.fmt, config=config,
-      interpret=INTERPRET, v_channel_major=True)
-  tol = _TOL_BASE[dtype] * np.sqrt(max(lengths))
-  np.testing.assert_allclose(np.asarray(out.astype(jnp.float32), np.float64), _oracle(q, cache),
-                             atol=tol, rtol=tol)
-
-
 def test_reference_matches_oracle():
   q, cache = _make_case("kivi4-g32", 2, 2, 3, 64, 3, (300, 40), 512, jnp.float32)
   out = pk.dequant_decode_attention_reference(
