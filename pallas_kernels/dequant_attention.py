@@ -220,14 +220,13 @@ def _unpack_asm(bits: int, dtype, plane: int, hier_plane: int | None = None,
     pre = shift
   at = shift - pre
   keep = magic | (((1 << bits) - 1) << at)  # exponent byte + the code's bits
-  scale = _pair_bits(2.0 ** -at, dtype)
-  bias = _pair_bits(-base * 2.0 ** -at, dtype)
   lines = ["{", ".reg .b32 w, t, lo, hi, fill, sc, bs;",
            f"mov.b32 fill, {(magic >> 8) * 0x01010101:#010x};"]
-  if sub:
+  if sub:  # at == 0: subtract the base
     lines.append(f"mov.b32 bs, {_pair_bits(base, dtype):#010x};")
-  else:
-    lines += [f"mov.b32 sc, {scale:#010x};", f"mov.b32 bs, {bias:#010x};"]
+  else:    # x * 2**-at - base * 2**-at
+    lines += [f"mov.b32 sc, {_pair_bits(2.0 ** -at, dtype):#010x};",
+              f"mov.b32 bs, {_pair_bits(-base * 2.0 ** -at, dtype):#010x};"]
   src = "$2"
   if hier_plane is not None:
     if bits != 8 or pre:
