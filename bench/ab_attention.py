@@ -13,6 +13,11 @@ Example (GPU machine)::
   python bench/ab_attention.py --shapes 2,4,5 --formats kivi4,int8 \\
       --variants 'noprefetch:prefetch=False;w8:num_warps=8' --out $OUT/ab.json
 
+``--baseline FILE``: an older copy of ``pallas_kernels/dequant_attention.py``
+(e.g. ``git show HEAD~1:pallas_kernels/dequant_attention.py > /tmp/old.py``)
+timed as variant ``baseline`` beside the working tree's kernel, for changes
+that are not config fields.
+
 Hierarchical views go by ``quantspec:draft`` / ``quantspec:target`` in
 ``--formats`` (a filled `jaxkv.KVCache`, `pallas_decode_attention(view=...)`).
 """
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import importlib.util
 import json
 import os
 import sys
@@ -67,11 +73,27 @@ def _time_variants(name, shape, configs, call, args_, copies, cudnn, calls):
       print(f"  {name:16s} {vname:12s} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
       continue
     rows.append(dict(shape=A.shape_id(shape), format=name, variant=vname,
-                     config=dataclasses.asdict(config), us=us, cudnn_us=cudnn,
+                     config=dataclasses.asdict(getattr(config, "config", config)), us=us, cudnn_us=cudnn,
                      x_cudnn=cudnn / us, rel_err_vs_default=err))
     print(f"  {name:16s} {vname:12s} {us:8.1f} us  {cudnn / us:5.2f}x cuDNN  err {err:.1e}",
           flush=True)
   return rows
+
+
+class Baseline:
+  """A config tag: run it through the ``--baseline`` copy of the kernel module."""
+
+  def __init__(self, module, config):
+    self.module, self.config = module, config
+
+
+def load_baseline(path: str):
+  """Imports a copy of ``dequant_attention.py`` as a sibling module of the package."""
+  spec = importlib.util.spec_from_file_location("pallas_kernels._ab_baseline", path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # dataclasses look their module up there
+  spec.loader.exec_module(module)
+  return module
 
 
 def view_rows(name, q, shape, variants, cudnn, calls):
@@ -102,10 +124,13 @@ def main(argv=None) -> int:
   p.add_argument("--mosaic", default="",
                  help="Mosaic GPU variants (same syntax, fields of MosaicAttentionConfig "
                       "replaced on its default; num_splits=-2 means half, -3 means double)")
+  p.add_argument("--baseline", default=None,
+                 help="older copy of pallas_kernels/dequant_attention.py, timed as 'baseline'")
   p.add_argument("--calls", type=int, default=16)
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
   variants = parse_variants(args.variants)
+  baseline = load_baseline(args.baseline) if args.baseline else None
   rows = []
   for si in (int(i) for i in args.shapes.split(",")):
     b, t, hq, hkv, d, s = shape = A.SHAPES[si]
@@ -129,6 +154,9 @@ def main(argv=None) -> int:
           k_bits=fmt.k_bits, v_bits=fmt.v_bits, token_group=fmt.token_group, k_axis=fmt.k_axis,
           residual=fmt.residual)
       configs = {"default": default}
+      if baseline is not None:
+        configs["baseline"] = Baseline(baseline, baseline.DecodeAttentionConfig(
+            **dataclasses.asdict(default)))
       configs.update({k_: dataclasses.replace(default, **kv) for k_, kv in variants.items()})
       mdefault = A.mosaic_default(fmt, b, t, hkv)
       for k_, kv in parse_variants(args.mosaic).items():
@@ -145,6 +173,9 @@ def main(argv=None) -> int:
       copies = A.rotating_copies(arrays, A.nbytes(*jax.tree.leaves(data.arrays)))
 
       def call(q, arrays, lengths, *, config, _fmt=fmt):
+        if isinstance(config, Baseline):
+          return config.module.dequant_decode_attention(q, *arrays, lengths, fmt=_fmt,
+                                                        config=config.config)
         fn = A.mosaic_call if isinstance(config, A.ma.MosaicAttentionConfig) else A.jaxkv_call
         return fn(q, arrays, lengths, fmt=_fmt, config=config)
 

@@ -50,7 +50,10 @@ import gc  # noqa: E402
 import glob  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -303,14 +306,19 @@ def _profile(run, trace_dir: str, steps: int) -> dict:
   per = steps * max(devices, 1)
   per_family = collections.defaultdict(float)
   top = collections.defaultdict(float)
+  count = collections.Counter()
   for name, dur in events:
     per_family[_classify(name)] += dur / per / 1e3  # us per step and device
     top[name] += dur / per / 1e3
+    count[name] += 1
   memcpy = dict(sorted(memcpy.items(), key=lambda kv: -kv[1][1])[:10])
   return dict(source=source, trace_dir=trace_dir, steps=steps, devices=devices,
               family_us_per_step={f: per_family.get(f, 0.0) for f in FAMILIES},
               top_kernels_us_per_step=dict(sorted(top.items(), key=lambda kv: -kv[1])[:15]),
               kernels_per_step=len(events) / per,
+              # every kernel: [us per step, launches per step], longest first
+              kernels={n: [round(us, 2), count[n] / per]
+                       for n, us in sorted(top.items(), key=lambda kv: -kv[1])},
               memcpy_sources={k: dict(count=c, us_per_step=us / per) for k, (c, us) in
                               memcpy.items()})
 
@@ -447,10 +455,14 @@ class Runner:
                             estimated_batch=batch)
     return batch
 
-  def batch_case(self, fmt_name: str, context: int) -> dict:
-    batch = self.max_batch(fmt_name, context)
+  def batch_case(self, fmt_name: str, context: int, batch: int | None = None,
+                 retries: int = 5) -> dict:
+    if batch is None:
+      batch = self.max_batch(fmt_name, context)
+    else:
+      self.memory_note = dict(note="batch given by the parent process (--batch-size)")
     tries = []
-    for _ in range(5):
+    for _ in range(retries):
       try:
         row = self.decode_case(fmt_name, context, batch)
         row["oom_retries"] = tries
@@ -464,7 +476,7 @@ class Runner:
         gc.collect()
         data = 1 if MESH is None else MESH.shape["data"]
         batch = max(data, int(batch * 0.85) // data * data)
-    raise RuntimeError(f"OOM after retries {tries}")
+    raise RuntimeError(f"RESOURCE_EXHAUSTED: out of memory at batches {tries}")
 
   def prefill_case(self, fmt_name: str, prompt_len: int, chunk_size, repeats: int = 2) -> dict:
     fmt = KVFormat.preset(fmt_name)
@@ -698,6 +710,72 @@ def mesh_compare(args, plain: Runner, formats, contexts, bandwidth, dev) -> int:
   return 0 if not errors else 1
 
 
+def _use_subprocess(args) -> bool:
+  if args.batch_subprocess != "auto":
+    return args.batch_subprocess == "on"
+  cpu_only = os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu"
+  return not cpu_only and shutil.which("nvidia-smi") is not None
+
+
+def batch_children(argv: list[str], formats, args) -> tuple[list, list]:
+  """Each max-batch case in a fresh process: ``(rows, errors)``.
+
+  One process ran every case before: its largest batches OOMed at the memory
+  estimate on a 24-26 GiB cache array with ~59 GiB reported free (memory of
+  the earlier cases, or allocator fragmentation), and the batches settled at
+  ~0.6x the estimate. A child starts from an empty GPU: the estimate (free
+  memory after the weights, less ``--headroom-gb``), and on an OOM the parent
+  starts a new child at 0.92x the batch. Runs before the parent touches the
+  GPU, so the parent holds no device memory meanwhile.
+  """
+  rows, errors = [], []
+  for f in formats:
+    batch, tries = None, []
+    for _ in range(6):
+      with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "row.json")
+        cmd = [sys.executable, os.path.abspath(__file__), *argv, "--formats", f,
+               "--contexts", str(args.batch_context), "--prefill-lens", "",
+               "--batch-only", path, "--profile-steps", "0"]
+        cmd += ["--batch-size", str(batch)] if batch else []
+        print(f"  max-batch {f}: fresh process" + (f", batch {batch}" if batch else ""),
+              flush=True)
+        proc = subprocess.run(cmd, check=False)
+        out = json.load(open(path)) if os.path.exists(path) else dict(
+            error=f"child exited {proc.returncode} without a result")
+      if "row" in out:
+        out["row"].update(process="fresh", parent_oom_retries=tries)
+        rows.append(out["row"])
+        print(f"  max-batch {f}: batch {out['row']['batch']}, "
+              f"{out['row']['tokens_per_s']:.0f} tok/s", flush=True)
+        break
+      if "oom_batch" not in out:
+        errors.append(dict(case=f"max-batch {f} ctx={args.batch_context}", error=out["error"]))
+        break
+      tries.append(out["oom_batch"])
+      if out["oom_batch"] <= 1:
+        errors.append(dict(case=f"max-batch {f}", error=f"OOM at batch 1 ({tries})"))
+        break
+      batch = max(1, int(out["oom_batch"] * 0.92))
+  return rows, errors
+
+
+def batch_child(args, runner) -> int:
+  """``--batch-only PATH``: one max-batch case, its row (or the OOM) written to PATH."""
+  f = args.formats.split(",")[0]
+  try:
+    row = runner.batch_case(f, args.batch_context, batch=args.batch_size, retries=1)
+    row["hbm_read_bytes_per_s"] = runner.bandwidth
+    out = dict(row=row)
+  except Exception as e:  # pylint: disable=broad-except
+    batch = args.batch_size or runner.memory_note.get("estimated_batch", 1)
+    out = (dict(oom_batch=batch, error=str(e)[:300]) if _is_oom(e)
+           else dict(error=f"{type(e).__name__}: {str(e)[:500]}"))
+  with open(args.batch_only, "w") as fh:
+    json.dump(out, fh)
+  return 0
+
+
 def main(argv=None) -> int:
   global MESH  # pylint: disable=global-statement
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -715,6 +793,10 @@ def main(argv=None) -> int:
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--max-batch", type=int, default=512)
   p.add_argument("--headroom-gb", type=float, default=3.0, help="memory kept free at max batch")
+  p.add_argument("--batch-subprocess", choices=("auto", "on", "off"), default="auto",
+                 help="each max-batch case in a fresh process (auto: when a GPU is present)")
+  p.add_argument("--batch-size", type=int, default=None, help=argparse.SUPPRESS)
+  p.add_argument("--batch-only", default=None, help=argparse.SUPPRESS)
   p.add_argument("--implementation", default=None, help="decode_attention implementation")
   p.add_argument("--mesh", default=None, metavar="data=D,model=M",
                  help="shard weights, caches and attention on a device mesh; floors and "
@@ -733,6 +815,7 @@ def main(argv=None) -> int:
                  help="seconds after model init; cases starting later are skipped")
   p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                "results"))
+  argv = list(sys.argv[1:] if argv is None else argv)
   args = p.parse_args(argv)
   formats = (args.formats.split(",") if args.formats
              else list(QUICK_FORMATS if args.quick else FORMATS))
@@ -747,6 +830,9 @@ def main(argv=None) -> int:
   if not args.profile:
     args.profile_steps = 0
 
+  child_rows, child_errors = [], []
+  if args.batch_only is None and args.batch_context > 0 and _use_subprocess(args):
+    child_rows, child_errors = batch_children(argv, formats, args)
   dev = jax.devices()[0]
   print(f"e2e: {args.config} random bf16 weights on {dev.device_kind} ({dev.platform}), "
         f"jax {jax.__version__}", flush=True)
@@ -760,7 +846,9 @@ def main(argv=None) -> int:
   jax.block_until_ready(nnx.state(model))
   init_s = time.perf_counter() - t0
   runner = Runner(args, model, bandwidth)
-  latency, batch_rows, prefill_rows, errors = [], [], [], []
+  if args.batch_only:
+    return batch_child(args, runner)
+  latency, batch_rows, prefill_rows, errors = [], child_rows, [], child_errors
   if args.mesh_compare:
     return mesh_compare(args, runner, formats, contexts, bandwidth, dev)
 
@@ -769,7 +857,8 @@ def main(argv=None) -> int:
   for f in formats:
     _guard(runner, f"decode {f} ctx={top} B=1", lambda f=f: runner.decode_case(f, top, 1),
            latency, errors)
-  for f in formats if args.batch_context > 0 else ():  # --batch-context 0: no max-batch cases
+  in_process = args.batch_context > 0 and not child_rows and not child_errors
+  for f in formats if in_process else ():  # --batch-context 0: no max-batch cases
     _guard(runner, f"max-batch {f} ctx={args.batch_context}",
            lambda f=f: runner.batch_case(f, args.batch_context), batch_rows, errors)
   for c in sorted(contexts, reverse=True)[1:]:

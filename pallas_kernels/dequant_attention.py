@@ -458,8 +458,10 @@ def _split_kernel(
     q_f32 = [qv.astype(jnp.float32) / q_norm[:, None] for qv in q_vals]
     k_mult = sm_scale * q_norm
   else:
-    q_f32 = [qv.astype(jnp.float32) for qv in q_vals]
-    k_mult = sm_scale * ones
+    # The softmax scale rides in the bfloat16 operand (q s) and the bias: the
+    # scores leave the MMA chain scaled (no multiply per score).
+    q_f32 = [qv.astype(jnp.float32) * sm_scale for qv in q_vals]
+    k_mult = None
   v_norm = v_side.bits < 16 and v_dt == jnp.float16
   if k_token:
     num_k_groups = head_dim // k_side.group
@@ -523,7 +525,7 @@ def _split_kernel(
     return k_aff, v_aff
 
   def k_scores_channel(tok, k_aff):
-    """Per-channel K scores as one accumulator chain over the planes.
+    """Per-channel K scores (times ``k_mult``) as one accumulator chain over the planes.
 
     ``sum_c q_c (s_c code_c + z_c) = (q s) . code + q . z``: the zero-point
     term of every plane starts the chain, each plane's ``(q s) . code``
@@ -553,13 +555,15 @@ def _split_kernel(
         idx = k_flat.index((bcol, w, plane, col, 0))
         scale = scales[idx] if s_max is None else scales[idx] / s_max
         s = _dot_t((q_f32[idx] * scale).astype(k_dt), codes[plane]) + s
-    return s if s_max is None else s * s_max
+    if s_max is None:
+      return s if k_mult is None else s * k_mult[:, None]
+    return s * (s_max * k_mult)[:, None]  # one multiply per score
 
   def k_scores(t0, kb, k_aff):
-    """Scores [rows, kb] of packed tokens [t0, t0 + kb)."""
+    """Scaled scores [rows, kb] of packed tokens [t0, t0 + kb)."""
     tok = pl.ds(t0, kb)
     if k_side.bits == 16:
-      return _dot_t(q_dots[0], k_codes_ref[tok, :].astype(dtype))
+      return _dot_t(q_dots[0], k_codes_ref[tok, :].astype(dtype)) * k_mult[:, None]
     if k_side.axis == "channel":
       return k_scores_channel(tok, k_aff)
     per_group = [None] * num_k_groups
@@ -575,15 +579,22 @@ def _split_kernel(
                                   k_aff[g][1].astype(jnp.float32))
       term = per_group[g] * scale[None, :] + q_sums[g][:, None] * zero[None, :]
       s = term if s is None else s + term
-    return s
+    return s * k_mult[:, None]
 
   def step(t0, kb, carry, aff):
     m, l, accs, zaccs = carry
     k_aff, v_aff = aff
-    t = t0 + lax.broadcasted_iota(jnp.int32, (kb,), 0)
-    in_packed = t < packed
-    valid = in_packed[None, :] & (t[None, :] <= row_limit[:, None])
-    s = jnp.where(valid, k_scores(t0, kb, k_aff) * k_mult[:, None], -jnp.inf)
+    s = k_scores(t0, kb, k_aff)
+    in_packed = None
+    if mask_packed:
+      t = t0 + lax.broadcasted_iota(jnp.int32, (kb,), 0)
+      in_packed = t < packed
+      valid = in_packed[None, :] & (t[None, :] <= row_limit[:, None])
+      s = jnp.where(valid, s, -jnp.inf)
+    def packed_only(x, fill):  # [kb, ...] values of tokens past the packed region -> fill
+      if in_packed is None:
+        return x
+      return jnp.where(in_packed.reshape(in_packed.shape + (1,) * (x.ndim - 1)), x, fill)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = exp(m - m_safe)
@@ -594,12 +605,12 @@ def _split_kernel(
       l = alpha * l + jnp.sum(p, axis=1)
     tok = pl.ds(t0, kb)
     if v_side.bits == 16:
-      v = jnp.where(in_packed[:, None], v_codes_ref[tok, :].astype(dtype), 0)
+      v = packed_only(v_codes_ref[tok, :].astype(dtype), 0)
       return m_new, l, [alpha[:, None] * accs[0] + _dot(p.astype(dtype), v)], zaccs
     p_scaled, v_mult, new_zaccs = [], [], []
     for g in range(v_groups):
-      scale = jnp.where(in_packed, v_aff[g][0].astype(jnp.float32), 0.0)
-      zero = jnp.where(in_packed, v_aff[g][1].astype(jnp.float32), 0.0)
+      scale = packed_only(v_aff[g][0].astype(jnp.float32), 0.0)
+      zero = packed_only(v_aff[g][1].astype(jnp.float32), 0.0)
       scale, zero = v_side.affine(scale, zero)
       if v_norm:  # p * scale in float16: divide by the step's largest scale
         s_max = jnp.max(jnp.abs(scale))
@@ -627,6 +638,12 @@ def _split_kernel(
   # Per-channel K: a step never crosses a token group (one scale row per step).
   sub_k = (min(token_group, block_k) if k_side.axis == "channel" and k_side.bits < 16
            else block_k)
+
+  # Every packed step is whole and precedes every query row's causal limit
+  # when the splits' blocks tile the packed region (a multiple of G) and the
+  # residual keeps >= S - 1 rows (packed <= L - (R - G)): then the steps skip
+  # the token mask (its compares and selects on every score).
+  mask_packed = not (token_group % block_k == 0 and residual - token_group >= num_queries - 1)
 
   # The look-ahead needs a whole step of rows in the per-token arrays.
   prefetch = prefetch and k_codes_ref.shape[0] >= sub_k

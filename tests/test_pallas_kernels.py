@@ -95,6 +95,8 @@ ATTN_CASES = [
     ("kivi2-g32", 1, 2, 1, 64, 7, (256,), 256, jnp.bfloat16),    # full packed region
     ("int4-token-g4-g32", 2, 1, 3, 128, 2, (200, 95), 256, jnp.bfloat16),
     ("kivi4-r2g", 2, 2, 4, 128, 1, (600, 190), 768, jnp.float32),  # R = 2G
+    # R - G >= S - 1: the packed steps skip the token mask; causal rows at q_len 8.
+    ("kivi4-r2g", 2, 2, 4, 64, 8, (391, 263), 512, jnp.float32),
     # float32 twins of bf16 cases (tight tolerance on the same shapes/paths).
     ("kivi4", 2, 1, 8, 128, 1, (512, 60), 512, jnp.float32),
     ("int8", 1, 1, 4, 128, 8, (520,), 768, jnp.float32),
