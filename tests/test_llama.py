@@ -158,19 +158,21 @@ def test_missing_files(saved, tmp_path):
 
 
 # ------------------------------------------------------------ cache paths
-@pytest.mark.parametrize("tied", [False, True])
-def test_prefill_then_decode_matches_full_forward(tied):
+@pytest.mark.parametrize("tied,lengths", [(False, (11, 30, 20)), (True, (11, 30, 20)),
+                                          (False, (17,))])
+def test_prefill_then_decode_matches_full_forward(tied, lengths):
   """Right-padded prefill + S=1 and S=3 decode steps == full causal forward.
 
   Model logic only: attention runs the float32 reference everywhere (the
-  kernels' precision is tested in the kernel tests).
+  kernels' precision is tested in the kernel tests). One sequence: its S=1
+  step carries a twin row through the layers (`Llama.decode`).
   """
   cfg = dataclasses.replace(SMALL, tie_word_embeddings=tied)
   model = llama.random_model(cfg, seed=5, dtype=jnp.float32)
   rng = np.random.default_rng(7)
-  b, t = 3, 30
+  b, t = len(lengths), 30
   tokens = rng.integers(0, cfg.vocab_size, (b, t + 4))
-  lengths = np.array([11, 30, 20])
+  lengths = np.array(lengths)
   full = np.asarray(model(jnp.asarray(tokens, jnp.int32)))  # per-row causal reference
   caches = model.init_cache("bf16", b, 64, dtype=jnp.float32)
   last, caches = model.prefill(jnp.asarray(tokens[:, :t], jnp.int32), lengths, caches)

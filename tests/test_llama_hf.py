@@ -146,6 +146,20 @@ def test_prefill_logits_match_hf(hf_pair):
     assert err <= LOGIT_RTOL * np.abs(want).max(), f"{name} seq {b}: max err {err}"
 
 
+def test_single_sequence_greedy_matches_hf(hf_pair):
+  """B=1: every decode step runs the twin-row path of `Llama.decode`."""
+  name, hf, ours = hf_pair
+  steps = 12
+  tokens = np.random.default_rng(29).integers(0, VOCAB, (1, 14))
+  got, got_len = generate(ours, tokens, np.array([14]), kv_format="bf16",
+                          max_new_tokens=steps, cache_dtype=jnp.float32)
+  np.testing.assert_array_equal(np.asarray(got_len), [steps])
+  with torch.no_grad():
+    want = hf.generate(torch.tensor(tokens), max_new_tokens=steps, min_new_tokens=steps,
+                       do_sample=False, eos_token_id=None, pad_token_id=0).numpy()[0, 14:]
+  np.testing.assert_array_equal(np.asarray(got[0]), want, err_msg=name)
+
+
 def test_greedy_generation_matches_hf(hf_pair):
   """32 greedy tokens, ragged batch (right-padded for us, per-sequence for HF)."""
   name, hf, ours = hf_pair
