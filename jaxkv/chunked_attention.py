@@ -11,8 +11,13 @@ against a cache that already holds ``L_b`` tokens. Query ``i`` of sequence
 with one softmax over both. The chunk's K/V are written to the cache after
 this attention (so they are never read back quantized by their own chunk).
 
-Two implementations:
+Three implementations:
 
+* ``"pallas"``: a Pallas-Triton flash kernel
+  (`pallas_kernels.chunk_attention`) over ``cache.dequantize()`` cast to the
+  query dtype (bf16 MMAs with float32 softmax and accumulation, the way flash
+  attention runs); it visits only ``ceil(L_b / block_k)`` history blocks per
+  sequence. The default on GPU.
 * ``"xla"``: flash-style online softmax in jnp, float32, blocked
   over queries (``block_q``) and keys (``block_k``) so memory stays
   ``O(B * Hq * block_q * block_k)`` whatever the history and chunk lengths;
@@ -23,8 +28,9 @@ Two implementations:
 * ``"reference"``: dense jnp over ``cache.dequantize()`` (the spec; memory
   ``O(B * Hq * c * (capacity + c))``).
 
-``implementation=None`` picks the reference while its logits take at most
-`DENSE_LOGITS_BYTES`, the blocked path otherwise.
+``implementation=None`` picks the Pallas kernel on GPU; elsewhere the
+reference while its logits take at most `DENSE_LOGITS_BYTES`, the blocked
+path otherwise.
 """
 
 from __future__ import annotations
@@ -37,12 +43,17 @@ import jax.numpy as jnp
 from jaxkv import hierarchical, quant
 from jaxkv.cache import KVCache, QuantizedKV
 
-IMPLEMENTATIONS = ("xla", "reference")
+IMPLEMENTATIONS = ("pallas", "xla", "reference")
 # implementation=None runs the dense reference while its float32 logits stay
 # below this many bytes (small problems: less work, much faster to compile),
 # the blocked "xla" path beyond.
 DENSE_LOGITS_BYTES = 32 << 20
 _HI = jax.lax.Precision.HIGHEST
+
+
+def _pallas_supports(q) -> bool:
+  d = q.shape[-1]
+  return d >= 16 and d & (d - 1) == 0 and jnp.issubdtype(q.dtype, jnp.floating)
 
 
 def _check(q, cache, k_chunk, v_chunk, chunk_lengths):
@@ -187,7 +198,7 @@ def _blocked(q, cache: KVCache, k_chunk, v_chunk, scale, block_q: int, block_k: 
 def chunk_attention(q: jax.Array, cache: KVCache, k_chunk: jax.Array, v_chunk: jax.Array,
                     chunk_lengths: jax.Array | None = None, *, scale: float | None = None,
                     implementation: str | None = None, block_q: int = 256,
-                    block_k: int = 256) -> jax.Array:
+                    block_k: int = 256, config=None, interpret: bool = False) -> jax.Array:
   """Attention of a chunk of new tokens over the cached history and themselves.
 
   Args:
@@ -198,9 +209,14 @@ def chunk_attention(q: jax.Array, cache: KVCache, k_chunk: jax.Array, v_chunk: j
     chunk_lengths: ``[B]`` real tokens per sequence (optional; queries past it
       are padding and their rows are unspecified but finite). Checked for shape.
     scale: softmax scale, default ``D ** -0.5``.
-    implementation: ``"xla"`` (blocked, bounded memory), ``"reference"``
-      (dense) or None (dense when small, see `DENSE_LOGITS_BYTES`).
-    block_q, block_k: query / key block sizes of the ``"xla"`` path.
+    implementation: ``"pallas"`` (flash kernel, operands in q's dtype),
+      ``"xla"`` (blocked, bounded memory), ``"reference"`` (dense) or None
+      (Pallas on GPU; else dense when small, see `DENSE_LOGITS_BYTES`).
+    block_q, block_k: query / key block sizes of the ``"xla"`` path (the
+      Pallas kernel takes ``config``).
+    config: `pallas_kernels.chunk_attention.ChunkAttentionConfig` of the
+      ``"pallas"`` path (None: its defaults).
+    interpret: run the Pallas kernel in interpret mode (CPU tests).
   Returns:
     ``[B, c, Hq, D]`` in q's dtype; float32 softmax and accumulation.
   """
@@ -209,6 +225,8 @@ def chunk_attention(q: jax.Array, cache: KVCache, k_chunk: jax.Array, v_chunk: j
   _check(q, cache, k_chunk, v_chunk, chunk_lengths)
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   impl = implementation
+  if impl is None and jax.default_backend() == "gpu" and _pallas_supports(q):
+    impl = "pallas"
   if impl is None:
     b, c, hq, _ = q.shape
     impl = "reference" if 4 * b * hq * c * (cache.capacity + c) <= DENSE_LOGITS_BYTES else "xla"
@@ -219,6 +237,15 @@ def chunk_attention(q: jax.Array, cache: KVCache, k_chunk: jax.Array, v_chunk: j
       raise ValueError(f"{name}={blk!r} must be a positive power of two")
   if impl == "reference":
     return chunk_attention_reference(q, cache, k_chunk, v_chunk, scale=scale)
+  if impl == "pallas":
+    if not _pallas_supports(q):
+      raise ValueError(f"implementation='pallas' needs a power-of-two head_dim >= 16 and a "
+                       f"float q, got shape {q.shape} dtype {q.dtype}")
+    from pallas_kernels.chunk_attention import pallas_chunk_attention  # pylint: disable=import-outside-toplevel
+    k_hist, v_hist = cache.dequantize()                                 # [B, C, Hkv, D]
+    return pallas_chunk_attention(q, k_hist.astype(q.dtype), v_hist.astype(q.dtype),
+                                  cache.lengths, k_chunk, v_chunk, scale=scale,
+                                  config=config, interpret=interpret)
   return _blocked(q, cache, k_chunk, v_chunk, scale, block_q, block_k)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,9 +14,11 @@ from jaxkv import KVCache
 from jaxkv.decoding import generate
 from models import llama
 from models.checkpoint import save_llama
+from pallas_kernels.chunk_attention import ChunkAttentionConfig
 from tests.model_fixtures import SMALL, full_f32_matmuls  # noqa: F401  (autouse fixture)
 
 CFG = SMALL
+INTERPRET = os.environ.get("JAXKV_TEST_GPU", "0") != "1"
 
 
 
@@ -50,7 +54,7 @@ def _numpy_chunk_attention(q, cache, k_chunk, v_chunk):
 
 
 @pytest.mark.parametrize("preset", ["kivi4", "int8", "bf16"])
-@pytest.mark.parametrize("impl", ["xla", "reference"])
+@pytest.mark.parametrize("impl", ["pallas", "xla", "reference"])
 def test_chunk_attention_matches_float64(preset, impl):
   """Ragged quantized history (packed + residual) and a chunk spanning several blocks."""
   rng = np.random.default_rng(len(preset) + len(impl))
@@ -64,9 +68,45 @@ def test_chunk_attention_matches_float64(preset, impl):
   kc = rng.standard_normal((b, c, h, d)).astype(np.float32)
   vc = rng.standard_normal((b, c, h, d)).astype(np.float32)
   got = jaxkv.chunk_attention(jnp.asarray(q), cache, jnp.asarray(kc), jnp.asarray(vc),
-                              implementation=impl, block_q=16, block_k=128)
+                              implementation=impl, block_q=16, block_k=128,
+                              config=ChunkAttentionConfig(block_q=32, block_k=16),
+                              interpret=INTERPRET)
   want = _numpy_chunk_attention(q, cache, kc, vc)
   np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("preset,hq,hkv,d,c,hist,config", [
+    ("kivi4", 8, 8, 64, 33, [200, 61], ChunkAttentionConfig(block_q=32, block_k=16)),
+    ("kivi2", 8, 2, 128, 24, [129, 0], ChunkAttentionConfig(block_q=16, block_k=16)),
+    ("bf16", 8, 1, 64, 70, [5, 256], None),
+])
+def test_pallas_chunk_attention_bf16_matches_float64(preset, hq, hkv, d, c, hist, config):
+  """bf16 operands (the GPU path): GQA 1/4/8, ragged histories, odd chunk lengths.
+
+  The oracle runs in float64 on the same bf16 inputs and the dequantized
+  history rounded to bf16 (the kernel's K/V operands); the tolerance covers
+  bf16 rounding of the probabilities before the P·V product and of the
+  output (|out| <~ 3, half an ulp of bf16 at 4 is 2^-7).
+  """
+  rng = np.random.default_rng(hq * d + c)
+  b = len(hist)
+  bf = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)  # noqa: E731
+  cache = KVCache.init(preset, b, hkv, d, 256, jnp.bfloat16).prefill(
+      bf(b, 256, hkv, d), bf(b, 256, hkv, d), jnp.asarray(hist))
+  q, kc, vc = bf(b, c, hq, d), bf(b, c, hkv, d), bf(b, c, hkv, d)
+  got = jaxkv.chunk_attention(q, cache, kc, vc, implementation="pallas", config=config,
+                              interpret=INTERPRET)
+  assert got.dtype == jnp.bfloat16 and got.shape == (b, c, hq, d)
+
+  class Rounded:  # the history as the kernel sees it: dequantized, then bf16
+    lengths = cache.lengths
+
+    @staticmethod
+    def dequantize():
+      return tuple(x.astype(jnp.bfloat16) for x in cache.dequantize())
+
+  want = _numpy_chunk_attention(q, Rounded, kc, vc)
+  np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-2, atol=1e-2)
 
 
 # ------------------------------------------------------------ model level
