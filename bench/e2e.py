@@ -840,6 +840,7 @@ def main(argv=None) -> int:
              else list(QUICK_FORMATS if args.quick else FORMATS))
   contexts = ([int(c) for c in args.contexts.split(",")] if args.contexts
               else list(QUICK_CONTEXTS if args.quick else CONTEXTS))
+  contexts = [c for c in contexts if c > 0]  # "--contexts 0": no B=1 decode cases
   args.context_list = contexts
   lens = PREFILL_LENS if args.prefill_lens is None else args.prefill_lens
   prefill_lens = [int(x) for x in lens.split(",") if x.strip()]
@@ -874,8 +875,8 @@ def main(argv=None) -> int:
     return mesh_compare(args, runner, formats, contexts, bandwidth, dev)
 
   # Priority: the target cases first (longest context B=1, max batch), then the rest.
-  top = max(contexts)
-  for f in formats:
+  top = max(contexts, default=0)
+  for f in formats if top else ():
     _guard(runner, f"decode {f} ctx={top} B=1", lambda f=f: runner.decode_case(f, top, 1),
            latency, errors)
   in_process = args.batch_context > 0 and not child_rows and not child_errors

@@ -28,9 +28,17 @@ import numpy as np  # noqa: E402
 
 import jaxkv  # noqa: E402
 from jaxkv.timing import kernel_time  # noqa: E402
+from pallas_kernels.chunk_attention import ChunkAttentionConfig  # noqa: E402
 
 
-def case(fmt: str, hist: int, chunk: int, impls, hq=32, hkv=8, d=128) -> list[dict]:
+def parse_config(text: str) -> ChunkAttentionConfig:
+  """``"BQxBKxWARPSxSTAGES"`` -> `ChunkAttentionConfig`."""
+  bq, bk, w, st = (int(x) for x in text.split("x"))
+  return ChunkAttentionConfig(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
+
+
+def case(fmt: str, hist: int, chunk: int, impls, configs=(None,), hq=32, hkv=8,
+         d=128) -> list[dict]:
   rng = np.random.default_rng(hist + chunk)
   bf = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)  # noqa: E731
   cap = max(hist, 1) + 256
@@ -52,9 +60,11 @@ def case(fmt: str, hist: int, chunk: int, impls, hq=32, hkv=8, d=128) -> list[di
                        error=f"{type(e).__name__}: {str(e)[:300]}"))
 
   for impl in impls:
-    record(impl, lambda q, c, k, v, impl=impl: jaxkv.chunk_attention(q, c, k, v,
-                                                                     implementation=impl),
-           (q, cache, kc, vc))
+    for cfg in (configs if impl == "pallas" else (None,)):
+      name = impl if cfg is None else (f"{impl} {cfg.block_q}x{cfg.block_k}"
+                                       f"x{cfg.num_warps}x{cfg.num_stages}")
+      record(name, lambda q, c, k, v, impl=impl, cfg=cfg: jaxkv.chunk_attention(
+          q, c, k, v, implementation=impl, config=cfg), (q, cache, kc, vc))
   if fmt == "bf16":
     record("cudnn-causal-chunk-only",
            lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
@@ -74,12 +84,17 @@ def main(argv=None) -> int:
   p.add_argument("--histories", default="0,8192,28672")
   p.add_argument("--chunk", type=int, default=4096)
   p.add_argument("--impls", default="pallas")
+  p.add_argument("--configs", default="",
+                 help="Pallas configs to sweep, comma-separated BQxBKxWARPSxSTAGES "
+                      "(default: the kernel's default config)")
+  p.add_argument("--tag", default="", help="file name tag of the JSON")
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
   rows = []
   for fmt in args.formats.split(","):
     for hist in (int(x) for x in args.histories.split(",")):
-      rows += case(fmt, hist, args.chunk, args.impls.split(","))
+      configs = [parse_config(c) for c in args.configs.split(",") if c] or [None]
+      rows += case(fmt, hist, args.chunk, args.impls.split(","), configs)
       r = rows[-1]
       print(json.dumps(r), flush=True)
   dev = jax.devices()[0]
@@ -94,7 +109,8 @@ def main(argv=None) -> int:
   if args.out:
     os.makedirs(args.out, exist_ok=True)
     name = dev.device_kind.lower().replace(" ", "-")
-    with open(os.path.join(args.out, f"prefill-attention-{name}.json"), "w") as f:
+    tag = f"-{args.tag}" if args.tag else ""
+    with open(os.path.join(args.out, f"prefill-attention{tag}-{name}.json"), "w") as f:
       json.dump(dict(meta=meta, rows=rows), f, indent=1)
   return 0
 

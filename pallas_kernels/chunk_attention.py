@@ -112,14 +112,20 @@ def _kernel(len_ref, q_ref, kh_ref, vh_ref, kc_ref, vc_ref, o_ref, *, scale, blo
   carry = (jnp.zeros((rows, d), jnp.float32), jnp.zeros((rows,), jnp.float32),
            jnp.full((rows,), -1e30, jnp.float32))
 
-  def hist_body(j, carry):
+  def hist_body(j, carry, masked=False):
     start = j * block_k
     k = kh_ref[pl.ds(start, block_k), :]
     v = vh_ref[pl.ds(start, block_k), :]
-    mask = (start + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)) < hist_len
+    mask = None
+    if masked:
+      mask = (start + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)) < hist_len
     return step(carry, k, v, mask)
 
-  carry = lax.fori_loop(0, (hist_len + block_k - 1) // block_k, hist_body, carry)
+  # Whole history blocks unmasked, then the partial last one (if any) masked.
+  full_blocks = hist_len // block_k
+  carry = lax.fori_loop(0, full_blocks, hist_body, carry)
+  carry = lax.fori_loop(full_blocks, (hist_len + block_k - 1) // block_k,
+                        functools.partial(hist_body, masked=True), carry)
 
   def own_body(j, carry):  # chunk blocks wholly below this query block's diagonal
     k = kc_ref[pl.ds(j * block_k, block_k), :]
