@@ -39,10 +39,13 @@ class ChunkAttentionConfig:
   block_k: keys per inner step (power of two >= 16, <= block_q).
   num_warps, num_stages: Triton launch parameters.
   """
+  # Defaults from an H100 sweep (bench/results/prefill-attention-NOTES.md):
+  # 128x128, 8 warps, 3 stages ran a 4K chunk over 28K of history at 470
+  # TFLOP/s (128x64x8x2: 327; cuDNN's dense BF16 attention: 628).
   block_q: int = 128
-  block_k: int = 64
+  block_k: int = 128
   num_warps: int = 8
-  num_stages: int = 2
+  num_stages: int = 3
 
   def validate(self) -> None:
     for name in ("block_q", "block_k"):
@@ -160,7 +163,7 @@ def pallas_chunk_attention(q: jax.Array, k_hist: jax.Array, v_hist: jax.Array,
     hist_len: ``[B]`` int, ``0 <= hist_len <= C``.
     k_chunk, v_chunk: ``[B, c, Hkv, D]`` the chunk's own keys/values (causal).
     scale: softmax scale.
-    config: `ChunkAttentionConfig` (default: block_q 128, block_k 64).
+    config: `ChunkAttentionConfig` (default: block_q 128, block_k 128).
     interpret: Pallas interpret mode (CPU tests).
   Returns:
     ``[B, c, Hq, D]`` in q's dtype.
