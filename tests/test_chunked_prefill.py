@@ -79,6 +79,7 @@ def test_chunk_attention_matches_float64(preset, impl):
     ("kivi4", 8, 8, 64, 33, [200, 61], ChunkAttentionConfig(block_q=32, block_k=16)),
     ("kivi2", 8, 2, 128, 24, [129, 0], ChunkAttentionConfig(block_q=16, block_k=16)),
     ("bf16", 8, 1, 64, 70, [5, 256], None),
+    ("quantspec", 4, 1, 64, 9, [256, 130], ChunkAttentionConfig(block_q=16, block_k=16)),
 ])
 def test_pallas_chunk_attention_bf16_matches_float64(preset, hq, hkv, d, c, hist, config):
   """bf16 operands (the GPU path): GQA 1/4/8, ragged histories, odd chunk lengths.
