@@ -47,7 +47,7 @@ class ChunkAttentionConfig:
   num_warps: int = 8
   num_stages: int = 3
 
-  def validate(self) -> None:
+  def __post_init__(self):
     for name in ("block_q", "block_k"):
       v = getattr(self, name)
       if not isinstance(v, int) or v < 16 or not _triton.is_pow2(v):
@@ -169,7 +169,8 @@ def pallas_chunk_attention(q: jax.Array, k_hist: jax.Array, v_hist: jax.Array,
     ``[B, c, Hq, D]`` in q's dtype.
   """
   config = ChunkAttentionConfig() if config is None else config
-  config.validate()
+  if not isinstance(config, ChunkAttentionConfig):
+    raise TypeError(f"config must be a ChunkAttentionConfig, got {type(config).__name__}")
   b, c, hq, d = q.shape
   cap, hkv = k_hist.shape[1], k_hist.shape[2]
   if hq % hkv:

@@ -215,3 +215,27 @@ def test_traced_out_of_range_inputs_flag_the_cache(model):
   np.testing.assert_array_equal(np.asarray(cache.invalid), [True, True, True])
   with pytest.raises(ValueError, match=r"ModelCache.invalid set for sequences \[0, 1, 2\]"):
     cache.check()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(block_q=48), "block_q=48 must be a power of two >= 16"),
+    (dict(block_k=8), "block_k=8 must be a power of two >= 16"),
+    (dict(block_q=32, block_k=64), "block_k=64 must be <= block_q=32"),
+    (dict(num_warps=3), "num_warps=3"),
+    (dict(num_stages=0), "num_stages=0"),
+])
+def test_chunk_attention_config_errors(kwargs, match):
+  cache = KVCache.init("kivi4", 1, 2, 32, 256, jnp.float32)
+  q = jnp.ones((1, 8, 4, 32), jnp.float32)
+  kv = jnp.ones((1, 8, 2, 32), jnp.float32)
+  with pytest.raises(ValueError, match=match):
+    jaxkv.chunk_attention(q, cache, kv, kv, implementation="pallas",
+                          config=ChunkAttentionConfig(**kwargs), interpret=True)
+
+
+def test_chunk_attention_pallas_rejects_odd_head_dim():
+  cache = KVCache.init("bf16", 1, 2, 24, 64, jnp.float32)
+  q = jnp.ones((1, 4, 2, 24), jnp.float32)
+  kv = jnp.ones((1, 4, 2, 24), jnp.float32)
+  with pytest.raises(ValueError, match="power-of-two head_dim"):
+    jaxkv.chunk_attention(q, cache, kv, kv, implementation="pallas", interpret=True)
