@@ -1,5 +1,6 @@
 """Pallas GPU kernels of jaxkv: quantize+pack, dequant split-K attention, combine,
-and the 4-bit weight matmul of QuantSpec's draft model.
+prefill-chunk flash attention, and the 4-bit weight matmul of QuantSpec's
+draft model.
 
 An implementation detail reached through `jaxkv.decode_attention(...,
 implementation="pallas")` and `KVCache`'s pack path. Every kernel sits behind
@@ -7,6 +8,8 @@ one entry point (`pallas_decode_attention`, `quantize_pack`) so a Mosaic GPU
 variant can sit beside the Triton one.
 """
 
+from pallas_kernels.chunk_attention import ChunkAttentionConfig
+from pallas_kernels.chunk_attention import pallas_chunk_attention
 from pallas_kernels.dequant_attention import DecodeAttentionConfig
 from pallas_kernels.dequant_attention import dequant_decode_attention
 from pallas_kernels.dequant_attention import dequant_decode_attention_reference
@@ -20,11 +23,13 @@ from pallas_kernels.pack import quantize_pack
 from pallas_kernels.pack import quantize_pack_reference
 
 __all__ = [
+    "ChunkAttentionConfig",
     "DecodeAttentionConfig",
     "Int4MatmulConfig",
     "PackConfig",
     "dequant_decode_attention",
     "dequant_decode_attention_reference",
+    "pallas_chunk_attention",
     "pallas_decode_attention",
     "quantize_pack",
     "quantize_pack_reference",
