@@ -211,7 +211,8 @@ def chunk_attention(q: jax.Array, cache: KVCache, k_chunk: jax.Array, v_chunk: j
     scale: softmax scale, default ``D ** -0.5``.
     implementation: ``"pallas"`` (flash kernel, operands in q's dtype),
       ``"xla"`` (blocked, bounded memory), ``"reference"`` (dense) or None
-      (Pallas on GPU; else dense when small, see `DENSE_LOGITS_BYTES`).
+      (Pallas on GPU for head_dim <= 128; else dense when small, see
+      `DENSE_LOGITS_BYTES`, blocked jnp otherwise).
     block_q, block_k: query / key block sizes of the ``"xla"`` path (the
       Pallas kernel takes ``config``).
     config: `pallas_kernels.chunk_attention.ChunkAttentionConfig` of the
@@ -225,7 +226,10 @@ def chunk_attention(q: jax.Array, cache: KVCache, k_chunk: jax.Array, v_chunk: j
   _check(q, cache, k_chunk, v_chunk, chunk_lengths)
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   impl = implementation
-  if impl is None and jax.default_backend() == "gpu" and _pallas_supports(q):
+  # The default picks the kernel only at head sizes its config was measured at
+  # (<= 128; larger heads need smaller tiles to fit shared memory).
+  if impl is None and jax.default_backend() == "gpu" and _pallas_supports(q) \
+      and q.shape[-1] <= 128:
     impl = "pallas"
   if impl is None:
     b, c, hq, _ = q.shape
