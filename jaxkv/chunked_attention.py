@@ -198,7 +198,7 @@ def _blocked(q, cache: KVCache, k_chunk, v_chunk, scale, block_q: int, block_k: 
 def chunk_attention(q: jax.Array, cache: KVCache, k_chunk: jax.Array, v_chunk: jax.Array,
                     chunk_lengths: jax.Array | None = None, *, scale: float | None = None,
                     implementation: str | None = None, block_q: int = 256,
-                    block_k: int = 256, config=None, interpret: bool = False) -> jax.Array:
+                    block_k: int = 256, config=None, interpret: bool | None = None) -> jax.Array:
   """Attention of a chunk of new tokens over the cached history and themselves.
 
   Args:
@@ -217,7 +217,7 @@ def chunk_attention(q: jax.Array, cache: KVCache, k_chunk: jax.Array, v_chunk: j
       Pallas kernel takes ``config``).
     config: `pallas_kernels.chunk_attention.ChunkAttentionConfig` of the
       ``"pallas"`` path (None: its defaults).
-    interpret: run the Pallas kernel in interpret mode (CPU tests).
+    interpret: run the Pallas kernel in interpret mode; None: off a GPU.
   Returns:
     ``[B, c, Hq, D]`` in q's dtype; float32 softmax and accumulation.
   """
@@ -249,7 +249,9 @@ def chunk_attention(q: jax.Array, cache: KVCache, k_chunk: jax.Array, v_chunk: j
     k_hist, v_hist = cache.dequantize()                                 # [B, C, Hkv, D]
     return pallas_chunk_attention(q, k_hist.astype(q.dtype), v_hist.astype(q.dtype),
                                   cache.lengths, k_chunk, v_chunk, scale=scale,
-                                  config=config, interpret=interpret)
+                                  config=config,
+                                  interpret=(jax.default_backend() != "gpu" if interpret is None
+                                             else interpret))
   return _blocked(q, cache, k_chunk, v_chunk, scale, block_q, block_k)
 
 

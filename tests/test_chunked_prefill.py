@@ -111,8 +111,10 @@ def test_pallas_chunk_attention_bf16_matches_float64(preset, hq, hkv, d, c, hist
 
 
 # ------------------------------------------------------------ model level
-def test_chunked_and_ragged_prefill_equal_full_forward(model):
-  """bf16 format (exact storage), float32: every chunking gives the full forward's logits."""
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_chunked_and_ragged_prefill_equal_full_forward(model, impl):
+  """bf16 format (exact storage), float32: every chunking gives the full forward's logits
+  (the chunk attention in jnp and through the Pallas kernel: interpret mode off a GPU)."""
   rng = np.random.default_rng(3)
   tokens = rng.integers(0, CFG.vocab_size, (3, 45))
   lengths = np.array([45, 17, 30])
@@ -120,7 +122,7 @@ def test_chunked_and_ragged_prefill_equal_full_forward(model):
   rows = np.arange(3)
   for chunk in (None, 16, 7):
     cache = model.init_cache("bf16", 3, 64, dtype=jnp.float32)
-    last, cache = model.prefill(tokens, lengths, cache, chunk_size=chunk, attention_impl="xla")
+    last, cache = model.prefill(tokens, lengths, cache, chunk_size=chunk, attention_impl=impl)
     assert rel_err(last, full[rows, lengths - 1]) < 1e-5, chunk
     np.testing.assert_array_equal(np.asarray(cache.lengths), lengths)
 
