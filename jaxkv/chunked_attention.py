@@ -48,12 +48,46 @@ IMPLEMENTATIONS = ("pallas", "xla", "reference")
 # below this many bytes (small problems: less work, much faster to compile),
 # the blocked "xla" path beyond.
 DENSE_LOGITS_BYTES = 32 << 20
+# The "pallas" path dequantizes the history (K and V, in the query dtype)
+# for at most this many bytes at a time: larger batches run in slices.
+PALLAS_HISTORY_BYTES = 1 << 30
 _HI = jax.lax.Precision.HIGHEST
 
 
 def _pallas_supports(q) -> bool:
   d = q.shape[-1]
   return d >= 16 and d & (d - 1) == 0 and jnp.issubdtype(q.dtype, jnp.floating)
+
+
+def _pallas(q, cache: KVCache, k_chunk, v_chunk, scale, config, interpret: bool):
+  """The Pallas kernel over the history dequantized to q's dtype.
+
+  The dequantized history is a temporary of ``2 * C * Hkv * D`` elements per
+  sequence; above `PALLAS_HISTORY_BYTES` the batch runs in slices of ``bs``
+  sequences, one after the other (the last slice overlaps the one before
+  rather than padding the cache), so the temporary stays bounded whatever B.
+  """
+  from pallas_kernels.chunk_attention import pallas_chunk_attention  # pylint: disable=import-outside-toplevel
+  b = q.shape[0]
+  per_seq = 2 * cache.capacity * cache.kv_heads * cache.head_dim * jnp.dtype(q.dtype).itemsize
+  bs = int(max(1, min(b, PALLAS_HISTORY_BYTES // per_seq)))
+
+  def attend(q, cache, k_chunk, v_chunk):
+    k_hist, v_hist = cache.dequantize()                                 # [bs, C, Hkv, D]
+    return pallas_chunk_attention(q, k_hist.astype(q.dtype), v_hist.astype(q.dtype),
+                                  cache.lengths, k_chunk, v_chunk, scale=scale,
+                                  config=config, interpret=interpret)
+
+  if bs >= b:
+    return attend(q, cache, k_chunk, v_chunk)
+
+  def one_slice(i, out):
+    start = jnp.minimum(i * bs, b - bs)
+    take = lambda x: jax.lax.dynamic_slice_in_dim(x, start, bs, axis=0)  # noqa: E731
+    o = attend(take(q), jax.tree.map(take, cache), take(k_chunk), take(v_chunk))
+    return jax.lax.dynamic_update_slice_in_dim(out, o, start, axis=0)
+
+  return jax.lax.fori_loop(0, -(-b // bs), one_slice, jnp.zeros_like(q))
 
 
 def _check(q, cache, k_chunk, v_chunk, chunk_lengths):
@@ -245,13 +279,8 @@ def chunk_attention(q: jax.Array, cache: KVCache, k_chunk: jax.Array, v_chunk: j
     if not _pallas_supports(q):
       raise ValueError(f"implementation='pallas' needs a power-of-two head_dim >= 16 and a "
                        f"float q, got shape {q.shape} dtype {q.dtype}")
-    from pallas_kernels.chunk_attention import pallas_chunk_attention  # pylint: disable=import-outside-toplevel
-    k_hist, v_hist = cache.dequantize()                                 # [B, C, Hkv, D]
-    return pallas_chunk_attention(q, k_hist.astype(q.dtype), v_hist.astype(q.dtype),
-                                  cache.lengths, k_chunk, v_chunk, scale=scale,
-                                  config=config,
-                                  interpret=(jax.default_backend() != "gpu" if interpret is None
-                                             else interpret))
+    interpret = jax.default_backend() != "gpu" if interpret is None else interpret
+    return _pallas(q, cache, k_chunk, v_chunk, scale, config, interpret)
   return _blocked(q, cache, k_chunk, v_chunk, scale, block_q, block_k)
 
 

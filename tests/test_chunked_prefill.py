@@ -219,6 +219,26 @@ def test_traced_out_of_range_inputs_flag_the_cache(model):
     cache.check()
 
 
+@pytest.mark.parametrize("budget_seqs", [1, 2])
+def test_pallas_chunk_attention_batch_slices(monkeypatch, budget_seqs):
+  """A history temporary over budget runs the batch in slices (B=3: slices of 1, or 2
+  with the last overlapping); the result is the float64 oracle's."""
+  import jaxkv.chunked_attention as ca  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(budget_seqs)
+  b, h, hq, d, c, cap = 3, 2, 4, 32, 20, 128
+  f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+  cache = KVCache.init("kivi4", b, h, d, cap, jnp.float32).prefill(
+      jnp.asarray(f(b, cap, h, d)), jnp.asarray(f(b, cap, h, d)), jnp.asarray([100, 0, 128]))
+  q, kc, vc = f(b, c, hq, d), f(b, c, h, d), f(b, c, h, d)
+  monkeypatch.setattr(ca, "PALLAS_HISTORY_BYTES", budget_seqs * 2 * cap * h * d * 4)
+  got = jaxkv.chunk_attention(jnp.asarray(q), cache, jnp.asarray(kc), jnp.asarray(vc),
+                              implementation="pallas",
+                              config=ChunkAttentionConfig(block_q=32, block_k=16),
+                              interpret=INTERPRET)
+  np.testing.assert_allclose(np.asarray(got), _numpy_chunk_attention(q, cache, kc, vc),
+                             rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(block_q=48), "block_q=48 must be a power of two >= 16"),
     (dict(block_k=8), "block_k=8 must be a power of two >= 16"),
