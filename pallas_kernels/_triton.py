@@ -20,8 +20,9 @@ def compiler_params(*, num_warps: int, num_stages: int):
 
 
 def check_launch(config) -> None:
-  """ValueErrors for a kernel config's ``num_splits``, ``num_warps`` and ``num_stages``."""
-  if config.num_splits < 1:
+  """ValueErrors for a kernel config's ``num_splits`` (if it has one), ``num_warps``
+  and ``num_stages``."""
+  if getattr(config, "num_splits", 1) < 1:
     raise ValueError(f"num_splits={config.num_splits} must be >= 1")
   if config.num_warps not in (1, 2, 4, 8, 16):
     raise ValueError(f"num_warps={config.num_warps} must be a power of two <= 16")

@@ -39,7 +39,7 @@ class ChunkAttentionConfig:
   block_k: keys per inner step (power of two >= 16, <= block_q).
   num_warps, num_stages: Triton launch parameters.
   """
-  # Defaults from an H100 sweep (bench/results/prefill-attention-NOTES.md):
+  # Defaults from an H100 sweep (bench/results/e2e-NOTES.md, 2026-11-25):
   # 128x128, 8 warps, 3 stages ran a 4K chunk over 28K of history at 470
   # TFLOP/s (128x64x8x2: 327; cuDNN's dense BF16 attention: 628).
   block_q: int = 128
@@ -54,10 +54,7 @@ class ChunkAttentionConfig:
         raise ValueError(f"{name}={v!r} must be a power of two >= 16")
     if self.block_k > self.block_q:
       raise ValueError(f"block_k={self.block_k} must be <= block_q={self.block_q}")
-    if self.num_warps not in (1, 2, 4, 8, 16):
-      raise ValueError(f"num_warps={self.num_warps} must be a power of two <= 16")
-    if self.num_stages < 1:
-      raise ValueError(f"num_stages={self.num_stages} must be >= 1")
+    _triton.check_launch(self)
 
 
 def chunk_attention_reference(q, k_hist, v_hist, hist_len, k_chunk, v_chunk, *, scale):
