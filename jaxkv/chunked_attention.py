@@ -119,22 +119,10 @@ def chunk_attention_reference(q: jax.Array, cache: KVCache, k_chunk: jax.Array,
   Returns:
     ``[B, c, Hq, D]`` in q's dtype.
   """
-  b, c, hq, d = q.shape
-  hkv = cache.kv_heads
-  scale = d ** -0.5 if scale is None else scale
+  from pallas_kernels.chunk_attention import chunk_attention_reference as dense  # pylint: disable=import-outside-toplevel
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
   k_hist, v_hist = cache.dequantize()                                   # [B, C, Hkv, D]
-  k = jnp.concatenate([k_hist, k_chunk.astype(jnp.float32)], axis=1)    # [B, C + c, Hkv, D]
-  v = jnp.concatenate([v_hist, v_chunk.astype(jnp.float32)], axis=1)
-  cap = k_hist.shape[1]
-  qf = q.astype(jnp.float32).reshape(b, c, hkv, hq // hkv, d)
-  logits = jnp.einsum("bihgd,bthd->bhgit", qf, k, precision=_HI) * scale
-  pos = jnp.arange(cap + c)[None, None, :]                               # [1, 1, C + c]
-  i = jnp.arange(c)[None, :, None]                                       # [1, c, 1]
-  mask = jnp.where(pos < cap, pos < cache.lengths[:, None, None], pos - cap <= i)  # [B, c, C+c]
-  logits = jnp.where(mask[:, None, None], logits, -jnp.inf)
-  p = jax.nn.softmax(logits, axis=-1)
-  out = jnp.einsum("bhgit,bthd->bihgd", p, v, precision=_HI)
-  return out.reshape(b, c, hq, d).astype(q.dtype)
+  return dense(q, k_hist, v_hist, cache.lengths, k_chunk, v_chunk, scale=scale)
 
 
 def _dequant_rows(side: QuantizedKV, start, n: int) -> jax.Array:

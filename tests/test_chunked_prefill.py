@@ -34,9 +34,11 @@ def rel_err(got, want) -> float:
 
 
 # ------------------------------------------------------ chunk attention
-def _numpy_chunk_attention(q, cache, k_chunk, v_chunk):
-  """float64 oracle over ``cache.dequantize()`` of the history plus the chunk (causal)."""
-  kh, vh = (np.asarray(a, np.float64) for a in cache.dequantize())
+def _numpy_chunk_attention(q, cache, k_chunk, v_chunk, history=None):
+  """float64 oracle over ``cache.dequantize()`` (or ``history = (k, v)``) of the
+  history plus the chunk (causal)."""
+  history = cache.dequantize() if history is None else history
+  kh, vh = (np.asarray(a, np.float64) for a in history)
   q, kc, vc = (np.asarray(a, np.float64) for a in (q, k_chunk, v_chunk))
   b, c, hq, d = q.shape
   g = hq // kh.shape[2]
@@ -98,15 +100,9 @@ def test_pallas_chunk_attention_bf16_matches_float64(preset, hq, hkv, d, c, hist
   got = jaxkv.chunk_attention(q, cache, kc, vc, implementation="pallas", config=config,
                               interpret=INTERPRET)
   assert got.dtype == jnp.bfloat16 and got.shape == (b, c, hq, d)
-
-  class Rounded:  # the history as the kernel sees it: dequantized, then bf16
-    lengths = cache.lengths
-
-    @staticmethod
-    def dequantize():
-      return tuple(x.astype(jnp.bfloat16) for x in cache.dequantize())
-
-  want = _numpy_chunk_attention(q, Rounded, kc, vc)
+  # The history as the kernel sees it: dequantized, then bf16.
+  rounded = tuple(x.astype(jnp.bfloat16) for x in cache.dequantize())
+  want = _numpy_chunk_attention(q, cache, kc, vc, history=rounded)
   np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-2, atol=1e-2)
 
 
