@@ -35,6 +35,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from jaxkv import timing  # noqa: E402
 from jaxkv.timing import kernel_time  # noqa: E402
 from jaxkv.formats import PRESETS, KVFormat  # noqa: E402
 import jaxkv  # noqa: E402
@@ -260,15 +261,8 @@ def candidate_configs(fmt, b, t, hq, hkv, d, limit):
 
 # ---------------------------------------------------------------------- main
 def measure_hbm_read(gib=4):
-  """Best of a few multi-GiB reductions (bytes read / device time)."""
-  x = jax.random.uniform(jax.random.PRNGKey(7), (gib << 28,), jnp.float32)
-  best = 0.0
-  for fn in (jnp.sum, lambda a: jnp.sum(a.reshape(-1, 8192), axis=1),
-             lambda a: jnp.max(a.reshape(8192, -1), axis=1)):
-    t = kernel_time(fn, [(x,)], calls=10)["kernel"]
-    best = max(best, (gib << 30) / t)
-  del x
-  return best
+  """Best read bandwidth of `jaxkv.timing.hbm_read_probe`'s kernels over ``gib`` GiB."""
+  return timing.hbm_read_probe(gib << 30)["best"]
 
 
 def filled_cache(name, key, b, t, hkv, d):

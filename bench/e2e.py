@@ -9,7 +9,8 @@ kivi4, kivi2):
    dispatch between steps) and per call of one jitted, cache-donating step
    (adds the host dispatch of every call). Each is printed beside its bytes
    floor: (weight bytes + cache bytes the step reads) / HBM read bandwidth,
-   the bandwidth measured in the same run by a large bf16 `jnp.sum`.
+   the bandwidth measured in the same run: the best of four read-bound XLA
+   kernels (`jaxkv.timing.hbm_read_probe`: sums and bf16 GEMVs).
 2. At 32K context: the largest batch whose cache fits next to the weights,
    per format, and the decode tokens/s it reaches (loop timing).
 3. Prompt prefill, one shot vs in chunks (``--prefill-chunk``, 4K), 8K..128K.
@@ -65,6 +66,7 @@ from flax import nnx  # noqa: E402
 
 import jaxkv  # noqa: E402
 from jaxkv import decoding  # noqa: E402
+from jaxkv import timing  # noqa: E402
 from jaxkv.decoding import cache_nbytes, decode_step  # noqa: E402
 from jaxkv.formats import KVFormat  # noqa: E402
 from models import llama  # noqa: E402
@@ -99,22 +101,14 @@ def _is_oom(e: Exception) -> bool:
 
 
 # ------------------------------------------------------------- bandwidth
-def measure_read_bandwidth(nbytes: int, reps: int = 5) -> float:
-  """HBM read bandwidth (bytes/s) of a jitted bf16 `jnp.sum` over ``nbytes``."""
-  x = jnp.ones((nbytes // 2 // 4096, 4096), jnp.bfloat16)
-  total = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
-  total(x).block_until_ready()
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    total(x).block_until_ready()
-    times.append(time.perf_counter() - t0)
-  del x
-  return x_bytes(nbytes) / float(np.median(times))
+BANDWIDTH_PROBES: dict[str, float] = {}  # the last probe's per-kernel figures, for the JSON
 
 
-def x_bytes(nbytes: int) -> int:
-  return (nbytes // 2 // 4096) * 4096 * 2
+def measure_read_bandwidth(nbytes: int) -> float:
+  """HBM read bandwidth (bytes/s): the best of `jaxkv.timing.hbm_read_probe`'s kernels."""
+  BANDWIDTH_PROBES.clear()
+  BANDWIDTH_PROBES.update(timing.hbm_read_probe(nbytes))
+  return BANDWIDTH_PROBES["best"]
 
 
 def weight_bytes(model) -> int:
@@ -858,7 +852,8 @@ def main(argv=None) -> int:
         f"jax {jax.__version__}", flush=True)
   gib = args.bandwidth_gib or (4.0 if dev.platform == "gpu" else 0.25)
   bandwidth = measure_read_bandwidth(int(gib * 2**30))
-  print(f"HBM read bandwidth ({gib:g} GiB bf16 sum): {bandwidth / 1e9:.0f} GB/s", flush=True)
+  print(f"HBM read bandwidth (best of {gib:g} GiB read probes): {bandwidth / 1e9:.0f} GB/s "
+        + " ".join(f"{k}={v / 1e9:.0f}" for k, v in BANDWIDTH_PROBES.items()), flush=True)
   t0 = time.perf_counter()
   if args.mesh:  # weights drawn on their shards (70B fits where one GPU does not)
     MESH = jaxkv.make_mesh(**jaxkv.sharding.parse_mesh(args.mesh))
@@ -911,6 +906,7 @@ def main(argv=None) -> int:
           date=datetime.datetime.now().isoformat(timespec="seconds"),
           model=args.config, weights="random bf16 (models.llama.random_model, seed 0)",
           model_init_s=init_s, hbm_read_bytes_per_s=bandwidth, bandwidth_probe_gib=gib,
+          hbm_read_probes=dict(BANDWIDTH_PROBES),
           weight_bytes=runner.weight_bytes,
           cache_fill=("random N(0,1) K/V written with ModelCache.append_layer in chunks (the "
                       "model's prefill is not run for the decode cases; see 'prefill')"),

@@ -109,6 +109,38 @@ def kernel_time(fn: Callable, args_list: Sequence[tuple], *, calls: int = 20,
           "compile": compile_s}
 
 
+def hbm_read_probe(nbytes: int = 4 << 30, *, calls: int = 5) -> dict[str, float]:
+  """HBM read bandwidth (bytes/s) reached by plain XLA kernels over ``nbytes`` of bf16.
+
+  Four read-bound programs, each timed by `kernel_time` (profiler kernel
+  time): a full sum, row sums of ``[n / 8192, 8192]``, and the two matrix-
+  vector products a decode step's weight reads are made of (``v @ W`` and
+  ``W @ v``, ``W`` ``[n / 8192, 8192]``). Returns each probe's bandwidth and
+  ``"best"``, their maximum: the bandwidth the bytes floors divide by. One
+  reduction alone under-reports what the GPU sustains (H100, jax 0.11.2:
+  a bf16 ``jnp.sum`` 2.56-2.78 TB/s while the model's weight GEMVs read
+  ~3.07 TB/s), which would make floors too generous.
+  """
+  cols = 8192
+  rows = max(1, nbytes // 2 // cols)
+  w = jax.random.uniform(jax.random.PRNGKey(7), (rows, cols), jnp.bfloat16)
+  read = rows * cols * 2
+  v_rows = jnp.ones((1, rows), jnp.bfloat16)
+  v_cols = jnp.ones((cols, 1), jnp.bfloat16)
+  probes = {
+      "sum": (lambda a: jnp.sum(a, dtype=jnp.float32), (w,)),
+      "row_sum": (lambda a: jnp.sum(a, axis=1, dtype=jnp.float32), (w,)),
+      "gemv_vw": (lambda a, v: v @ a, (w, v_rows)),
+      "gemv_wv": (lambda a, v: a @ v, (w, v_cols)),
+  }
+  out = {}
+  for name, (fn, args) in probes.items():
+    out[name] = read / kernel_time(fn, [args], calls=calls)["kernel"]
+  del w
+  out["best"] = max(out.values())
+  return out
+
+
 def device_time(fn: Callable, firsts: Sequence, *rest, reps: int = 10, warmup: int = 2,
                 hide_dispatch: bool | None = None) -> dict:
   """Device time of one ``fn(first, *rest)`` call, in seconds.
