@@ -89,15 +89,6 @@ class DecodeAttentionConfig:
       instructions per element).
     unpack_sub: on sm_90+, bfloat16 codes leave their magic base by one
       ``sub.bf16x2`` with no multiplier register (see `_unpack_asm`).
-    prescaled_q: per-channel K (bfloat16/float32 code operands): the dot
-      operand ``q * scale * scale_g`` of every token group and the bias
-      ``q . zero_g`` are computed before the kernel (one XLA fusion over the
-      scales), so a step loads its ``[rows, D]`` operand tile (software-
-      pipelined like the codes) instead of building it in registers and
-      moving it into the MMA layout through shared memory. The tile of group
-      ``g`` starts at row ``g * (Hq/Hkv * S)`` of one flat array, so its
-      padding rows are the next groups' rows (finite, discarded) rather than
-      zeros: 16-row tiles cost ``Hq/Hkv * S`` rows of reads per group.
 
   Search space (`jaxkv.autotune`): block_k in {32, 64, 128, 256}, num_splits
   around the heuristic (x1/2, x1, x2), num_warps in {2, 4}, num_stages in
@@ -113,7 +104,6 @@ class DecodeAttentionConfig:
   residual_program: bool = False
   fast_exp: bool = True
   unpack_sub: bool = True
-  prescaled_q: bool = False
 
   @property
   def num_parts(self) -> int:
@@ -406,9 +396,6 @@ def _split_kernel(
     prefetch: bool = False,
     fast_exp: bool = False,
     unpack_sub: bool = False,
-    real_rows: int = 0,
-    qs_ref=None,   # [NG * real_rows + rows - real_rows, D]: q * scale * scale_g (prescaled_q)
-    qb_ref=None,   # [NG * real_rows + rows - real_rows] float32: q * scale . zero_g
 ):
   rows, head_dim = o_ref.shape
   q_rows = q_ref.shape[0]
@@ -522,10 +509,7 @@ def _split_kernel(
     look-ahead past the last step reads valid (unused) rows.
     """
     k_aff, v_aff = [], []
-    if qb_ref is not None:  # the bias rows of this step's token group
-      grp = jnp.minimum(t0 // token_group, k_scale_ref.shape[0] - 1)
-      k_aff.append(qb_ref[pl.ds(grp * real_rows, rows)])
-    elif k_side.bits < 16 and k_side.axis == "channel":
+    if k_side.bits < 16 and k_side.axis == "channel":
       grp = jnp.minimum(t0 // token_group, k_scale_ref.shape[0] - 1)
       for _, w, _, col, _ in k_flat:
         k_aff.append((k_scale_ref[pl.ds(grp, 1), pl.ds(col, w)],
@@ -539,16 +523,6 @@ def _split_kernel(
       for g in range(v_groups):
         v_aff.append((v_scale_ref[tok, g], v_zero_ref[tok, g]))
     return k_aff, v_aff
-
-  def k_scores_prescaled(t0, tok, k_aff):
-    """Per-channel K scores from the precomputed operand tiles (`prescaled_q`)."""
-    tile = pl.ds((t0 // token_group) * real_rows, rows)
-    s = jnp.broadcast_to(k_aff[0][:, None], (rows, tok.size))
-    for bcol, w, planes in k_side.chunks(head_dim):
-      codes = unpack(k_codes_ref, tok, bcol, w, k_side, k_dt)
-      for plane, col, _ in planes:
-        s = _dot_t(qs_ref[tile, pl.ds(col, w)], codes[plane]) + s
-    return s
 
   def k_scores_channel(tok, k_aff):
     """Per-channel K scores (times ``k_mult``) as one accumulator chain over the planes.
@@ -590,8 +564,6 @@ def _split_kernel(
     tok = pl.ds(t0, kb)
     if k_side.bits == 16:
       return _dot_t(q_dots[0], k_codes_ref[tok, :].astype(dtype)) * k_mult[:, None]
-    if qs_ref is not None:
-      return k_scores_prescaled(t0, tok, k_aff)
     if k_side.axis == "channel":
       return k_scores_channel(tok, k_aff)
     per_group = [None] * num_k_groups
@@ -914,11 +886,6 @@ def dequant_decode_attention(
   # Rows the combine writes (a power of two); the split kernel gets q zero-padded
   # to the full M of its dots, so every row of a dot operand is its own register.
   q_block = _triton.next_pow2(q_rows)
-  prescaled = []
-  if (config.prescaled_q and k_side.bits < 16 and k_side.axis == "channel" and not k_side.hier
-      and _code_dtype(k_side.code_bits, k_residual.dtype) != jnp.float16):
-    prescaled = _prescaled_q(qh, k_scale, k_zero, sm_scale, layer, rows,
-                             _code_dtype(k_side.code_bits, k_residual.dtype), config.fast_exp)
   qh = jnp.pad(qh, ((0, 0), (0, 0), (0, rows - q_rows), (0, 0)))
   num_parts = config.num_parts
 
@@ -935,9 +902,9 @@ def dequant_decode_attention(
   cache_arrays = [*k_arrays, *v_arrays, k_residual, v_residual]
   layer_arr = jnp.broadcast_to(jnp.asarray(0 if layer is None else layer, jnp.int32), (batch,))
   inputs = [lengths.astype(jnp.int32), jnp.broadcast_to(sm_scale, (batch,)), layer_arr, qh,
-            *prescaled, *cache_arrays]
+            *cache_arrays]
   per_seq = pl.BlockSpec((None,), lambda b, h, j: (b,))
-  in_specs = [per_seq, per_seq, per_seq, full(qh)] + [full(x) for x in prescaled] + [
+  in_specs = [per_seq, per_seq, per_seq, full(qh)] + [
       (full_stacked if stacked else full)(x) for x in cache_arrays]
 
   kernel = functools.partial(
@@ -946,13 +913,10 @@ def dequant_decode_attention(
       residual_split=config.residual_split,
       block_k=block_k, res_block=res_block, use_asm=not interpret,
       defer_sums=config.defer_sums, prefetch=config.prefetch, fast_exp=config.fast_exp,
-      unpack_sub=config.unpack_sub and _triton.compute_capability() >= (9, 0),
-      real_rows=q_rows)
+      unpack_sub=config.unpack_sub and _triton.compute_capability() >= (9, 0))
   num_k, num_v = len(k_arrays), len(v_arrays)
 
   def kernel_with_nones(lengths_ref, scale_ref, layer_ref, q_ref, *refs):
-    pre = dict(zip(("qs_ref", "qb_ref"), refs[:len(prescaled)]))
-    refs = refs[len(prescaled):]
     if stacked:  # this program's layer, read in place
       layer_idx = layer_ref[()]
       refs = ([_LayerRef(r, layer_idx) for r in refs[:num_k + num_v + 2]]
@@ -960,7 +924,7 @@ def dequant_decode_attention(
     k_refs = list(refs[:num_k]) + [None] * (3 - num_k)
     v_refs = list(refs[num_k:num_k + num_v]) + [None] * (3 - num_v)
     rest = refs[num_k + num_v:]
-    kernel(lengths_ref, scale_ref, q_ref, *k_refs, *v_refs, *rest, **pre)
+    kernel(lengths_ref, scale_ref, q_ref, *k_refs, *v_refs, *rest)
 
   o_part, l_part, m_part = pl.pallas_call(
       kernel_with_nones,
@@ -1018,33 +982,6 @@ def dequant_decode_attention(
     return out
   lse = outs[1][:, :, :q_rows].reshape(batch, kv_heads, group_q, num_queries)
   return out, lse.transpose(0, 3, 1, 2).reshape(batch, num_queries, q_heads)
-
-
-def _prescaled_q(qh, k_scale, k_zero, sm_scale, layer, rows, dtype, fast_exp):
-  """The `prescaled_q` operands of per-channel K: ``(qs, qb)`` per (batch, kv head).
-
-  qh: ``[B, H, Q, D]`` query rows (Q = Hq/Hkv * S, unpadded); k_scale/k_zero:
-  ``[B, H, NG, D]`` (or stacked ``[L, B, H, NG, D]`` read at ``layer``).
-  Returns ``qs [B, H, NG*Q + rows - Q, D]`` in ``dtype``, row ``g*Q + r`` =
-  ``q_r * scale * scale_g`` (the kernel's operand, rounded once), and ``qb
-  [B, H, NG*Q + rows - Q]`` float32 = ``(q_r * scale) . zero_g``; ``scale``
-  carries log2(e) under ``fast_exp`` as in the kernel. The trailing
-  ``rows - Q`` zero rows let the last group's tile read ``rows`` rows.
-  """
-  if layer is not None:
-    k_scale = lax.dynamic_index_in_dim(k_scale, layer, 0, keepdims=False)
-    k_zero = lax.dynamic_index_in_dim(k_zero, layer, 0, keepdims=False)
-  batch, heads, q_rows, head_dim = qh.shape
-  groups = k_scale.shape[2]
-  sm = sm_scale * _LOG2E if fast_exp else sm_scale
-  qf = qh.astype(jnp.float32) * sm                                   # [B, H, Q, D]
-  qs = qf[:, :, None] * k_scale.astype(jnp.float32)[:, :, :, None]   # [B, H, NG, Q, D]
-  qs = qs.astype(dtype).reshape(batch, heads, groups * q_rows, head_dim)
-  qb = jnp.einsum("bhqd,bhgd->bhgq", qf, k_zero.astype(jnp.float32),
-                  precision=lax.Precision.HIGHEST).reshape(batch, heads, groups * q_rows)
-  pad = rows - q_rows
-  return (jnp.pad(qs, ((0, 0), (0, 0), (0, pad), (0, 0))),
-          jnp.pad(qb, ((0, 0), (0, 0), (0, pad))))
 
 
 def supports(fmt: CacheFormat, *, head_dim: int, num_q_heads: int | None = None,

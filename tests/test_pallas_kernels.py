@@ -201,42 +201,6 @@ def test_attention_configs(name, config):
   np.testing.assert_allclose(np.asarray(out, np.float64), _oracle(q, cache), atol=tol, rtol=tol)
 
 
-PRESCALED_CASES = [
-    # (format, batch, kv_heads, group_q, head_dim, num_queries, lengths, capacity, dtype, block_k)
-    ("kivi4", 2, 2, 4, 128, 1, (700, 300), 768, jnp.float32, 128),
-    ("kivi4", 1, 1, 8, 64, 2, (600,), 768, jnp.bfloat16, 128),   # 16 real rows: no overlap
-    ("kivi2", 2, 1, 3, 128, 1, (650, 129), 768, jnp.float32, 64),  # two steps per group
-    ("kivi2-g32", 1, 2, 1, 64, 7, (256,), 256, jnp.float32, 32),
-    ("kivi4-r2g", 2, 2, 6, 64, 5, (391, 263), 512, jnp.float32, 64),  # 30 rows -> 32-row tiles
-    ("kivi4-g32", 1, 1, 8, 128, 1, (31,), 256, jnp.bfloat16, 32),  # empty packed region
-]
-
-
-@pytest.mark.parametrize(
-    "name,batch,kv_heads,group_q,head_dim,num_queries,lengths,capacity,dtype,block_k",
-    PRESCALED_CASES,
-    ids=[f"{c[0]}_gqa{c[3]}_D{c[4]}_S{c[5]}_{jnp.dtype(c[8]).name}_bk{c[9]}"
-         for c in PRESCALED_CASES])
-def test_prescaled_q_matches_oracle(name, batch, kv_heads, group_q, head_dim, num_queries,
-                                    lengths, capacity, dtype, block_k):
-  """Per-channel K from precomputed ``q * scale_g`` tiles: the oracle, and the in-kernel path."""
-  q, cache = _make_case(name, batch, kv_heads, group_q, head_dim, num_queries, lengths,
-                        capacity, dtype)
-  base = pk.DecodeAttentionConfig(block_k=block_k, num_splits=3, num_stages=2)
-  got = pk.pallas_decode_attention(q, cache, interpret=INTERPRET,
-                                   config=dataclasses.replace(base, prescaled_q=True))
-  plain = pk.pallas_decode_attention(q, cache, interpret=INTERPRET, config=base)
-  got = np.asarray(got.astype(jnp.float32), np.float64)
-  assert not np.isnan(got).any()
-  tol = _TOL_BASE[dtype] * np.sqrt(max(lengths))
-  np.testing.assert_allclose(got, _oracle(q, cache), atol=tol, rtol=tol)
-  # Same operands, rounded the same way: agrees with the in-kernel operand to
-  # float32 summation order (bf16 outputs: to one rounding of the output).
-  close = 1e-5 if dtype == jnp.float32 else 1e-2
-  np.testing.assert_allclose(got, np.asarray(plain.astype(jnp.float32), np.float64),
-                             atol=close, rtol=close)
-
-
 def test_reference_matches_oracle():
   q, cache = _make_case("kivi4-g32", 2, 2, 3, 64, 3, (300, 40), 512, jnp.float32)
   out = pk.dequant_decode_attention_reference(
