@@ -407,7 +407,7 @@ def timing_main(args) -> int:
         f"({dev.platform}), jax {jax.__version__}", flush=True)
   gib = args.bandwidth_gib or (4.0 if dev.platform == "gpu" else 0.25)
   bandwidth = e2e.measure_read_bandwidth(int(gib * 2**30))
-  print(f"HBM read bandwidth ({gib:g} GiB bf16 sum): {bandwidth / 1e9:.0f} GB/s", flush=True)
+  print(f"HBM read bandwidth (best of {gib:g} GiB read probes): {bandwidth / 1e9:.0f} GB/s", flush=True)
   t0 = time.perf_counter()
   model = llama.random_model(args.model_config, seed=0, dtype=jnp.bfloat16)
   weights = model.quantize_weights(bits=4, group_size=args.group_size)
