@@ -155,8 +155,9 @@ def main(argv=None) -> int:
           residual=fmt.residual)
       configs = {"default": default}
       if baseline is not None:
+        known = {f.name for f in dataclasses.fields(baseline.DecodeAttentionConfig)}
         configs["baseline"] = Baseline(baseline, baseline.DecodeAttentionConfig(
-            **dataclasses.asdict(default)))
+            **{k_: v_ for k_, v_ in dataclasses.asdict(default).items() if k_ in known}))
       configs.update({k_: dataclasses.replace(default, **kv) for k_, kv in variants.items()})
       mdefault = A.mosaic_default(fmt, b, t, hkv)
       for k_, kv in parse_variants(args.mosaic).items():

@@ -189,6 +189,11 @@ CONFIG_CASES = [
     ("int8", pk.DecodeAttentionConfig(block_k=64, num_splits=9, residual_program=True)),
     # Row sums reduced on every step instead of once after the loop.
     ("kivi4", pk.DecodeAttentionConfig(block_k=128, num_splits=2, defer_sums=False)),
+    # Accumulators rescaled on every step (the default skips steps where no
+    # running max grew).
+    ("kivi2", pk.DecodeAttentionConfig(block_k=64, num_splits=3, lazy_rescale=False)),
+    ("int8", pk.DecodeAttentionConfig(block_k=64, num_splits=2, lazy_rescale=False,
+                                      defer_sums=False)),
 ]
 
 
@@ -199,6 +204,24 @@ def test_attention_configs(name, config):
   out = pk.pallas_decode_attention(q, cache, config=config, interpret=INTERPRET)
   tol = _TOL_BASE[jnp.float32] * np.sqrt(700)
   np.testing.assert_allclose(np.asarray(out, np.float64), _oracle(q, cache), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("name,defer", [("kivi4", True), ("k8v4", False), ("bf16", True)])
+def test_lazy_rescale_matches_eager(name, defer):
+  """Skipping the rescale where no row's max grew drops a factor exp(0) = 1.
+
+  Equal to float32 rounding (XLA:CPU's exp2 and fused multiply-adds make the
+  two programs differ in the last bits), and to the oracle.
+  """
+  q, cache = _make_case(name, 2, 2, 4, 64, 3, (700, 250), 768, jnp.float32)
+  base = pk.DecodeAttentionConfig(block_k=64, num_splits=2, defer_sums=defer,
+                                  lazy_rescale=False)
+  lazy = pk.pallas_decode_attention(q, cache, interpret=INTERPRET,
+                                    config=dataclasses.replace(base, lazy_rescale=True))
+  eager = pk.pallas_decode_attention(q, cache, interpret=INTERPRET, config=base)
+  np.testing.assert_allclose(np.asarray(lazy), np.asarray(eager), rtol=1e-5, atol=1e-6)
+  tol = _TOL_BASE[jnp.float32] * np.sqrt(700)
+  np.testing.assert_allclose(np.asarray(lazy, np.float64), _oracle(q, cache), atol=tol, rtol=tol)
 
 
 def test_reference_matches_oracle():
