@@ -356,7 +356,7 @@ class Runner:
     self.graphdef, self.state = self.split.graphdef, self.split.state
     self.weight_bytes = weight_bytes(model)
     self.bandwidth = bandwidth
-    self.start = time.perf_counter()
+    self.start = args.started  # the whole run's clock: the max-batch children count too
     self.skipped = []
     self.memory_note = {}
     self.profiles = []
@@ -724,6 +724,12 @@ def batch_children(argv: list[str], formats, args) -> tuple[list, list]:
   """
   rows, errors = [], []
   for f in formats:
+    elapsed = time.perf_counter() - args.started
+    if elapsed > args.time_budget:
+      errors.append(dict(case=f"max-batch {f} ctx={args.batch_context}",
+                         error=f"skipped: time budget ({elapsed:.0f}s elapsed)"))
+      print(f"  skip max-batch {f}: time budget", flush=True)
+      continue
     batch, tries = None, []
     for _ in range(6):
       with tempfile.TemporaryDirectory() as tmp:
@@ -844,6 +850,7 @@ def main(argv=None) -> int:
   if not args.profile:
     args.profile_steps = 0
 
+  args.started = time.perf_counter()
   child_rows, child_errors = [], []
   if args.batch_only is None and args.batch_context > 0 and _use_subprocess(args):
     child_rows, child_errors = batch_children(argv, formats, args)
