@@ -10,7 +10,7 @@ excluded; the calls rotate over enough copies of the cache that none is read
 from L2. The stream span per call (kernel gaps included) and the host's wall
 clock per call are kept beside it. Effective GB/s (bytes the call must read/write:
 packed codes + scales/zeros + residual + q + o), fraction of the HBM read
-bandwidth measured in the same run (multi-GiB reduction), speedup over the
+bandwidth measured in the same run (`jaxkv.timing.hbm_read_probe`), speedup over the
 best BF16, and each kernel's relative error against the jnp reference on the
 same data. Writes JSON + PNG under bench/results/ (or --out) and prints a
 short table last.
