@@ -260,11 +260,6 @@ def candidate_configs(fmt, b, t, hq, hkv, d, limit):
 
 
 # ---------------------------------------------------------------------- main
-def measure_hbm_read(gib=4):
-  """Best read bandwidth of `jaxkv.timing.hbm_read_probe`'s kernels over ``gib`` GiB."""
-  return timing.hbm_read_probe(gib << 30)["best"]
-
-
 def filled_cache(name, key, b, t, hkv, d):
   """A cache of format ``name`` (``cq4``/``cq2``/``quantspec:<view>``) holding T random tokens."""
   kk, kv, kc = jax.random.split(key, 3)
@@ -594,7 +589,7 @@ def main():
     print(msg, flush=True)
     log_lines.append(msg)
 
-  hbm = measure_hbm_read()
+  hbm = timing.hbm_read_probe()["best"]
   log(f"{dev.device_kind}, jax {jax.__version__}: HBM read (4 GiB sum) {hbm/1e9:.0f} GB/s")
   results = {"gpu": dev.device_kind, "jax_version": jax.__version__,
              "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M"),

@@ -85,8 +85,8 @@ def main(argv=None) -> int:
                  help="also time kernel config variants at B=1 (correctness checked)")
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
-  from e2e import measure_read_bandwidth  # pylint: disable=import-outside-toplevel
-  bw = measure_read_bandwidth(1 << 32)
+  from jaxkv import timing  # pylint: disable=import-outside-toplevel
+  bw = timing.hbm_read_probe(1 << 32)["best"]
   rows = []
   for n_in, n_out in SHAPES:
     key = jax.random.PRNGKey(n_in * 7 + n_out)

@@ -101,16 +101,6 @@ def _is_oom(e: Exception) -> bool:
 
 
 # ------------------------------------------------------------- bandwidth
-BANDWIDTH_PROBES: dict[str, float] = {}  # the last probe's per-kernel figures, for the JSON
-
-
-def measure_read_bandwidth(nbytes: int) -> float:
-  """HBM read bandwidth (bytes/s): the best of `jaxkv.timing.hbm_read_probe`'s kernels."""
-  BANDWIDTH_PROBES.clear()
-  BANDWIDTH_PROBES.update(timing.hbm_read_probe(nbytes))
-  return BANDWIDTH_PROBES["best"]
-
-
 def weight_bytes(model) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(nnx.state(model)))
 
@@ -858,9 +848,10 @@ def main(argv=None) -> int:
   print(f"e2e: {args.config} random bf16 weights on {dev.device_kind} ({dev.platform}), "
         f"jax {jax.__version__}", flush=True)
   gib = args.bandwidth_gib or (4.0 if dev.platform == "gpu" else 0.25)
-  bandwidth = measure_read_bandwidth(int(gib * 2**30))
+  probes = timing.hbm_read_probe(int(gib * 2**30))
+  bandwidth = probes["best"]
   print(f"HBM read bandwidth (best of {gib:g} GiB read probes): {bandwidth / 1e9:.0f} GB/s "
-        + " ".join(f"{k}={v / 1e9:.0f}" for k, v in BANDWIDTH_PROBES.items()), flush=True)
+        + " ".join(f"{k}={v / 1e9:.0f}" for k, v in probes.items()), flush=True)
   t0 = time.perf_counter()
   if args.mesh:  # weights drawn on their shards (70B fits where one GPU does not)
     MESH = jaxkv.make_mesh(**jaxkv.sharding.parse_mesh(args.mesh))
@@ -913,7 +904,7 @@ def main(argv=None) -> int:
           date=datetime.datetime.now().isoformat(timespec="seconds"),
           model=args.config, weights="random bf16 (models.llama.random_model, seed 0)",
           model_init_s=init_s, hbm_read_bytes_per_s=bandwidth, bandwidth_probe_gib=gib,
-          hbm_read_probes=dict(BANDWIDTH_PROBES),
+          hbm_read_probes=probes,
           weight_bytes=runner.weight_bytes,
           cache_fill=("random N(0,1) K/V written with ModelCache.append_layer in chunks (the "
                       "model's prefill is not run for the decode cases; see 'prefill')"),

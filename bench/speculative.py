@@ -65,6 +65,7 @@ from flax import nnx  # noqa: E402
 import jaxkv  # noqa: E402
 from bench import e2e  # noqa: E402
 from jaxkv import fidelity  # noqa: E402
+from jaxkv import timing  # noqa: E402
 from jaxkv.speculative import block_forward  # noqa: E402
 from models import draft_weights as dw  # noqa: E402
 from models import llama  # noqa: E402
@@ -406,7 +407,7 @@ def timing_main(args) -> int:
   print(f"speculative timing: {args.model_config} random bf16 weights on {dev.device_kind} "
         f"({dev.platform}), jax {jax.__version__}", flush=True)
   gib = args.bandwidth_gib or (4.0 if dev.platform == "gpu" else 0.25)
-  bandwidth = e2e.measure_read_bandwidth(int(gib * 2**30))
+  bandwidth = timing.hbm_read_probe(int(gib * 2**30))["best"]
   print(f"HBM read bandwidth (best of {gib:g} GiB read probes): {bandwidth / 1e9:.0f} GB/s", flush=True)
   t0 = time.perf_counter()
   model = llama.random_model(args.model_config, seed=0, dtype=jnp.bfloat16)
