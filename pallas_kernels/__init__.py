@@ -11,6 +11,7 @@ variant can sit beside the Triton one.
 from pallas_kernels.chunk_attention import ChunkAttentionConfig
 from pallas_kernels.chunk_attention import pallas_chunk_attention
 from pallas_kernels.dequant_attention import DecodeAttentionConfig
+from pallas_kernels.dequant_attention import default_config
 from pallas_kernels.dequant_attention import dequant_decode_attention
 from pallas_kernels.dequant_attention import dequant_decode_attention_reference
 from pallas_kernels.dequant_attention import pallas_decode_attention
@@ -25,6 +26,7 @@ from pallas_kernels.pack import quantize_pack_reference
 __all__ = [
     "ChunkAttentionConfig",
     "DecodeAttentionConfig",
+    "default_config",
     "Int4MatmulConfig",
     "PackConfig",
     "dequant_decode_attention",

@@ -49,6 +49,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import hierarchical
 from pallas_kernels import layout as quant
 from pallas_kernels import _triton
+from pallas_kernels import tuned
 from pallas_kernels.side_spec import CacheFormat
 
 _MIN_ROWS = 16  # smallest M of a Triton dot
@@ -807,6 +808,60 @@ def _side_arrays(codes, scale, zero, bits):
   return [codes] if bits == 16 else [codes, scale, zero]
 
 
+def _sides(fmt: CacheFormat, head_dim: int, draft: bool) -> tuple[_Side, _Side]:
+  """The kernel's (K, V) sides for a format and view."""
+  gd = fmt.channel_group_for(head_dim)
+  k_side = (_Side(16, "token", 1) if fmt.k_bits == 16 else
+            _Side(fmt.k_bits, fmt.k_axis, fmt.token_group if fmt.k_axis == "channel" else gd))
+  v_side = _Side(16, "token", 1) if fmt.v_bits == 16 else _Side(fmt.v_bits, "token", gd)
+  if fmt.hierarchical:  # 4-bit plane geometry; the target view combines both planes
+    k_side = _Side(4, k_side.axis, k_side.group, hier=not draft)
+    v_side = _Side(4, "token", gd, hier=not draft)
+  return k_side, v_side
+
+
+def tuned_key(fmt: CacheFormat, *, batch: int, q_heads: int, kv_heads: int, head_dim: int,
+              num_queries: int, capacity: int, itemsize: int, view: str = "target") -> str:
+  """This launch's shape class in the shipped table (`pallas_kernels.tuned`)."""
+  k_side, v_side = _sides(fmt, head_dim, view == "draft")
+  return tuned.shape_class(
+      k_bits=k_side.bits, k_axis=k_side.axis, k_group=k_side.group, v_bits=v_side.bits,
+      v_group=v_side.group, hier=k_side.hier, token_group=fmt.token_group,
+      residual=fmt.residual, q_rows=q_heads // kv_heads * num_queries, batch=batch,
+      kv_heads=kv_heads, capacity=capacity, head_dim=head_dim, itemsize=itemsize)
+
+
+def default_config(fmt: CacheFormat, *, batch: int, q_heads: int, kv_heads: int, head_dim: int,
+                   num_queries: int, capacity: int, itemsize: int = 2, view: str = "target",
+                   device_kind: str | None = None,
+                   use_table: bool = True) -> tuple[DecodeAttentionConfig, str]:
+  """The config a call without ``config=`` uses, and where it came from.
+
+  The shipped tuned table's entry for this GPU and shape class
+  (`pallas_kernels.tuned`) when there is one, ``"tuned"``; otherwise
+  `DecodeAttentionConfig.default`, ``"heuristic"``. ``device_kind``: the GPU
+  name to look up (default: the first device's, when the backend is a GPU);
+  ``use_table=False``: the heuristic.
+  """
+  if device_kind is None and jax.default_backend() == "gpu":
+    device_kind = jax.devices()[0].device_kind
+  if use_table and device_kind is not None:
+    key = tuned_key(fmt, batch=batch, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                    num_queries=num_queries, capacity=capacity, itemsize=itemsize, view=view)
+    config = tuned.lookup(device_kind, key, DecodeAttentionConfig, capacity=capacity)
+    if config is not None:
+      return config, "tuned"
+  # Hierarchical caches take the 4-bit defaults in both views: the target
+  # view's two-plane read ran 58.3 / 163.7 us at (1, 32K / 128K, 32, 8) with
+  # them against 63.0 / 181.8 with the 8-bit ones (H100, jax 0.11.2).
+  sub4 = fmt.hierarchical
+  return DecodeAttentionConfig.default(
+      batch=batch, tokens=capacity, q_heads=q_heads, kv_heads=kv_heads,
+      head_dim=head_dim, k_bits=4 if sub4 else fmt.k_bits, v_bits=4 if sub4 else fmt.v_bits,
+      token_group=fmt.token_group, k_axis=fmt.k_axis, itemsize=itemsize,
+      residual=fmt.residual), "heuristic"
+
+
 @functools.partial(
     jax.jit, static_argnames=("fmt", "config", "interpret", "view", "return_lse"))
 def dequant_decode_attention(
@@ -840,7 +895,8 @@ def dequant_decode_attention(
     fmt: the cache format.
     scale: softmax scale, default ``D ** -0.5``: a float or a (possibly
       traced) scalar array; a runtime operand, so new values do not recompile.
-    config: launch parameters; `DecodeAttentionConfig.default` when None.
+    config: launch parameters; when None, `default_config`: the shipped tuned
+      config of this GPU and shape class, else `DecodeAttentionConfig.default`.
     interpret: run in Pallas interpret mode (CPU).
     layer: with every cache array stacked on a leading layer axis
       (``[L, B, H, ...]``, a model-level cache), the (possibly traced) layer
@@ -876,28 +932,17 @@ def dequant_decode_attention(
   if view not in ("target", "draft") or (view == "draft" and not fmt.hierarchical):
     raise ValueError(f"view={view!r} must be 'target', or 'draft' for a hierarchical format")
   draft = view == "draft"
+  k_side, v_side = _sides(fmt, head_dim, draft)
   if config is None:
-    # Hierarchical caches take the 4-bit defaults in both views: the target
-    # view's two-plane read ran 58.3 / 163.7 us at (1, 32K / 128K, 32, 8) with
-    # them against 63.0 / 181.8 with the 8-bit ones (H100, jax 0.11.2).
-    sub4 = fmt.hierarchical
-    config = DecodeAttentionConfig.default(
-        batch=batch, tokens=capacity, q_heads=q_heads, kv_heads=kv_heads,
-        head_dim=head_dim, k_bits=4 if sub4 else fmt.k_bits, v_bits=4 if sub4 else fmt.v_bits,
-        token_group=fmt.token_group, k_axis=fmt.k_axis, itemsize=k_residual.dtype.itemsize,
-        residual=fmt.residual)
+    config, _ = default_config(
+        fmt, batch=batch, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+        num_queries=num_queries, capacity=capacity, itemsize=k_residual.dtype.itemsize,
+        view=view)
   block_k = config.block_k
   if capacity % block_k:
     raise ValueError(f"cache capacity {capacity} must be a multiple of block_k={block_k}")
   # Residual rows per unrolled step: at most 8 steps, tiles of >= 32 rows.
   res_block = min(residual & -residual, max(32, residual // 8))
-  gd = fmt.channel_group_for(head_dim)
-  k_side = (_Side(16, "token", 1) if fmt.k_bits == 16 else
-            _Side(fmt.k_bits, fmt.k_axis, fmt.token_group if fmt.k_axis == "channel" else gd))
-  v_side = _Side(16, "token", 1) if fmt.v_bits == 16 else _Side(fmt.v_bits, "token", gd)
-  if fmt.hierarchical:  # 4-bit plane geometry; the target view combines both planes
-    k_side = _Side(4, k_side.axis, k_side.group, hier=not draft)
-    v_side = _Side(4, "token", gd, hier=not draft)
 
   # Rows r = h * S + s of kv head k's query block; a free reshape when S == 1.
   qh = q.reshape(batch, num_queries, kv_heads, group_q, head_dim)
@@ -1096,7 +1141,7 @@ def pallas_decode_attention(q: jax.Array, cache, *, scale: float | jax.Array | N
     q: ``[B, S, Hq, D]``; the K/V of the S query tokens are already appended.
     cache: the `KVCache`.
     scale: softmax scale, default ``D ** -0.5`` (a float or a scalar array).
-    config: launch parameters; heuristic default when None.
+    config: launch parameters; `default_config` when None (tuned, else heuristic).
     interpret: run in Pallas interpret mode (CPU).
     layer: with a layer-stacked cache (`jaxkv.ModelCache`), the layer to read
       in place.
