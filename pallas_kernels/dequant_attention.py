@@ -138,7 +138,7 @@ class DecodeAttentionConfig:
               head_dim: int, k_bits: int, v_bits: int, token_group: int = 128,
               k_axis: str = "channel", num_sms: int | None = None,
               itemsize: int = 2, residual: int = 128) -> "DecodeAttentionConfig":
-    """Heuristic: ~2 programs per SM (4 with an 8-bit side), >= 2 steps per split.
+    """Heuristic: ~2 programs per SM (4 with an 8-bit side), >= 2 steps and >= 2 splits.
 
     Measured on an H100 (the benchmark's config
     search, jax 0.11.2): splits rounded down to a power of two so that
@@ -157,12 +157,21 @@ class DecodeAttentionConfig:
     per_sm = 4 if bits >= 8 else 2
     want = pl.cdiv(per_sm * num_sms, batch * kv_heads)
     splits = min(_triton.prev_pow2(want), max(1, blocks // 2), 256)
+    # At least two splits: the last split also reads the residual block, so
+    # an unsplit (b, h) program is the longest of the grid (kivi4 at (48, 32K,
+    # 32, 8): 1156 us with one split, 887 with two).
+    splits = max(splits, min(2, max(1, blocks // 2)))
+    # When one program per (b, h) already fills the GPU, occupancy matters
+    # more than the per-step row sums: defer_sums' [rows, block_k]
+    # accumulators cost registers (kivi4 at (48, 32K): 849 vs 887 us; at
+    # (16, 32K), below the fill, 323 vs 304 the other way).
+    grid_full = batch * kv_heads >= per_sm * num_sms
     stages = 3
     if itemsize > 2:
       stages = 1
     warps = 2 if k_axis == "token" else 4
     return cls(block_k=block_k, num_splits=max(1, splits), num_warps=warps, num_stages=stages,
-               residual_program=residual >= 256)
+               defer_sums=not grid_full, residual_program=residual >= 256)
 
 
 def _code_dtype(bits, cache_dtype):
