@@ -240,10 +240,10 @@ def loop_time(fn, qs, copies, iters=8):
   return best / (iters * n)
 
 
-def candidate_configs(fmt, b, t, hq, hkv, d, limit):
-  base = pk.DecodeAttentionConfig.default(
-      batch=b, tokens=t, q_heads=hq, kv_heads=hkv, head_dim=d, k_bits=fmt.k_bits,
-      v_bits=fmt.v_bits, token_group=fmt.token_group, k_axis=fmt.k_axis, residual=fmt.residual)
+def candidate_configs(fmt, b, t, hq, hkv, d, limit, s=1):
+  """The config a user gets (`pk.default_config`: tuned table, else heuristic) first."""
+  base, _ = pk.default_config(fmt, batch=b, q_heads=hq, kv_heads=hkv, head_dim=d,
+                              num_queries=s, capacity=t)
   rep = dataclasses.replace
   other_warps = 4 if base.num_warps == 2 else 2
   cands = [base, rep(base, num_splits=max(1, base.num_splits // 2)),
@@ -435,7 +435,7 @@ def bench_shape(shape, formats, hbm, tune, log, cache_formats=()):
           tried.append(row)
       summarize_family(key, tried, data, moved)
 
-    try_configs(f"jaxkv_{name}", jaxkv_call, candidate_configs(fmt, b, t, hq, hkv, d, tune))
+    try_configs(f"jaxkv_{name}", jaxkv_call, candidate_configs(fmt, b, t, hq, hkv, d, tune, s))
     ok, why = mosaic_supported(fmt, hq, hkv, d, s)
     if ok:
       try_configs(f"mosaic_{name}", mosaic_call, mosaic_configs(fmt, b, t, hkv, tune))

@@ -14,7 +14,9 @@ back to `DecodeAttentionConfig.default`, the heuristic.
 An entry is only written when it beat the heuristic in the same process by
 a margin (see the tuning script), so the table holds measured wins, not
 noise. ``JAXKV_TUNED_CONFIGS=/path.json`` points the lookup at another table
-(``""`` turns the shipped table off).
+(``""`` turns the shipped table off). The lookup happens when a call is
+traced, and a table is read once per process: set the variable before the
+first call.
 """
 
 from __future__ import annotations
