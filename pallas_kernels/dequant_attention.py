@@ -164,8 +164,9 @@ class DecodeAttentionConfig:
     # When one program per (b, h) already fills the GPU, occupancy matters
     # more than the per-step row sums: defer_sums' [rows, block_k]
     # accumulators cost registers (kivi4 at (48, 32K): 849 vs 887 us; at
-    # (16, 32K), below the fill, 323 vs 304 the other way).
-    grid_full = batch * kv_heads >= per_sm * num_sms
+    # (16, 32K), below the fill, 323 vs 304 the other way). Measured for
+    # 4/2-bit sides only; 8-bit and 16-bit sides keep the deferred sums.
+    grid_full = bits < 8 and batch * kv_heads >= per_sm * num_sms
     stages = 3
     if itemsize > 2:
       stages = 1
