@@ -10,7 +10,9 @@ larger than L2) in one process. A candidate whose output differs from the
 heuristic's by more than float32 reassociation could explain is rejected.
 The winner goes into the table (`pallas_kernels/tuned_configs.json`, keyed by
 GPU name and `dequant_attention.tuned_key`) only when it beats the heuristic by
-``--margin``; every timing goes to ``--out``.
+``--margin``; every timing goes to ``--out``. VQ formats (``cq4``, ``cq2``:
+the VQ kernel's `VQAttentionConfig`, block_k / warps / stages / splits) are
+searched the same way and recorded, with no table entry.
 
 Example (GPU machine)::
 
@@ -41,6 +43,9 @@ from jaxkv import timing  # noqa: E402
 from jaxkv.formats import PRESETS  # noqa: E402
 from pallas_kernels import dequant_attention as da  # noqa: E402
 from pallas_kernels import tuned  # noqa: E402
+from pallas_kernels.vq_attention import VQAttentionConfig  # noqa: E402
+import jaxkv  # noqa: E402
+from jaxkv import vq_attention as vqa  # noqa: E402
 
 DEFAULT_SHAPES = ";".join([
     "1,32768,32,8,128,1", "1,131072,32,8,128,1", "8,32768,32,8,128,1",
@@ -48,9 +53,15 @@ DEFAULT_SHAPES = ";".join([
 MAX_REL_ERR = 2e-2  # bf16 outputs of two reassociated float32 sums
 
 
-def neighbours(c: pk.DecodeAttentionConfig, tokens: int) -> list[pk.DecodeAttentionConfig]:
+def neighbours(c, tokens: int) -> list:
+  """Configs one step away from ``c`` (a `DecodeAttentionConfig` or `VQAttentionConfig`)."""
   rep = dataclasses.replace
   out = [rep(c, num_splits=max(1, c.num_splits // 2)), rep(c, num_splits=c.num_splits * 2)]
+  if isinstance(c, VQAttentionConfig):
+    out += [rep(c, block_k=bk) for bk in (32, 64, 128) if bk != c.block_k and tokens % bk == 0]
+    out += [rep(c, num_warps=w) for w in (2, 4, 8) if w != c.num_warps]
+    out += [rep(c, num_stages=s) for s in (1, 2, 3) if s != c.num_stages]
+    return [x for x in out if x != c and x.num_splits <= 256]
   out += [rep(c, block_k=bk) for bk in (64, 128, 256) if bk != c.block_k and tokens % bk == 0]
   out += [rep(c, num_stages=s) for s in (2, 3, 4) if s != c.num_stages]
   out += [rep(c, num_warps=2 if c.num_warps == 4 else 4), rep(c, defer_sums=not c.defer_sums),
@@ -63,12 +74,15 @@ def tune_cell(name, shape, calls, max_evals, log):
   b, t, hq, hkv, d, s = shape
   view = name.split(":")[1] if ":" in name else "target"
   q = jax.random.normal(jax.random.PRNGKey(0), (b, s, hq, d), jnp.bfloat16)
-  if ":" in name:
+  vq = name in jaxkv.VQ_PRESETS
+  if ":" in name or vq:
     cache = A.filled_cache(name, jax.random.PRNGKey(4), b, t, hkv, d)
     fmt, capacity = cache.fmt, cache.storage_len
     arrays = (q, cache)
 
     def call(q, cache, *, config):
+      if vq:
+        return vqa.vq_decode_attention(q, cache, implementation="triton", config=config)
       return pk.pallas_decode_attention(q, cache, config=config, view=view)
     moved = A.nbytes(*jax.tree.leaves(cache))
   else:
@@ -81,10 +95,12 @@ def tune_cell(name, shape, calls, max_evals, log):
       return A.jaxkv_call(q, arrays, lengths, fmt=fmt, config=config)
     moved = A.nbytes(*jax.tree.leaves(data.arrays))
   copies = A.rotating_copies(arrays, moved)
-  heuristic, source = da.default_config(
-      fmt, batch=b, q_heads=hq, kv_heads=hkv, head_dim=d, num_queries=s, capacity=capacity,
-      itemsize=2, view=view, use_table=False)
-  assert source == "heuristic"
+  if vq:  # no shipped table for the VQ kernel: its results are recorded only
+    heuristic = VQAttentionConfig.default(batch=b, tokens=capacity, kv_heads=hkv)
+  else:
+    heuristic, _ = da.default_config(
+        fmt, batch=b, q_heads=hq, kv_heads=hkv, head_dim=d, num_queries=s, capacity=capacity,
+        itemsize=2, view=view, use_table=False)
   timed, ref = {}, None
 
   def measure(config):
@@ -117,8 +133,8 @@ def tune_cell(name, shape, calls, max_evals, log):
       if us < best_us:
         best, best_us, improved = cand, us, True
   heuristic_us = timed[heuristic]["us"]
-  key = da.tuned_key(fmt, batch=b, q_heads=hq, kv_heads=hkv, head_dim=d, num_queries=s,
-                     capacity=capacity, itemsize=2, view=view)
+  key = None if vq else da.tuned_key(fmt, batch=b, q_heads=hq, kv_heads=hkv, head_dim=d,
+                                    num_queries=s, capacity=capacity, itemsize=2, view=view)
   log(f"  {name:16s} {A.shape_id(shape):28s} heuristic {heuristic_us:8.1f} us  best "
       f"{best_us:8.1f} us ({heuristic_us / best_us:5.3f}x, {len(timed)} tried)")
   return dict(format=name, shape=A.shape_id(shape), key=key, heuristic=dataclasses.asdict(heuristic),
@@ -157,7 +173,7 @@ def main(argv=None) -> int:
   table = json.loads(json.dumps(tuned.load_table(args.table)))  # a copy, not the cached dict
   written = 0
   for cell in cells:
-    if cell["speedup"] >= 1 + args.margin:
+    if cell["key"] is not None and cell["speedup"] >= 1 + args.margin:
       tuned.store(table, device, cell["key"], cell["best_config"], us=cell["best_us"],
                   heuristic_us=cell["heuristic_us"], shape=cell["shape"])
       written += 1
@@ -175,9 +191,11 @@ def main(argv=None) -> int:
   log(f"{'format':16s} {'shape':28s} {'heur us':>8s} {'best us':>8s} {'x':>6s}  best")
   for c in cells:
     b = c["best"]
+    flags = (f" defer{int(b['defer_sums'])} rp{int(b['residual_program'])}"
+             if "defer_sums" in b else "")
     log(f"{c['format']:16s} {c['shape']:28s} {c['heuristic_us']:8.1f} {c['best_us']:8.1f} "
         f"{c['speedup']:6.3f}  bk{b['block_k']} sp{b['num_splits']} w{b['num_warps']} "
-        f"st{b['num_stages']} defer{int(b['defer_sums'])} rp{int(b['residual_program'])}")
+        f"st{b['num_stages']}{flags}")
   return 0
 
 
