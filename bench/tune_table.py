@@ -2,9 +2,10 @@
 
 For each format and shape, starts from the heuristic config
 (`DecodeAttentionConfig.default`) and walks greedily over its neighbours
-(splits x1/2 and x2, every other block_k, num_stages 2/3/4, the other warp
-count, defer_sums and residual_program flipped), moving to the fastest
-until no neighbour is faster, timing each candidate by profiler kernel time
+(`jaxkv.tuning.greedy_search`: splits x1/2 and x2, every other block_k,
+num_stages 2/3/4, the other warp count, defer_sums and residual_program
+flipped), moving to the fastest until no neighbour is faster, timing each
+candidate by profiler kernel time
 (split kernel + combine, `jaxkv.timing.kernel_time`, rotating cache copies
 larger than L2) in one process. A candidate whose output differs from the
 heuristic's by more than float32 reassociation could explain is rejected.
@@ -40,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attention as A  # noqa: E402
 import pallas_kernels as pk  # noqa: E402
 from jaxkv import timing  # noqa: E402
+from jaxkv import tuning  # noqa: E402
 from jaxkv.formats import PRESETS  # noqa: E402
 from pallas_kernels import dequant_attention as da  # noqa: E402
 from pallas_kernels import tuned  # noqa: E402
@@ -51,22 +53,6 @@ DEFAULT_SHAPES = ";".join([
     "1,32768,32,8,128,1", "1,131072,32,8,128,1", "8,32768,32,8,128,1",
     "16,32768,32,8,128,1", "48,32768,32,8,128,1", "80,32768,32,8,128,1"])
 MAX_REL_ERR = 2e-2  # bf16 outputs of two reassociated float32 sums
-
-
-def neighbours(c, tokens: int) -> list:
-  """Configs one step away from ``c`` (a `DecodeAttentionConfig` or `VQAttentionConfig`)."""
-  rep = dataclasses.replace
-  out = [rep(c, num_splits=max(1, c.num_splits // 2)), rep(c, num_splits=c.num_splits * 2)]
-  if isinstance(c, VQAttentionConfig):
-    out += [rep(c, block_k=bk) for bk in (32, 64, 128) if bk != c.block_k and tokens % bk == 0]
-    out += [rep(c, num_warps=w) for w in (2, 4, 8) if w != c.num_warps]
-    out += [rep(c, num_stages=s) for s in (1, 2, 3) if s != c.num_stages]
-    return [x for x in out if x != c and x.num_splits <= 256]
-  out += [rep(c, block_k=bk) for bk in (64, 128, 256) if bk != c.block_k and tokens % bk == 0]
-  out += [rep(c, num_stages=s) for s in (2, 3, 4) if s != c.num_stages]
-  out += [rep(c, num_warps=2 if c.num_warps == 4 else 4), rep(c, defer_sums=not c.defer_sums),
-          rep(c, residual_program=not c.residual_program)]
-  return [x for x in out if x != c and x.num_splits <= 256]
 
 
 def tune_cell(name, shape, calls, max_evals, log):
@@ -122,16 +108,7 @@ def tune_cell(name, shape, calls, max_evals, log):
     timed[config] = dict(us=us, rel_err=err)
     return us
 
-  best, best_us = heuristic, measure(heuristic)
-  improved = True
-  while improved and len(timed) < max_evals:
-    improved = False
-    for cand in neighbours(best, capacity):
-      if len(timed) >= max_evals:
-        break
-      us = measure(cand)
-      if us < best_us:
-        best, best_us, improved = cand, us, True
+  best, best_us, _ = tuning.greedy_search(measure, heuristic, capacity, max_evals=max_evals)
   heuristic_us = timed[heuristic]["us"]
   key = None if vq else da.tuned_key(fmt, batch=b, q_heads=hq, kv_heads=hkv, head_dim=d,
                                     num_queries=s, capacity=capacity, itemsize=2, view=view)

@@ -1,9 +1,14 @@
 """Autotuning of the Pallas decode-attention kernels on the current GPU.
 
-`autotune` (re-exported as `jaxkv.autotune`) times every candidate
-`DecodeAttentionConfig` on the caller's own ``q`` and cache with
-`jaxkv.timing.kernel_time` and returns the fastest; results can be kept in a
+`autotune` (re-exported as `jaxkv.autotune`) times candidate
+`DecodeAttentionConfig`s on the caller's own ``q`` and cache with
+`jaxkv.timing.kernel_time` and returns the fastest: by default a greedy walk
+from the config the call would use anyway (`pallas_kernels.default_config`)
+over its `neighbours` (`greedy_search`, ~10-20 configs), or the whole
+`search_space` grid, or the caller's candidates. Results can be kept in a
 JSON file keyed by GPU name, format and shape (`save_config` / `load_config`).
+`bench/tune_table.py` uses the same walk to build the table shipped with
+`pallas_kernels`.
 """
 
 from __future__ import annotations
@@ -12,8 +17,9 @@ import dataclasses
 import functools
 import itertools
 import json
+import math
 import os
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +46,60 @@ def search_space(q, cache) -> list[pk.DecodeAttentionConfig]:
     out.append(pk.DecodeAttentionConfig(block_k, num_splits, num_warps, num_stages, defer,
                                         residual_program=base.residual_program))
   return out or [base]
+
+
+def neighbours(config, tokens: int) -> list:
+  """Configs one step from ``config``: splits x1/2 and x2, the other block sizes,
+  warps and stages, and (split kernel) ``defer_sums`` / ``residual_program``
+  flipped. ``config``: a `DecodeAttentionConfig` or a VQ kernel's
+  `VQAttentionConfig`; ``tokens``: the cache capacity every block must tile."""
+  rep = dataclasses.replace
+  out = [rep(config, num_splits=max(1, config.num_splits // 2)),
+         rep(config, num_splits=config.num_splits * 2)]
+  if isinstance(config, pk.DecodeAttentionConfig):
+    blocks, warps, stages = (64, 128, 256), (2, 4), (2, 3, 4)
+    out += [rep(config, defer_sums=not config.defer_sums),
+            rep(config, residual_program=not config.residual_program)]
+  else:
+    blocks, warps, stages = (32, 64, 128), (2, 4, 8), (1, 2, 3)
+  out += [rep(config, block_k=b) for b in blocks if b != config.block_k and tokens % b == 0]
+  out += [rep(config, num_warps=w) for w in warps if w != config.num_warps]
+  out += [rep(config, num_stages=n) for n in stages if n != config.num_stages]
+  seen, unique = {config}, []
+  for c in out:
+    if c not in seen and c.num_splits <= 256:
+      seen.add(c)
+      unique.append(c)
+  return unique
+
+
+def greedy_search(measure: Callable, start, tokens: int, *, max_evals: int = 16):
+  """Walks from ``start`` to its fastest neighbour until none is faster.
+
+  Args:
+    measure: ``config -> time``; ``inf`` for a config that failed.
+    start: the first config (timed first).
+    tokens: the cache capacity (`neighbours`).
+    max_evals: configs timed at most, ``start`` included.
+
+  Returns:
+    ``(best, best_time, timed)``, ``timed`` a dict of every config tried and
+    its time, in the order tried.
+  """
+  timed = {start: measure(start)}
+  best, best_t = start, timed[start]
+  moved = True
+  while moved and len(timed) < max_evals:
+    moved = False
+    for cand in neighbours(best, tokens):
+      if len(timed) >= max_evals:
+        break
+      if cand in timed:
+        continue
+      timed[cand] = measure(cand)
+      if timed[cand] < best_t:
+        best, best_t, moved = cand, timed[cand], True
+  return best, best_t, timed
 
 
 def config_key(q, cache) -> str:
@@ -75,6 +135,7 @@ def _attend(q, cache, *, scale, config, interpret):
 
 def autotune(q: jax.Array, cache, *, scale: float | None = None,
              candidates: Sequence[pk.DecodeAttentionConfig] | None = None,
+             search: str = "greedy", max_evals: int = 16,
              path: str | None = None, reps: int = 5,
              interpret: bool | None = None) -> pk.DecodeAttentionConfig:
   """Times candidate configs on the current GPU and returns the fastest.
@@ -83,7 +144,11 @@ def autotune(q: jax.Array, cache, *, scale: float | None = None,
     q: ``[B, S, Hq, D]`` queries, as in `jaxkv.decode_attention`.
     cache: the `KVCache` to attend over (its contents are read, not changed).
     scale: softmax scale.
-    candidates: configs to try; `search_space` when None.
+    candidates: configs to time, all of them; overrides ``search``.
+    search: without candidates, ``"greedy"`` (`greedy_search` from
+      `pallas_kernels.default_config`, at most ``max_evals`` configs) or
+      ``"grid"`` (every config of `search_space`).
+    max_evals: the greedy walk's budget of timed configs.
     path: JSON file: a saved entry for this GPU/shape is returned without
       timing; a new result is saved there.
     reps: timed calls per candidate (`kernel_time`).
@@ -94,24 +159,40 @@ def autotune(q: jax.Array, cache, *, scale: float | None = None,
   Returns:
     The fastest `DecodeAttentionConfig`.
   """
+  if search not in ("greedy", "grid"):
+    raise ValueError(f"search={search!r} must be 'greedy' or 'grid'")
+  if max_evals < 1:
+    raise ValueError(f"max_evals={max_evals} must be >= 1")
   if path is not None:
     saved = load_config(path, q, cache)
     if saved is not None:
       return saved
-  candidates = list(candidates or search_space(q, cache))
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
-  best, best_t, errors = None, float("inf"), []
+  errors = []
   args = [(q + jnp.asarray(i * 1e-3, q.dtype), cache) for i in range(2)]
-  for config in candidates:
+
+  def measure(config) -> float:
     fn = functools.partial(_attend, scale=scale, config=config, interpret=interpret)
     try:
-      t = kernel_time(fn, args, calls=reps)["kernel"]
+      return kernel_time(fn, args, calls=reps)["kernel"]
     except Exception as e:  # noqa: BLE001 - a config the compiler rejects is skipped
       errors.append(f"{config}: {type(e).__name__}: {str(e)[:200]}")
-      continue
-    if t < best_t:
-      best, best_t = config, t
+      return math.inf
+
+  if candidates is None and search == "greedy":
+    b, s, hq, d = q.shape
+    start, _ = pk.default_config(
+        cache.fmt, batch=b, q_heads=hq, kv_heads=cache.kv_heads, head_dim=d, num_queries=s,
+        capacity=cache.storage_len, itemsize=jnp.dtype(cache.k_residual.dtype).itemsize)
+    best, best_t, _ = greedy_search(measure, start, cache.storage_len, max_evals=max_evals)
+    best = None if math.isinf(best_t) else best
+  else:
+    best, best_t = None, math.inf
+    for config in list(candidates or search_space(q, cache)):
+      t = measure(config)
+      if t < best_t:
+        best, best_t = config, t
   if best is None:
     raise ValueError(f"no candidate config ran for {config_key(q, cache)}; first error: "
                      f"{errors[0] if errors else 'no candidates'}")
@@ -120,4 +201,5 @@ def autotune(q: jax.Array, cache, *, scale: float | None = None,
   return best
 
 
-__all__ = ["autotune", "config_key", "load_config", "save_config", "search_space"]
+__all__ = ["autotune", "config_key", "greedy_search", "load_config", "neighbours", "save_config",
+           "search_space"]

@@ -129,9 +129,17 @@ MUTANTS = [
      "    @pl.when(active_ref[pl.program_id(0)] == 0)",
      ["tests/test_model_cache.py::test_pack_kernel_skipping_idle_sequences_changes_no_bit"]),
     ("autotune keeps the slowest", "jaxkv/tuning.py",
-     "    if t < best_t:",
-     "    if t > best_t or best is None:",
+     "      if t < best_t:",
+     "      if t > best_t or best is None:",
      ["tests/test_autotune.py::test_autotune_picks_the_fastest_by_a_fake_timer"]),
+    ("greedy search walks uphill", "jaxkv/tuning.py",
+     "      if timed[cand] < best_t:",
+     "      if timed[cand] > best_t:",
+     ["tests/test_autotune.py::test_greedy_search_walks_to_the_minimum_of_a_known_landscape"]),
+    ("tuned table ignores the capacity", "pallas_kernels/tuned.py",
+     "  if capacity % config.block_k:",
+     "  if False:",
+     ["tests/test_tuned_configs.py::test_lookup_hit_miss_and_misfit"]),
 ]
 
 

@@ -6,6 +6,7 @@ there; the search, the returned config and the JSON round trip are checked).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -17,6 +18,7 @@ import jaxkv
 from jaxkv.cache import KVCache
 from jaxkv.formats import PRESETS
 import pallas_kernels as pk
+from pallas_kernels.vq_attention import VQAttentionConfig
 
 from jaxkv import timing
 from jaxkv import tuning as at
@@ -141,3 +143,58 @@ def test_autotune_picks_the_fastest_by_a_fake_timer(fastest, monkeypatch, tmp_pa
   assert jaxkv.autotune(q, cache, candidates=cands, path=path) == cands[fastest]
   assert timed == cands                      # every candidate timed once, in order
   assert at.load_config(path, q, cache) == cands[fastest]
+
+
+def test_neighbours_are_valid_distinct_one_step_moves():
+  base = pk.DecodeAttentionConfig(block_k=128, num_splits=4, num_warps=4, num_stages=3)
+  near = at.neighbours(base, tokens=384)  # 256 does not tile 384
+  assert base not in near and len(set(near)) == len(near)
+  assert {c.block_k for c in near} == {64, 128}
+  for c in near:
+    changed = [f.name for f in dataclasses.fields(c) if getattr(c, f.name) != getattr(base, f.name)]
+    assert len(changed) == 1, changed
+  vq = VQAttentionConfig(block_k=64, num_splits=1, num_warps=4, num_stages=2)
+  vq_near = at.neighbours(vq, tokens=1024)
+  assert all(isinstance(c, VQAttentionConfig) for c in vq_near)
+  assert {c.num_splits for c in vq_near} == {1, 2} and {c.num_warps for c in vq_near} == {2, 4, 8}
+
+
+def test_greedy_search_walks_to_the_minimum_of_a_known_landscape():
+  """A fake cost with its minimum two moves away (splits 4 -> 16, then block_k 64)."""
+  start = pk.DecodeAttentionConfig(block_k=128, num_splits=4, num_warps=4, num_stages=3)
+
+  def cost(c):
+    return (abs(np.log2(c.num_splits) - 4) + (c.block_k != 64) + (c.num_warps != 4)
+            + (c.num_stages != 3) + c.residual_program + (not c.defer_sums))
+
+  best, best_t, timed = at.greedy_search(cost, start, 4096, max_evals=100)
+  assert (best.num_splits, best.block_k, best_t) == (16, 64, 0)
+  assert list(timed)[0] == start and all(cost(c) == t for c, t in timed.items())
+  # The budget caps the configs timed, the start included.
+  _, _, few = at.greedy_search(cost, start, 4096, max_evals=3)
+  assert len(few) == 3
+  # A failing config (inf) is never chosen.
+  _, t, _ = at.greedy_search(lambda c: np.inf if c.num_splits == 8 else cost(c), start, 4096,
+                             max_evals=100)
+  assert np.isfinite(t)
+
+
+def test_autotune_greedy_starts_at_the_default_and_returns_the_fake_fastest(monkeypatch):
+  q, cache = _cache_and_q()
+  start, _ = pk.default_config(cache.fmt, batch=2, q_heads=8, kv_heads=2, head_dim=64,
+                               num_queries=1, capacity=cache.storage_len, itemsize=4)
+  target = dataclasses.replace(start, num_stages=2, num_warps=2)  # two moves away
+  timed = []
+
+  def fake_kernel_time(fn, args_list, *, calls=20, warmup=1):
+    c = fn.keywords["config"]
+    timed.append(c)
+    t = 1e-3 * (1 + (c.num_stages != 2) + (c.num_warps != 2) + (c.num_splits != start.num_splits)
+                + (c.block_k != start.block_k) + (c.defer_sums != start.defer_sums)
+                + (c.residual_program != start.residual_program))
+    return {"kernel": t, "span": 1.0, "kernels": 1, "wall": 1.0, "compile": 0.0}
+  monkeypatch.setattr(at, "kernel_time", fake_kernel_time)
+  assert jaxkv.autotune(q, cache, max_evals=40) == target
+  assert timed[0] == start and len(timed) <= 40 and len(set(timed)) == len(timed)
+  with pytest.raises(ValueError, match="search="):
+    jaxkv.autotune(q, cache, search="random")
