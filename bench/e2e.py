@@ -45,6 +45,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")  # before jax st
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
+import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import functools  # noqa: E402
 import gc  # noqa: E402
@@ -70,6 +71,7 @@ from jaxkv import timing  # noqa: E402
 from jaxkv.decoding import cache_nbytes, decode_step  # noqa: E402
 from jaxkv.formats import KVFormat  # noqa: E402
 from models import llama  # noqa: E402
+import pallas_kernels as pk  # noqa: E402
 
 CONTEXTS = (4096, 16384, 32768, 65536, 131072)
 FORMATS = ("bf16", "int8", "k8v4", "kivi4", "kivi2")
@@ -196,6 +198,16 @@ def time_decode_calls(graphdef, state, cache, tokens, *, steps: int, warmup: int
     tokens.block_until_ready()
     times.append(time.perf_counter() - t0)
   return dict(compile_plus_first_step_s=compile_s, **_stats(times)), tokens, cache
+
+
+def attention_config(num_heads: int, cache) -> dict:
+  """The split kernel's launch config a decode step over ``cache`` uses, and its
+  source (`pk.default_config`: the shipped tuned table or the heuristic)."""
+  config, source = pk.default_config(
+      cache.fmt, batch=cache.batch, q_heads=num_heads, kv_heads=cache.kv_heads,
+      head_dim=cache.head_dim, num_queries=1, capacity=cache.k.codes.shape[3],
+      itemsize=jnp.dtype(cache.dtype).itemsize)
+  return dict(source=source, **dataclasses.asdict(config))
 
 
 def time_decode_loop(model, cache, tokens, *, loop_steps: int, reps: int, implementation=None):
@@ -374,6 +386,8 @@ class Runner:
     cache = fill_cache(self.model, fmt, batch, context, capacity, seed=context + batch)
     row["fill_s"] = time.perf_counter() - t0
     row["cache_read_bytes"] = cache_read_bytes(cache, context)
+    if jax.default_backend() == "gpu" and a.implementation in (None, "pallas", "triton"):
+      row["attention_config"] = attention_config(self.model.config.num_heads, cache)
     row["weight_bytes"] = self.weight_bytes
     w_split, c_split = self.splits(batch)
     row["floor_us"] = (self.weight_bytes / w_split + row["cache_read_bytes"] / c_split) \
