@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels._triton import is_pow2 as _is_pow2
 from pallas_kernels.vq_attention import VQSideSpec
 
 VALID_VECTORS = (2, 4, 8)
@@ -40,10 +41,6 @@ VALID_CODEBOOK_DTYPES = ("float16", "bfloat16", "float32")
 
 def _is_int(x) -> bool:
   return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
-def _is_pow2(n: int) -> bool:
-  return n > 0 and (n & (n - 1)) == 0
 
 
 @dataclasses.dataclass(frozen=True)

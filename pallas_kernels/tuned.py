@@ -26,12 +26,10 @@ import functools
 import json
 import os
 
+from pallas_kernels._triton import prev_pow2
+
 TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned_configs.json")
 ENV_VAR = "JAXKV_TUNED_CONFIGS"
-
-
-def _prev_pow2(n: int) -> int:
-  return 1 << (max(1, int(n)).bit_length() - 1)
 
 
 def shape_class(*, k_bits: int, k_axis: str, k_group: int, v_bits: int, v_group: int,
@@ -53,8 +51,8 @@ def shape_class(*, k_bits: int, k_axis: str, k_group: int, v_bits: int, v_group:
   v = "v16" if v_bits == 16 else f"v{v_bits}t{v_group}"
   return "|".join([
       f"{k}{v}{'h' if hier else ''}", f"G={token_group}", f"R={residual}", f"D={head_dim}",
-      f"itemsize={itemsize}", f"rows={q_rows}", f"work={_prev_pow2(batch * kv_heads)}",
-      f"tokens={_prev_pow2(capacity)}"])
+      f"itemsize={itemsize}", f"rows={q_rows}", f"work={prev_pow2(batch * kv_heads)}",
+      f"tokens={prev_pow2(capacity)}"])
 
 
 def table_path() -> str:
