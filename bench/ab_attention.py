@@ -5,7 +5,8 @@ jaxkv's Triton kernel under the default config and under named variants
 (``dataclasses.replace`` of it), beside cuDNN BF16 on the same shape, and
 prints a table of microseconds and ratios to cuDNN. Every variant's output is
 checked against the default's (relative error), so a faster wrong variant
-cannot pass unnoticed. A quick probe for kernel experiments; the full
+cannot pass unnoticed. ``default`` is the config a call without ``config=``
+gets (`pallas_kernels.default_config`: the shipped table, else the heuristic). A quick probe for kernel experiments; the full
 benchmark with loop timing and all baselines is `bench/attention.py`.
 
 Example (GPU machine)::
@@ -101,11 +102,8 @@ def view_rows(name, q, shape, variants, cudnn, calls):
   b, t, hq, hkv, d, _ = shape
   view = name.split(":")[1]
   cache = A.filled_cache(name, jax.random.PRNGKey(4), b, t, hkv, d)
-  fmt = cache.fmt
-  bits = 4 if view == "draft" else 8
-  default = pk.DecodeAttentionConfig.default(
-      batch=b, tokens=t, q_heads=hq, kv_heads=hkv, head_dim=d, k_bits=bits, v_bits=bits,
-      token_group=fmt.token_group, k_axis=fmt.k_axis, residual=fmt.residual)
+  default, _ = pk.default_config(cache.fmt, batch=b, q_heads=hq, kv_heads=hkv, head_dim=d,
+                                 num_queries=q.shape[1], capacity=cache.storage_len, view=view)
   configs = {"default": default}
   configs.update({k_: dataclasses.replace(default, **kv) for k_, kv in variants.items()})
 
@@ -149,10 +147,8 @@ def main(argv=None) -> int:
         continue
       fmt = PRESETS[name]
       data = A.random_packed(jax.random.PRNGKey(3), fmt, b, t, hkv, d)
-      default = pk.DecodeAttentionConfig.default(
-          batch=b, tokens=t, q_heads=hq, kv_heads=hkv, head_dim=d,
-          k_bits=fmt.k_bits, v_bits=fmt.v_bits, token_group=fmt.token_group, k_axis=fmt.k_axis,
-          residual=fmt.residual)
+      default, _ = pk.default_config(fmt, batch=b, q_heads=hq, kv_heads=hkv, head_dim=d,
+                                     num_queries=s, capacity=t)
       configs = {"default": default}
       if baseline is not None:
         known = {f.name for f in dataclasses.fields(baseline.DecodeAttentionConfig)}

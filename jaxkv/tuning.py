@@ -28,14 +28,19 @@ import pallas_kernels as pk
 from jaxkv.timing import kernel_time
 
 
+def _default(q, cache, *, use_table: bool) -> pk.DecodeAttentionConfig:
+  """`pallas_kernels.default_config` for this call (table and heuristic, or the heuristic)."""
+  batch, num_queries, q_heads, head_dim = q.shape
+  config, _ = pk.default_config(
+      cache.fmt, batch=batch, q_heads=q_heads, kv_heads=cache.kv_heads, head_dim=head_dim,
+      num_queries=num_queries, capacity=cache.storage_len,
+      itemsize=jnp.dtype(cache.k_residual.dtype).itemsize, use_table=use_table)
+  return config
+
+
 def search_space(q, cache) -> list[pk.DecodeAttentionConfig]:
   """Candidate configs: splits around the heuristic, block_k, warps, stages."""
-  fmt = cache.fmt
-  batch, _, q_heads, head_dim = q.shape
-  base = pk.DecodeAttentionConfig.default(
-      batch=batch, tokens=cache.storage_len, q_heads=q_heads, kv_heads=cache.kv_heads,
-      head_dim=head_dim, k_bits=fmt.k_bits, v_bits=fmt.v_bits,
-      token_group=fmt.token_group, k_axis=fmt.k_axis, residual=fmt.residual)
+  base = _default(q, cache, use_table=False)
   blocks = [b for b in (32, 64, 128, 256) if cache.storage_len % b == 0]
   splits = sorted({max(1, base.num_splits // 2), base.num_splits, base.num_splits * 2})
   out = []
@@ -181,10 +186,7 @@ def autotune(q: jax.Array, cache, *, scale: float | None = None,
       return math.inf
 
   if candidates is None and search == "greedy":
-    b, s, hq, d = q.shape
-    start, _ = pk.default_config(
-        cache.fmt, batch=b, q_heads=hq, kv_heads=cache.kv_heads, head_dim=d, num_queries=s,
-        capacity=cache.storage_len, itemsize=jnp.dtype(cache.k_residual.dtype).itemsize)
+    start = _default(q, cache, use_table=True)
     best, best_t, _ = greedy_search(measure, start, cache.storage_len, max_evals=max_evals)
     best = None if math.isinf(best_t) else best
   else:
