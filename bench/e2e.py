@@ -140,7 +140,8 @@ def _fill_chunk(cache, key, *, chunk: int):
 MESH = None
 
 
-@functools.partial(jax.jit, donate_argnames="cache", static_argnames=("implementation", "mesh"))
+@functools.partial(jax.jit, donate_argnames="cache", static_argnames=("implementation", "mesh"),
+                   compiler_options=decoding.COMPILER_OPTIONS)
 def _decode(graphdef, state, tokens, cache, *, implementation=None, mesh=None):
   logits, cache = decode_step(nnx.merge(graphdef, state), tokens, cache,
                               implementation=implementation, mesh=mesh)
@@ -403,9 +404,11 @@ class Runner:
     calls, tokens, cache = time_decode_calls(self.graphdef, self.state, cache, tokens,
                                              steps=a.steps, warmup=a.warmup,
                                              implementation=a.implementation)
-    if a.profile and batch == 1 and context == max(self.args.context_list):
+    # Profiled: the longest B=1 context, and each max-batch child's case.
+    if a.profile and a.profile_steps and (
+        a.batch_only or (batch == 1 and context == max(self.args.context_list))):
       prof, loop_prof, cache = profile_decode(
-          self.split, cache, tokens, os.path.join(a.profile, f"{fmt_name}-{context}"),
+          self.split, cache, tokens, os.path.join(a.profile, f"{fmt_name}-{context}-b{batch}"),
           a.profile_steps, a.loop_steps, implementation=a.implementation)
       prof.update(format=fmt_name, context=context, batch=batch, mode="per_call",
                   in_loop=loop_prof)
@@ -631,7 +634,8 @@ def print_table(latency, batch_rows, prefill_rows, profiles, summary, skipped, e
     for p in profiles:
       for mode, q in (("per-call", p), ("in-loop", p.get("in_loop"))):
         if q:
-          print(f"{p['format']:<8}{_ctx(p['context']):>8}{mode:>9}"
+          name = p["format"] + ("" if p.get("batch", 1) == 1 else f"@B{p['batch']}")
+          print(f"{name:<8}{_ctx(p['context']):>8}{mode:>9}"
                 + "".join(f"{q['family_us_per_step'][f]:>13.0f}" for f in FAMILIES))
       if p.get("in_loop"):
         top = list(p["in_loop"]["top_kernels_us_per_step"].items())[:6]
@@ -715,8 +719,8 @@ def _use_subprocess(args) -> bool:
   return not cpu_only and shutil.which("nvidia-smi") is not None
 
 
-def batch_children(argv: list[str], formats, args) -> tuple[list, list]:
-  """Each max-batch case in a fresh process: ``(rows, errors)``.
+def batch_children(argv: list[str], formats, args) -> tuple[list, list, list]:
+  """Each max-batch case in a fresh process: ``(rows, errors, profiles)``.
 
   One process ran every case before: its largest batches OOMed at the memory
   estimate on a 24-26 GiB cache array with ~59 GiB reported free (memory of
@@ -726,7 +730,7 @@ def batch_children(argv: list[str], formats, args) -> tuple[list, list]:
   starts a new child at 0.92x the batch. Runs before the parent touches the
   GPU, so the parent holds no device memory meanwhile.
   """
-  rows, errors = [], []
+  rows, errors, profiles = [], [], []
   for f in formats:
     elapsed = time.perf_counter() - args.started
     if elapsed > args.time_budget:
@@ -740,7 +744,8 @@ def batch_children(argv: list[str], formats, args) -> tuple[list, list]:
         path = os.path.join(tmp, "row.json")
         cmd = [sys.executable, os.path.abspath(__file__), *argv, "--formats", f,
                "--contexts", str(args.batch_context), "--prefill-lens", "",
-               "--batch-only", path, "--profile-steps", "0"]
+               "--batch-only", path,
+               "--profile-steps", str(args.profile_steps if args.profile else 0)]
         cmd += ["--batch-size", str(batch)] if batch else []
         print(f"  max-batch {f}: fresh process" + (f", batch {batch}" if batch else ""),
               flush=True)
@@ -751,6 +756,7 @@ def batch_children(argv: list[str], formats, args) -> tuple[list, list]:
       if "row" in out:
         out["row"].update(process="fresh", parent_oom_retries=tries)
         rows.append(out["row"])
+        profiles.extend(out.get("profiles", []))
         print(f"  max-batch {f}: batch {out['row']['batch']}, "
               f"{out['row']['tokens_per_s']:.0f} tok/s", flush=True)
         break
@@ -762,7 +768,7 @@ def batch_children(argv: list[str], formats, args) -> tuple[list, list]:
         errors.append(dict(case=f"max-batch {f}", error=f"OOM at batch 1 ({tries})"))
         break
       batch = max(1, int(out["oom_batch"] * 0.92))
-  return rows, errors
+  return rows, errors, profiles
 
 
 def compact_weights(model) -> None:
@@ -789,7 +795,7 @@ def batch_child(args, runner) -> int:
   try:
     row = runner.batch_case(f, args.batch_context, batch=args.batch_size, retries=1)
     row["hbm_read_bytes_per_s"] = runner.bandwidth
-    out = dict(row=row)
+    out = dict(row=row, profiles=runner.profiles)
   except Exception as e:  # pylint: disable=broad-except
     batch = args.batch_size or runner.memory_note.get("estimated_batch", 1)
     out = (dict(oom_batch=batch, error=str(e)[:300]) if _is_oom(e)
@@ -855,9 +861,9 @@ def main(argv=None) -> int:
     args.profile_steps = 0
 
   args.started = time.perf_counter()
-  child_rows, child_errors = [], []
+  child_rows, child_errors, child_profiles = [], [], []
   if args.batch_only is None and args.batch_context > 0 and _use_subprocess(args):
-    child_rows, child_errors = batch_children(argv, formats, args)
+    child_rows, child_errors, child_profiles = batch_children(argv, formats, args)
   dev = jax.devices()[0]
   print(f"e2e: {args.config} random bf16 weights on {dev.device_kind} ({dev.platform}), "
         f"jax {jax.__version__}", flush=True)
@@ -875,6 +881,7 @@ def main(argv=None) -> int:
     compact_weights(model)
   init_s = time.perf_counter() - t0
   runner = Runner(args, model, bandwidth)
+  runner.profiles.extend(child_profiles)
   if args.batch_only:
     return batch_child(args, runner)
   latency, batch_rows, prefill_rows, errors = [], child_rows, [], child_errors

@@ -9,7 +9,7 @@ Public API:
                             (`jaxkv.chunked_attention`)
   reference_attention       exact attention on plain K/V
   generate, decode_steps,   jitted decoding with a model (`jaxkv.decoding`)
-  decode_step
+  decode_step, DECODE_COMPILER_OPTIONS  (the XLA options those compile with)
   SplitModel                a model split once, for calling those in a loop
   autotune                  kernel config search on the current GPU (`jaxkv.tuning`;
                             timers in `jaxkv.timing`)
@@ -31,6 +31,7 @@ from jaxkv.attention import decode_attention, reference_attention
 from jaxkv.tuning import autotune
 from jaxkv.cache import KVCache, QuantizedKV
 from jaxkv.chunked_attention import chunk_attention
+from jaxkv.decoding import COMPILER_OPTIONS as DECODE_COMPILER_OPTIONS
 from jaxkv.decoding import SplitModel, decode_step, decode_steps, generate
 from jaxkv.formats import PRESETS, KVFormat
 from jaxkv.model_cache import ModelCache
@@ -45,6 +46,7 @@ from jaxkv.staged_cache import StagedCache
 __version__ = "0.1.0"
 
 __all__ = [
+    "DECODE_COMPILER_OPTIONS",
     "KVCache",
     "KVFormat",
     "ModelCache",

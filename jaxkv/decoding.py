@@ -38,6 +38,29 @@ from jaxkv.formats import KVFormat
 SAMPLERS = ("greedy", "sample", "temperature", "top_k", "top_p")
 
 
+def _compiler_options() -> dict:
+  """XLA options of the jitted decode programs (`COMPILER_OPTIONS`)."""
+  import os  # pylint: disable=import-outside-toplevel
+  if os.environ.get("JAXKV_XLA_REMAT", "") == "1":
+    return {}
+  return {"xla_disable_hlo_passes": "rematerialization"}
+
+
+COMPILER_OPTIONS = _compiler_options()
+"""XLA options the decode programs (`generate`, `decode_steps`, speculative) compile with.
+
+XLA's GPU rematerialization pass budgets ~80 % of device memory *minus the
+program's arguments*; a cache that fills the GPU (the largest batch) leaves
+it a budget at or below zero, so it re-runs weight GEMMs without freeing
+anything that matters (logged "Can't reduce memory use below ...; only
+reduced to ..."; on an H100 at 32K, kivi4 B=49 and bf16 B=13 each re-ran two
+GEMMs per layer, ~2.6-2.9 ms of a 30-43 ms step). A decode step's own
+temporaries are a few hundred MB, so the pass is off for these programs.
+Pass the same ``compiler_options`` to your own ``jax.jit`` of `decode_step`.
+``JAXKV_XLA_REMAT=1`` (read at import) keeps the pass.
+"""
+
+
 # ------------------------------------------------------------------ samplers
 def greedy(logits: jax.Array) -> jax.Array:
   """``[B, V]`` logits -> ``[B]`` int32 argmax tokens."""
@@ -256,7 +279,8 @@ def _decode_loop(model, state: DecodeState, stop_tokens, temperature, top_p, pad
   return jax.lax.while_loop(cond, body, state)
 
 
-@functools.partial(jax.jit, static_argnames=("settings",), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("settings",), donate_argnames=("cache",),
+                   compiler_options=COMPILER_OPTIONS)
 def _generate_program(graphdef, state, prompt_tokens, prompt_lengths, cache, rng, stop_tokens,
                       temperature, top_p, pad_token_id, num_steps, *,
                       settings: GenerateSettings):
@@ -282,7 +306,8 @@ def _generate_program(graphdef, state, prompt_tokens, prompt_lengths, cache, rng
   return loop.out, loop.num_generated, _constrain(loop.cache, settings.mesh)
 
 
-@functools.partial(jax.jit, static_argnames=("settings",), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("settings",), donate_argnames=("cache",),
+                   compiler_options=COMPILER_OPTIONS)
 def _decode_steps_program(graphdef, state, tokens, cache, rng, stop_tokens, temperature, top_p,
                           pad_token_id, *, settings: GenerateSettings):
   """``settings.max_new_tokens`` decode steps from ``tokens [B]``: ``(out [B, N], lengths, cache)``."""

@@ -43,7 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxkv.decoding import SplitModel, _check_ids, _is_stop, _split, _stop_array
+from jaxkv.decoding import (COMPILER_OPTIONS, SplitModel, _check_ids, _is_stop, _split,
+                             _stop_array)
 from jaxkv.formats import KVFormat
 from jaxkv.model_cache import ModelCache
 from jaxkv.staged_cache import staged_attention, write_staged
@@ -240,7 +241,8 @@ def _is_stop_block(tokens, stop_tokens):
   return jnp.any(tokens[:, :, None] == stop_tokens[:, None, :], axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("settings",), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("settings",), donate_argnames=("cache",),
+                   compiler_options=COMPILER_OPTIONS)
 def _speculative_program(graphdef, state, draft_state, prompt_tokens, prompt_lengths, cache,
                          rng, stop_tokens, temperature, pad_token_id, *, settings: SpecSettings):
   model = nnx.merge(graphdef, state)
@@ -272,7 +274,7 @@ def _speculative_program(graphdef, state, draft_state, prompt_tokens, prompt_len
 
 
 @functools.partial(jax.jit, static_argnames=("settings", "num_rounds"),
-                   donate_argnames=("cache",))
+                   donate_argnames=("cache",), compiler_options=COMPILER_OPTIONS)
 def _speculative_steps_program(graphdef, state, draft_state, token, cache, rng, stop_tokens,
                                temperature, pad_token_id, *, settings: SpecSettings,
                                num_rounds: int):

@@ -63,6 +63,40 @@ def test_stacked_appends_equal_per_layer_caches(preset):
   assert _leaves_equal(ModelCache.from_layers(per).k, cache.k)
 
 
+@pytest.mark.parametrize("preset", ["kivi4", "bf16", "int8"])
+def test_one_token_appends_across_flushes_equal_per_layer_caches(preset):
+  """T=1 appends (the R == G decode path) through group flushes, ragged, skipped, overflowing.
+
+  The oracle is the per-layer `KVCache` (its general stage-and-shift append),
+  bit for bit after every step: packed codes, scales, residual rows
+  (including the zeros past each length) and flags.
+  """
+  fmt = jaxkv.KVFormat.preset(preset)
+  assert fmt.residual == fmt.token_group  # the fast path's condition
+  rng = np.random.default_rng(zlib.crc32(b"one-token" + preset.encode()))
+  layers, b, h, d, cap = 2, 4, 2, 32, 257
+  cache = ModelCache.init(preset, layers, b, h, d, cap, jnp.float32)
+  per = [KVCache.init(preset, b, h, d, cap, jnp.float32) for _ in range(layers)]
+  # G - 2 and 2G - 2 tokens: sequences 0 and 1 flush on the 2nd / 3rd step;
+  # sequence 1 then reaches capacity and its last append overflows.
+  steps = [(254, [126, 254, 3, 0])] + [(1, n) for n in (
+      [1, 1, 1, 1], [1, 0, 1, 1], [1, 1, 0, 1], [1, 1, 1, 1], [0, 1, 1, 0])]
+  for t, counts in steps:
+    k = jnp.asarray(rng.standard_normal((layers, b, t, h, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((layers, b, t, h, d)), jnp.float32)
+    n = jnp.asarray(counts, jnp.int32)
+    cache = _append_all_layers(cache, k, v, n)
+    # KVCache refuses an overflowing append eagerly; ModelCache skips and flags it.
+    fits = jnp.where(per[0].lengths + n <= cap, n, 0)
+    per = [c.prefill(k[i], v[i], fits) for i, c in enumerate(per)]
+    for i in range(layers):
+      got = dataclasses.replace(cache.layer(i), overflow=per[i].overflow)
+      assert _leaves_equal(got, per[i]), f"layer {i} after appending {counts}"
+  np.testing.assert_array_equal(np.asarray(cache.lengths), [130, 257, 7, 4])
+  np.testing.assert_array_equal(np.asarray(cache.overflow), [False, True, False, False])
+  assert int(cache.fmt.packed_len(130)) == 128  # sequence 0 did flush a group
+
+
 def test_overflow_and_invalid_flags():
   cache = ModelCache.init("kivi4", 2, 2, 2, 32, 8, jnp.float32)
   k = jnp.asarray(np.random.default_rng(0).standard_normal((2, 6, 2, 32)), jnp.float32)
