@@ -259,34 +259,32 @@ class ModelCache:
     """`append_layer` of one token per sequence when ``R == G`` (a decode step).
 
     With ``R == G`` a one-token append never shifts the residual: the token
-    goes to row ``res_len`` (one row per sequence and head, scattered in
-    place), and when that fills the block (``res_len == G - 1``) the whole
-    block is the group to flush, after which the residual is empty. So a step
-    writes ``[B, Hkv, D]`` per side instead of restaging the ``[B, Hkv, R, D]``
-    block (which cost ~3.7 ms of a 43 ms kivi4 step at B=49, 32K, H100).
-    Under the flush `lax.cond` the block is quantized from the stacked
-    residual (read in place) and, after that, zeroed for the flushing
-    sequences (residual rows past the length stay zero, as after the general
-    path). The storage is bitwise what `append_layer_with_history` writes.
+    goes to row ``res_len``, and when that fills the block (``res_len ==
+    G - 1``) the whole block is the group to flush, after which the residual
+    is empty. So a step does one scatter per side into the stacked residual
+    (the new row, or zeros over a flushed block) instead of restaging the
+    ``[B, Hkv, R, D]`` block (which cost ~3.7 ms of a 43 ms kivi4 step at
+    B=49, 32K, H100). The block to flush is quantized under the flush
+    `lax.cond` from the stacked residual (read in place) plus the new row; the
+    scatter takes the cond's "flushed" flags, so it runs after those reads and
+    updates the buffer in place. The storage is bitwise what
+    `append_layer_with_history` writes (rows past the length stay zero).
     """
     fmt, r = self.fmt, self.fmt.residual
     b = self.batch
-    seq = jnp.arange(b)
     res_len = plan.old_lengths - plan.old_packed                       # [B] in [0, R)
-    row = jnp.where(plan.num_new > 0, res_len, r)                       # r: out of bounds
     flushing = plan.flush > 0                                           # [B]
+    news = tuple(x[:, 0] for x in (k_new, v_new))                       # [B, H, D] each
     out = {"nonfinite": (self.nonfinite | nonfinite_rows(k_new, plan.num_new)
                          | nonfinite_rows(v_new, plan.num_new))}
-    for name, new in (("k", k_new), ("v", v_new)):
-      residual = getattr(self, f"{name}_residual")                      # [L, B, H, R, D]
-      out[f"{name}_residual"] = residual.at[index, seq, :, row].set(
-          new[:, 0].astype(residual.dtype), mode="drop")                # update [B, H, D]
 
     def write(operands):
       sides, residuals = operands[:2], operands[2:]
       written = []
-      for side, residual in zip(sides, residuals):
+      at_row = (jnp.arange(r)[None, :] == res_len[:, None])[:, None, :, None]  # [B, 1, R, 1]
+      for side, residual, new in zip(sides, residuals, news):
         block = jax.lax.dynamic_index_in_dim(residual, index, 0, keepdims=False)  # [B,H,R,D]
+        block = jnp.where(at_row, new[:, :, None, :].astype(block.dtype), block)
         codes, scale, zero = side.quantize(
             block, fmt.scale_dtype, use_kernel=self.use_kernel, active=flushing)
         written.append(_write_rows(side, index, codes, scale, zero, plan.old_packed,
@@ -297,15 +295,20 @@ class ModelCache:
       return (*operands[:2], jnp.zeros_like(flushing))
 
     out["k"], out["v"], cleared = jax.lax.cond(
-        jnp.any(flushing), write, keep,
-        (self.k, self.v, out["k_residual"], out["v_residual"]))
-    # `cleared` comes out of the cond, so the zeroing below is ordered after
-    # the cond's reads of the same buffers and both update them in place.
-    drop = jnp.where(cleared, seq, b)                                   # b: out of bounds
-    for name in ("k", "v"):
-      residual = out[f"{name}_residual"]
-      out[f"{name}_residual"] = residual.at[index, drop].set(
-          jnp.zeros((), residual.dtype), mode="drop")
+        jnp.any(flushing), write, keep, (self.k, self.v, self.k_residual, self.v_residual))
+    # One scatter per side: a flushed sequence's R rows become zeros, any
+    # other sequence gets its new row at res_len (none if it did not fit).
+    pos = jnp.arange(r)[None, :]                                        # [1, R]
+    rows = jnp.where(cleared[:, None], pos,
+                     jnp.where((pos == 0) & (plan.num_new[:, None] > 0), res_len[:, None], r))
+    seq = jnp.arange(b)[:, None]                                        # [B, 1]
+    for name, new in zip(("k", "v"), news):
+      residual = getattr(self, f"{name}_residual")                      # [L, B, H, R, D]
+      upd = jnp.where(cleared[:, None, None], jnp.zeros((), residual.dtype),
+                      new.astype(residual.dtype))                       # [B, H, D]
+      upd = jnp.broadcast_to(upd[:, None], (b, r, *upd.shape[1:]))      # [B, R, H, D]
+      # Advanced indices (index, seq, rows) around the head slice: update [B, R, H, D].
+      out[f"{name}_residual"] = residual.at[index, seq, :, rows].set(upd, mode="drop")
     return dataclasses.replace(self, **out)
 
   def append_layer_with_history(self, index, k_new: jax.Array, v_new: jax.Array,
