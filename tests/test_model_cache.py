@@ -63,8 +63,9 @@ def test_stacked_appends_equal_per_layer_caches(preset):
   assert _leaves_equal(ModelCache.from_layers(per).k, cache.k)
 
 
-@pytest.mark.parametrize("preset", ["kivi4", "bf16", "int8"])
-def test_one_token_appends_across_flushes_equal_per_layer_caches(preset):
+@pytest.mark.parametrize("preset,use_kernel", [("kivi4", False), ("kivi4", True),
+                                                ("bf16", True), ("int8", False)])
+def test_one_token_appends_across_flushes_equal_per_layer_caches(preset, use_kernel):
   """T=1 appends (the R == G decode path) through group flushes, ragged, skipped, overflowing.
 
   The oracle is the per-layer `KVCache` (its general stage-and-shift append),
@@ -75,7 +76,7 @@ def test_one_token_appends_across_flushes_equal_per_layer_caches(preset):
   assert fmt.residual == fmt.token_group  # the fast path's condition
   rng = np.random.default_rng(zlib.crc32(b"one-token" + preset.encode()))
   layers, b, h, d, cap = 2, 4, 2, 32, 257
-  cache = ModelCache.init(preset, layers, b, h, d, cap, jnp.float32)
+  cache = ModelCache.init(preset, layers, b, h, d, cap, jnp.float32, use_kernel=use_kernel)
   per = [KVCache.init(preset, b, h, d, cap, jnp.float32) for _ in range(layers)]
   # G - 2 and 2G - 2 tokens: sequences 0 and 1 flush on the 2nd / 3rd step;
   # sequence 1 then reaches capacity and its last append overflows.
@@ -95,6 +96,30 @@ def test_one_token_appends_across_flushes_equal_per_layer_caches(preset):
   np.testing.assert_array_equal(np.asarray(cache.lengths), [130, 257, 7, 4])
   np.testing.assert_array_equal(np.asarray(cache.overflow), [False, True, False, False])
   assert int(cache.fmt.packed_len(130)) == 128  # sequence 0 did flush a group
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_residual_write_kernel_matches_reference(dtype):
+  """`pallas_kernels.residual_write` (interpret mode) == its XLA scatter, every byte."""
+  from pallas_kernels import residual_write
+  rng = np.random.default_rng(7)
+  shape = (3, 5, 2, 16, 32)                                   # [L, B, H, R, D]
+  k_res, v_res = (jnp.asarray(rng.standard_normal(shape), dtype) for _ in range(2))
+  k_new, v_new = (jnp.asarray(rng.standard_normal((5, 2, 32)), jnp.float32) for _ in range(2))
+  row = jnp.asarray([0, 15, 16, 7, 3], jnp.int32)             # 16: no row (did not fit)
+  clear = jnp.asarray([False, False, False, True, False])
+  for layer in (0, 2):
+    want = residual_write.write_token_rows_reference(k_res, v_res, k_new, v_new, row, clear,
+                                                     layer=layer)
+    got = residual_write.write_token_rows(k_res, v_res, k_new, v_new, row, clear, layer=layer,
+                                          interpret=True)
+    assert _leaves_equal(got, want), layer
+    changed = np.asarray(got[0] != k_res)
+    assert changed[layer].any() and not np.delete(changed, layer, axis=0).any()
+    assert np.all(np.asarray(got[1][layer, 3]) == 0)           # the cleared block
+  with pytest.raises(ValueError, match="layer=3"):
+    residual_write.write_token_rows(k_res, v_res, k_new, v_new, row, clear, layer=3,
+                                    interpret=True)
 
 
 def test_overflow_and_invalid_flags():
