@@ -241,7 +241,7 @@ def _classify(name: str) -> str:
                           "xmma", "ynn_fusion")):
     return "weights"
   if any(k in n for k in ("scatter", "dynamic_update_slice", "dynamic-update-slice",
-                          "quantize", "pack", "flush")):
+                          "quantize", "pack", "flush", "residual_write")):
     return "cache_update"
   if any(k in n for k in ("nccl", "all-reduce", "allreduce", "all-gather", "allgather",
                           "reduce-scatter", "reducescatter", "all-to-all")):
