@@ -300,14 +300,15 @@ class ModelCache:
         jnp.any(flushing), write, keep, (self.k, self.v, self.k_residual, self.v_residual))
     # A flushed sequence's R rows become zeros, any other sequence gets its
     # new row at res_len (none if it did not fit): one Pallas launch for both
-    # sides (static layer index, pack kernel in use), else one XLA scatter
-    # per side (the kernel's reference).
+    # sides (on a GPU, or with use_kernel; a static layer index), else one XLA
+    # scatter per side (the kernel's reference).
     row = jnp.where(plan.num_new > 0, res_len, r)                       # [B]; r: none
     args = (self.k_residual, self.v_residual, *news, row, cleared)
-    if (self.use_kernel and isinstance(index, (int, np.integer))
+    on_gpu = jax.default_backend() == "gpu"
+    if ((self.use_kernel or on_gpu) and isinstance(index, (int, np.integer))
         and residual_write.supported(self.k_residual.shape)):
       out["k_residual"], out["v_residual"] = residual_write.write_token_rows(
-          *args, layer=int(index), interpret=jax.default_backend() != "gpu")
+          *args, layer=int(index), interpret=not on_gpu)
     else:
       out["k_residual"], out["v_residual"] = residual_write.write_token_rows_reference(
           *args, layer=index)
