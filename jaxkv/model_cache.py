@@ -249,7 +249,9 @@ class ModelCache:
     Lengths are not advanced (all layers append at the same positions; call
     `commit` once after the last layer). The packed-region write (two pack
     kernels and six scatters per layer) runs under a `lax.cond` on "any
-    sequence flushes": a decode step flushes on one step in G.
+    sequence flushes": a decode step flushes on one step in G. One token per
+    sequence with ``R == G`` (a decode step of every preset but quantspec)
+    takes `_append_token`, which writes only the new row.
     """
     if k_new.shape[1] == 1 and self.fmt.residual == self.fmt.token_group:
       return self._append_token(index, k_new, v_new, plan)
@@ -264,9 +266,8 @@ class ModelCache:
     G - 1``) the whole block is the group to flush, after which the residual
     is empty. So a step writes the new row (or zeros over a flushed block)
     into the stacked residual in place (`pallas_kernels.residual_write`)
-    instead of restaging the
-    ``[B, Hkv, R, D]`` block (which cost ~3.7 ms of a 43 ms kivi4 step at
-    B=49, 32K, H100). The block to flush is quantized under the flush
+    instead of restaging the ``[B, Hkv, R, D]`` block (which cost ~3.7 ms of
+    a 43 ms kivi4 step at B=49, 32K, H100). The block to flush is quantized under the flush
     `lax.cond` from the stacked residual (read in place) plus the new row; the
     write takes the cond's "flushed" flags, so it runs after those reads and
     updates the buffer in place. The storage is bitwise what
