@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Any, Callable
 
 import jax
@@ -38,15 +39,8 @@ from jaxkv.formats import KVFormat
 SAMPLERS = ("greedy", "sample", "temperature", "top_k", "top_p")
 
 
-def _compiler_options() -> dict:
-  """XLA options of the jitted decode programs (`COMPILER_OPTIONS`)."""
-  import os  # pylint: disable=import-outside-toplevel
-  if os.environ.get("JAXKV_XLA_REMAT", "") == "1":
-    return {}
-  return {"xla_disable_hlo_passes": "rematerialization"}
-
-
-COMPILER_OPTIONS = _compiler_options()
+COMPILER_OPTIONS = ({} if os.environ.get("JAXKV_XLA_REMAT", "") == "1"
+                    else {"xla_disable_hlo_passes": "rematerialization"})
 """XLA options the decode programs (`generate`, `decode_steps`, speculative) compile with.
 
 XLA's GPU rematerialization pass budgets ~80 % of device memory *minus the

@@ -267,14 +267,13 @@ class ModelCache:
     is empty. So a step writes the new row (or zeros over a flushed block)
     into the stacked residual in place (`pallas_kernels.residual_write`)
     instead of restaging the ``[B, Hkv, R, D]`` block (which cost ~3.7 ms of
-    a 43 ms kivi4 step at B=49, 32K, H100). The block to flush is quantized under the flush
-    `lax.cond` from the stacked residual (read in place) plus the new row; the
-    write takes the cond's "flushed" flags, so it runs after those reads and
-    updates the buffer in place. The storage is bitwise what
+    a 43 ms kivi4 step at B=49, 32K, H100). The block to flush is quantized
+    under the flush `lax.cond` from the stacked residual (read in place) plus
+    the new row; the write takes the cond's "flushed" flags, so it runs after
+    those reads and updates the buffer in place. The storage is bitwise what
     `append_layer_with_history` writes (rows past the length stay zero).
     """
-    fmt, r = self.fmt, self.fmt.residual
-    b = self.batch
+    r = self.fmt.residual
     res_len = plan.old_lengths - plan.old_packed                       # [B] in [0, R)
     flushing = plan.flush > 0                                           # [B]
     news = tuple(x[:, 0] for x in (k_new, v_new))                       # [B, H, D] each
@@ -288,10 +287,7 @@ class ModelCache:
       for side, residual, new in zip(sides, residuals, news):
         block = jax.lax.dynamic_index_in_dim(residual, index, 0, keepdims=False)  # [B,H,R,D]
         block = jnp.where(at_row, new[:, :, None, :].astype(block.dtype), block)
-        codes, scale, zero = side.quantize(
-            block, fmt.scale_dtype, use_kernel=self.use_kernel, active=flushing)
-        written.append(_write_rows(side, index, codes, scale, zero, plan.old_packed,
-                                   plan.flush))
+        written.append(self._flush_rows(side, index, block, plan))
       return (*written, flushing)
 
     def keep(operands):
@@ -314,6 +310,16 @@ class ModelCache:
       out["k_residual"], out["v_residual"] = residual_write.write_token_rows_reference(
           *args, layer=index)
     return dataclasses.replace(self, **out)
+
+  def _flush_rows(self, side: QuantizedKV, index, rows, plan: AppendPlan) -> QuantizedKV:
+    """Quantizes ``rows [B, H, n, D]`` and writes the first ``plan.flush[b]`` at ``old_packed``.
+
+    Quantized for all sequences, kept only where one flushes: the pack kernel
+    skips the sequences that do not (``active``).
+    """
+    codes, scale, zero = side.quantize(  # reads only static fields and dtypes
+        rows, self.fmt.scale_dtype, use_kernel=self.use_kernel, active=plan.flush > 0)
+    return _write_rows(side, index, codes, scale, zero, plan.old_packed, plan.flush)
 
   def append_layer_with_history(self, index, k_new: jax.Array, v_new: jax.Array,
                                 plan: AppendPlan, *, lazy_flush: bool = False
@@ -355,15 +361,8 @@ class ModelCache:
           residual, new_res.astype(residual.dtype), index, 0)
 
     def write(sides):
-      written = []
-      for side, rows in zip(sides, to_pack):
-        # Quantized for all sequences, kept only where one flushes: the pack
-        # kernel skips the sequences that do not (`active`).
-        codes, scale, zero = side.quantize(  # reads only static fields and dtypes
-            rows, fmt.scale_dtype, use_kernel=self.use_kernel, active=plan.flush > 0)
-        written.append(_write_rows(side, index, codes, scale, zero, plan.old_packed,
-                                   plan.flush))
-      return tuple(written)
+      return tuple(self._flush_rows(side, index, rows, plan)
+                   for side, rows in zip(sides, to_pack))
 
     sides = (self.k, self.v)
     if lazy_flush:

@@ -1,4 +1,4 @@
-"""One decode token per sequence into a layer of the stacked residual block, in place (Pallas Triton).
+"""One decode token per sequence into a layer of the stacked residual block, in place (Pallas).
 
 A decode step with ``R == G`` changes a layer's residual block
 ``[L, B, H, R, D]`` in one of two ways per sequence: its new token goes to

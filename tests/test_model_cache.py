@@ -17,6 +17,7 @@ from flax import nnx
 import jaxkv
 from jaxkv import KVCache, ModelCache
 from models import llama
+from pallas_kernels import residual_write
 
 CFG = llama.LlamaConfig(
     vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
@@ -101,7 +102,6 @@ def test_one_token_appends_across_flushes_equal_per_layer_caches(preset, use_ker
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_residual_write_kernel_matches_reference(dtype):
   """`pallas_kernels.residual_write` == its XLA scatter, every byte (compiled on a GPU)."""
-  from pallas_kernels import residual_write
   rng = np.random.default_rng(7)
   shape = (3, 5, 2, 16, 32)                                   # [L, B, H, R, D]
   k_res, v_res = (jnp.asarray(rng.standard_normal(shape), dtype) for _ in range(2))
