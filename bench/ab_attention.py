@@ -60,6 +60,16 @@ def parse_variants(text: str) -> dict[str, dict]:
   return out
 
 
+def replace_config(default, fields: dict):
+  """``dataclasses.replace(default, **fields)``; ``num_splits`` -2 / -3 / -4 / -5
+  mean half / double / a quarter / four times the default's splits."""
+  fields = dict(fields)
+  factor = {-2: 0.5, -3: 2, -4: 0.25, -5: 4}.get(fields.get("num_splits"))
+  if factor is not None:
+    fields["num_splits"] = max(1, int(default.num_splits * factor))
+  return dataclasses.replace(default, **fields)
+
+
 def _time_variants(name, shape, configs, call, args_, copies, cudnn, calls):
   """Times ``call(*args_, config=c)`` per named config; rows with errors vs the first."""
   rows, ref = [], None
@@ -105,7 +115,7 @@ def view_rows(name, q, shape, variants, cudnn, calls):
   default, _ = pk.default_config(cache.fmt, batch=b, q_heads=hq, kv_heads=hkv, head_dim=d,
                                  num_queries=q.shape[1], capacity=cache.storage_len, view=view)
   configs = {"default": default}
-  configs.update({k_: dataclasses.replace(default, **kv) for k_, kv in variants.items()})
+  configs.update({k_: replace_config(default, kv) for k_, kv in variants.items()})
 
   def call(q, cache, *, config):
     return pk.pallas_decode_attention(q, cache, config=config, view=view)
@@ -121,7 +131,7 @@ def main(argv=None) -> int:
   p.add_argument("--variants", default="noprefetch:prefetch=False")
   p.add_argument("--mosaic", default="",
                  help="Mosaic GPU variants (same syntax, fields of MosaicAttentionConfig "
-                      "replaced on its default; num_splits=-2 means half, -3 means double)")
+                      "replaced on its default; num_splits -2 / -3 / -4 / -5: x1/2, x2, x1/4, x4)")
   p.add_argument("--baseline", default=None,
                  help="older copy of pallas_kernels/dequant_attention.py, timed as 'baseline'")
   p.add_argument("--calls", type=int, default=16)
@@ -154,16 +164,13 @@ def main(argv=None) -> int:
         known = {f.name for f in dataclasses.fields(baseline.DecodeAttentionConfig)}
         configs["baseline"] = Baseline(baseline, baseline.DecodeAttentionConfig(
             **{k_: v_ for k_, v_ in dataclasses.asdict(default).items() if k_ in known}))
-      configs.update({k_: dataclasses.replace(default, **kv) for k_, kv in variants.items()})
+      configs.update({k_: replace_config(default, kv) for k_, kv in variants.items()})
       mdefault = A.mosaic_default(fmt, b, t, hkv)
       for k_, kv in parse_variants(args.mosaic).items():
         kv = dict(kv)
-        if kv.get("num_splits") in (-2, -3):
-          kv["num_splits"] = (max(1, mdefault.num_splits // 2) if kv["num_splits"] == -2
-                              else mdefault.num_splits * 2)
         ok, why = A.mosaic_supported(fmt, hq, hkv, d, s)
         if ok:
-          configs[f"mosaic_{k_}"] = dataclasses.replace(mdefault, **kv)
+          configs[f"mosaic_{k_}"] = replace_config(mdefault, kv)
         else:
           print(f"  {name:14s} mosaic_{k_}: unsupported ({why})", flush=True)
       arrays = (q, data.arrays, data.lengths)

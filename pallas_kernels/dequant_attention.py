@@ -137,7 +137,8 @@ class DecodeAttentionConfig:
   def default(cls, *, batch: int, tokens: int, q_heads: int, kv_heads: int,
               head_dim: int, k_bits: int, v_bits: int, token_group: int = 128,
               k_axis: str = "channel", num_sms: int | None = None,
-              itemsize: int = 2, residual: int = 128) -> "DecodeAttentionConfig":
+              itemsize: int = 2, residual: int = 128,
+              channel_groups: int = 1) -> "DecodeAttentionConfig":
     """Heuristic: ~2 programs per SM (4 with an 8-bit side), >= 2 steps and >= 2 splits.
 
     Measured on an H100 (the benchmark's config
@@ -148,13 +149,21 @@ class DecodeAttentionConfig:
     2 warps when K is per-token (its unpacked tile is half the registers of
     a per-channel one at the same speed); ``itemsize`` is the bytes of the cache dtype: float32 caches double every
     unpacked tile in shared memory, so they get no software pipelining.
+    ``channel_groups``: per-token channel groups (``D // Gd``) of the low-bit
+    sides. With more than two (int4-token-g4: four groups of 32), each group
+    is its own dot, scale and zero-point row sum, so one-warp programs (no
+    cross-warp row reductions), about eight per SM, with 32-token steps:
+    35.7 / 104.1 / 194.5 us instead of 56.2 / 194.9 / 380.7 at (1, 32K) /
+    (1, 128K) / (8, 32K) with 32 query and 8 kv heads (H100, jax 0.11.2,
+    `bench/results/attention-ab-{w1,token-g4}-nvidia-h100-80gb-hbm3-20261125.*`).
     """
     del q_heads, head_dim, token_group
     num_sms = num_sms or _triton.num_sms()
     bits = max(k_bits, v_bits)
-    block_k = {16: 64, 8: 64}.get(bits, 128)
+    one_warp = channel_groups > 2 and bits < 8
+    block_k = 32 if one_warp else {16: 64, 8: 64}.get(bits, 128)
     blocks = max(1, pl.cdiv(tokens, block_k))
-    per_sm = 4 if bits >= 8 else 2
+    per_sm = 8 if one_warp else 4 if bits >= 8 else 2
     want = pl.cdiv(per_sm * num_sms, batch * kv_heads)
     splits = min(_triton.prev_pow2(want), max(1, blocks // 2), 256)
     # At least two splits: the last split also reads the residual block, so
@@ -170,7 +179,7 @@ class DecodeAttentionConfig:
     stages = 3
     if itemsize > 2:
       stages = 1
-    warps = 2 if k_axis == "token" else 4
+    warps = 1 if one_warp else 2 if k_axis == "token" else 4
     return cls(block_k=block_k, num_splits=max(1, splits), num_warps=warps, num_stages=stages,
                defer_sums=not grid_full, residual_program=residual >= 256)
 
@@ -841,6 +850,12 @@ def tuned_key(fmt: CacheFormat, *, batch: int, q_heads: int, kv_heads: int, head
       kv_heads=kv_heads, capacity=capacity, head_dim=head_dim, itemsize=itemsize)
 
 
+def _channel_groups(fmt: CacheFormat, head_dim: int) -> int:
+  """Per-token channel groups (``D // Gd``) of the low-bit sides of ``fmt`` (1: none)."""
+  token_side = fmt.v_bits < 16 or (fmt.k_bits < 16 and fmt.k_axis == "token")
+  return head_dim // fmt.channel_group_for(head_dim) if token_side else 1
+
+
 def default_config(fmt: CacheFormat, *, batch: int, q_heads: int, kv_heads: int, head_dim: int,
                    num_queries: int, capacity: int, itemsize: int = 2, view: str = "target",
                    device_kind: str | None = None,
@@ -869,7 +884,7 @@ def default_config(fmt: CacheFormat, *, batch: int, q_heads: int, kv_heads: int,
       batch=batch, tokens=capacity, q_heads=q_heads, kv_heads=kv_heads,
       head_dim=head_dim, k_bits=4 if sub4 else fmt.k_bits, v_bits=4 if sub4 else fmt.v_bits,
       token_group=fmt.token_group, k_axis=fmt.k_axis, itemsize=itemsize,
-      residual=fmt.residual), "heuristic"
+      residual=fmt.residual, channel_groups=_channel_groups(fmt, head_dim)), "heuristic"
 
 
 @functools.partial(
