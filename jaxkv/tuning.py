@@ -62,7 +62,7 @@ def neighbours(config, tokens: int) -> list:
   out = [rep(config, num_splits=max(1, config.num_splits // 2)),
          rep(config, num_splits=config.num_splits * 2)]
   if isinstance(config, pk.DecodeAttentionConfig):
-    blocks, warps, stages = (64, 128, 256), (2, 4), (2, 3, 4)
+    blocks, warps, stages = (32, 64, 128, 256), (1, 2, 4), (2, 3, 4)
     out += [rep(config, defer_sums=not config.defer_sums),
             rep(config, residual_program=not config.residual_program)]
   else:

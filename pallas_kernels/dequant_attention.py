@@ -100,8 +100,8 @@ class DecodeAttentionConfig:
       outputs).
 
   Search space (`jaxkv.autotune`): block_k in {32, 64, 128, 256}, num_splits
-  around the heuristic (x1/2, x1, x2), num_warps in {2, 4}, num_stages in
-  {2, 3}, defer_sums in {True, False} (prefetch stays on).
+  around the heuristic (x1/2, x1, x2), num_warps in {1, 2, 4}, num_stages in
+  {2, 3, 4}, defer_sums in {True, False} (prefetch stays on).
   """
 
   block_k: int = 128

@@ -120,6 +120,27 @@ def test_default_splits_fill_the_gpu_without_over_splitting(batch, kv_heads, bit
   assert short.num_splits * short.block_k * 2 <= 512
 
 
+@pytest.mark.parametrize("batch,kv_heads,want", [
+    (1, 8, 128),   # 8 * 132 / 8 = 132 -> 128 one-warp programs per (b, h): ~8 per SM
+    (8, 8, 16),
+    (32, 1, 32),
+    (64, 8, 2),    # 8 * 132 / 512 -> 2 (at least two splits)
+])
+def test_default_many_channel_groups_runs_one_warp_programs(batch, kv_heads, want):
+  """Four per-token channel groups (int4-token-g4): 1 warp, 32-token steps, ~8 programs per SM."""
+  c = pk.DecodeAttentionConfig.default(batch=batch, tokens=32768, q_heads=4 * kv_heads,
+                                       kv_heads=kv_heads, head_dim=128, k_bits=4, v_bits=4,
+                                       k_axis="token", num_sms=132, channel_groups=4)
+  assert (c.num_warps, c.block_k, c.num_splits) == (1, 32, want)
+  # Whole-head groups and 8-bit sides keep the multi-warp heuristic.
+  for bits, groups in ((4, 1), (8, 4)):
+    other = pk.DecodeAttentionConfig.default(batch=batch, tokens=32768, q_heads=4 * kv_heads,
+                                             kv_heads=kv_heads, head_dim=128, k_bits=bits,
+                                             v_bits=bits, k_axis="token", num_sms=132,
+                                             channel_groups=groups)
+    assert other.num_warps == 2
+
+
 def test_prev_pow2():
   from pallas_kernels import _triton
   assert [_triton.prev_pow2(n) for n in (0, 1, 2, 3, 8, 9, 1000)] == [1, 1, 2, 2, 8, 8, 512]
@@ -149,7 +170,8 @@ def test_neighbours_are_valid_distinct_one_step_moves():
   base = pk.DecodeAttentionConfig(block_k=128, num_splits=4, num_warps=4, num_stages=3)
   near = at.neighbours(base, tokens=384)  # 256 does not tile 384
   assert base not in near and len(set(near)) == len(near)
-  assert {c.block_k for c in near} == {64, 128}
+  assert {c.block_k for c in near} == {32, 64, 128}
+  assert {c.num_warps for c in near} == {1, 2, 4}
   for c in near:
     changed = [f.name for f in dataclasses.fields(c) if getattr(c, f.name) != getattr(base, f.name)]
     assert len(changed) == 1, changed
