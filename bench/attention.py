@@ -489,6 +489,10 @@ def flush_configs():
 def bench_flush(hbm, log, configs=None):
   """One flush at (1, 131072, 32, 8, 128): pack one token group of K and of V per head.
 
+  Rows: the two single-side pack kernels per pack config, and ``fused``
+  (`pallas_kernels.quantize_pack_kv`, one launch, default config: what the
+  cache's flush runs).
+
   K and V are different arrays (equal ones would let XLA merge the two packs
   when both sides use the same quantizer). Every pack config is timed; the
   best is reported, the default beside it.
@@ -510,12 +514,20 @@ def bench_flush(hbm, log, configs=None):
     want = jax.jit(lambda xk, xv: (
         pk.quantize_pack_reference(xk, fmt.k_bits, axis=fmt.k_axis, group=k_group),
         pk.quantize_pack_reference(xv, fmt.v_bits, axis="token", group=gd)))(*xs[0])
+
+    def fused(xk, xv, config, fmt=fmt, gd=gd, k_group=k_group):
+      return pk.quantize_pack_kv(xk, xv, k_bits=fmt.k_bits, k_axis=fmt.k_axis, k_group=k_group,
+                                 v_bits=fmt.v_bits, v_group=gd, config=config)
+
     rows = []
-    for config in configs or flush_configs():
-      got = jax.jit(functools.partial(flush, config=config))(*xs[0])
+    # Two launches per config, then the one-launch K+V kernel (what a cache flush runs).
+    for config, fn in [*((c, flush) for c in configs or flush_configs()), ("fused", fused)]:
+      kw = dict(config=None if config == "fused" else config)
+      got = jax.jit(functools.partial(fn, **kw))(*xs[0])
       ok = all(bool(jnp.all(a == b_)) for a, b_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
-      tm = kernel_time(functools.partial(flush, config=config), xs, calls=CALLS)
-      rows.append({"config": dataclasses.asdict(config) if config else "default",
+      tm = kernel_time(functools.partial(fn, **kw), xs, calls=CALLS)
+      rows.append({"config": (config if config == "fused" else
+                              dataclasses.asdict(config) if config else "default"),
                    "time_us": tm["kernel"] * 1e6, "span_us": tm["span"] * 1e6,
                    "wall_us": tm["wall"] * 1e6, "kernels_per_call": tm["kernels"],
                    "bitwise_equal": ok})

@@ -102,6 +102,10 @@ class QuantizedKV:
               zero.reshape(b, h, *zero.shape[1:]))
     return quant.quantize(x, self.bits, axis=self.axis, group=self.group, scale_dtype=scale_dtype)
 
+  def fuses_with(self, other: "QuantizedKV") -> bool:
+    """Whether the pack kernel can quantize this side (K) and ``other`` (V) in one launch."""
+    return all(s.bits < 16 and not s.hierarchical for s in (self, other)) and other.axis == "token"
+
   def dequantize(self, view: str = "target") -> jax.Array:
     """Whole storage as float32 ``[B, H, C, D]`` (garbage past packed_len).
 
@@ -381,6 +385,27 @@ def _jitted_extend(cls):
   return _JITTED[cls]
 
 
+def quantize_kv(k_side: QuantizedKV, v_side: QuantizedKV, xk: jax.Array, xv: jax.Array,
+                scale_dtype: str, *, use_kernel: bool = False, active: jax.Array | None = None):
+  """Both sides' ``(codes, scale, zero)`` of ``xk``/``xv [B, H, T, D]`` (a flush).
+
+  With the pack kernel (``use_kernel``) and two sides it can store, one
+  launch packs K and V (`pallas_kernels.pack.quantize_pack_kv`); otherwise
+  `QuantizedKV.quantize` per side. The same bits either way.
+  """
+  if not (use_kernel and k_side.fuses_with(v_side)):
+    return (k_side.quantize(xk, scale_dtype, use_kernel=use_kernel, active=active),
+            v_side.quantize(xv, scale_dtype, use_kernel=use_kernel, active=active))
+  from pallas_kernels.pack import quantize_pack_kv
+  b, h, t, d = xk.shape
+  mask = None if active is None else jnp.broadcast_to(active[:, None], (b, h))
+  sides = quantize_pack_kv(
+      xk, xv, k_bits=k_side.bits, k_axis=k_side.axis, k_group=k_side.group,
+      v_bits=v_side.bits, v_group=v_side.group, scale_dtype=scale_dtype,
+      interpret=jax.default_backend() != "gpu", active=mask)
+  return sides
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache(ResidualBlockCache):
@@ -475,12 +500,10 @@ class KVCache(ResidualBlockCache):
     st = self._stage(k_new, v_new, num_new)
 
     def do_flush(sides):
-      out = []
-      for side, staged in zip(sides, (st.k, st.v)):
-        codes, scale, zero = side.quantize(staged[:, :, : st.flush_rows], self.fmt.scale_dtype,
-                                           use_kernel=self.use_kernel)
-        out.append(side.write(codes, scale, zero, st.old_packed, st.flush))
-      return tuple(out)
+      packed = quantize_kv(*sides, st.k[:, :, : st.flush_rows], st.v[:, :, : st.flush_rows],
+                           self.fmt.scale_dtype, use_kernel=self.use_kernel)
+      return tuple(side.write(*arrays, st.old_packed, st.flush)
+                   for side, arrays in zip(sides, packed))
 
     k_side, v_side = jax.lax.cond(jnp.any(st.flush > 0), do_flush, lambda s: s, (self.k, self.v))
     nonfinite = (self.nonfinite | nonfinite_rows(k_new, st.num_new)

@@ -47,8 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.cache import (KVCache, QuantizedKV, flush_groups, nonfinite_rows, shift_residual,
-                         stage_residual)
+from jaxkv.cache import (KVCache, QuantizedKV, flush_groups, nonfinite_rows, quantize_kv,
+                         shift_residual, stage_residual)
 from jaxkv.formats import KVFormat
 from pallas_kernels import residual_write
 
@@ -282,13 +282,12 @@ class ModelCache:
 
     def write(operands):
       sides, residuals = operands[:2], operands[2:]
-      written = []
+      blocks = []
       at_row = (jnp.arange(r)[None, :] == res_len[:, None])[:, None, :, None]  # [B, 1, R, 1]
-      for side, residual, new in zip(sides, residuals, news):
+      for residual, new in zip(residuals, news):
         block = jax.lax.dynamic_index_in_dim(residual, index, 0, keepdims=False)  # [B,H,R,D]
-        block = jnp.where(at_row, new[:, :, None, :].astype(block.dtype), block)
-        written.append(self._flush_rows(side, index, block, plan))
-      return (*written, flushing)
+        blocks.append(jnp.where(at_row, new[:, :, None, :].astype(block.dtype), block))
+      return (*self._flush_rows(sides, index, blocks, plan), flushing)
 
     def keep(operands):
       return (*operands[:2], jnp.zeros_like(flushing))
@@ -311,15 +310,18 @@ class ModelCache:
           *args, layer=index)
     return dataclasses.replace(self, **out)
 
-  def _flush_rows(self, side: QuantizedKV, index, rows, plan: AppendPlan) -> QuantizedKV:
-    """Quantizes ``rows [B, H, n, D]`` and writes the first ``plan.flush[b]`` at ``old_packed``.
+  def _flush_rows(self, sides, index, rows, plan: AppendPlan) -> tuple[QuantizedKV, QuantizedKV]:
+    """Quantizes ``rows`` (K and V ``[B, H, n, D]``) and writes the first
+    ``plan.flush[b]`` of each at ``old_packed``.
 
     Quantized for all sequences, kept only where one flushes: the pack kernel
-    skips the sequences that do not (``active``).
+    skips the sequences that do not (``active``), and packs K and V in one
+    launch where it can (`jaxkv.cache.quantize_kv`).
     """
-    codes, scale, zero = side.quantize(  # reads only static fields and dtypes
-        rows, self.fmt.scale_dtype, use_kernel=self.use_kernel, active=plan.flush > 0)
-    return _write_rows(side, index, codes, scale, zero, plan.old_packed, plan.flush)
+    packed = quantize_kv(*sides, *rows, self.fmt.scale_dtype,  # reads only static fields
+                         use_kernel=self.use_kernel, active=plan.flush > 0)
+    return tuple(_write_rows(side, index, *arrays, plan.old_packed, plan.flush)
+                 for side, arrays in zip(sides, packed))
 
   def append_layer_with_history(self, index, k_new: jax.Array, v_new: jax.Array,
                                 plan: AppendPlan, *, lazy_flush: bool = False
@@ -361,8 +363,7 @@ class ModelCache:
           residual, new_res.astype(residual.dtype), index, 0)
 
     def write(sides):
-      return tuple(self._flush_rows(side, index, rows, plan)
-                   for side, rows in zip(sides, to_pack))
+      return self._flush_rows(sides, index, to_pack, plan)
 
     sides = (self.k, self.v)
     if lazy_flush:

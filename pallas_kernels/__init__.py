@@ -21,6 +21,7 @@ from pallas_kernels.dequant_attention import supports
 from pallas_kernels.int4_matmul import Int4MatmulConfig
 from pallas_kernels.pack import PackConfig
 from pallas_kernels.pack import quantize_pack
+from pallas_kernels.pack import quantize_pack_kv
 from pallas_kernels.pack import quantize_pack_reference
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "pallas_chunk_attention",
     "pallas_decode_attention",
     "quantize_pack",
+    "quantize_pack_kv",
     "quantize_pack_reference",
     "supports",
 ]

@@ -313,6 +313,176 @@ def quantize_pack(
           scale.reshape(*lead, tokens, ngroups), zero.reshape(*lead, tokens, ngroups))
 
 
+def _pack_kv_kernel(
+    # inputs
+    xk_ref,     # [G, D] (per-channel K) | [block_t, D] (per-token K)
+    xv_ref,     # [block_t, D]
+    *refs,      # (active_ref [n_pad] int32,)? then the outputs:
+    # outputs: k_codes, k_scale, k_zero, v_codes, v_scale, v_zero (blocks as in
+    # the single-side kernels)
+    k_programs: int,
+    k_columns: int,
+    k_kernel,
+    v_kernel,
+    gated: bool,
+):
+  """Program ``j < k_programs`` packs K unit ``j``, the others V token block ``j - k_programs``.
+
+  Program ids are read outside the `pl.when`s (interpret mode cannot evaluate
+  them inside one).
+  """
+  active_ref, outs = (refs[0], refs[1:]) if gated else (None, refs)
+  row, j = pl.program_id(0), pl.program_id(1)
+  is_k, is_v = j < k_programs, j >= k_programs
+  if gated:
+    live = active_ref[row] > 0
+    is_k, is_v = is_k & live, is_v & live
+  col_block = jnp.minimum(j, k_programs - 1) % k_columns
+
+  @pl.when(is_k)
+  def _():
+    k_kernel(xk_ref, *outs[:3], col_block=col_block)
+
+  @pl.when(is_v)
+  def _():
+    v_kernel(xv_ref, *outs[3:])
+
+
+@functools.partial(
+    jax.jit, static_argnames=("k_bits", "k_axis", "k_group", "v_bits", "v_group", "scale_dtype",
+                              "config", "interpret"))
+def quantize_pack_kv(
+    k: jax.Array,  # [..., T, D]
+    v: jax.Array,  # [..., T, D]
+    *,
+    k_bits: int,
+    k_axis: str,
+    k_group: int,
+    v_bits: int,
+    v_group: int,
+    scale_dtype="float16",
+    config: PackConfig | None = None,
+    interpret: bool = False,
+    active: jax.Array | None = None,
+):
+  """Quantizes and packs K and V in one launch (a cache flush).
+
+  The same bits as ``quantize_pack(k, k_bits, axis=k_axis, group=k_group)``
+  and ``quantize_pack(v, v_bits, axis="token", group=v_group)``: one grid
+  whose first programs run the K kernel (per channel: one per token group
+  and byte-column block; per token: one per token block) and whose others
+  run the per-token V kernel. A flush packs a few small tiles per head, so
+  launches, not bytes, set its time; one launch instead of two.
+
+  Args:
+    k, v: ``[..., T, D]`` floats of one shape, ``D`` a power of two.
+    k_bits, v_bits: 8, 4 or 2.
+    k_axis: K's axis, ``"token"`` or ``"channel"`` (V is always per token).
+    k_group, v_group: group sizes (``G`` tokens for per-channel K, channels
+      for the per-token sides).
+    scale_dtype, config, interpret, active: as in `quantize_pack`.
+
+  Returns:
+    ``((k_codes, k_scale, k_zero), (v_codes, v_scale, v_zero))`` bitwise
+    equal to `pallas_kernels.layout.quantize` of each side (where ``active``).
+  """
+  if k.shape != v.shape:
+    raise ValueError(f"k.shape={k.shape} and v.shape={v.shape} must match")
+  _check(k.shape, k_bits, k_axis, k_group)
+  _check(v.shape, v_bits, "token", v_group)
+  *lead, tokens, head_dim = k.shape
+  scale_dtype = jnp.dtype(scale_dtype)
+  n = int(np.prod(lead, dtype=np.int64))
+  if config is None:
+    config = PackConfig.default(tokens=tokens, head_dim=head_dim, axis="token")
+  params = _triton.compiler_params(num_warps=config.num_warps, num_stages=config.num_stages)
+  block_t = min(config.block_t, _triton.next_pow2(tokens))
+  padded = pl.cdiv(tokens, block_t) * block_t
+  xk = k.reshape(n, tokens, head_dim)
+  xv = v.reshape(n, tokens, head_dim)
+  if padded != tokens:
+    xv = jnp.pad(xv, ((0, 0), (0, padded - tokens), (0, 0)))
+  v_blocks = padded // block_t
+  v_packed = head_dim * v_bits // 8
+  v_groups = head_dim // v_group
+  k_packed = head_dim * k_bits // 8
+
+  def v_block(_, j):
+    return jnp.maximum(j - k_programs, 0)
+
+  if k_axis == "channel":
+    k_groups = tokens // k_group
+    block_w = min(config.block_w, k_packed)
+    k_columns = k_packed // block_w
+    k_programs = k_groups * k_columns
+    k_kernel = functools.partial(_pack_per_channel_kernel, bits=k_bits, block_w=block_w)
+
+    def k_unit(j):
+      jk = jnp.minimum(j, k_programs - 1)
+      return jk // k_columns, jk % k_columns
+    k_in = pl.BlockSpec((None, k_group, head_dim), lambda i, j: (i, k_unit(j)[0], 0))
+    k_outs = [pl.BlockSpec((None, k_group, block_w), lambda i, j: (i, *k_unit(j))),
+              pl.BlockSpec((None, None, head_dim), lambda i, j: (i, k_unit(j)[0], 0)),
+              pl.BlockSpec((None, None, head_dim), lambda i, j: (i, k_unit(j)[0], 0))]
+    k_shapes = [jax.ShapeDtypeStruct((n, tokens, k_packed), jnp.uint8),
+                jax.ShapeDtypeStruct((n, k_groups, head_dim), scale_dtype),
+                jax.ShapeDtypeStruct((n, k_groups, head_dim), scale_dtype)]
+  else:
+    if padded != tokens:
+      xk = jnp.pad(xk, ((0, 0), (0, padded - tokens), (0, 0)))
+    k_columns, k_programs = 1, v_blocks
+    k_groups = head_dim // k_group
+    token_kernel = functools.partial(_pack_per_token_kernel, bits=k_bits, channel_group=k_group)
+    k_kernel = lambda x_ref, *outs, col_block: token_kernel(x_ref, *outs)  # noqa: E731
+
+    def k_block(_, j):
+      return jnp.minimum(j, k_programs - 1)
+    k_in = pl.BlockSpec((None, block_t, head_dim), lambda i, j: (i, k_block(i, j), 0))
+    k_outs = [pl.BlockSpec((None, block_t, k_packed), lambda i, j: (i, k_block(i, j), 0)),
+              pl.BlockSpec((None, block_t, k_groups), lambda i, j: (i, k_block(i, j), 0)),
+              pl.BlockSpec((None, block_t, k_groups), lambda i, j: (i, k_block(i, j), 0))]
+    k_shapes = [jax.ShapeDtypeStruct((n, padded, k_packed), jnp.uint8),
+                jax.ShapeDtypeStruct((n, padded, k_groups), scale_dtype),
+                jax.ShapeDtypeStruct((n, padded, k_groups), scale_dtype)]
+  v_in = pl.BlockSpec((None, block_t, head_dim), lambda i, j: (i, v_block(i, j), 0))
+  v_outs = [pl.BlockSpec((None, block_t, v_packed), lambda i, j: (i, v_block(i, j), 0)),
+            pl.BlockSpec((None, block_t, v_groups), lambda i, j: (i, v_block(i, j), 0)),
+            pl.BlockSpec((None, block_t, v_groups), lambda i, j: (i, v_block(i, j), 0))]
+  v_shapes = [jax.ShapeDtypeStruct((n, padded, v_packed), jnp.uint8),
+              jax.ShapeDtypeStruct((n, padded, v_groups), scale_dtype),
+              jax.ShapeDtypeStruct((n, padded, v_groups), scale_dtype)]
+  extra_in, extra_specs = (), []
+  if active is not None:
+    if tuple(active.shape) != tuple(lead):
+      raise ValueError(f"active.shape={active.shape} must be k.shape[:-2]={tuple(lead)}")
+    n_pad = max(16, _triton.next_pow2(n))   # one power-of-two block of flags
+    extra_in = (jnp.zeros((n_pad,), jnp.int32).at[:n].set(active.reshape(n).astype(jnp.int32)),)
+    extra_specs = [pl.BlockSpec((n_pad,), lambda *_: (0,))]
+  kernel = functools.partial(
+      _pack_kv_kernel, k_programs=k_programs, k_columns=k_columns, k_kernel=k_kernel,
+      v_kernel=functools.partial(_pack_per_token_kernel, bits=v_bits, channel_group=v_group),
+      gated=active is not None)
+  outs = pl.pallas_call(
+      kernel,
+      grid=(n, k_programs + v_blocks),
+      in_specs=[k_in, v_in, *extra_specs],
+      out_specs=[*k_outs, *v_outs],
+      out_shape=[*k_shapes, *v_shapes],
+      compiler_params=params,
+      interpret=interpret,
+      name=f"jaxkv_pack_kv_k{k_axis}{k_bits}_v{v_bits}",
+  )(xk, xv, *extra_in)
+  k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = outs
+  if k_axis == "token":
+    k_codes, k_scale, k_zero = (a[:, :tokens] for a in (k_codes, k_scale, k_zero))
+  v_codes, v_scale, v_zero = (a[:, :tokens] for a in (v_codes, v_scale, v_zero))
+  k_out = (k_codes.reshape(*lead, tokens, k_packed),
+           k_scale.reshape(*lead, *k_scale.shape[1:]), k_zero.reshape(*lead, *k_zero.shape[1:]))
+  v_out = (v_codes.reshape(*lead, tokens, v_packed),
+           v_scale.reshape(*lead, tokens, v_groups), v_zero.reshape(*lead, tokens, v_groups))
+  return k_out, v_out
+
+
 def quantize_pack_reference(x, bits, *, axis, group, scale_dtype="float16"):
   """The spec: `pallas_kernels.layout.quantize` (plain jnp)."""
   return quant.quantize(x, bits, axis=axis, group=group, scale_dtype=scale_dtype)

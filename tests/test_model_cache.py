@@ -253,7 +253,7 @@ def test_nonfinite_kv_inside_the_model_is_flagged_and_poisons_only_its_sequence(
   assert np.isfinite(np.asarray(clean_step)).all()
 
 
-@pytest.mark.parametrize("preset", ["kivi2-g32", "k8v4"])
+@pytest.mark.parametrize("preset", ["kivi2-g32", "k8v4", "int4-token-g4"])
 def test_pack_kernel_skipping_idle_sequences_changes_no_bit(preset):
   """use_kernel=True (the pack kernel skips sequences that flush nothing this
   step; interpret mode here) == the jnp quantization, over ragged flushes."""

@@ -73,6 +73,52 @@ def test_pack_bitwise(bits, axis, group, tokens, head_dim, dtype):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(r), err_msg=name)
 
 
+PACK_KV_CASES = [
+    # (format, tokens, head_dim, dtype): one launch for K and V (a flush)
+    ("kivi4", 128, 128, jnp.bfloat16),
+    ("kivi2", 256, 128, jnp.float32),         # two K token groups
+    ("int4-token-g4", 96, 128, jnp.bfloat16),
+    ("int8", 37, 64, jnp.bfloat16),           # ragged token count, padded V/K blocks
+    ("k8v4", 128, 128, jnp.float16),
+    ("kivi2-g32", 64, 64, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("name,tokens,head_dim,dtype", PACK_KV_CASES,
+                         ids=[f"{n}_{t=}_{d=}_{jnp.dtype(dt).name}"
+                              for n, t, d, dt in PACK_KV_CASES])
+def test_pack_kv_bitwise(name, tokens, head_dim, dtype):
+  """The fused K+V pack == the jnp quantizer per side, and skips inactive rows only."""
+  fmt = _fmt(name)
+  gd = fmt.channel_group_for(head_dim)
+  k_group = fmt.token_group if fmt.k_axis == "channel" else gd
+  kk, kv = jax.random.split(_key("pack_kv", name, tokens, head_dim))
+  k = (jax.random.normal(kk, (2, 3, tokens, head_dim)) * 2.0 + 0.3).astype(dtype)
+  v = (jax.random.normal(kv, (2, 3, tokens, head_dim)) * 0.5 - 1.0).astype(dtype)
+  k = k.at[0, 0].set(1.5)            # a constant group: zero codes, never NaN
+  v = v.at[1, 2].multiply(1e-6)      # a tiny-range group
+  active = jnp.array([[True, False, True], [True, True, False]])
+  refs = (jax.jit(functools.partial(quant.quantize, bits=fmt.k_bits, axis=fmt.k_axis,
+                                    group=k_group))(k),
+          jax.jit(functools.partial(quant.quantize, bits=fmt.v_bits, axis="token", group=gd))(v))
+  for mask in (None, active):
+    got = pk.quantize_pack_kv(k, v, k_bits=fmt.k_bits, k_axis=fmt.k_axis, k_group=k_group,
+                              v_bits=fmt.v_bits, v_group=gd, interpret=INTERPRET, active=mask)
+    rows = np.ones((2, 3), bool) if mask is None else np.asarray(mask)
+    for side, g_side, r_side in zip("kv", got, refs):
+      for what, g, r in zip(("codes", "scale", "zero"), g_side, r_side):
+        assert g.shape == r.shape and g.dtype == r.dtype, (side, what)
+        np.testing.assert_array_equal(np.asarray(g)[rows], np.asarray(r)[rows],
+                                      err_msg=f"{side} {what} active={mask is not None}")
+
+
+def test_pack_kv_rejects_mismatched_shapes():
+  k = jnp.zeros((2, 128, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="k.shape"):
+    pk.quantize_pack_kv(k, k[:, :64], k_bits=4, k_axis="channel", k_group=128, v_bits=4,
+                        v_group=64, interpret=True)
+
+
 # ------------------------------------------------------------------ attention
 ATTN_CASES = [
     # (format, B, Hkv, Hq/Hkv, D, S, lengths, capacity, dtype)

@@ -290,6 +290,13 @@ def test_use_kernel_off_gpu_runs_interpret_and_is_bitwise(preset):
   b = b.prefill(jnp.asarray(k), jnp.asarray(v), [300, 140])
   for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  # A jitted append that flushes (the kernel path packs K and V in one launch).
+  k2, v2 = _kv(11, 2, 130, head_dim=128)
+  append = jax.jit(lambda c, k_, v_: c.append(k_, v_))
+  a = append(a, jnp.asarray(k2), jnp.asarray(v2))
+  b = append(b, jnp.asarray(k2), jnp.asarray(v2))
+  for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_use_kernel_unsupported_format_fails_at_init():
