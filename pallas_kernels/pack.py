@@ -1,5 +1,8 @@
 """Fused quantize + pack (Pallas Triton): full-precision tokens -> codes, scale, zero.
 
+`quantize_pack` packs one side; `quantize_pack_kv` packs K and V in one
+launch (what a cache flush runs).
+
 Bitwise equal to `pallas_kernels.layout.quantize` (the spec, `quantize_pack_reference`
 below): the same float32 operations in the same order, including the
 reciprocal-multiply XLA uses for ``/ levels``, and the same non-finite rule
