@@ -181,6 +181,19 @@ def _pack_per_channel_kernel(
   codes_ref[...] = packed
 
 
+def _active_flags(active, lead, name):
+  """``active`` (shape ``lead``) as one power-of-two int32 block of flags: the
+  extra kernel input and its BlockSpec (none when ``active`` is None)."""
+  if active is None:
+    return (), []
+  if tuple(active.shape) != tuple(lead):
+    raise ValueError(f"active.shape={active.shape} must be {name}.shape[:-2]={tuple(lead)}")
+  n = int(np.prod(lead, dtype=np.int64))
+  n_pad = max(16, _triton.next_pow2(n))
+  flags = jnp.zeros((n_pad,), jnp.int32).at[:n].set(active.reshape(n).astype(jnp.int32))
+  return (flags,), [pl.BlockSpec((n_pad,), lambda *_: (0,))]
+
+
 def _check(x_shape, bits, axis, group):
   if bits not in (8, 4, 2):
     raise ValueError(f"bits={bits!r} must be 8, 4 or 2")
@@ -238,14 +251,7 @@ def quantize_pack(
   scale_dtype = jnp.dtype(scale_dtype)
   n = int(np.prod(lead, dtype=np.int64))
   x3 = x.reshape(n, tokens, head_dim)
-  extra_in, extra_specs = (), []
-  if active is not None:
-    if tuple(active.shape) != tuple(lead):
-      raise ValueError(f"active.shape={active.shape} must be x.shape[:-2]={tuple(lead)}")
-    n_pad = max(16, _triton.next_pow2(n))   # one power-of-two block of flags
-    flags = jnp.zeros((n_pad,), jnp.int32).at[:n].set(active.reshape(n).astype(jnp.int32))
-    extra_in = (flags,)
-    extra_specs = [pl.BlockSpec((n_pad,), lambda *_: (0,))]
+  extra_in, extra_specs = _active_flags(active, lead, "x")
 
   def gate(kernel, column_blocks=False):
     return kernel if active is None else _when_active(kernel, column_blocks=column_blocks)
@@ -454,13 +460,7 @@ def quantize_pack_kv(
   v_shapes = [jax.ShapeDtypeStruct((n, padded, v_packed), jnp.uint8),
               jax.ShapeDtypeStruct((n, padded, v_groups), scale_dtype),
               jax.ShapeDtypeStruct((n, padded, v_groups), scale_dtype)]
-  extra_in, extra_specs = (), []
-  if active is not None:
-    if tuple(active.shape) != tuple(lead):
-      raise ValueError(f"active.shape={active.shape} must be k.shape[:-2]={tuple(lead)}")
-    n_pad = max(16, _triton.next_pow2(n))   # one power-of-two block of flags
-    extra_in = (jnp.zeros((n_pad,), jnp.int32).at[:n].set(active.reshape(n).astype(jnp.int32)),)
-    extra_specs = [pl.BlockSpec((n_pad,), lambda *_: (0,))]
+  extra_in, extra_specs = _active_flags(active, lead, "k")
   kernel = functools.partial(
       _pack_kv_kernel, k_programs=k_programs, k_columns=k_columns, k_kernel=k_kernel,
       v_kernel=functools.partial(_pack_per_token_kernel, bits=v_bits, channel_group=v_group),
