@@ -399,11 +399,10 @@ def quantize_kv(k_side: QuantizedKV, v_side: QuantizedKV, xk: jax.Array, xv: jax
   from pallas_kernels.pack import quantize_pack_kv
   b, h, t, d = xk.shape
   mask = None if active is None else jnp.broadcast_to(active[:, None], (b, h))
-  sides = quantize_pack_kv(
+  return quantize_pack_kv(
       xk, xv, k_bits=k_side.bits, k_axis=k_side.axis, k_group=k_side.group,
       v_bits=v_side.bits, v_group=v_side.group, scale_dtype=scale_dtype,
       interpret=jax.default_backend() != "gpu", active=mask)
-  return sides
 
 
 @jax.tree_util.register_dataclass
