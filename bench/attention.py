@@ -521,13 +521,14 @@ def bench_flush(hbm, log, configs=None):
 
     rows = []
     # Two launches per config, then the one-launch K+V kernel (what a cache flush runs).
-    for config, fn in [*((c, flush) for c in configs or flush_configs()), ("fused", fused)]:
-      kw = dict(config=None if config == "fused" else config)
-      got = jax.jit(functools.partial(fn, **kw))(*xs[0])
+    runs = [(dataclasses.asdict(c) if c else "default", functools.partial(flush, config=c))
+            for c in configs or flush_configs()]
+    runs.append(("fused", functools.partial(fused, config=None)))
+    for label, fn in runs:
+      got = jax.jit(fn)(*xs[0])
       ok = all(bool(jnp.all(a == b_)) for a, b_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
-      tm = kernel_time(functools.partial(fn, **kw), xs, calls=CALLS)
-      rows.append({"config": (config if config == "fused" else
-                              dataclasses.asdict(config) if config else "default"),
+      tm = kernel_time(fn, xs, calls=CALLS)
+      rows.append({"config": label,
                    "time_us": tm["kernel"] * 1e6, "span_us": tm["span"] * 1e6,
                    "wall_us": tm["wall"] * 1e6, "kernels_per_call": tm["kernels"],
                    "bitwise_equal": ok})

@@ -54,6 +54,16 @@ def stack_last(values: list[jax.Array]) -> jax.Array:
   return joined.reshape(*joined.shape[:-2], len(values))
 
 
+def flags_block(values: jax.Array, fill: int = 0):
+  """Per-row int32 ``values [n]`` padded to one power-of-two block (>= 16) with
+  ``fill``, and the `pl.BlockSpec` that hands every program the whole block."""
+  from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
+  n = values.shape[0]
+  n_pad = max(16, next_pow2(n))
+  padded = jnp.full((n_pad,), fill, jnp.int32).at[:n].set(values.astype(jnp.int32))
+  return padded, pl.BlockSpec((n_pad,), lambda *_: (0,))
+
+
 def compute_capability() -> tuple[int, int]:
   """``(major, minor)`` of the default GPU; ``(0, 0)`` off a GPU or when unknown."""
   cc = getattr(jax.devices()[0], "compute_capability", None)

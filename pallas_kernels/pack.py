@@ -188,10 +188,8 @@ def _active_flags(active, lead, name):
     return (), []
   if tuple(active.shape) != tuple(lead):
     raise ValueError(f"active.shape={active.shape} must be {name}.shape[:-2]={tuple(lead)}")
-  n = int(np.prod(lead, dtype=np.int64))
-  n_pad = max(16, _triton.next_pow2(n))
-  flags = jnp.zeros((n_pad,), jnp.int32).at[:n].set(active.reshape(n).astype(jnp.int32))
-  return (flags,), [pl.BlockSpec((n_pad,), lambda *_: (0,))]
+  flags, spec = _triton.flags_block(active.reshape(-1))
+  return (flags,), [spec]
 
 
 def _check(x_shape, bits, axis, group):
@@ -330,7 +328,7 @@ def _pack_kv_kernel(
     # outputs: k_codes, k_scale, k_zero, v_codes, v_scale, v_zero (blocks as in
     # the single-side kernels)
     k_programs: int,
-    k_columns: int,
+    k_columns: int | None,  # byte-column blocks of per-channel K; None: per-token K
     k_kernel,
     v_kernel,
     gated: bool,
@@ -346,11 +344,12 @@ def _pack_kv_kernel(
   if gated:
     live = active_ref[row] > 0
     is_k, is_v = is_k & live, is_v & live
-  col_block = jnp.minimum(j, k_programs - 1) % k_columns
+  # Per-channel K programs tile byte columns; per-token ones take no column.
+  k_kw = {} if k_columns is None else {"col_block": jnp.minimum(j, k_programs - 1) % k_columns}
 
   @pl.when(is_k)
   def _():
-    k_kernel(xk_ref, *outs[:3], col_block=col_block)
+    k_kernel(xk_ref, *outs[:3], **k_kw)
 
   @pl.when(is_v)
   def _():
@@ -439,10 +438,9 @@ def quantize_pack_kv(
   else:
     if padded != tokens:
       xk = jnp.pad(xk, ((0, 0), (0, padded - tokens), (0, 0)))
-    k_columns, k_programs = 1, v_blocks
+    k_columns, k_programs = None, v_blocks
     k_groups = head_dim // k_group
-    token_kernel = functools.partial(_pack_per_token_kernel, bits=k_bits, channel_group=k_group)
-    k_kernel = lambda x_ref, *outs, col_block: token_kernel(x_ref, *outs)  # noqa: E731
+    k_kernel = functools.partial(_pack_per_token_kernel, bits=k_bits, channel_group=k_group)
 
     def k_block(_, j):
       return jnp.minimum(j, k_programs - 1)

@@ -71,10 +71,8 @@ def write_token_rows(k_residual, v_residual, k_new, v_new, row, clear, *, layer:
     raise ValueError(f"layer={layer} must be in [0, {num_layers})")
   if not supported(k_residual.shape):
     raise ValueError(f"residual rows {r} and head_dim {d} must be powers of two")
-  n_pad = max(16, _triton.next_pow2(b))  # one power-of-two block of flags
-  row = jnp.full((n_pad,), r, jnp.int32).at[:b].set(row.astype(jnp.int32))
-  clear = jnp.zeros((n_pad,), jnp.int32).at[:b].set(clear.astype(jnp.int32))
-  flags = pl.BlockSpec((n_pad,), lambda i, j: (0,))
+  row, flags = _triton.flags_block(row, fill=r)
+  clear, _ = _triton.flags_block(clear)
   token = pl.BlockSpec((None, None, d), lambda i, j: (i, j, 0))
   block = pl.BlockSpec((None, None, None, r, d), lambda i, j: (layer, i, j, 0, 0))
   return pl.pallas_call(
