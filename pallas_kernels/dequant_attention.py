@@ -99,16 +99,6 @@ class DecodeAttentionConfig:
       kivi2 -2 to -5 %, int8 -1 to -2 %, k8v4 -14 to -16 % (the same
       outputs).
 
-    heads_per_program: kv heads whose query rows share one program's dots
-      (at most; the kernel takes the largest power of two <= this that
-      divides the kv heads and keeps ``heads * (Hq/Hkv) * S <= 16``). With 4
-      query rows per kv head (GQA 4, one new token) a 16-row MMA tile is
-      three quarters padding, and so is every float operation on the score
-      tile; stacking heads fills those rows with other heads' queries (each
-      head's operands masked to its own rows), so the softmax work per
-      token-head shrinks by that factor. ``num_splits`` then counts programs
-      per (batch, head group).
-
   Search space (`jaxkv.autotune`): block_k in {32, 64, 128, 256}, num_splits
   around the heuristic (x1/2, x1, x2), num_warps in {1, 2, 4}, num_stages in
   {2, 3, 4}, defer_sums in {True, False} (prefetch stays on).
@@ -124,7 +114,6 @@ class DecodeAttentionConfig:
   fast_exp: bool = True
   unpack_sub: bool = True
   lazy_rescale: bool = True
-  heads_per_program: int = 1
 
   @property
   def num_parts(self) -> int:
@@ -143,8 +132,6 @@ class DecodeAttentionConfig:
     if not _triton.is_pow2(self.block_k) or not 16 <= self.block_k <= 256:
       raise ValueError(f"block_k={self.block_k} must be a power of two in [16, 256]")
     _triton.check_launch(self)
-    if not _triton.is_pow2(self.heads_per_program) or self.heads_per_program > 16:
-      raise ValueError(f"heads_per_program={self.heads_per_program} must be a power of two <= 16")
 
   @classmethod
   def default(cls, *, batch: int, tokens: int, q_heads: int, kv_heads: int,
@@ -407,18 +394,18 @@ class _Side:
 
 
 def _split_kernel(
-    # inputs; every cache ref is a list of one ref per kv head of the program
+    # inputs
     lengths_ref,   # [] int32: L_b
     scale_ref,     # [] float32: softmax scale
-    q_ref,         # [Mq, D]: rows of head i are [i * head_rows, (i + 1) * head_rows)
-    k_codes_refs,  # [C, D*kb/8] uint8 | [C, D] when 16-bit
-    k_scale_refs,  # [C//G, D] (channel) | [C, D//Gd] (token) | None
-    k_zero_refs,   # like k_scale_refs
-    v_codes_refs,  # [C, D*vb/8] uint8 | [C, D] when 16-bit
-    v_scale_refs,  # [C, D//Gd] | None
-    v_zero_refs,   # like v_scale_refs
-    k_res_refs,    # [R, D]
-    v_res_refs,    # [R, D]
+    q_ref,         # [Mq, D]
+    k_codes_ref,   # [C, D*kb/8] uint8 | [C, D] when 16-bit
+    k_scale_ref,   # [C//G, D] (channel) | [C, D//Gd] (token) | None
+    k_zero_ref,    # like k_scale_ref
+    v_codes_ref,   # [C, D*vb/8] uint8 | [C, D] when 16-bit
+    v_scale_ref,   # [C, D//Gd] | None
+    v_zero_ref,    # like v_scale_ref
+    k_res_ref,     # [R, D]
+    v_res_ref,     # [R, D]
     # outputs
     o_ref,         # [M, D] float32, unnormalized
     l_ref,         # [M] float32, softmax denominators
@@ -439,34 +426,10 @@ def _split_kernel(
     fast_exp: bool = False,
     unpack_sub: bool = False,
     lazy_rescale: bool = False,
-    head_rows: int = 0,
 ):
   rows, head_dim = o_ref.shape
   q_rows = q_ref.shape[0]
-  heads = len(k_codes_refs)
-  k_codes_ref, k_scale_ref = k_codes_refs[0], k_scale_refs[0]
-  v_scale_ref = v_scale_refs[0]
-  dtype = k_res_refs[0].dtype
-  # Query row r belongs to the program's kv head r // head_rows; with several
-  # heads every dot operand built from queries (or from p) is zeroed outside
-  # its head's rows, and per-head row vectors are picked by row.
-  row_head = lax.broadcasted_iota(jnp.int32, (rows,), 0) // max(1, head_rows)
-  head_mask = [row_head == i for i in range(heads)] if heads > 1 else None
-
-  def only(i, x):
-    """``x`` ([rows, ...]) zeroed outside head ``i``'s rows."""
-    if head_mask is None:
-      return x
-    return jnp.where(head_mask[i].reshape((rows,) + (1,) * (x.ndim - 1)), x, jnp.zeros_like(x))
-
-  def per_row(values):
-    """Per-head ``[n]`` (or ``[1, n]``) vectors -> ``[rows, n]``: row r takes its
-    head's; ``[1, n]`` with one head."""
-    values = [v if v.ndim == 2 else v[None, :] for v in values]
-    out = values[0]
-    for i in range(1, heads):
-      out = jnp.where(head_mask[i][:, None], values[i], out)
-    return out
+  dtype = k_res_ref.dtype
   split = pl.program_id(2)
   length = lengths_ref[()]
   sm_scale = scale_ref[()]
@@ -570,27 +533,25 @@ def _split_kernel(
   def load_affine(t0, kb):
     """Raw (stored dtype) scales and zeros a step over tokens [t0, t0 + kb) reads.
 
-    ``(k_aff, v_aff)``, one list per kv head of the program: per-channel K
-    one ``([1, w] scale, [1, w] zero)`` per plane (in `k_flat` order);
-    per-token K and V one ``([kb] scale, [kb] zero)`` per channel group.
-    Indices are clamped into the arrays, so a look-ahead past the last step
-    reads valid (unused) rows.
+    ``(k_aff, v_aff)``: per-channel K one ``([1, w] scale, [1, w] zero)`` per
+    plane (in `k_flat` order); per-token K and V one ``([kb] scale, [kb]
+    zero)`` per channel group. Indices are clamped into the arrays, so a
+    look-ahead past the last step reads valid (unused) rows.
     """
-    k_aff, v_aff = [[] for _ in range(heads)], [[] for _ in range(heads)]
-    for i in range(heads):
-      k_sc, k_zr, v_sc, v_zr = k_scale_refs[i], k_zero_refs[i], v_scale_refs[i], v_zero_refs[i]
-      if k_side.bits < 16 and k_side.axis == "channel":
-        grp = jnp.minimum(t0 // token_group, k_scale_ref.shape[0] - 1)
-        for _, w, _, col, _ in k_flat:
-          k_aff[i].append((k_sc[pl.ds(grp, 1), pl.ds(col, w)], k_zr[pl.ds(grp, 1), pl.ds(col, w)]))
-      elif k_side.bits < 16:
-        tok = pl.ds(jnp.minimum(t0, k_scale_ref.shape[0] - kb), kb)
-        for g in range(head_dim // k_side.group):
-          k_aff[i].append((k_sc[tok, g], k_zr[tok, g]))
-      if v_side.bits < 16:
-        tok = pl.ds(jnp.minimum(t0, v_scale_ref.shape[0] - kb), kb)
-        for g in range(v_groups):
-          v_aff[i].append((v_sc[tok, g], v_zr[tok, g]))
+    k_aff, v_aff = [], []
+    if k_side.bits < 16 and k_side.axis == "channel":
+      grp = jnp.minimum(t0 // token_group, k_scale_ref.shape[0] - 1)
+      for _, w, _, col, _ in k_flat:
+        k_aff.append((k_scale_ref[pl.ds(grp, 1), pl.ds(col, w)],
+                      k_zero_ref[pl.ds(grp, 1), pl.ds(col, w)]))
+    elif k_side.bits < 16:
+      tok = pl.ds(jnp.minimum(t0, k_scale_ref.shape[0] - kb), kb)
+      for g in range(head_dim // k_side.group):
+        k_aff.append((k_scale_ref[tok, g], k_zero_ref[tok, g]))
+    if v_side.bits < 16:
+      tok = pl.ds(jnp.minimum(t0, v_scale_ref.shape[0] - kb), kb)
+      for g in range(v_groups):
+        v_aff.append((v_scale_ref[tok, g], v_zero_ref[tok, g]))
     return k_aff, v_aff
 
   def k_scores_channel(tok, k_aff):
@@ -605,10 +566,8 @@ def _split_kernel(
     """
     scales, bias = [], None
     for idx in range(len(k_flat)):
-      pairs = [k_side.affine(k_aff[i][idx][0].astype(jnp.float32),
-                             k_aff[i][idx][1].astype(jnp.float32)) for i in range(heads)]
-      scale = per_row([sc for sc, _ in pairs])  # [1, w], or [rows, w] for several heads
-      zero = per_row([zr for _, zr in pairs])
+      scale, zero = k_side.affine(k_aff[idx][0].astype(jnp.float32),
+                                  k_aff[idx][1].astype(jnp.float32))
       scales.append(scale)
       part = jnp.sum(q_f32[idx] * zero, axis=1)
       bias = part if bias is None else bias + part
@@ -621,15 +580,11 @@ def _split_kernel(
       bias = bias / s_max
     s = jnp.broadcast_to(bias[:, None], (rows, tok.size))
     for bcol, w, planes in k_side.chunks(head_dim):
-      operands = {}
+      codes = unpack(k_codes_ref, tok, bcol, w, k_side, k_dt)
       for plane, col, _ in planes:
         idx = k_flat.index((bcol, w, plane, col, 0))
         scale = scales[idx] if s_max is None else scales[idx] / s_max
-        operands[plane] = (q_f32[idx] * scale).astype(k_dt)
-      for i in range(heads):
-        codes = unpack(k_codes_refs[i], tok, bcol, w, k_side, k_dt)
-        for plane, _, _ in planes:
-          s = _dot_t(only(i, operands[plane]), codes[plane]) + s
+        s = _dot_t((q_f32[idx] * scale).astype(k_dt), codes[plane]) + s
     if s_max is None:
       return s if k_mult is None else s * k_mult[:, None]
     return s * (s_max * k_mult)[:, None]  # one multiply per score
@@ -638,27 +593,21 @@ def _split_kernel(
     """Scaled scores [rows, kb] of packed tokens [t0, t0 + kb)."""
     tok = pl.ds(t0, kb)
     if k_side.bits == 16:
-      s = None
-      for i in range(heads):
-        part = _dot_t(only(i, q_dots[0]), k_codes_refs[i][tok, :].astype(dtype))
-        s = part if s is None else part + s
-      return s * k_mult[:, None]
+      return _dot_t(q_dots[0], k_codes_ref[tok, :].astype(dtype)) * k_mult[:, None]
     if k_side.axis == "channel":
       return k_scores_channel(tok, k_aff)
     per_group = [None] * num_k_groups
     for bcol, w, planes in k_side.chunks(head_dim):
-      for i in range(heads):
-        codes = unpack(k_codes_refs[i], tok, bcol, w, k_side, k_dt)
-        for plane, col, g in planes:
-          qd = only(i, q_dots[k_flat.index((bcol, w, plane, col, g))])
-          per_group[g] = (_dot_t(qd, codes[plane]) if per_group[g] is None
-                          else _dot_t(qd, codes[plane]) + per_group[g])
+      codes = unpack(k_codes_ref, tok, bcol, w, k_side, k_dt)
+      for plane, col, g in planes:
+        qd = q_dots[k_flat.index((bcol, w, plane, col, g))]
+        per_group[g] = (_dot_t(qd, codes[plane]) if per_group[g] is None
+                        else _dot_t(qd, codes[plane]) + per_group[g])
     s = None
     for g in range(num_k_groups):
-      pairs = [k_side.affine(k_aff[i][g][0].astype(jnp.float32),
-                             k_aff[i][g][1].astype(jnp.float32)) for i in range(heads)]
-      scale, zero = per_row([sc for sc, _ in pairs]), per_row([zr for _, zr in pairs])
-      term = per_group[g] * scale + q_sums[g][:, None] * zero
+      scale, zero = k_side.affine(k_aff[g][0].astype(jnp.float32),
+                                  k_aff[g][1].astype(jnp.float32))
+      term = per_group[g] * scale[None, :] + q_sums[g][:, None] * zero[None, :]
       s = term if s is None else s + term
     return s * k_mult[:, None]
 
@@ -695,40 +644,34 @@ def _split_kernel(
     l = l + p if defer_sums else l + jnp.sum(p, axis=1)
     tok = pl.ds(t0, kb)
     if v_side.bits == 16:
-      p_dt, acc = p.astype(dtype), accs[0]
-      for i in range(heads):
-        v = packed_only(v_codes_refs[i][tok, :].astype(dtype), 0)
-        acc = acc + _dot(only(i, p_dt), v)
-      return m_new, l, [acc], zaccs
+      v = packed_only(v_codes_ref[tok, :].astype(dtype), 0)
+      return m_new, l, [accs[0] + _dot(p.astype(dtype), v)], zaccs
     p_scaled, v_mult, new_zaccs = [], [], []
     for g in range(v_groups):
-      pairs = [v_side.affine(packed_only(v_aff[i][g][0].astype(jnp.float32), 0.0),
-                             packed_only(v_aff[i][g][1].astype(jnp.float32), 0.0))
-               for i in range(heads)]
-      # [1, kb] (one head) or [rows, kb]: each row its head's token scales
-      scale, zero = per_row([sc for sc, _ in pairs]), per_row([zr for _, zr in pairs])
+      scale = packed_only(v_aff[g][0].astype(jnp.float32), 0.0)
+      zero = packed_only(v_aff[g][1].astype(jnp.float32), 0.0)
+      scale, zero = v_side.affine(scale, zero)
       if v_norm:  # p * scale in float16: divide by the step's largest scale
         s_max = jnp.max(jnp.abs(scale))
         s_max = jnp.where(s_max > 0, s_max, 1.0)
-        p_scaled.append((p * (scale / s_max)).astype(v_dt))
+        p_scaled.append((p * (scale / s_max)[None, :]).astype(v_dt))
         v_mult.append(s_max)
       else:
-        p_scaled.append((p * scale).astype(v_dt))
+        p_scaled.append((p * scale[None, :]).astype(v_dt))
         v_mult.append(None)
       if defer_sums:
-        new_zaccs.append(zaccs[g] + p * zero)
+        new_zaccs.append(zaccs[g] + p * zero[None, :])
       else:
-        new_zaccs.append(zaccs[g] + jnp.sum(p * zero, axis=1))
+        new_zaccs.append(zaccs[g] + jnp.sum(p * zero[None, :], axis=1))
     new_accs = list(accs)
     for bcol, w, planes in v_side.chunks(head_dim):
-      for i in range(heads):
-        codes = unpack(v_codes_refs[i], tok, bcol, w, v_side, v_dt)
-        for plane, col, g in planes:
-          idx = v_flat.index((bcol, w, plane, col, g))
-          part = _dot(only(i, p_scaled[g]), codes[plane])
-          if v_mult[g] is not None:
-            part = part * v_mult[g]
-          new_accs[idx] = new_accs[idx] + part
+      codes = unpack(v_codes_ref, tok, bcol, w, v_side, v_dt)
+      for plane, col, g in planes:
+        idx = v_flat.index((bcol, w, plane, col, g))
+        part = _dot(p_scaled[g], codes[plane])
+        if v_mult[g] is not None:
+          part = part * v_mult[g]
+        new_accs[idx] = accs[idx] + part
     return m_new, l, new_accs, new_zaccs
 
   # Per-channel K: a step never crosses a token group (one scale row per step).
@@ -793,19 +736,15 @@ def _split_kernel(
     valid = in_res[None, :] & ((packed + idx)[None, :] <= row_limit[:, None])
     tok = pl.ds(r0, res_block)
     s = None
-    for i in range(heads):
-      for (_, w, _, col, _), qr in zip(k_flat, q_res):
-        part = _dot_t(only(i, qr), k_res_refs[i][tok, pl.ds(col, w)])
-        s = part if s is None else s + part
+    for (_, w, _, col, _), qr in zip(k_flat, q_res):
+      part = _dot_t(qr, k_res_ref[tok, pl.ds(col, w)])
+      s = part if s is None else s + part
     p, alpha, m, l = online_softmax(s * res_mult[:, None], valid, m, l)
     p = p.astype(dtype)
     new_accs = []
     for (_, w, _, col, _), acc in zip(v_flat, accs):
-      acc = alpha[:, None] * acc
-      for i in range(heads):
-        v = jnp.where(in_res[:, None], v_res_refs[i][tok, pl.ds(col, w)], 0)
-        acc = acc + _dot(only(i, p), v)
-      new_accs.append(acc)
+      v = jnp.where(in_res[:, None], v_res_ref[tok, pl.ds(col, w)], 0)
+      new_accs.append(alpha[:, None] * acc + _dot(p, v))
     return m, l, new_accs
 
   def residual_part(carry):
@@ -867,32 +806,21 @@ def _combine_kernel(
     lse_ref[...] = jnp.where(l == 0, -jnp.inf, m + jnp.log(safe))
 
 
-class _PrefixRef:
-  """A ``[L, ...]`` / ``[heads, ...]`` / ``[L, heads, ...]`` ref read at fixed
-  leading indices (the layer, the program's kv head): every load gets them
-  prepended (one indexer per load: Pallas Triton does not lower a load
+class _LayerRef:
+  """A ``[L, ...]`` ref read as its layer ``layer``: every load gets the layer
+  index prepended (one indexer per load: Pallas Triton does not lower a load
   through a ``ref.at[...]`` view plus an index, "multiple indexers")."""
 
-  def __init__(self, ref, prefix: tuple):
-    self._ref, self._prefix = ref, tuple(prefix)
-    self.shape, self.dtype = tuple(ref.shape[len(self._prefix):]), ref.dtype
+  def __init__(self, ref, layer):
+    self._ref, self._layer = ref, layer
+    self.shape, self.dtype = tuple(ref.shape[1:]), ref.dtype
 
   def __getitem__(self, idx):
     if not isinstance(idx, tuple):
       idx = (idx,)
     if idx == (Ellipsis,):
       idx = (slice(None),) * len(self.shape)
-    return self._ref[(*self._prefix, *idx)]
-
-
-def _program_heads(config: DecodeAttentionConfig, kv_heads: int, q_rows: int) -> int:
-  """kv heads per program: the largest power of two <= ``config.heads_per_program``
-  dividing ``kv_heads`` whose query rows fit one 16-row tile."""
-  heads = 1
-  while (heads * 2 <= config.heads_per_program and kv_heads % (heads * 2) == 0
-         and heads * 2 * q_rows <= _MIN_ROWS):
-    heads *= 2
-  return heads
+    return self._ref[(self._layer, *idx)]
 
 
 def _side_arrays(codes, scale, zero, bits):
@@ -1021,6 +949,7 @@ def dequant_decode_attention(
     raise ValueError(why)
   group_q = q_heads // kv_heads
   q_rows = group_q * num_queries
+  rows = max(_MIN_ROWS, _triton.next_pow2(q_rows))
   residual = k_residual.shape[lead + 2]
   sm_scale = jnp.asarray(head_dim ** -0.5 if scale is None else scale, jnp.float32)
   if sm_scale.shape != ():
@@ -1040,28 +969,21 @@ def dequant_decode_attention(
   # Residual rows per unrolled step: at most 8 steps, tiles of >= 32 rows.
   res_block = min(residual & -residual, max(32, residual // 8))
 
-  # A program serves `heads` consecutive kv heads (one group); its query rows
-  # are the groups' heads one after another, each with rows r = h * S + s of
-  # its query block (a free reshape when S == 1).
-  heads = _program_heads(config, kv_heads, q_rows)
-  groups = kv_heads // heads
-  group_rows = heads * q_rows
-  rows = max(_MIN_ROWS, _triton.next_pow2(group_rows))
+  # Rows r = h * S + s of kv head k's query block; a free reshape when S == 1.
   qh = q.reshape(batch, num_queries, kv_heads, group_q, head_dim)
-  qh = qh.transpose(0, 2, 3, 1, 4).reshape(batch, groups, group_rows, head_dim)
+  qh = qh.transpose(0, 2, 3, 1, 4).reshape(batch, kv_heads, q_rows, head_dim)
   # Rows the combine writes (a power of two); the split kernel gets q zero-padded
   # to the full M of its dots, so every row of a dot operand is its own register.
-  q_block = _triton.next_pow2(group_rows)
-  qh = jnp.pad(qh, ((0, 0), (0, 0), (0, rows - group_rows), (0, 0)))
+  q_block = _triton.next_pow2(q_rows)
+  qh = jnp.pad(qh, ((0, 0), (0, 0), (0, rows - q_rows), (0, 0)))
   num_parts = config.num_parts
-  head_block = None if heads == 1 else heads  # a squeezed head axis for one head
 
-  def full(x):  # one (b, head group) slice of a [B, H, ...] array per program
-    return pl.BlockSpec((None, head_block, *x.shape[2:]),
+  def full(x):  # one (b, h) slice of a [B, H, ...] array per program
+    return pl.BlockSpec((None, None, *x.shape[2:]),
                         lambda b, h, j, _n=x.ndim - 2: (b, h) + (0,) * _n)
 
-  def full_stacked(x):  # every layer of one (b, head group) of a [L, B, H, ...] array
-    return pl.BlockSpec((x.shape[0], None, head_block, *x.shape[3:]),
+  def full_stacked(x):  # every layer of one (b, h) of a [L, B, H, ...] array
+    return pl.BlockSpec((x.shape[0], None, None, *x.shape[3:]),
                         lambda b, h, j, _n=x.ndim - 3: (0, b, h) + (0,) * _n)
 
   k_arrays = _side_arrays(k_codes, k_scale, k_zero, fmt.k_bits)
@@ -1071,8 +993,7 @@ def dequant_decode_attention(
   inputs = [lengths.astype(jnp.int32), jnp.broadcast_to(sm_scale, (batch,)), layer_arr, qh,
             *cache_arrays]
   per_seq = pl.BlockSpec((None,), lambda b, h, j: (b,))
-  q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, j: (b, h, 0, 0))
-  in_specs = [per_seq, per_seq, per_seq, q_spec] + [
+  in_specs = [per_seq, per_seq, per_seq, full(qh)] + [
       (full_stacked if stacked else full)(x) for x in cache_arrays]
 
   kernel = functools.partial(
@@ -1082,25 +1003,22 @@ def dequant_decode_attention(
       block_k=block_k, res_block=res_block, use_asm=not interpret,
       defer_sums=config.defer_sums, prefetch=config.prefetch, fast_exp=config.fast_exp,
       unpack_sub=config.unpack_sub and _triton.compute_capability() >= (9, 0),
-      lazy_rescale=config.lazy_rescale, head_rows=q_rows)
+      lazy_rescale=config.lazy_rescale)
   num_k, num_v = len(k_arrays), len(v_arrays)
 
   def kernel_with_nones(lengths_ref, scale_ref, layer_ref, q_ref, *refs):
-    num_cache = num_k + num_v + 2
-    # Each cache ref as one view per kv head of the program (this program's
-    # layer of a stacked cache read in place).
-    lead = (layer_ref[()],) if stacked else ()
-    per_head = [[r] if not lead and heads == 1 else
-                [_PrefixRef(r, lead if heads == 1 else (*lead, i)) for i in range(heads)]
-                for r in refs[:num_cache]]
-    k_refs = per_head[:num_k] + [[None] * heads] * (3 - num_k)
-    v_refs = per_head[num_k:num_k + num_v] + [[None] * heads] * (3 - num_v)
-    kernel(lengths_ref, scale_ref, q_ref, *k_refs, *v_refs, *per_head[num_k + num_v:],
-           *refs[num_cache:])
+    if stacked:  # this program's layer, read in place
+      layer_idx = layer_ref[()]
+      refs = ([_LayerRef(r, layer_idx) for r in refs[:num_k + num_v + 2]]
+              + list(refs[num_k + num_v + 2:]))
+    k_refs = list(refs[:num_k]) + [None] * (3 - num_k)
+    v_refs = list(refs[num_k:num_k + num_v]) + [None] * (3 - num_v)
+    rest = refs[num_k + num_v:]
+    kernel(lengths_ref, scale_ref, q_ref, *k_refs, *v_refs, *rest)
 
   o_part, l_part, m_part = pl.pallas_call(
       kernel_with_nones,
-      grid=(batch, groups, num_parts),
+      grid=(batch, kv_heads, num_parts),
       in_specs=in_specs,
       out_specs=[
           pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, j: (b, h, j, 0, 0)),
@@ -1108,9 +1026,9 @@ def dequant_decode_attention(
           pl.BlockSpec((None, None, None, rows), lambda b, h, j: (b, h, j, 0)),
       ],
       out_shape=[
-          jax.ShapeDtypeStruct((batch, groups, num_parts, rows, head_dim), jnp.float32),
-          jax.ShapeDtypeStruct((batch, groups, num_parts, rows), jnp.float32),
-          jax.ShapeDtypeStruct((batch, groups, num_parts, rows), jnp.float32),
+          jax.ShapeDtypeStruct((batch, kv_heads, num_parts, rows, head_dim), jnp.float32),
+          jax.ShapeDtypeStruct((batch, kv_heads, num_parts, rows), jnp.float32),
+          jax.ShapeDtypeStruct((batch, kv_heads, num_parts, rows), jnp.float32),
       ],
       compiler_params=_triton.compiler_params(
           num_warps=config.num_warps, num_stages=config.num_stages),
@@ -1130,13 +1048,13 @@ def dequant_decode_attention(
          and parts_block * 2 * q_block * dblk <= budget):
     parts_block *= 2
   out_specs = [pl.BlockSpec((None, None, q_block, dblk), lambda b, h, d: (b, h, 0, d))]
-  out_shape = [jax.ShapeDtypeStruct((batch, groups, q_block, head_dim), q.dtype)]
+  out_shape = [jax.ShapeDtypeStruct((batch, kv_heads, q_block, head_dim), q.dtype)]
   if return_lse:  # every column block writes the same lse rows
     out_specs.append(pl.BlockSpec((None, None, q_block), lambda b, h, d: (b, h, 0)))
-    out_shape.append(jax.ShapeDtypeStruct((batch, groups, q_block), jnp.float32))
+    out_shape.append(jax.ShapeDtypeStruct((batch, kv_heads, q_block), jnp.float32))
   outs = pl.pallas_call(
       functools.partial(_combine_kernel, parts_block=parts_block),
-      grid=(batch, groups, head_dim // dblk),
+      grid=(batch, kv_heads, head_dim // dblk),
       in_specs=[
           pl.BlockSpec((None, None, num_parts, rows, dblk), lambda b, h, d: (b, h, 0, 0, d)),
           pl.BlockSpec((None, None, num_parts, rows), lambda b, h, d: (b, h, 0, 0)),
@@ -1148,11 +1066,11 @@ def dequant_decode_attention(
       interpret=interpret,
       name="jaxkv_decode_combine",
   )(o_part, l_part, m_part)
-  out = outs[0][:, :, :group_rows].reshape(batch, kv_heads, group_q, num_queries, head_dim)
+  out = outs[0][:, :, :q_rows].reshape(batch, kv_heads, group_q, num_queries, head_dim)
   out = out.transpose(0, 3, 1, 2, 4).reshape(batch, num_queries, q_heads, head_dim)
   if not return_lse:
     return out
-  lse = outs[1][:, :, :group_rows].reshape(batch, kv_heads, group_q, num_queries)
+  lse = outs[1][:, :, :q_rows].reshape(batch, kv_heads, group_q, num_queries)
   return out, lse.transpose(0, 3, 1, 2).reshape(batch, num_queries, q_heads)
 
 

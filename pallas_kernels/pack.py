@@ -402,7 +402,13 @@ def quantize_pack_kv(
   scale_dtype = jnp.dtype(scale_dtype)
   n = int(np.prod(lead, dtype=np.int64))
   if config is None:
-    config = PackConfig.default(tokens=tokens, head_dim=head_dim, axis="token")
+    # 8-byte K column blocks: twice the per-channel K programs of the
+    # single-side default, so the column min/max work of a one-group flush
+    # spreads over more SMs (H100, jax 0.11.2, one flush at (1, 131072, 32, 8):
+    # kivi2 11.6 -> 7.0 us; per-token K unchanged;
+    # `bench/results/flush-fused-blockw-*.log`).
+    config = dataclasses.replace(
+        PackConfig.default(tokens=tokens, head_dim=head_dim, axis="token"), block_w=8)
   params = _triton.compiler_params(num_warps=config.num_warps, num_stages=config.num_stages)
   block_t = min(config.block_t, _triton.next_pow2(tokens))
   padded = pl.cdiv(tokens, block_t) * block_t

@@ -101,9 +101,11 @@ def test_pack_kv_bitwise(name, tokens, head_dim, dtype):
   refs = (jax.jit(functools.partial(quant.quantize, bits=fmt.k_bits, axis=fmt.k_axis,
                                     group=k_group))(k),
           jax.jit(functools.partial(quant.quantize, bits=fmt.v_bits, axis="token", group=gd))(v))
-  for mask in (None, active):
+  # The default (8-byte K column blocks) and 16-byte blocks with two warps.
+  for mask, config in ((None, None), (active, None), (active, pk.PackConfig(16, 16, 2))):
     got = pk.quantize_pack_kv(k, v, k_bits=fmt.k_bits, k_axis=fmt.k_axis, k_group=k_group,
-                              v_bits=fmt.v_bits, v_group=gd, interpret=INTERPRET, active=mask)
+                              v_bits=fmt.v_bits, v_group=gd, interpret=INTERPRET, active=mask,
+                              config=config)
     rows = np.ones((2, 3), bool) if mask is None else np.asarray(mask)
     for side, g_side, r_side in zip("kv", got, refs):
       for what, g, r in zip(("codes", "scale", "zero"), g_side, r_side):
@@ -270,44 +272,6 @@ def test_lazy_rescale_matches_eager(name, defer):
   np.testing.assert_allclose(np.asarray(lazy, np.float64), _oracle(q, cache), atol=tol, rtol=tol)
 
 
-HEADS_CASES = [
-    # (format, B, Hkv, Hq/Hkv, D, S, lengths, capacity, dtype, heads_per_program)
-    ("kivi4", 2, 4, 4, 128, 1, (300, 129), 512, jnp.float32, 4),   # 4 heads x 4 rows
-    ("kivi4", 1, 8, 4, 64, 1, (451,), 512, jnp.bfloat16, 4),
-    ("kivi2", 2, 4, 2, 128, 2, (384, 7), 512, jnp.float32, 4),     # 4 heads x (2 x 2) rows
-    ("kivi4", 1, 6, 1, 64, 3, (333,), 512, jnp.float32, 4),        # 6 kv heads: pairs
-    ("int8", 2, 2, 4, 64, 2, (300, 77), 512, jnp.float32, 2),      # per-token K
-    ("k8v4", 2, 4, 4, 128, 1, (256, 5), 512, jnp.float32, 4),
-    ("int4-token-g4", 1, 2, 4, 128, 1, (400,), 512, jnp.float32, 2),
-    ("bf16", 2, 2, 8, 64, 1, (256, 5), 512, jnp.float32, 2),       # 16-bit sides
-    ("kivi4", 2, 2, 4, 64, 1, (300, 60), 512, jnp.float16, 2),     # float16 operands
-    ("kivi4-r2g", 2, 4, 4, 64, 2, (391, 263), 512, jnp.float32, 4),
-]
-
-
-@pytest.mark.parametrize(
-    "name,batch,kv_heads,group_q,head_dim,num_queries,lengths,capacity,dtype,heads", HEADS_CASES,
-    ids=[f"{c[0]}_H{c[2]}_gqa{c[3]}_D{c[4]}_S{c[5]}_{jnp.dtype(c[8]).name}_hp{c[9]}"
-         for c in HEADS_CASES])
-def test_heads_per_program_matches_oracle(name, batch, kv_heads, group_q, head_dim,
-                                          num_queries, lengths, capacity, dtype, heads):
-  """Several kv heads' query rows in one program's tiles: each head still
-  attends only over its own K/V (a mixed-up head is far off the oracle)."""
-  q, cache = _make_case(name, batch, kv_heads, group_q, head_dim, num_queries, lengths,
-                        capacity, dtype)
-  config = dataclasses.replace(
-      pk.DecodeAttentionConfig(block_k=64, num_splits=2), heads_per_program=heads)
-  out = pk.pallas_decode_attention(q, cache, config=config, interpret=INTERPRET)
-  got = np.asarray(out.astype(jnp.float32), np.float64)
-  tol = _TOL_BASE[dtype] * np.sqrt(max(lengths))
-  np.testing.assert_allclose(got, _oracle(q, cache), atol=tol, rtol=tol)
-  lse_out, lse = pk.pallas_decode_attention(q, cache, config=config, interpret=INTERPRET,
-                                            return_lse=True)
-  one = pk.pallas_decode_attention(q, cache, interpret=INTERPRET, return_lse=True,
-                                   config=pk.DecodeAttentionConfig(block_k=64, num_splits=2))
-  np.testing.assert_allclose(np.asarray(lse), np.asarray(one[1]), rtol=1e-4, atol=1e-4)
-
-
 def test_reference_matches_oracle():
   q, cache = _make_case("kivi4-g32", 2, 2, 3, 64, 3, (300, 40), 512, jnp.float32)
   out = pk.dequant_decode_attention_reference(
@@ -330,8 +294,6 @@ def test_config_validation():
     pk.DecodeAttentionConfig(block_k=48)
   with pytest.raises(ValueError, match="num_splits=0"):
     pk.DecodeAttentionConfig(num_splits=0)
-  with pytest.raises(ValueError, match="heads_per_program=3"):
-    pk.DecodeAttentionConfig(heads_per_program=3)
   with pytest.raises(ValueError, match="block_t=3"):
     pk.PackConfig(block_t=3)
 
