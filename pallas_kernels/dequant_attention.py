@@ -99,14 +99,6 @@ class DecodeAttentionConfig:
       kivi2 -2 to -5 %, int8 -1 to -2 %, k8v4 -14 to -16 % (the same
       outputs).
 
-    stale_max: a packed step shifts its scores by the running max carried in
-      from the previous steps, so the exponentials and the P @ V product
-      need not wait for this step's cross-warp row max; only when some row's
-      max outgrew the carried one by more than a slack (then ``p`` could
-      reach ``2**8``) or on a split's first valid step is the step redone
-      with the exact max (a program-uniform branch). The partial outputs
-      stay consistent with their maxima, so the combine is unchanged.
-
   Search space (`jaxkv.autotune`): block_k in {32, 64, 128, 256}, num_splits
   around the heuristic (x1/2, x1, x2), num_warps in {1, 2, 4}, num_stages in
   {2, 3, 4}, defer_sums in {True, False} (prefetch stays on).
@@ -122,7 +114,6 @@ class DecodeAttentionConfig:
   fast_exp: bool = True
   unpack_sub: bool = True
   lazy_rescale: bool = True
-  stale_max: bool = False
 
   @property
   def num_parts(self) -> int:
@@ -335,10 +326,6 @@ def _dot_t(a, b):
 
 
 _LOG2E = 1.4426950408889634
-# stale_max: how far (in the kernel's score units) a row's block max may exceed
-# the shift in use before the step is redone with the exact max (p <= 2**8 in
-# base 2, e**8 in natural units: far from float32/bfloat16/float16 overflow).
-_STALE_MAX_SLACK = 8.0
 _LN2 = 0.6931471805599453
 
 
@@ -439,7 +426,6 @@ def _split_kernel(
     fast_exp: bool = False,
     unpack_sub: bool = False,
     lazy_rescale: bool = False,
-    stale_max: bool = False,
 ):
   rows, head_dim = o_ref.shape
   q_rows = q_ref.shape[0]
@@ -639,75 +625,54 @@ def _split_kernel(
       if in_packed is None:
         return x
       return jnp.where(in_packed.reshape(in_packed.shape + (1,) * (x.ndim - 1)), x, fill)
-    m_blk = jnp.max(s, axis=1)
-    tok = pl.ds(t0, kb)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = exp(s - m_safe[:, None])
 
-    def accumulate(p, l, accs, zaccs):
-      """Adds one step's probabilities ``p [rows, kb]`` to the sums and the output."""
-      l = l + p if defer_sums else l + jnp.sum(p, axis=1)
-      if v_side.bits == 16:
-        v = packed_only(v_codes_ref[tok, :].astype(dtype), 0)
-        return l, [accs[0] + _dot(p.astype(dtype), v)], zaccs
-      p_scaled, v_mult, new_zaccs = [], [], []
-      for g in range(v_groups):
-        scale = packed_only(v_aff[g][0].astype(jnp.float32), 0.0)
-        zero = packed_only(v_aff[g][1].astype(jnp.float32), 0.0)
-        scale, zero = v_side.affine(scale, zero)
-        if v_norm:  # p * scale in float16: divide by the step's largest scale
-          s_max = jnp.max(jnp.abs(scale))
-          s_max = jnp.where(s_max > 0, s_max, 1.0)
-          p_scaled.append((p * (scale / s_max)[None, :]).astype(v_dt))
-          v_mult.append(s_max)
-        else:
-          p_scaled.append((p * scale[None, :]).astype(v_dt))
-          v_mult.append(None)
-        if defer_sums:
-          new_zaccs.append(zaccs[g] + p * zero[None, :])
-        else:
-          new_zaccs.append(zaccs[g] + jnp.sum(p * zero[None, :], axis=1))
-      new_accs = list(accs)
-      for bcol, w, planes in v_side.chunks(head_dim):
-        codes = unpack(v_codes_ref, tok, bcol, w, v_side, v_dt)
-        for plane, col, g in planes:
-          idx = v_flat.index((bcol, w, plane, col, g))
-          part = _dot(p_scaled[g], codes[plane])
-          if v_mult[g] is not None:
-            part = part * v_mult[g]
-          new_accs[idx] = accs[idx] + part
-      return l, new_accs, new_zaccs
-
-    def rescale(c, m_safe):  # every accumulator times exp(m_old - m_new)
+    def rescale(c):  # every accumulator times exp(m_old - m_new)
       l_, accs_, zaccs_ = c
       a = exp(m - m_safe)
       a2 = a[:, None]
       return (a2 * l_ if defer_sums else a * l_, [a2 * x for x in accs_],
               [a2 * z if defer_sums else a * z for z in zaccs_])
 
-    def exact(_):  # shift by the new running max
-      m_new = jnp.maximum(m, m_blk)
-      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      return (m_new, *accumulate(exp(s - m_safe[:, None]),
-                                 *rescale((l, list(accs), list(zaccs)), m_safe)))
-
-    if stale_max:
-      # Shift by the running max carried in (no wait for this step's row
-      # max); exact only when some row's max outgrew it by more than
-      # _STALE_MAX_SLACK (so p <= 2**slack, no overflow) or on the first
-      # valid step. The speculative products are discarded then.
-      m_old = jnp.where(m == -jnp.inf, 0.0, m)
-      fast = (m, *accumulate(exp(s - m_old[:, None]), l, list(accs), list(zaccs)))
-      grew = jnp.max(jnp.where(m_blk > m + _STALE_MAX_SLACK, 1, 0)) > 0
-      return lax.cond(grew, exact, lambda _: fast, None)
-    if not lazy_rescale:
-      return exact(None)
-    m_new = jnp.maximum(m, m_blk)
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    p = exp(s - m_safe[:, None])
-    # The factor is exp(0) = 1 unless some row's max grew.
-    grew = jnp.max(jnp.where(m_new > m, 1, 0)) > 0
-    l, accs, zaccs = lax.cond(grew, functools.partial(rescale, m_safe=m_safe), lambda c: c,
-                              (l, list(accs), list(zaccs)))
-    return (m_new, *accumulate(p, l, accs, zaccs))
+    if lazy_rescale:  # the factor is exp(0) = 1 unless some row's max grew
+      grew = jnp.max(jnp.where(m_new > m, 1, 0)) > 0
+      l, accs, zaccs = lax.cond(grew, rescale, lambda c: c, (l, list(accs), list(zaccs)))
+    else:
+      l, accs, zaccs = rescale((l, list(accs), list(zaccs)))
+    l = l + p if defer_sums else l + jnp.sum(p, axis=1)
+    tok = pl.ds(t0, kb)
+    if v_side.bits == 16:
+      v = packed_only(v_codes_ref[tok, :].astype(dtype), 0)
+      return m_new, l, [accs[0] + _dot(p.astype(dtype), v)], zaccs
+    p_scaled, v_mult, new_zaccs = [], [], []
+    for g in range(v_groups):
+      scale = packed_only(v_aff[g][0].astype(jnp.float32), 0.0)
+      zero = packed_only(v_aff[g][1].astype(jnp.float32), 0.0)
+      scale, zero = v_side.affine(scale, zero)
+      if v_norm:  # p * scale in float16: divide by the step's largest scale
+        s_max = jnp.max(jnp.abs(scale))
+        s_max = jnp.where(s_max > 0, s_max, 1.0)
+        p_scaled.append((p * (scale / s_max)[None, :]).astype(v_dt))
+        v_mult.append(s_max)
+      else:
+        p_scaled.append((p * scale[None, :]).astype(v_dt))
+        v_mult.append(None)
+      if defer_sums:
+        new_zaccs.append(zaccs[g] + p * zero[None, :])
+      else:
+        new_zaccs.append(zaccs[g] + jnp.sum(p * zero[None, :], axis=1))
+    new_accs = list(accs)
+    for bcol, w, planes in v_side.chunks(head_dim):
+      codes = unpack(v_codes_ref, tok, bcol, w, v_side, v_dt)
+      for plane, col, g in planes:
+        idx = v_flat.index((bcol, w, plane, col, g))
+        part = _dot(p_scaled[g], codes[plane])
+        if v_mult[g] is not None:
+          part = part * v_mult[g]
+        new_accs[idx] = accs[idx] + part
+    return m_new, l, new_accs, new_zaccs
 
   # Per-channel K: a step never crosses a token group (one scale row per step).
   sub_k = (min(token_group, block_k) if k_side.axis == "channel" and k_side.bits < 16
@@ -1038,7 +1003,7 @@ def dequant_decode_attention(
       block_k=block_k, res_block=res_block, use_asm=not interpret,
       defer_sums=config.defer_sums, prefetch=config.prefetch, fast_exp=config.fast_exp,
       unpack_sub=config.unpack_sub and _triton.compute_capability() >= (9, 0),
-      lazy_rescale=config.lazy_rescale, stale_max=config.stale_max)
+      lazy_rescale=config.lazy_rescale)
   num_k, num_v = len(k_arrays), len(v_arrays)
 
   def kernel_with_nones(lengths_ref, scale_ref, layer_ref, q_ref, *refs):

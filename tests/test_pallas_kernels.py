@@ -272,25 +272,6 @@ def test_lazy_rescale_matches_eager(name, defer):
   np.testing.assert_allclose(np.asarray(lazy, np.float64), _oracle(q, cache), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("name,dtype,defer", [("kivi4", jnp.float32, True),
-                                              ("k8v4", jnp.float32, False),
-                                              ("kivi2", jnp.bfloat16, True),
-                                              ("int8", jnp.float16, True),
-                                              ("bf16", jnp.float32, True)])
-def test_stale_max_matches_oracle(name, dtype, defer):
-  """Shifting by the carried max (exact steps only when it grew by > the slack)."""
-  q, cache = _make_case(name, 2, 2, 4, 64, 3, (700, 250), 768, dtype)
-  # Scores that keep growing along the sequence: most steps take the
-  # carried-max path, some outgrow it and are redone exactly.
-  q = q * 4.0
-  config = pk.DecodeAttentionConfig(block_k=64, num_splits=2, defer_sums=defer, stale_max=True)
-  out = pk.pallas_decode_attention(q, cache, interpret=INTERPRET, config=config)
-  got = np.asarray(out.astype(jnp.float32), np.float64)
-  assert np.isfinite(got).all()
-  tol = _TOL_BASE[dtype] * np.sqrt(700)
-  np.testing.assert_allclose(got, _oracle(q, cache), atol=tol, rtol=tol)
-
-
 def test_reference_matches_oracle():
   q, cache = _make_case("kivi4-g32", 2, 2, 3, 64, 3, (300, 40), 512, jnp.float32)
   out = pk.dequant_decode_attention_reference(
