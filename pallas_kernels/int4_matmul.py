@@ -223,5 +223,149 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, zero: jax.Arr
   return part.sum(axis=0)[:rows].reshape(*lead, n_out)
 
 
-__all__ = ["Int4MatmulConfig", "MAX_ROWS", "dequantize_groups", "int4_matmul", "int4_matmul_reference",
-           "pack_weight", "supports", "unpack_weight"]
+# ---------------------------------------------------------- one row: matvec
+@dataclasses.dataclass(frozen=True)
+class Int4MatvecConfig:
+  """Launch parameters of the one-row kernel (`int4_matvec`).
+
+  Attributes:
+    block_n: output columns (rows of the transposed codes) per program.
+    num_splits: programs along the input dimension (divides the group count).
+    num_warps, num_stages: Triton launch parameters.
+  """
+
+  block_n: int = 64
+  num_splits: int = 1
+  num_warps: int = 4
+  num_stages: int = 3
+
+  def __post_init__(self):
+    if not _triton.is_pow2(self.block_n) or not 16 <= self.block_n <= 512:
+      raise ValueError(f"block_n={self.block_n} must be a power of two in [16, 512]")
+    _triton.check_launch(self)
+
+  @classmethod
+  def default(cls, *, n_in: int, n_out: int, group: int,
+              num_sms: int | None = None) -> "Int4MatvecConfig":
+    """About 8 programs per SM, 64 columns each (the groups split to fill the GPU)."""
+    num_sms = num_sms or _triton.num_sms()
+    block_n = next((b for b in (64, 32, 16) if n_out % b == 0), 16)
+    groups = n_in // group
+    want = max(1, -(-8 * num_sms // (n_out // block_n)))
+    splits = max(d for d in range(1, groups + 1) if groups % d == 0 and d <= want)
+    return cls(block_n=block_n, num_splits=splits)
+
+
+def transpose_packed(packed: jax.Array, tile_n: int | None = None) -> jax.Array:
+  """`pack_weight` storage ``[in / 2, out]`` -> the matvec's ``[out, in / 2]`` (same bytes).
+
+  ``tile_n``: ``(tile_n, group)`` to tile instead, ``[out / tile_n, groups, tile_n,
+  G / 2]``: every program step then reads one contiguous ``tile_n * G / 2``-byte
+  tile (needs ``config.block_n == tile_n``).
+  """
+  t = jnp.swapaxes(packed, 0, 1)
+  if tile_n is None:
+    return t
+  tile_n, group = tile_n
+  n_out, half_in = t.shape
+  t = t.reshape(n_out // tile_n, tile_n, half_in // (group // 2), group // 2)
+  return jnp.swapaxes(t, 1, 2)
+
+
+def _matvec_kernel(x_ref, xsum_ref, codes_ref, scale_ref, zero_ref, o_ref, *, group,
+                   groups_per_split, use_asm):
+  half = group // 2
+  split = pl.program_id(1)
+  f32 = jnp.float32
+
+  def body(i, acc):
+    g = split * groups_per_split + i
+    if len(codes_ref.shape) == 3:                               # tiled storage
+      c = codes_ref[g]                                          # [bn, G/2] uint8
+    else:
+      c = codes_ref[:, pl.ds(g * half, half)]                   # [bn, G/2] uint8
+    lo, hi = _unpack_planes(c, 4, jnp.bfloat16, use_asm)        # exact codes
+    x_lo = x_ref[pl.ds(g * group, half)].astype(f32)           # [G/2]
+    x_hi = x_ref[pl.ds(g * group + half, half)].astype(f32)
+    # Each output column's dot over the group's inputs: the input axis is
+    # the contiguous one, so most of the sum stays inside a thread.
+    d = (jnp.sum(lo.astype(f32) * x_lo[None, :], axis=1)
+         + jnp.sum(hi.astype(f32) * x_hi[None, :], axis=1))   # [bn]
+    return acc + d * scale_ref[g, :] + xsum_ref[g] * zero_ref[g, :]
+
+  bn = codes_ref.shape[-2]
+  o_ref[...] = lax.fori_loop(0, groups_per_split, body, jnp.zeros((bn,), f32))
+
+
+@functools.partial(jax.jit, static_argnames=("group", "config", "interpret"))
+def int4_matvec(x: jax.Array, packed_t: jax.Array, scale: jax.Array, zero: jax.Array, *,
+                group: int, config: Int4MatvecConfig | None = None,
+                interpret: bool = False) -> jax.Array:
+  """``x @ W`` for one row ``x`` and a 4-bit ``W`` in transposed storage, on CUDA cores.
+
+  A decode step at batch 1 multiplies one row: `int4_matmul` pads it to a
+  16-row tensor-core tile. Here each program takes ``block_n`` output columns
+  and walks the groups of its split; the codes are ``[out, in / 2]``
+  (`transpose_packed` of `pack_weight`), so one column's codes of a group are
+  contiguous and its dot is summed mostly inside a thread, in float32.
+
+  Args:
+    x: ``[in]`` or ``[1, in]``.
+    packed_t: uint8 ``[out, in / 2]``; scale, zero: float32 ``[in / group, out]``.
+    group: input rows per (scale, zero).
+    config: launch parameters (default: `Int4MatvecConfig.default`).
+    interpret: Pallas interpret mode (CPU).
+  Returns:
+    ``x.shape[:-1] + (out,)`` float32.
+  """
+  lead, n_in = x.shape[:-1], x.shape[-1]
+  if int(np.prod(lead, dtype=np.int64)) != 1:
+    raise ValueError(f"int4_matvec takes one row, got x.shape={x.shape}")
+  tiled = packed_t.ndim == 4
+  n_out = packed_t.shape[0] * packed_t.shape[2] if tiled else packed_t.shape[0]
+  ok, why = supports(n_in, n_out, group, 1)
+  if not ok:
+    raise ValueError(f"int4_matvec: {why}")
+  if tiled:
+    if config is None or config.block_n != packed_t.shape[2]:
+      raise ValueError(f"tiled codes {packed_t.shape} need config.block_n={packed_t.shape[2]}")
+    if packed_t.shape[1:] != (n_in // group, packed_t.shape[2], group // 2):
+      raise ValueError(f"tiled codes {packed_t.shape} do not match in={n_in}, {group=}")
+  elif packed_t.shape != (n_out, n_in // 2) or packed_t.dtype != jnp.uint8:
+    raise ValueError(f"packed_t {packed_t.shape} {packed_t.dtype} must be uint8 "
+                     f"[out, {n_in // 2}]")
+  groups = n_in // group
+  if scale.shape != (groups, n_out) or zero.shape != (groups, n_out):
+    raise ValueError(f"scale {scale.shape} / zero {zero.shape} must be [{groups}, {n_out}]")
+  if config is None:
+    config = Int4MatvecConfig.default(n_in=n_in, n_out=n_out, group=group)
+  if n_out % config.block_n or groups % config.num_splits:
+    raise ValueError(f"{config} does not tile out={n_out} / {groups} groups")
+  x1 = x.reshape(n_in)
+  xsum = jnp.sum(x1.astype(jnp.float32).reshape(groups, group), axis=1)   # [groups]
+  bn, splits = config.block_n, config.num_splits
+  part = pl.pallas_call(
+      functools.partial(_matvec_kernel, group=group, groups_per_split=groups // splits,
+                        use_asm=not interpret),
+      grid=(n_out // bn, splits),
+      in_specs=[
+          pl.BlockSpec((n_in,), lambda n, s: (0,)),
+          pl.BlockSpec((groups,), lambda n, s: (0,)),
+          (pl.BlockSpec((None, groups, bn, group // 2), lambda n, s: (n, 0, 0, 0)) if tiled
+           else pl.BlockSpec((bn, n_in // 2), lambda n, s: (n, 0))),
+          pl.BlockSpec((groups, bn), lambda n, s: (0, n)),
+          pl.BlockSpec((groups, bn), lambda n, s: (0, n)),
+      ],
+      out_specs=pl.BlockSpec((None, bn), lambda n, s: (s, n)),
+      out_shape=jax.ShapeDtypeStruct((splits, n_out), jnp.float32),
+      compiler_params=_triton.compiler_params(num_warps=config.num_warps,
+                                              num_stages=config.num_stages),
+      interpret=interpret,
+      name="jaxkv_int4_matvec",
+  )(x1, xsum, packed_t, scale.astype(jnp.float32), zero.astype(jnp.float32))
+  return part.sum(axis=0).reshape(*lead, n_out)
+
+
+__all__ = ["Int4MatmulConfig", "Int4MatvecConfig", "MAX_ROWS", "dequantize_groups",
+           "int4_matmul", "int4_matmul_reference", "int4_matvec", "pack_weight", "supports",
+           "transpose_packed", "unpack_weight"]
