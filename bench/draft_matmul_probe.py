@@ -76,57 +76,6 @@ def sweep(n_in, n_out, qs, group, calls):
   return out
 
 
-def matvec(n_in, n_out, qs, calls):
-  """One row: the CUDA-core kernel (`int4_matvec`, codes transposed beforehand) in
-  several configs beside the tensor-core kernel's default, outputs checked against it."""
-  group = qs[0].group
-  packed_t = [i4.transpose_packed(q.codes) for q in qs]
-  jax.block_until_ready(packed_t)
-  base = i4.Int4MatvecConfig.default(n_in=n_in, n_out=n_out, group=group)
-  groups = n_in // group
-  variants = {"default": base}
-  for bn, warps in ((32, 2), (64, 2), (128, 4), (128, 8), (256, 8)):
-    if n_out % bn == 0:
-      variants[f"bn{bn}_w{warps}"] = dataclasses.replace(base, block_n=bn, num_warps=warps)
-  for f, name in ((2, "splits_x2"), (4, "splits_x4")):
-    if groups % (base.num_splits * f) == 0:
-      variants[name] = dataclasses.replace(base, num_splits=base.num_splits * f)
-  if base.num_splits % 2 == 0:
-    variants["splits_half"] = dataclasses.replace(base, num_splits=base.num_splits // 2)
-  variants["stages4"] = dataclasses.replace(base, num_stages=4)
-  x = jax.random.normal(jax.random.PRNGKey(5), (1, n_in), jnp.bfloat16)
-
-  def mma(x, qw):
-    return i4.int4_matmul(x, qw.codes, qw.scale, qw.zero, group=group)
-  ref = jax.jit(mma)(x, qs[0])
-  us = timing.kernel_time(mma, [(x, q) for q in qs], calls=calls)["kernel"] * 1e6
-  out = [dict(n_in=n_in, n_out=n_out, batch=1, variant="mma_default", kernel_us=us)]
-  print(f"    {'mma_default':12s} {us:7.1f} us", flush=True)
-  runs = [(name, cfg, packed_t) for name, cfg in variants.items()]
-  # Tiled storage: each program step reads one contiguous [block_n, G/2] tile.
-  for bn, warps, f in ((32, 2, 1), (64, 4, 1), (64, 4, 2), (128, 4, 1), (128, 8, 1)):
-    if n_out % bn or groups % (base.num_splits * f):
-      continue
-    cfg = dataclasses.replace(base, block_n=bn, num_warps=warps, num_splits=base.num_splits * f)
-    tiles = [i4.transpose_packed(q.codes, (bn, group)) for q in qs]
-    runs.append((f"tiled_bn{bn}_w{warps}_s{cfg.num_splits}", cfg, tiles))
-  for name, cfg, codes in runs:
-    def fn(x, pt, q, _c=cfg):
-      return i4.int4_matvec(x, pt, q.scale, q.zero, group=group, config=_c)
-    try:
-      y = jax.jit(fn)(x, codes[0], qs[0])
-      err = float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref)))
-      us = timing.kernel_time(fn, [(x, pt, q) for pt, q in zip(codes, qs)],
-                              calls=calls)["kernel"] * 1e6
-    except Exception as e:  # pylint: disable=broad-except
-      print(f"    matvec {name:12s} FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
-      continue
-    out.append(dict(n_in=n_in, n_out=n_out, batch=1, variant=f"matvec_{name}",
-                    config=dataclasses.asdict(cfg), kernel_us=us, rel_err_vs_mma=err))
-    print(f"    matvec {name:12s} {us:7.1f} us  err {err:.1e}  {cfg}", flush=True)
-  return out
-
-
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--batches", default="1,8")
@@ -134,8 +83,6 @@ def main(argv=None) -> int:
   p.add_argument("--calls", type=int, default=16)
   p.add_argument("--sweep", action="store_true",
                  help="also time kernel config variants at B=1 (correctness checked)")
-  p.add_argument("--matvec", action="store_true",
-                 help="also time the one-row CUDA-core kernel (int4_matvec) configs at B=1")
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
   from jaxkv import timing  # pylint: disable=import-outside-toplevel
@@ -177,8 +124,6 @@ def main(argv=None) -> int:
             f"kernel {row['kernel_max_abs_diff_vs_bf16']:.2e}", flush=True)
     if args.sweep:
       rows += sweep(n_in, n_out, qs, args.group, args.calls)
-    if args.matvec:
-      rows += matvec(n_in, n_out, qs, args.calls)
     del ws, qs
   if args.out:
     with open(args.out, "w") as fh:

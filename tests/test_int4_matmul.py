@@ -82,39 +82,3 @@ def test_int4_matmul_refuses_what_it_cannot_serve():
     i4.int4_matmul(jnp.ones((1, 128), jnp.bfloat16), jnp.zeros((64, 32), jnp.uint8),
                    sc, sc, group=32, config=i4.Int4MatmulConfig(block_n=16, num_splits=3),
                    interpret=True)
-
-
-@pytest.mark.parametrize("n_in,n_out,group,config", [
-    (256, 64, 128, None),
-    (384, 96, 64, i4.Int4MatvecConfig(block_n=32, num_splits=3, num_warps=2)),
-    (512, 128, 128, i4.Int4MatvecConfig(block_n=64, num_splits=2)),
-])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_matvec_matches_oracle(n_in, n_out, group, config, dtype):
-  """One row on CUDA cores over the transposed codes == float64 x @ W."""
-  rng = np.random.default_rng(n_in + n_out)
-  codes, scale, zero, w = _weights(rng, n_in, n_out, group)
-  x = rng.normal(0, 1, (1, n_in)).astype(np.float32)
-  xj = jnp.asarray(x, dtype)
-  packed_t = i4.transpose_packed(i4.pack_weight(jnp.asarray(codes), group))
-  got = i4.int4_matvec(xj, packed_t, jnp.asarray(scale), jnp.asarray(zero), group=group,
-                       config=config, interpret=INTERPRET)
-  assert got.shape == (1, n_out) and got.dtype == jnp.float32
-  want = np.asarray(xj.astype(jnp.float32), np.float64) @ w
-  np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-4, atol=1e-4)
-  # Tiled storage: one contiguous tile per program step.
-  config = config or i4.Int4MatvecConfig.default(n_in=n_in, n_out=n_out, group=group)
-  tiled = i4.transpose_packed(i4.pack_weight(jnp.asarray(codes), group),
-                              (config.block_n, group))
-  got = i4.int4_matvec(xj, tiled, jnp.asarray(scale), jnp.asarray(zero), group=group,
-                       config=config, interpret=INTERPRET)
-  np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-4, atol=1e-4)
-
-
-def test_matvec_rejects_bad_input():
-  packed_t = jnp.zeros((64, 128), jnp.uint8)
-  s = jnp.ones((2, 64), jnp.float32)
-  with pytest.raises(ValueError, match="one row"):
-    i4.int4_matvec(jnp.ones((2, 256)), packed_t, s, s, group=128, interpret=True)
-  with pytest.raises(ValueError, match="packed_t"):
-    i4.int4_matvec(jnp.ones((256,)), packed_t.T, s, s, group=128, interpret=True)
