@@ -38,7 +38,7 @@ class PackConfig:
     block_t: tokens per program for per-token quantization (power of two;
       per-channel quantization always uses one token group per program).
     block_w: packed byte columns per program for per-channel quantization
-      (power of two >= 8, capped at ``D * bits / 8``); each program reads
+      (power of two >= 4, capped at ``D * bits / 8``); each program reads
       the ``8 / bits`` channel slices that pack into those bytes. Narrow
       blocks give a flush (one group per sequence) enough programs.
     num_warps: Triton warps per program.
@@ -53,8 +53,8 @@ class PackConfig:
   def __post_init__(self):
     if not _triton.is_pow2(self.block_t):
       raise ValueError(f"block_t={self.block_t} must be a power of two")
-    if not _triton.is_pow2(self.block_w) or self.block_w < 8:
-      raise ValueError(f"block_w={self.block_w} must be a power of two >= 8")
+    if not _triton.is_pow2(self.block_w) or self.block_w < 4:
+      raise ValueError(f"block_w={self.block_w} must be a power of two >= 4")
 
   @classmethod
   def default(cls, *, tokens: int, head_dim: int, axis: str) -> "PackConfig":
@@ -402,13 +402,14 @@ def quantize_pack_kv(
   scale_dtype = jnp.dtype(scale_dtype)
   n = int(np.prod(lead, dtype=np.int64))
   if config is None:
-    # 8-byte K column blocks: twice the per-channel K programs of the
-    # single-side default, so the column min/max work of a one-group flush
-    # spreads over more SMs (H100, jax 0.11.2, one flush at (1, 131072, 32, 8):
-    # kivi2 11.6 -> 7.0 us; per-token K unchanged;
-    # `bench/results/flush-fused-blockw-*.log`).
+    # 4-byte K column blocks: four times the per-channel K programs of the
+    # single-side default's 16 bytes, so the column min/max work of a
+    # one-group flush spreads over more SMs (H100, jax 0.11.2, one flush at
+    # (1, 131072, 32, 8), 16 -> 8 -> 4 bytes: kivi4 6.3 -> 3.9 -> 3.1 us,
+    # kivi2 11.6 -> 7.1 -> 4.4 us; per-token K unchanged;
+    # `bench/results/flush-fused-*.log`).
     config = dataclasses.replace(
-        PackConfig.default(tokens=tokens, head_dim=head_dim, axis="token"), block_w=8)
+        PackConfig.default(tokens=tokens, head_dim=head_dim, axis="token"), block_w=4)
   params = _triton.compiler_params(num_warps=config.num_warps, num_stages=config.num_stages)
   block_t = min(config.block_t, _triton.next_pow2(tokens))
   padded = pl.cdiv(tokens, block_t) * block_t
