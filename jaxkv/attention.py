@@ -87,12 +87,13 @@ def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.A
   scale = check_scale(scale)
   b, s, hq, d = q.shape
   t, hkv = k.shape[1], k.shape[2]
+  lengths = check_lengths(lengths, b, t)
   if scale is None:
     scale = d ** -0.5
   hi = jax.lax.Precision.HIGHEST
   qf = q.astype(jnp.float32).reshape(b, s, hkv, hq // hkv, d)
   logits = jnp.einsum("bshgd,bthd->bhgst", qf, k.astype(jnp.float32), precision=hi) * scale
-  mask = _causal_mask(jnp.asarray(lengths, jnp.int32), s, t)[:, None, None]  # [B,1,1,S,T]
+  mask = _causal_mask(lengths, s, t)[:, None, None]  # [B,1,1,S,T]
   logits = jnp.where(mask, logits, -jnp.inf)
   m = jnp.max(logits, axis=-1, keepdims=True)
   m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -100,11 +101,28 @@ def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.A
   denom = jnp.sum(p, axis=-1, keepdims=True)
   p = p / jnp.where(denom > 0, denom, 1.0)
   out = jnp.einsum("bhgst,bthd->bshgd", p, v.astype(jnp.float32), precision=hi)
-  in_seq = jnp.arange(t)[None, :] < jnp.asarray(lengths, jnp.int32)[:, None]  # [B, T]
+  in_seq = jnp.arange(t)[None, :] < lengths[:, None]  # [B, T]
   kv_bad = jnp.any(~jnp.isfinite(k.astype(jnp.float32)) | ~jnp.isfinite(v.astype(jnp.float32)),
                    axis=(2, 3))
   out = _poison(out.reshape(b, s, hq, d), q, jnp.any(in_seq & kv_bad, axis=1))
   return out.astype(q.dtype)
+
+
+def check_lengths(lengths, batch: int, tokens: int):
+  """``lengths`` as an int32 ``[batch]`` array; ValueError/TypeError naming it
+  for another shape, a non-integer dtype, or concrete values outside
+  ``[0, tokens]`` (traced values are not checked)."""
+  if isinstance(lengths, (list, tuple, np.ndarray)) or np.isscalar(lengths):
+    lengths = np.asarray(lengths)
+  if getattr(lengths, "shape", None) != (batch,):
+    raise ValueError(f"lengths.shape={getattr(lengths, 'shape', None)} must be ({batch},)")
+  if not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise TypeError(f"lengths.dtype={lengths.dtype} must be an integer dtype")
+  if not isinstance(lengths, jax.core.Tracer):
+    ln = np.asarray(lengths)
+    if ln.min(initial=0) < 0 or ln.max(initial=0) > tokens:
+      raise ValueError(f"lengths={ln.tolist()} must lie in [0, T={tokens}]")
+  return jnp.asarray(lengths, jnp.int32)
 
 
 def _check_qkv(q, k, v):
@@ -297,6 +315,8 @@ def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None
     query of a sequence flagged ``cache.nonfinite`` (README "Input policy").
   """
   from jaxkv.vq_cache import VQCache  # pylint: disable=import-outside-toplevel
+  if isinstance(cache, VQCache) and view != "target":
+    raise ValueError(f"view={view!r}: a VQCache has only the 'target' view")
   if isinstance(cache, VQCache):  # vector-quantized cache (issue 15): its own kernel
     from jaxkv.vq_attention import vq_decode_attention  # pylint: disable=import-outside-toplevel
     return vq_decode_attention(q, cache, scale=check_scale(scale),

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import hierarchical, quant
+from jaxkv.attention import _poison, check_scale
 from jaxkv.cache import KVCache, QuantizedKV
 
 IMPLEMENTATIONS = ("pallas", "xla", "reference")
@@ -97,6 +98,8 @@ def _check(q, cache, k_chunk, v_chunk, chunk_lengths):
     if getattr(x, "ndim", None) != 4:
       raise ValueError(f"{name} must be rank 4, got shape {getattr(x, 'shape', type(x))}")
   b, c, hq, d = q.shape
+  if not jnp.issubdtype(q.dtype, jnp.floating):
+    raise TypeError(f"q.dtype={q.dtype} must be floating")
   if k_chunk.shape != v_chunk.shape or k_chunk.shape != (b, c, cache.kv_heads, d):
     raise ValueError(f"k_chunk.shape={k_chunk.shape} and v_chunk.shape={v_chunk.shape} must "
                      f"be {(b, c, cache.kv_heads, d)}")
@@ -246,6 +249,7 @@ def chunk_attention(q: jax.Array, cache: KVCache, k_chunk: jax.Array, v_chunk: j
   if chunk_lengths is None:
     chunk_lengths = jnp.full((q.shape[0],), q.shape[1], jnp.int32)
   _check(q, cache, k_chunk, v_chunk, chunk_lengths)
+  scale = check_scale(scale)
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   impl = implementation
   # The default picks the kernel only at head sizes its config was measured at
@@ -262,14 +266,19 @@ def chunk_attention(q: jax.Array, cache: KVCache, k_chunk: jax.Array, v_chunk: j
     if not isinstance(blk, int) or blk < 1 or blk & (blk - 1):
       raise ValueError(f"{name}={blk!r} must be a positive power of two")
   if impl == "reference":
-    return chunk_attention_reference(q, cache, k_chunk, v_chunk, scale=scale)
-  if impl == "pallas":
+    out = chunk_attention_reference(q, cache, k_chunk, v_chunk, scale=scale)
+  elif impl == "pallas":
     if not _pallas_supports(q):
       raise ValueError(f"implementation='pallas' needs a power-of-two head_dim >= 16 and a "
                        f"float q, got shape {q.shape} dtype {q.dtype}")
     interpret = jax.default_backend() != "gpu" if interpret is None else interpret
-    return _pallas(q, cache, k_chunk, v_chunk, scale, config, interpret)
-  return _blocked(q, cache, k_chunk, v_chunk, scale, block_q, block_k)
+    out = _pallas(q, cache, k_chunk, v_chunk, scale, config, interpret)
+  else:
+    out = _blocked(q, cache, k_chunk, v_chunk, scale, block_q, block_k)
+  # README "Input policy": every output of a sequence whose cache holds a
+  # non-finite value is NaN, and so is a query row holding one (whatever the
+  # implementation's softmax did with it).
+  return _poison(out, q, cache.nonfinite)
 
 
 __all__ = ["chunk_attention", "chunk_attention_reference"]

@@ -402,6 +402,8 @@ def decode_steps(model, tokens, cache, num_steps: int, *, sampler: str | Callabl
     raise ValueError(f"tokens.shape={tokens.shape} must be [{cache.batch}] (the cache batch)")
   settings = _settings(model, num_steps, sampler, temperature, top_k, top_p, implementation,
                        None, mesh)
+  if hasattr(cache, "check_room"):  # every step appends one token per sequence
+    cache.check_room(num_steps, "num_steps")
   graphdef, state = _split(model)
   rng = jax.random.key(0) if rng is None else rng
   stops = _stop_array(stop_tokens, tokens.shape[0])
@@ -508,6 +510,11 @@ def generate(model, prompt_tokens, prompt_lengths, *, kv_format: KVFormat | str 
     raise ValueError(f"prompt_lengths.shape={prompt_lengths.shape} must be ({batch},)")
   settings = _settings(model, max_new_tokens, sampler, temperature, top_k, top_p,
                        implementation, progress, mesh)
+  if num_steps is not None and (isinstance(num_steps, bool)
+                                or not isinstance(num_steps, (int, np.integer))
+                                or not 1 <= num_steps <= max_new_tokens):
+    raise ValueError(f"num_steps={num_steps!r} must be an int in [1, max_new_tokens="
+                     f"{max_new_tokens}] or None")
   if isinstance(kv_format, str):
     kv_format = KVFormat.preset(kv_format)
   needed = prompt_len + max_new_tokens - 1  # the last token is never appended

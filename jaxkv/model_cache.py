@@ -385,6 +385,26 @@ class ModelCache:
     """Sets ``invalid`` for sequences where ``bad [B]`` is True."""
     return dataclasses.replace(self, invalid=self.invalid | bad)
 
+  def flag_overflow(self, bad: jax.Array) -> "ModelCache":
+    """Sets ``overflow`` for sequences where ``bad [B]`` is True."""
+    return dataclasses.replace(self, overflow=self.overflow | bad)
+
+  def check_room(self, num_new, name: str) -> None:
+    """``ValueError`` naming ``name`` if appending ``num_new`` (``[B]`` or a
+    scalar) tokens would grow a sequence past ``capacity``; nothing when the
+    lengths or ``num_new`` are traced (then the append is skipped and
+    ``overflow`` set)."""
+    if not (_is_concrete(self.lengths) and _is_concrete(num_new)):
+      return
+    lengths = np.asarray(self.lengths, np.int64)
+    total = lengths + np.broadcast_to(np.asarray(num_new, np.int64), lengths.shape)
+    bad = np.nonzero(total > self.capacity)[0].tolist()
+    if bad:
+      raise ValueError(
+          f"{name}: sequences {bad} would grow past capacity={self.capacity} "
+          f"(lengths {lengths[bad].tolist()} + {name} -> {total[bad].tolist()}); "
+          f"use a larger capacity in init_cache")
+
   # --------------------------------------------------------------- readback
   def dequantize(self, view: str = "target") -> tuple[jax.Array, jax.Array]:
     """``(k, v)`` float32 ``[num_layers, B, capacity, Hkv, D]``; see `KVCache.dequantize`."""

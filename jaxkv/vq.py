@@ -213,7 +213,12 @@ def quantize(x: jax.Array, codebook: jax.Array) -> jax.Array:
     Stage ``s`` quantizes ``x`` minus the float32 sum of the centroids the
     earlier stages chose.
   """
+  if getattr(codebook, "ndim", None) != 5:
+    raise ValueError(f"codebook must be [H, S, n, E, v], got shape {getattr(codebook, 'shape', None)}")
   h, stages, n, _, vec = codebook.shape
+  if getattr(x, "ndim", None) != 4 or x.shape[1] != h or x.shape[3] != n * vec:
+    raise ValueError(f"x.shape={getattr(x, 'shape', None)} must be [B, {h}, T, {n * vec}] "
+                     f"for codebook.shape={codebook.shape}")
   b, _, t, d = x.shape
   rest = x.astype(jnp.float32).reshape(b, h, t, n, vec)
   heads = jnp.arange(h)[None, :, None, None]
@@ -445,6 +450,8 @@ def fit(k_samples, v_samples, fmt: VQFormat | str, *, seed: int = 0, iters: int 
                        f"{entries} codebook entries")
   if not _is_int(iters) or iters < 0:
     raise ValueError(f"iters={iters!r} must be an int >= 0")
+  if not _is_int(batch_size) or batch_size < 1:
+    raise ValueError(f"batch_size={batch_size!r} must be an int >= 1")
   key = jax.random.PRNGKey(seed)
   per_side = {"k": [], "v": []}
   for layer in range(layers):
@@ -453,4 +460,12 @@ def fit(k_samples, v_samples, fmt: VQFormat | str, *, seed: int = 0, iters: int 
       per_side[side].append(_fit_side(side_key, jnp.asarray(x[layer]), spec=fmt.spec(side),
                                       iters=int(iters), dtype=fmt.codebook_dtype,
                                       batch_size=int(batch_size)))
-  return VQCodebooks(k=jnp.stack(per_side["k"]), v=jnp.stack(per_side["v"]), fmt=fmt)
+  books = VQCodebooks(k=jnp.stack(per_side["k"]), v=jnp.stack(per_side["v"]), fmt=fmt)
+  for side in ("k", "v"):
+    cb = getattr(books, side)
+    if not isinstance(cb, jax.core.Tracer) and not np.isfinite(np.asarray(cb, np.float32)).all():
+      raise ValueError(
+          f"{side}_samples: centroids overflow codebook_dtype={jnp.dtype(fmt.codebook_dtype).name} "
+          f"(|values| up to {float(jnp.max(jnp.abs(k_samples if side == 'k' else v_samples))):.3g}); "
+          f"use a format with a wider codebook dtype or rescale the data")
+  return books

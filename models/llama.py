@@ -545,11 +545,13 @@ class Llama(nnx.Module):
                         preferred_element_type=jnp.float32)
     return self.lm_head(h, out_dtype=jnp.float32)  # a `Linear` or a draft's `QuantizedLinear`
 
-  def _check_cache(self, cache) -> None:
+  def _check_cache(self, cache, batch: int | None = None, name: str = "tokens") -> None:
     c = self.config
     if not isinstance(cache, jaxkv.ModelCache):
       raise TypeError(f"cache must be a jaxkv.ModelCache from init_cache, got "
                       f"{type(cache).__name__}")
+    if batch is not None and batch != cache.batch:
+      raise ValueError(f"{name} has batch {batch} but the cache holds {cache.batch} sequences")
     if (cache.num_layers, cache.kv_heads, cache.head_dim) != (
         c.num_layers, c.num_kv_heads, c.head_dim):
       raise ValueError(
@@ -636,9 +638,9 @@ class Llama(nnx.Module):
       an empty prompt), cache)``. Under `jit`, out-of-range ids or lengths set
       ``cache.invalid`` for their sequences (lengths are clipped to [0, T]).
     """
-    self._check_cache(cache)
     tokens = check_token_ids("tokens", tokens, self.config.vocab_size)
     b, t = tokens.shape
+    self._check_cache(cache, b)
     if isinstance(prompt_lengths, (list, tuple)):
       prompt_lengths = np.asarray(prompt_lengths)
     _check_int_array("prompt_lengths", prompt_lengths, (b,), 0, t)
@@ -651,10 +653,17 @@ class Llama(nnx.Module):
         or chunk_size < 1:
       raise ValueError(f"chunk_size={chunk_size!r} must be an int >= 1 or None")
     c = int(min(chunk_size, t))
+    cache.check_room(prompt_lengths, "prompt_lengths")
     bad = (lengths < 0) | (lengths > t)
     lengths = jnp.clip(lengths, 0, t)
     real = jnp.arange(t)[None, :] < lengths[:, None]
     cache = cache.flag_invalid(bad | self._invalid_ids(tokens, real))
+    # A prompt that does not fit is not appended at all (no chunk of it), and
+    # its sequence is flagged: chunk by chunk, a later short chunk could fit
+    # after a skipped one and splice the prompt.
+    room = cache.lengths + lengths <= cache.capacity
+    cache = cache.flag_overflow(~room)
+    lengths = jnp.where(room, lengths, 0)
 
     n = -(-t // c)
     chunks = jnp.pad(tokens, ((0, 0), (0, n * c - t))).reshape(b, n, c).swapaxes(0, 1)
@@ -731,9 +740,10 @@ class Llama(nnx.Module):
       ``(logits [B, S, vocab] float32, cache)`` with every sequence grown by S
       (out-of-range ids under `jit` set ``cache.invalid``).
     """
-    self._check_cache(cache)
     tokens = check_token_ids("tokens", tokens, self.config.vocab_size)
     b, s = tokens.shape
+    self._check_cache(cache, b)
+    cache.check_room(s, "tokens")
     cache = cache.flag_invalid(self._invalid_ids(tokens))
     positions = cache.lengths[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]
     plan = cache.plan_append(jnp.full((b,), s, jnp.int32))         # once for all layers

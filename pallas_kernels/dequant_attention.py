@@ -941,8 +941,18 @@ def dequant_decode_attention(
   """
   stacked = layer is not None
   lead = 1 if stacked else 0
+  if getattr(q, "ndim", None) != 4 or not jnp.issubdtype(q.dtype, jnp.floating):
+    raise ValueError(f"q must be a floating [B, S, Hq, D] array, got {getattr(q, 'shape', q)} "
+                     f"{getattr(q, 'dtype', '')}")
   batch, num_queries, q_heads, head_dim = q.shape
   kv_heads, capacity = k_codes.shape[lead + 1], k_codes.shape[lead + 2]
+  if (k_codes.shape[lead], k_residual.shape[lead], k_residual.shape[-1]) != (
+      batch, batch, head_dim):
+    raise ValueError(f"q.shape={q.shape} does not match the cache (batch "
+                     f"{k_codes.shape[lead]}, head_dim {k_residual.shape[-1]})")
+  if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise ValueError(f"lengths must be an integer [{batch}] array, got {lengths.shape} "
+                     f"{lengths.dtype}")
   ok, why = supports(fmt, head_dim=head_dim, num_q_heads=q_heads, kv_heads=kv_heads,
                      num_queries=num_queries, capacity=capacity)
   if not ok:
@@ -1176,6 +1186,9 @@ def pallas_decode_attention(q: jax.Array, cache, *, scale: float | jax.Array | N
   Returns:
     ``[B, S, Hq, D]`` in q's dtype (and ``[B, S, Hq]`` float32 with ``return_lse``).
   """
+  if scale is not None and not isinstance(scale, jax.core.Tracer):
+    if isinstance(scale, (bool, np.bool_)) or not np.isfinite(np.asarray(scale, np.float64)).all():
+      raise ValueError(f"scale={scale!r} must be a finite real number")
   return dequant_decode_attention(
       q, cache.k.codes, cache.k.scale, cache.k.zero, cache.v.codes, cache.v.scale,
       cache.v.zero, cache.k_residual, cache.v_residual, cache.lengths,

@@ -94,3 +94,16 @@ def test_attention_bad_inputs():
   k = jnp.ones((2, 5, 3, 64))
   with pytest.raises(ValueError, match="multiple of kv heads 3"):
     jaxkv.reference_attention(q, k, k, jnp.array([5, 5]))
+
+
+def test_reference_attention_checks_lengths():
+  q = jnp.ones((2, 1, 4, 16), jnp.float32)
+  k = jnp.ones((2, 10, 2, 16), jnp.float32)
+  with pytest.raises(ValueError, match=r"lengths=\[20, 5\] must lie in \[0, T=10\]"):
+    jaxkv.reference_attention(q, k, k, [20, 5])
+  with pytest.raises(TypeError, match="lengths.dtype=float"):
+    jaxkv.reference_attention(q, k, k, jnp.array([3.7, 5.0]))
+  with pytest.raises(ValueError, match=r"lengths.shape=\(3,\) must be \(2,\)"):
+    jaxkv.reference_attention(q, k, k, jnp.array([3, 5, 1]))
+  with pytest.raises(ValueError, match=r"lengths.shape=\(\) must be \(2,\)"):
+    jaxkv.reference_attention(q, k, k, 3)

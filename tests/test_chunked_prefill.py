@@ -257,3 +257,35 @@ def test_chunk_attention_pallas_rejects_odd_head_dim():
   kv = jnp.ones((1, 4, 2, 24), jnp.float32)
   with pytest.raises(ValueError, match="power-of-two head_dim"):
     jaxkv.chunk_attention(q, cache, kv, kv, implementation="pallas", interpret=True)
+
+
+def test_chunk_attention_checks_scale_and_q_dtype():
+  cache = KVCache.init("kivi4", 1, 2, 32, 256, jnp.float32)
+  q = jnp.ones((1, 8, 4, 32), jnp.float32)
+  kv = jnp.ones((1, 8, 2, 32), jnp.float32)
+  with pytest.raises(ValueError, match="scale=nan must be finite"):
+    jaxkv.chunk_attention(q, cache, kv, kv, scale=float("nan"))
+  with pytest.raises(TypeError, match="scale=True"):
+    jaxkv.chunk_attention(q, cache, kv, kv, scale=True)
+  with pytest.raises(ValueError, match="scale must be a scalar"):
+    jaxkv.chunk_attention(q, cache, kv, kv, scale=jnp.array([1.0, 2.0]))
+  with pytest.raises(TypeError, match="q.dtype=int32 must be floating"):
+    jaxkv.chunk_attention(q.astype(jnp.int32), cache, kv, kv)
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "pallas"])
+def test_chunk_attention_nonfinite_sequence_is_all_nan(impl):
+  """README "Input policy": a sequence whose cache holds a NaN gives NaN everywhere."""
+  rng = np.random.default_rng(2)
+  k = rng.normal(size=(2, 40, 2, 32)).astype(np.float32)
+  k[0, 3, 1, 5] = np.nan                       # one NaN in sequence 0's history
+  v = rng.normal(size=(2, 40, 2, 32)).astype(np.float32)
+  cache = jax.jit(lambda c, k, v: c.prefill(k, v, jnp.array([40, 25])))(
+      KVCache.init("kivi4", 2, 2, 32, 256, jnp.float32), jnp.asarray(k), jnp.asarray(v))
+  np.testing.assert_array_equal(np.asarray(cache.nonfinite), [True, False])
+  q = jnp.asarray(rng.normal(size=(2, 8, 4, 32)), jnp.float32)
+  kv = jnp.asarray(rng.normal(size=(2, 8, 2, 32)), jnp.float32)
+  out = np.asarray(jaxkv.chunk_attention(q, cache, kv, kv, implementation=impl,
+                                         interpret=INTERPRET if impl == "pallas" else None))
+  assert np.isnan(out[0]).all()
+  assert np.isfinite(out[1]).all()

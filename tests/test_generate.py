@@ -290,6 +290,9 @@ def test_num_steps_reuses_program(model):
   np.testing.assert_array_equal(np.asarray(part)[:, :4], np.asarray(full)[:, :4])
   assert np.all(np.asarray(part)[:, 4:] == -1)
   np.testing.assert_array_equal(np.asarray(part_len), [4, 4])
+  for bad in (-3, 0, 10, 2.0, True):
+    with pytest.raises(ValueError, match=f"num_steps={bad!r} must be an int in"):
+      generate(model, tokens, lengths, num_steps=bad, **kw)
 
 
 def test_sample_logits_filters():

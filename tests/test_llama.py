@@ -210,3 +210,50 @@ def test_bad_cache_argument():
   with pytest.raises(ValueError, match=r"cache \(num_layers=3.*does not fit the model"):
     model.decode(jnp.zeros((1, 1), jnp.int32), other)
   assert cache.dtype == jnp.float32  # default: the model dtype
+
+
+def test_cache_batch_and_capacity_checked():
+  """Eager: a token batch that is not the cache's, or growth past capacity,
+  raises a ValueError naming the argument (nothing is appended)."""
+  import jaxkv
+  model = llama.random_model(SMALL, seed=0, dtype=jnp.float32)
+  tokens = jnp.asarray(np.random.default_rng(3).integers(0, 96, (2, 20)), jnp.int32)
+  cache = model.init_cache("kivi4", 2, 32)
+  _, cache = model.prefill(tokens, [20, 10], cache)
+  with pytest.raises(ValueError, match="tokens has batch 3 but the cache holds 2"):
+    model.decode(jnp.zeros((3, 1), jnp.int32), cache)
+  with pytest.raises(ValueError, match="tokens has batch 3"):
+    model.prefill(jnp.zeros((3, 4), jnp.int32), [1, 1, 1], cache)
+  with pytest.raises(ValueError, match=r"prompt_lengths: sequences \[0\] would grow past "
+                                       r"capacity=32 \(lengths \[20\]"):
+    model.prefill(tokens, [20, 5], cache, chunk_size=8)
+  with pytest.raises(ValueError, match=r"num_steps: sequences \[0\] would grow past"):
+    jaxkv.decode_steps(model, jnp.array([1, 1]), cache, 13)
+  full = model.decode(jnp.ones((2, 12), jnp.int32), cache)[1]   # exactly to capacity
+  np.testing.assert_array_equal(np.asarray(full.lengths), [32, 22])
+  with pytest.raises(ValueError, match=r"tokens: sequences \[0\] would grow past"):
+    model.decode(jnp.ones((2, 1), jnp.int32), full)
+
+
+def test_jitted_chunked_prefill_past_capacity_skips_the_whole_prompt():
+  """Under jit a prompt that does not fit is not appended at all (no chunk of
+  it: a later short chunk must not splice in after a skipped one) and its
+  sequence is flagged; the other sequence's prompt is appended as usual."""
+  model = llama.random_model(SMALL, seed=0, dtype=jnp.float32)
+  tokens = jnp.asarray(np.random.default_rng(4).integers(0, 96, (2, 20)), jnp.int32)
+  cache = model.init_cache("kivi4", 2, 32)
+  _, cache = model.prefill(tokens, [20, 10], cache)
+  before = cache.layer(0).dequantize()
+  prefill = jax.jit(lambda t, n, c: model.prefill(t, n, c, chunk_size=8))
+  _, out = prefill(tokens, jnp.array([20, 5]), cache)
+  np.testing.assert_array_equal(np.asarray(out.lengths), [20, 15])
+  np.testing.assert_array_equal(np.asarray(out.overflow), [True, False])
+  with pytest.raises(ValueError, match=r"overflow.*sequences \[0\]"):
+    out.check()
+  after = out.layer(0).dequantize()
+  for x, y in zip(before, after):  # sequence 0 untouched
+    np.testing.assert_array_equal(np.asarray(x)[0], np.asarray(y)[0])
+  # Sequence 1 took its 5 tokens: equal to appending them alone.
+  _, alone = prefill(tokens, jnp.array([0, 5]), cache)
+  for x, y in zip(alone.layer(0).dequantize(), after):
+    np.testing.assert_array_equal(np.asarray(x)[1], np.asarray(y)[1])

@@ -306,3 +306,21 @@ def test_import_order_independent():
   res = subprocess.run([sys.executable, "-c", "import pallas_kernels as pk; pk.DecodeAttentionConfig()"],
                        cwd=root, capture_output=True, text=True, timeout=120)
   assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_pallas_entry_point_rejects_mismatched_inputs():
+  """Called directly (not through `jaxkv.decode_attention`), the kernels'
+  entry point still refuses a q that does not fit the cache."""
+  q, cache = _make_case("kivi4", 2, 2, 4, 64, 1, (300, 40), 512, jnp.float32)
+  for bad in (q[:1], jnp.concatenate([q, q[:1]]), jnp.ones((2, 1, 8, 128), jnp.float32)):
+    with pytest.raises(ValueError, match="does not match the cache"):
+      pk.pallas_decode_attention(bad, cache, interpret=True)
+  with pytest.raises(ValueError, match="floating"):
+    pk.pallas_decode_attention(q.astype(jnp.int32), cache, interpret=True)
+  with pytest.raises(ValueError, match="scale=nan"):
+    pk.pallas_decode_attention(q, cache, scale=float("nan"), interpret=True)
+  with pytest.raises(ValueError, match="lengths must be an integer"):
+    pk.dequant_decode_attention(
+        q, cache.k.codes, cache.k.scale, cache.k.zero, cache.v.codes, cache.v.scale,
+        cache.v.zero, cache.k_residual, cache.v_residual, jnp.array([3.0, 4.0]),
+        fmt=cache.fmt, interpret=True)

@@ -319,3 +319,24 @@ def test_bad_inputs_name_the_value():
     jaxkv.decode_attention(jnp.ones((1, 1, 1, 16)), small, implementation="triton")
   with pytest.raises(TypeError, match="VQAttentionConfig"):
     jaxkv.decode_attention(q, cache, config=object())
+
+
+def test_fit_rejects_overflowing_centroids_and_bad_batch_size():
+  fmt = vq.VQ_PRESETS["cq4"]
+  s = jax.random.normal(jax.random.PRNGKey(0), (1, 300, 1, 32))
+  with pytest.raises(ValueError, match="k_samples: centroids overflow codebook_dtype=float16"):
+    vq.fit(s * 1e6, s, fmt, iters=1)
+  for bad in (0, -1, 2.5):
+    with pytest.raises(ValueError, match=f"batch_size={bad!r} must be an int >= 1"):
+      vq.fit(s, s, fmt, iters=1, batch_size=bad)
+
+
+def test_quantize_checks_shapes():
+  fmt = vq.VQ_PRESETS["cq2"]
+  k_cb, _ = _codebooks(fmt, 2, 32, "shapes")
+  x = jnp.ones((1, 2, 5, 32))
+  assert vq.quantize(x, k_cb).shape == (1, 2, 5, 8)
+  with pytest.raises(ValueError, match=r"x.shape=\(1, 3, 5, 32\) must be \[B, 2, T, 32\]"):
+    vq.quantize(jnp.ones((1, 3, 5, 32)), k_cb)
+  with pytest.raises(ValueError, match=r"x.shape=\(2, 5, 32\)"):
+    vq.quantize(jnp.ones((2, 5, 32)), k_cb)
