@@ -82,6 +82,9 @@ def staged_attention(q: jax.Array, cache, k_stage: jax.Array, v_stage: jax.Array
   from jaxkv.model_cache import LayerView  # pylint: disable=import-outside-toplevel
   hierarchical.check_view(view)
   scale = check_scale(scale)
+  if getattr(q, "ndim", None) != 4 or q.shape[2] % k_stage.shape[2]:
+    raise ValueError(f"q.shape={getattr(q, 'shape', None)} must be [B, S, Hq, D] with Hq a "
+                     f"multiple of the {k_stage.shape[2]} kv heads")
   impl = _staged_implementation(q, cache, implementation)
   if impl == "reference":
     if isinstance(cache, LayerView):
@@ -227,7 +230,14 @@ class StagedCache:
     (ValueError naming the sequences otherwise; under `jit` lengths are clipped
     into that range).
     """
-    lengths = jnp.asarray(lengths, jnp.int32) if not isinstance(lengths, jax.Array) else lengths
+    if isinstance(lengths, (list, tuple, np.ndarray)) or np.isscalar(lengths):
+      lengths = np.asarray(lengths)  # keep the dtype: floats and bools are refused below
+    if lengths.dtype == np.bool_ or not jnp.issubdtype(lengths.dtype, jnp.integer):
+      raise TypeError(f"rollback: lengths.dtype={lengths.dtype} must be an integer dtype")
+    if isinstance(lengths, np.ndarray):
+      if lengths.size and (lengths.min() < 0 or lengths.max() > np.iinfo(np.int32).max):
+        raise ValueError(f"rollback: lengths={lengths.tolist()} must lie in [0, 2**31)")
+      lengths = jnp.asarray(lengths, jnp.int32)
     if lengths.shape != (self.cache.batch,):
       raise ValueError(f"rollback: lengths.shape={lengths.shape} must be ({self.cache.batch},)")
     if not jnp.issubdtype(lengths.dtype, jnp.integer):

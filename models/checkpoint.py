@@ -26,13 +26,35 @@ from models.llama import Llama, LlamaConfig
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
 
+def _read_json(fname: str, what: str = "a JSON object"):
+  """``json.load`` of ``fname``; ValueError naming the file if it is not valid
+  JSON or not a JSON object."""
+  try:
+    with open(fname) as f:
+      raw = json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"{fname} is not valid JSON: {e}") from e
+  if not isinstance(raw, dict):
+    raise ValueError(f"{fname} must hold {what}, got a {type(raw).__name__}")
+  return raw
+
+
+def _safetensors(fname: str):
+  """``safe_open(fname)``; ValueError naming the file if it is not a readable
+  safetensors file (truncated, corrupt header)."""
+  from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+  try:
+    return safe_open(fname, framework="flax")
+  except Exception as e:  # pylint: disable=broad-except  (SafetensorError, OSError, ...)
+    raise ValueError(f"{fname} is not a readable safetensors file: {e}") from e
+
+
 def read_config(path) -> LlamaConfig:
   """`LlamaConfig` from ``path/config.json``."""
   cfg_path = os.path.join(path, "config.json")
   if not os.path.isfile(cfg_path):
     raise ValueError(f"{path!r} has no config.json")
-  with open(cfg_path) as f:
-    return LlamaConfig.from_hf_dict(json.load(f))
+  return LlamaConfig.from_hf_dict(_read_json(cfg_path))
 
 
 def expected_tensors(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -63,18 +85,17 @@ def weight_files(path) -> dict[str, str]:
   index = os.path.join(path, "model.safetensors.index.json")
   single = os.path.join(path, "model.safetensors")
   if os.path.isfile(index):
-    with open(index) as f:
-      weight_map = json.load(f).get("weight_map")
-    if not isinstance(weight_map, dict):
-      raise ValueError(f"{index} has no 'weight_map'")
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(v, str) for v in weight_map.values()):
+      raise ValueError(f"{index} has no 'weight_map' of tensor name -> file name")
     files = {name: os.path.join(path, fname) for name, fname in weight_map.items()}
     absent = sorted({f for f in files.values() if not os.path.isfile(f)})
     if absent:
       raise ValueError(f"shards listed in {index} are missing: {absent}")
     return files
   if os.path.isfile(single):
-    from safetensors import safe_open  # pylint: disable=import-outside-toplevel
-    with safe_open(single, framework="flax") as f:
+    with _safetensors(single) as f:
       return {name: single for name in f.keys()}
   present = sorted(os.listdir(path)) if os.path.isdir(path) else []
   raise ValueError(f"no model.safetensors or model.safetensors.index.json in {path!r} "
@@ -82,12 +103,11 @@ def weight_files(path) -> dict[str, str]:
 
 
 def _iter_tensors(files: dict[str, str], names) -> Iterator[tuple[str, jax.Array]]:
-  from safetensors import safe_open  # pylint: disable=import-outside-toplevel
   by_file: dict[str, list[str]] = {}
   for name in names:
     by_file.setdefault(files[name], []).append(name)
   for fname, fnames in by_file.items():
-    with safe_open(fname, framework="flax") as f:
+    with _safetensors(fname) as f:
       available = set(f.keys())
       for name in fnames:
         if name not in available:
@@ -135,8 +155,7 @@ def load_llama(path, dtype=None, *, mesh=None) -> Llama:
     raise ValueError(f"checkpoint {path!r} does not match its config: " + "; ".join(parts))
 
   if dtype is None:
-    with open(os.path.join(path, "config.json")) as f:
-      raw = json.load(f)
+    raw = _read_json(os.path.join(path, "config.json"))
     name = raw.get("dtype") or raw.get("torch_dtype")
     dtype = jnp.dtype(name) if name in ("float32", "bfloat16", "float16") else None
   return build_llama(config, _iter_tensors(files, sorted(expected)), dtype=dtype, source=path,

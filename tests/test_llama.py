@@ -257,3 +257,26 @@ def test_jitted_chunked_prefill_past_capacity_skips_the_whole_prompt():
   _, alone = prefill(tokens, jnp.array([0, 5]), cache)
   for x, y in zip(alone.layer(0).dequantize(), after):
     np.testing.assert_array_equal(np.asarray(x)[1], np.asarray(y)[1])
+
+
+def test_corrupt_checkpoint_files_are_named(saved, tmp_path):
+  _, src = saved
+  cut = str(tmp_path / "cut")
+  _copy_ckpt(src, cut)
+  st = os.path.join(cut, "model.safetensors")
+  with open(st, "rb") as f:
+    data = f.read()
+  with open(st, "wb") as f:
+    f.write(data[: len(data) // 2])
+  with pytest.raises(ValueError, match="model.safetensors is not a readable safetensors file"):
+    load_llama(cut)
+  bad_cfg = str(tmp_path / "cfg")
+  _copy_ckpt(src, bad_cfg)
+  with open(os.path.join(bad_cfg, "config.json"), "w") as f:
+    f.write("[1, 2]")
+  with pytest.raises(ValueError, match="config.json must hold a JSON object, got a list"):
+    load_llama(bad_cfg)
+  with open(os.path.join(bad_cfg, "config.json"), "w") as f:
+    f.write("{bad json")
+  with pytest.raises(ValueError, match="config.json is not valid JSON"):
+    load_llama(bad_cfg)

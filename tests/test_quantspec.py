@@ -384,6 +384,11 @@ def test_staged_attention_matches_float64_and_rollback_errors():
     sc.rollback(np.asarray([71, 36], np.int32))
   with pytest.raises(ValueError, match=r"exceed the lengths \[75, 42\]"):
     sc.rollback(np.asarray([76, 40], np.int32))
+  for bad in ([72.9, 40.2], np.asarray([72.9, 40.2]), np.asarray([True, True])):
+    with pytest.raises(TypeError, match="rollback: lengths.dtype"):
+      sc.rollback(bad)
+  with pytest.raises(ValueError, match="must be \[B, S, Hq, D\] with Hq a multiple"):
+    sc.attention(q[:, :, :3])
   with pytest.raises(ValueError, match="staging=6"):
     sc.append(k2[:, :2], v2[:, :2])
   with pytest.raises(ValueError, match="staging=0"):

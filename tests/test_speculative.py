@@ -142,6 +142,9 @@ def test_speculative_steps_argument_errors(model):
     speculative_steps(model, token, held, 3, gamma=3)
   with pytest.raises(TypeError, match="jaxkv.ModelCache"):
     speculative_steps(model, token, cache.layer(0), 1)
+  other = llama.random_model(dataclasses.replace(SMALL, num_layers=3), seed=0)
+  with pytest.raises(ValueError, match=r"cache \(num_layers=3.*does not fit the model"):
+    speculative_steps(model, token, other.init_cache(QS_SMALL, 2, 16), 1)
 
 
 @pytest.mark.slow
