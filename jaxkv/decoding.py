@@ -410,7 +410,15 @@ def decode_steps(model, tokens, cache, num_steps: int, *, sampler: str | Callabl
   return _decode_steps_program(graphdef, state, tokens, cache, rng, stops,
                                np.float32(temperature),
                                np.float32(1.0 if top_p is None else top_p),
-                               np.int32(pad_token_id), settings=settings)
+                               _pad_id(pad_token_id), settings=settings)
+
+
+def _pad_id(pad_token_id) -> np.int32:
+  """``pad_token_id`` as an int32 scalar; ValueError naming it unless an int in int32 range."""
+  if (isinstance(pad_token_id, (bool, np.bool_)) or not isinstance(pad_token_id, (int, np.integer))
+      or not -2**31 <= int(pad_token_id) < 2**31):
+    raise ValueError(f"pad_token_id={pad_token_id!r} must be an int in int32 range")
+  return np.int32(pad_token_id)
 
 
 def _stop_array(stop_tokens, batch: int) -> np.ndarray:
@@ -535,7 +543,7 @@ def generate(model, prompt_tokens, prompt_lengths, *, kv_format: KVFormat | str 
   tokens, lengths, cache = _generate_program(
       graphdef, state, prompt_tokens, prompt_lengths, cache, rng, stops,
       np.float32(temperature), np.float32(1.0 if top_p is None else top_p),
-      np.int32(pad_token_id), np.int32(max_new_tokens if num_steps is None else num_steps),
+      _pad_id(pad_token_id), np.int32(max_new_tokens if num_steps is None else num_steps),
       settings=settings)
   if return_cache:
     return tokens, lengths, cache

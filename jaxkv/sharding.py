@@ -65,11 +65,19 @@ def make_mesh(data: int = 1, model: int | None = None, *, devices=None) -> Mesh:
     ValueError: sizes that are not positive ints or do not match the devices.
   """
   devices = list(jax.devices() if devices is None else devices)
-  if model is None:
-    model = len(devices) // data if isinstance(data, int) and data >= 1 else 0
+  if not all(isinstance(d, jax.Device) for d in devices):
+    raise TypeError(f"devices must be jax.Device objects (jax.devices()), got {devices!r}")
+  if len(set(devices)) != len(devices):
+    raise ValueError(f"devices lists a device more than once: {devices}")
   for name, size in (("data", data), ("model", model)):
+    if size is None and name == "model":
+      continue
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
       raise ValueError(f"mesh axis {name}={size!r} must be an int >= 1")
+  if model is None:
+    model = len(devices) // data
+    if model < 1:
+      raise ValueError(f"mesh data={data} needs {data} devices, only {len(devices)} are available")
   if data * model > len(devices):
     raise ValueError(f"mesh data={data} x model={model} needs {data * model} devices, "
                      f"only {len(devices)} are available")
@@ -196,6 +204,8 @@ def cache_shardings(cache, mesh: Mesh):
 
 def shard_cache(cache, mesh: Mesh):
   """Places a `ModelCache` / `KVCache` / `VQCache` on ``mesh`` (`cache_specs`); returns it placed."""
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh (jaxkv.make_mesh), got {mesh!r}")
   return jax.device_put(cache, cache_shardings(cache, mesh))
 
 

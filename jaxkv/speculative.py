@@ -43,8 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxkv.decoding import (COMPILER_OPTIONS, SplitModel, _check_ids, _is_stop, _split,
-                             _stop_array)
+from jaxkv.decoding import (COMPILER_OPTIONS, SplitModel, _check_ids, _is_stop, _pad_id,
+                             _split, _stop_array)
 from jaxkv.formats import KVFormat
 from jaxkv.model_cache import ModelCache
 from jaxkv.staged_cache import staged_attention, write_staged
@@ -385,7 +385,7 @@ def speculative_generate(model, prompt_tokens, prompt_lengths, *, max_new_tokens
       graphdef, state, draft_weights, jnp.asarray(prompt_tokens, jnp.int32),
       jnp.asarray(lengths, jnp.int32), cache, jax.random.key(0) if rng is None else rng,
       _stop_array(stop_tokens, b), np.float32(temperature),
-      np.int32(pad_token_id), settings=settings)
+      _pad_id(pad_token_id), settings=settings)
   stats = _round_stats(verifs, accepted, np.asarray(num) - 1, gamma)  # the first: prefill's
   if return_cache:
     return tokens, num, stats, cache
@@ -506,7 +506,7 @@ def speculative_steps(model, token, cache, num_rounds: int, *, gamma: int = 4,
   tokens, counts, verifs, accepted, cache = _speculative_steps_program(
       graphdef, state, draft_state, jnp.asarray(token, jnp.int32), cache,
       jax.random.key(0) if rng is None else rng, _stop_array(stop_tokens, cache.batch),
-      np.float32(temperature), np.int32(pad_token_id), settings=settings,
+      np.float32(temperature), _pad_id(pad_token_id), settings=settings,
       num_rounds=int(num_rounds))
   return tokens, counts, _round_stats(verifs, accepted, counts, gamma), cache
 

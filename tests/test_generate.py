@@ -293,6 +293,9 @@ def test_num_steps_reuses_program(model):
   for bad in (-3, 0, 10, 2.0, True):
     with pytest.raises(ValueError, match=f"num_steps={bad!r} must be an int in"):
       generate(model, tokens, lengths, num_steps=bad, **kw)
+  for bad in (1.5, 2**40, True):
+    with pytest.raises(ValueError, match=f"pad_token_id={bad!r} must be an int"):
+      generate(model, tokens, lengths, **dict(kw, pad_token_id=bad))
 
 
 def test_sample_logits_filters():

@@ -12,8 +12,10 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
+import jaxkv
 from jaxkv import sharding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,6 +40,18 @@ def test_make_mesh_errors():
     sharding.make_mesh(data=1, model=0)
   mesh = sharding.make_mesh(data=1, model=1)
   assert mesh.axis_names == ("data", "model")
+  n = len(jax.devices())
+  with pytest.raises(ValueError, match=f"mesh data={n + 1} needs {n + 1} devices"):
+    sharding.make_mesh(data=n + 1)
+  with pytest.raises(ValueError, match="mesh axis data=2.5"):
+    sharding.make_mesh(data=2.5)
+  d0 = jax.devices()[0]
+  with pytest.raises(ValueError, match="more than once"):
+    sharding.make_mesh(data=2, model=1, devices=[d0, d0])
+  with pytest.raises(TypeError, match="jax.Device"):
+    sharding.make_mesh(devices=["cpu:0"])
+  with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
+    sharding.shard_cache(jaxkv.KVCache.init("kivi4", 1, 1, 32, 128), "data=2")
 
 
 def test_sharded_decode_matches_one_device():
