@@ -43,8 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxkv.decoding import (COMPILER_OPTIONS, SplitModel, _check_ids, _is_stop, _pad_id,
-                             _split, _stop_array)
+from jaxkv.decoding import (COMPILER_OPTIONS, SplitModel, _check_ids, _check_mesh,
+                             _is_stop, _pad_id, _split, _stop_array)
 from jaxkv.formats import KVFormat
 from jaxkv.model_cache import ModelCache
 from jaxkv.staged_cache import staged_attention, write_staged
@@ -380,6 +380,7 @@ def speculative_generate(model, prompt_tokens, prompt_lengths, *, max_new_tokens
     cache = init_sharded(lambda: model.init_cache(kv_format, b, capacity, dtype=cache_dtype),
                          mesh)
   graphdef, state = nnx.split(model)
+  _check_mesh(mesh)
   settings = SpecSettings(int(max_new_tokens), int(gamma), sampler, mesh)
   tokens, num, verifs, accepted, cache = _speculative_program(
       graphdef, state, draft_weights, jnp.asarray(prompt_tokens, jnp.int32),
@@ -502,6 +503,7 @@ def speculative_steps(model, token, cache, num_rounds: int, *, gamma: int = 4,
                        f"{longest}: needs capacity >= {longest + room}")
   draft_state = _draft_state(model, draft_weights, group_size)
   graphdef, state = _split(model)
+  _check_mesh(mesh)
   settings = SpecSettings(room, int(gamma), sampler, mesh)
   tokens, counts, verifs, accepted, cache = _speculative_steps_program(
       graphdef, state, draft_state, jnp.asarray(token, jnp.int32), cache,

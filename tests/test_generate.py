@@ -296,6 +296,8 @@ def test_num_steps_reuses_program(model):
   for bad in (1.5, 2**40, True):
     with pytest.raises(ValueError, match=f"pad_token_id={bad!r} must be an int"):
       generate(model, tokens, lengths, **dict(kw, pad_token_id=bad))
+  with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
+    generate(model, tokens, lengths, mesh="data=2", **kw)
 
 
 def test_sample_logits_filters():
