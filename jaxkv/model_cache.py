@@ -389,6 +389,17 @@ class ModelCache:
     """Sets ``overflow`` for sequences where ``bad [B]`` is True."""
     return dataclasses.replace(self, overflow=self.overflow | bad)
 
+  def check_model(self, config) -> None:
+    """``ValueError`` unless the cache was made for a model of ``config``
+    (``num_layers``, ``num_kv_heads``, ``head_dim``)."""
+    c = config
+    if (self.num_layers, self.kv_heads, self.head_dim) != (
+        c.num_layers, c.num_kv_heads, c.head_dim):
+      raise ValueError(
+          f"cache (num_layers={self.num_layers}, kv_heads={self.kv_heads}, "
+          f"head_dim={self.head_dim}) does not fit the model (num_layers={c.num_layers}, "
+          f"kv_heads={c.num_kv_heads}, head_dim={c.head_dim})")
+
   def check_room(self, num_new, name: str) -> None:
     """``ValueError`` naming ``name`` if appending ``num_new`` (``[B]`` or a
     scalar) tokens would grow a sequence past ``capacity``; nothing when the

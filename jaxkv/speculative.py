@@ -478,13 +478,7 @@ def speculative_steps(model, token, cache, num_rounds: int, *, gamma: int = 4,
   if not cache.fmt.hierarchical:
     raise ValueError(f"cache format {cache.fmt} must be hierarchical (e.g. 'quantspec'): the "
                      "draft reads its upper 4-bit plane")
-  c = model.config
-  if (cache.num_layers, cache.kv_heads, cache.head_dim) != (
-      c.num_layers, c.num_kv_heads, c.head_dim):
-    raise ValueError(
-        f"cache (num_layers={cache.num_layers}, kv_heads={cache.kv_heads}, "
-        f"head_dim={cache.head_dim}) does not fit the model (num_layers={c.num_layers}, "
-        f"kv_heads={c.num_kv_heads}, head_dim={c.head_dim})")
+  cache.check_model(model.config)
   token = jnp.asarray(token) if isinstance(token, (list, tuple)) else token
   if getattr(token, "ndim", None) != 1 or token.shape[0] != cache.batch:
     raise ValueError(f"token.shape={getattr(token, 'shape', None)} must be [{cache.batch}] "

@@ -546,18 +546,12 @@ class Llama(nnx.Module):
     return self.lm_head(h, out_dtype=jnp.float32)  # a `Linear` or a draft's `QuantizedLinear`
 
   def _check_cache(self, cache, batch: int | None = None, name: str = "tokens") -> None:
-    c = self.config
     if not isinstance(cache, jaxkv.ModelCache):
       raise TypeError(f"cache must be a jaxkv.ModelCache from init_cache, got "
                       f"{type(cache).__name__}")
     if batch is not None and batch != cache.batch:
       raise ValueError(f"{name} has batch {batch} but the cache holds {cache.batch} sequences")
-    if (cache.num_layers, cache.kv_heads, cache.head_dim) != (
-        c.num_layers, c.num_kv_heads, c.head_dim):
-      raise ValueError(
-          f"cache (num_layers={cache.num_layers}, kv_heads={cache.kv_heads}, "
-          f"head_dim={cache.head_dim}) does not fit the model (num_layers={c.num_layers}, "
-          f"kv_heads={c.num_kv_heads}, head_dim={c.head_dim})")
+    cache.check_model(self.config)
 
   def _invalid_ids(self, tokens, real=None) -> jax.Array:
     """``[B]`` bool: a (real) token id outside ``[0, vocab)``."""
