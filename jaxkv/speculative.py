@@ -343,6 +343,7 @@ def speculative_generate(model, prompt_tokens, prompt_lengths, *, max_new_tokens
     tokens accepted) and the totals ``acceptance_rate`` (accepted / drafted)
     and ``tokens_per_verification``; with ``return_cache`` the cache last.
   """
+  _check_mesh(mesh)
   prompt_tokens = np.asarray(prompt_tokens) if isinstance(prompt_tokens, (list, tuple)) \
       else prompt_tokens
   if getattr(prompt_tokens, "ndim", None) != 2:
@@ -380,7 +381,6 @@ def speculative_generate(model, prompt_tokens, prompt_lengths, *, max_new_tokens
     cache = init_sharded(lambda: model.init_cache(kv_format, b, capacity, dtype=cache_dtype),
                          mesh)
   graphdef, state = nnx.split(model)
-  _check_mesh(mesh)
   settings = SpecSettings(int(max_new_tokens), int(gamma), sampler, mesh)
   tokens, num, verifs, accepted, cache = _speculative_program(
       graphdef, state, draft_weights, jnp.asarray(prompt_tokens, jnp.int32),
@@ -479,6 +479,7 @@ def speculative_steps(model, token, cache, num_rounds: int, *, gamma: int = 4,
     raise ValueError(f"cache format {cache.fmt} must be hierarchical (e.g. 'quantspec'): the "
                      "draft reads its upper 4-bit plane")
   cache.check_model(model.config)
+  _check_mesh(mesh)
   token = jnp.asarray(token) if isinstance(token, (list, tuple)) else token
   if getattr(token, "ndim", None) != 1 or token.shape[0] != cache.batch:
     raise ValueError(f"token.shape={getattr(token, 'shape', None)} must be [{cache.batch}] "
@@ -497,7 +498,6 @@ def speculative_steps(model, token, cache, num_rounds: int, *, gamma: int = 4,
                        f"{longest}: needs capacity >= {longest + room}")
   draft_state = _draft_state(model, draft_weights, group_size)
   graphdef, state = _split(model)
-  _check_mesh(mesh)
   settings = SpecSettings(room, int(gamma), sampler, mesh)
   tokens, counts, verifs, accepted, cache = _speculative_steps_program(
       graphdef, state, draft_state, jnp.asarray(token, jnp.int32), cache,

@@ -240,8 +240,6 @@ class StagedCache:
       lengths = jnp.asarray(lengths, jnp.int32)
     if lengths.shape != (self.cache.batch,):
       raise ValueError(f"rollback: lengths.shape={lengths.shape} must be ({self.cache.batch},)")
-    if not jnp.issubdtype(lengths.dtype, jnp.integer):
-      raise TypeError(f"rollback: lengths.dtype={lengths.dtype} must be an integer dtype")
     if _is_concrete(lengths) and _is_concrete(self.staged):
       want, low, high = (np.asarray(a) for a in (lengths, self.cache.lengths, self.lengths))
       if np.any(want < low):

@@ -26,7 +26,7 @@ from models.llama import Llama, LlamaConfig
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
 
-def _read_json(fname: str, what: str = "a JSON object"):
+def _read_json(fname: str):
   """``json.load`` of ``fname``; ValueError naming the file if it is not valid
   JSON or not a JSON object."""
   try:
@@ -35,7 +35,7 @@ def _read_json(fname: str, what: str = "a JSON object"):
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise ValueError(f"{fname} is not valid JSON: {e}") from e
   if not isinstance(raw, dict):
-    raise ValueError(f"{fname} must hold {what}, got a {type(raw).__name__}")
+    raise ValueError(f"{fname} must hold a JSON object, got a {type(raw).__name__}")
   return raw
 
 
