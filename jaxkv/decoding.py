@@ -348,14 +348,13 @@ def _settings(model, max_new_tokens, sampler, temperature, top_k, top_p, impleme
 def _check_ids(name: str, tokens, vocab_size: int) -> None:
   """ValueError naming ``name`` for concrete ids outside ``[0, vocab_size)``.
 
-  A jax array still being computed (the previous loop's last token, fed back
-  while it runs) is not waited for: reading it would stall the host until the
-  device is idle and cost the overlap of dispatch with compute; such tokens
-  come from a sampler over ``[0, vocab_size)``.
+  A concrete jax array is always read, even while the computation producing
+  it still runs (the previous loop's last token fed back): skipping arrays
+  that are not ready yet let bad ids through unchecked depending on timing
+  (on a GPU a fresh ``jnp.asarray`` is often not ready). The capacity check
+  (`ModelCache.check_room`) reads ``lengths`` and waits for that loop anyway.
   """
   if isinstance(tokens, jax.core.Tracer):
-    return
-  if isinstance(tokens, jax.Array) and hasattr(tokens, "is_ready") and not tokens.is_ready():
     return
   arr = np.asarray(tokens)
   if arr.size and not np.issubdtype(arr.dtype, np.integer):
