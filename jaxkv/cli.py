@@ -71,8 +71,8 @@ def _parser() -> argparse.ArgumentParser:
   g.add_argument("--top-k", type=_positive_int, default=None)
   g.add_argument("--top-p", type=float, default=None)
   g.add_argument("--seed", type=int, default=0)
-  g.add_argument("--dtype", default=None, choices=[None, "bfloat16", "float32", "float16"],
-                 help="parameter dtype (default: the checkpoint's; float32 for GGUF)")
+  g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                 help="parameter dtype (auto: the checkpoint's; float32 for GGUF)")
   g.add_argument("--capacity", type=_positive_int, default=None, help="cache tokens per sequence")
   g.add_argument("--implementation", default=None, help="decode_attention implementation")
   g.add_argument("--no-stop", action="store_true", help="ignore EOS tokens")
@@ -361,7 +361,8 @@ def _generate(args) -> int:
     from jaxkv.sharding import mesh_from_spec  # pylint: disable=import-outside-toplevel
     mesh = mesh_from_spec(args.mesh)  # ValueError naming a bad spec
   t0 = time.perf_counter()
-  model = llama.from_pretrained(args.model, dtype=args.dtype, mesh=mesh)
+  dtype = None if args.dtype == "auto" else args.dtype
+  model = llama.from_pretrained(args.model, dtype=dtype, mesh=mesh)
   load_s = time.perf_counter() - t0
   config = model.config
   tokenizer = _load_tokenizer(args.model)

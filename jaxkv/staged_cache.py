@@ -204,8 +204,10 @@ class StagedCache:
     """Stages ``k, v [B, S, Hkv, D]`` (not quantized); ``flush=True`` then flushes.
 
     Raises ValueError (eager) when a sequence would hold more than ``P``
-    staged tokens or pass the cache's capacity; under `jit` such a sequence
-    is left unchanged and its ``cache.overflow`` flag is set.
+    staged tokens or pass the cache's capacity, or when ``k``/``v`` hold
+    NaN/inf; under `jit` such a sequence is left unchanged and its
+    ``cache.overflow`` flag is set (non-finite staged rows poison that
+    sequence's attention outputs and set ``cache.nonfinite`` at the flush).
     """
     self.cache._validate_kv(k, v, "append")  # pylint: disable=protected-access
     s = k.shape[1]
@@ -215,6 +217,12 @@ class StagedCache:
       bad = np.nonzero(~np.asarray(fits))[0].tolist()
       raise ValueError(f"append: sequences {bad} would hold more than staging={self.staging} "
                        f"staged tokens or pass capacity={self.cache.capacity} (S={s}); flush first")
+    if _is_concrete(k) and _is_concrete(v):  # eager: refuse NaN/inf now, not at the flush
+      bad = np.nonzero(~np.all(np.isfinite(np.asarray(k, np.float32)), axis=(1, 2, 3))
+                       | ~np.all(np.isfinite(np.asarray(v, np.float32)), axis=(1, 2, 3)))[0]
+      if bad.size:
+        raise ValueError(f"append: k or v holds NaN/inf in sequences {bad.tolist()}; the "
+                         "cache cannot store it")
     start = jnp.where(fits, self.staged, self.staging)                   # out of range: dropped
     out = dataclasses.replace(
         self, k_stage=write_staged(self.k_stage, k, start),

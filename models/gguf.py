@@ -213,6 +213,11 @@ def read_config(reader) -> LlamaConfig:
   heads = int(required["attention.head_count"])
   hidden = int(required["embedding_length"])
   kv_heads = int(metadata_value(reader, f"{arch}.attention.head_count_kv", heads))
+  for key, value in ((f"{arch}.attention.head_count", heads),
+                     (f"{arch}.attention.head_count_kv", kv_heads),
+                     (f"{arch}.embedding_length", hidden)):
+    if value < 1:
+      raise ValueError(f"GGUF metadata {key}={value} must be >= 1")
   head_dim = int(metadata_value(reader, f"{arch}.attention.key_length", 0) or
                  metadata_value(reader, f"{arch}.rope.dimension_count", 0) or hidden // heads)
   rope_dims = metadata_value(reader, f"{arch}.rope.dimension_count", head_dim)

@@ -45,6 +45,18 @@ def test_generate_command_errors(checkpoint, tmp_path, capsys):
   assert "unknown preset 'int3'" in capsys.readouterr().err
 
 
+def test_dtype_auto_and_named(checkpoint, capsys):
+  """``--dtype`` takes auto (the checkpoint's) or a dtype name; 'None' was listed but refused."""
+  for dtype in ("auto", "float32"):
+    rc = cli.main(["generate", "--model", checkpoint, "--prompt-ids", "5,6", "--dtype", dtype,
+                   "--max-new-tokens", "2", "--no-stop", "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
+  capsys.readouterr()
+  with pytest.raises(SystemExit):
+    cli.main(["generate", "--model", checkpoint, "--prompt-ids", "5", "--dtype", "None"])
+  assert "invalid choice: 'None'" in capsys.readouterr().err
+
+
 def test_generate_command_aliases_and_raw_ids(checkpoint, capsys):
   """--model / --kv-format spellings; --prompt-ids bypasses the tokenizer."""
   rc = cli.main(["generate", "--model", checkpoint, "--kv-format", "int8", "--prompt-ids",

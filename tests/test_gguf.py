@@ -214,6 +214,29 @@ def test_unsupported_architecture(tmp_path):
     load_gguf(path)
 
 
+class _Field:
+  def __init__(self, value):
+    self.value = value
+
+  def contents(self):
+    return self.value
+
+
+@pytest.mark.parametrize("key", ["attention.head_count", "attention.head_count_kv",
+                                 "embedding_length"])
+def test_zero_sized_metadata_named(key):
+  """A head count of 0 gave a ZeroDivisionError instead of naming the field."""
+  from models.gguf import read_config
+  meta = {"general.architecture": "llama", "llama.block_count": 2,
+          "llama.embedding_length": 64, "llama.feed_forward_length": 128,
+          "llama.attention.head_count": 4, "llama.attention.head_count_kv": 2,
+          "llama.vocab_size": 96}
+  meta[f"llama.{key}"] = 0
+  reader = type("Reader", (), {"fields": {k: _Field(v) for k, v in meta.items()}})()
+  with pytest.raises(ValueError, match=rf"llama\.{key}=0 must be >= 1"):
+    read_config(reader)
+
+
 def test_not_a_gguf_file(tmp_path):
   path = tmp_path / "bad.gguf"
   path.write_bytes(b"not a gguf file at all" * 10)

@@ -387,10 +387,14 @@ def test_staged_attention_matches_float64_and_rollback_errors():
   for bad in ([72.9, 40.2], np.asarray([72.9, 40.2]), np.asarray([True, True])):
     with pytest.raises(TypeError, match="rollback: lengths.dtype"):
       sc.rollback(bad)
-  with pytest.raises(ValueError, match="must be \[B, S, Hq, D\] with Hq a multiple"):
+  with pytest.raises(ValueError, match=r"must be \[B, S, Hq, D\] with Hq a multiple"):
     sc.attention(q[:, :, :3])
   with pytest.raises(ValueError, match="staging=6"):
     sc.append(k2[:, :2], v2[:, :2])
+  bad_k = np.asarray(k2[:, :1]).copy()
+  bad_k[1, 0, 1, 3] = np.nan  # refused when staged, not only at the flush
+  with pytest.raises(ValueError, match=r"append: k or v holds NaN/inf in sequences \[1\]"):
+    sc.rollback(np.asarray([70, 37], np.int32)).append(jnp.asarray(bad_k), v2[:, :1])
   with pytest.raises(ValueError, match="staging=0"):
     StagedCache.wrap(cache, 0)
 

@@ -242,6 +242,9 @@ def test_argument_errors(model):
     speculative_generate(model, p, n, max_new_tokens=0)
   with pytest.raises(ValueError, match="bits=3"):
     dw.quantize_weights(model, bits=3)
+  for bits in (4.0, True):  # 4.0 == 4 passed the membership test before
+    with pytest.raises(ValueError, match=rf"bits={bits!r} must be one of \[4, 8\]"):
+      dw.quantize_weights(model, bits=bits)
 
 
 def test_draft_weights_against_numpy_model(model):
