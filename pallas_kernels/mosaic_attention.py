@@ -42,6 +42,33 @@ except ImportError:  # pragma: no cover
 
 from pallas_kernels.side_spec import SideSpec
 
+def _takes_index() -> bool:
+  """Whether `plgpu.load` still requires its index argument (jax 0.10; 0.11 deprecates it)."""
+  import inspect  # pylint: disable=import-outside-toplevel
+  if plgpu is None:
+    return True
+  idx = inspect.signature(plgpu.load).parameters.get("idx")
+  return idx is not None and idx.default is inspect.Parameter.empty
+
+
+_LOAD_INDEX = _takes_index()
+_REF_TRANSPOSE = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11)
+
+
+def _load(ref, *, layout, **kw):
+  """``plgpu.load`` of a whole (already indexed) ref, on jax 0.10 and >= 0.11."""
+  if _LOAD_INDEX:
+    return plgpu.load(ref, (), layout=layout, **kw)
+  return plgpu.load(ref, layout=layout, **kw)
+
+
+def _t(ref):
+  """The transposed view of a 2-D smem ref (``ref.transpose`` from jax 0.11 on)."""
+  if _REF_TRANSPOSE:
+    return ref.transpose((1, 0))
+  return plgpu.transpose_ref(ref, (1, 0))
+
+
 _M = 64  # rows of one warpgroup MMA
 # Lane semantics (explicit layouts, as `attention_mgpu.py`): jax 0.11 defaults
 # to Warpgroup semantics, whose layout-inference search did not finish on
@@ -226,12 +253,12 @@ def _dequant_into(codes_smem, scale_smem, zero_smem, dq_smem, side: SideSpec, dt
   """Unpacks one ``[bk, D*bits/8]`` code tile into ``dq_smem [bk, D]`` (``dtype``)."""
   per_byte = 8 // side.bits
   width = codes_smem.shape[-1]            # bytes per token row = channels per plane
-  raw = plgpu.load(codes_smem, (), layout=plgpu.Layout.WGMMA)  # [bk, W] uint8
+  raw = _load(codes_smem, layout=plgpu.Layout.WGMMA)  # [bk, W] uint8
   raw = raw.astype(jnp.uint32)  # Mosaic does no 8-bit arithmetic but bitwise ops
   bk = raw.shape[0]
   if side.axis == "token":  # one (scale, zero) per token: column vectors
-    sc = plgpu.load(scale_smem, (), layout=plgpu.Layout.WGMMA.reduce(1)).astype(jnp.float32)
-    zr = plgpu.load(zero_smem, (), layout=plgpu.Layout.WGMMA.reduce(1)).astype(jnp.float32)
+    sc = _load(scale_smem, layout=plgpu.Layout.WGMMA.reduce(1)).astype(jnp.float32)
+    zr = _load(zero_smem, layout=plgpu.Layout.WGMMA.reduce(1)).astype(jnp.float32)
     sc = lax.broadcast_in_dim(sc, (bk, width), [0])
     zr = lax.broadcast_in_dim(zr, (bk, width), [0])
   mask = np.uint32((1 << side.bits) - 1)
@@ -244,8 +271,8 @@ def _dequant_into(codes_smem, scale_smem, zero_smem, dq_smem, side: SideSpec, dt
     x = codes.astype(jnp.float32)
     cols = pl.ds(plane * width, width)
     if side.axis == "channel":  # one (scale, zero) per channel of this token group
-      sc_p = plgpu.load(scale_smem.at[0, cols], (), layout=plgpu.Layout.WGMMA.reduce(0))
-      zr_p = plgpu.load(zero_smem.at[0, cols], (), layout=plgpu.Layout.WGMMA.reduce(0))
+      sc_p = _load(scale_smem.at[0, cols], layout=plgpu.Layout.WGMMA.reduce(0))
+      zr_p = _load(zero_smem.at[0, cols], layout=plgpu.Layout.WGMMA.reduce(0))
       x = (x * lax.broadcast_in_dim(sc_p.astype(jnp.float32), (bk, width), [1])
            + lax.broadcast_in_dim(zr_p.astype(jnp.float32), (bk, width), [1]))
     else:
@@ -260,7 +287,7 @@ def _attend_block(q_smem, kdq_smem, vdq_smem, carry, *, token0, valid_below, row
   bk = kdq_smem.shape[0]
 
   def scores(acc_ref):
-    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(kdq_smem, (1, 0)))
+    plgpu.wgmma(acc_ref, q_smem, _t(kdq_smem))
     return acc_ref[...]
 
   s = pl.run_scoped(scores, plgpu.ACC((_M, bk), jnp.float32))  # [M, bk]
@@ -501,14 +528,14 @@ def _affine_regs(scale_smem, zero_smem, side: SideSpec, c0: int, width: int, bk:
 
   if side.axis == "token":
     lay = plgpu.Layout.WGMMA.reduce(1)
-    sc = to_dt(plgpu.load(scale_smem, (), layout=lay))
-    zr = to_dt(plgpu.load(zero_smem, (), layout=lay))
+    sc = to_dt(_load(scale_smem, layout=lay))
+    zr = to_dt(_load(zero_smem, layout=lay))
     dims = [0]
   else:
     lay = plgpu.Layout.WGMMA.reduce(0)
     cols = pl.ds(c0, width)
-    sc = to_dt(plgpu.load(scale_smem.at[0, cols], (), layout=lay))
-    zr = to_dt(plgpu.load(zero_smem.at[0, cols], (), layout=lay))
+    sc = to_dt(_load(scale_smem.at[0, cols], layout=lay))
+    zr = to_dt(_load(zero_smem.at[0, cols], layout=lay))
     dims = [1]
   return (lax.broadcast_in_dim(sc, (bk, width), dims),
           lax.broadcast_in_dim(zr, (bk, width), dims))
@@ -519,7 +546,7 @@ def _dequant_planes(codes_smem, scale_smem, zero_smem, side: SideSpec, head_dim:
   """Yields ``(c0, x)``: plane ``x`` = channels ``[c0, c0 + W)`` of the tile, ``[bk, W]``
   values in ``dtype`` (WGMMA register layout): ``c * scale + zero``, or the exact
   codes ``c`` when ``affine`` is False (the caller folds scale and zero)."""
-  raw = plgpu.load(codes_smem, (), layout=plgpu.Layout.WGMMA)  # [bk, W] uint8
+  raw = _load(codes_smem, layout=plgpu.Layout.WGMMA)  # [bk, W] uint8
   bk = raw.shape[0]
   width = _plane_width(side, head_dim)
   if side.bits == 8:
@@ -549,8 +576,8 @@ def _dequant_planes(codes_smem, scale_smem, zero_smem, side: SideSpec, head_dim:
 def _token_affine(scale_smem, zero_smem):
   """Per-token scale and zero of a block as float32 ``[bk]`` (WGMMA row vectors)."""
   lay = plgpu.Layout.WGMMA.reduce(1)
-  return (plgpu.load(scale_smem, (), layout=lay).astype(jnp.float32),
-          plgpu.load(zero_smem, (), layout=lay).astype(jnp.float32))
+  return (_load(scale_smem, layout=lay).astype(jnp.float32),
+          _load(zero_smem, layout=lay).astype(jnp.float32))
 
 
 def _tokens_m_call(qh, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v_side,
@@ -590,11 +617,11 @@ def _tokens_m_call(qh, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v
 
     def scores(acc_ref):
       if not packed_k:  # full-precision K tile in smem
-        plgpu.wgmma(acc_ref, k_tiles, plgpu.transpose_ref(q_smem, (1, 0)))
+        plgpu.wgmma(acc_ref, k_tiles, _t(q_smem))
       else:
         for c0, x in _dequant_planes(*k_tiles, k_side, head_dim, dtype, affine=not fold_k):
           q_plane = q_smem.at[:, pl.ds(c0, kw)]
-          plgpu.wgmma(acc_ref, x, plgpu.transpose_ref(q_plane, (1, 0)))
+          plgpu.wgmma(acc_ref, x, _t(q_plane))
       return acc_ref[...]
 
     s = pl.run_scoped(scores, plgpu.ACC((bk, n_rows), f32))   # [bk, N]
@@ -629,7 +656,7 @@ def _tokens_m_call(qh, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v
     plgpu.commit_smem()
 
     def pv(acc_ref):
-      plgpu.wgmma(acc_ref, plgpu.transpose_ref(v_tile, (1, 0)), pt_smem)
+      plgpu.wgmma(acc_ref, _t(v_tile), pt_smem)
 
     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
     return acc, m_new, l_i, z_i
@@ -647,8 +674,8 @@ def _tokens_m_call(qh, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v
     acc0 = plgpu.layout_cast(jnp.zeros((head_dim, n_rows), f32), plgpu.Layout.WGMMA)
     m0 = plgpu.layout_cast(jnp.full((n_rows,), -jnp.inf, f32), plgpu.Layout.WGMMA.reduce(0))
     l0 = plgpu.layout_cast(jnp.zeros((bk, n_rows), f32), plgpu.Layout.WGMMA)
-    q_sum = (plgpu.load(qsum_gmem.at[b, h], (), layout=plgpu.Layout.WGMMA.reduce(0),
-                        optimized=False)
+    q_sum = (_load(qsum_gmem.at[b, h], layout=plgpu.Layout.WGMMA.reduce(0),
+                   optimized=False)
              if fold_k else None)
 
     def finish(carry):
