@@ -525,7 +525,9 @@ def bench_flush(hbm, log, configs=None):
             for c in configs or flush_configs()]
     runs.append(("fused", functools.partial(fused, config=None)))
     # The fused launch with narrower K column blocks (more K programs) / fewer warps.
-    for fc in (pk.PackConfig(block_t=16, block_w=4), pk.PackConfig(block_t=16, block_w=4, num_warps=2),
+    for fc in (pk.PackConfig(block_t=16, block_w=2), pk.PackConfig(block_t=16, block_w=2, num_warps=2),
+               pk.PackConfig(block_t=16, block_w=2, num_warps=1),
+               pk.PackConfig(block_t=16, block_w=4), pk.PackConfig(block_t=16, block_w=4, num_warps=2),
                pk.PackConfig(block_t=16, block_w=8), pk.PackConfig(block_t=16, block_w=8, num_warps=2),
                pk.PackConfig(block_t=16, block_w=8, num_warps=1),
                pk.PackConfig(block_t=16, block_w=16, num_warps=2)):

@@ -38,7 +38,7 @@ class PackConfig:
     block_t: tokens per program for per-token quantization (power of two;
       per-channel quantization always uses one token group per program).
     block_w: packed byte columns per program for per-channel quantization
-      (power of two >= 4, capped at ``D * bits / 8``); each program reads
+      (power of two >= 2, capped at ``D * bits / 8``); each program reads
       the ``8 / bits`` channel slices that pack into those bytes. Narrow
       blocks give a flush (one group per sequence) enough programs.
     num_warps: Triton warps per program.
@@ -53,8 +53,8 @@ class PackConfig:
   def __post_init__(self):
     if not _triton.is_pow2(self.block_t):
       raise ValueError(f"block_t={self.block_t} must be a power of two")
-    if not _triton.is_pow2(self.block_w) or self.block_w < 4:
-      raise ValueError(f"block_w={self.block_w} must be a power of two >= 4")
+    if not _triton.is_pow2(self.block_w) or self.block_w < 2:
+      raise ValueError(f"block_w={self.block_w} must be a power of two >= 2")
 
   @classmethod
   def default(cls, *, tokens: int, head_dim: int, axis: str) -> "PackConfig":
@@ -407,9 +407,12 @@ def quantize_pack_kv(
     # one-group flush spreads over more SMs (H100, jax 0.11.2, one flush at
     # (1, 131072, 32, 8), 16 -> 8 -> 4 bytes: kivi4 6.3 -> 3.9 -> 3.1 us,
     # kivi2 11.6 -> 7.1 -> 4.4 us; per-token K unchanged;
-    # `bench/results/flush-fused-*.log`).
+    # `bench/results/flush-fused-*.log`). 2-bit K takes 2-byte blocks (kivi2
+    # 4.29 -> 3.87 us on an H200; 4-bit K was 3.0 -> 3.1 us with them,
+    # `flush-w2-20261126-nvidia-h200.log`).
     config = dataclasses.replace(
-        PackConfig.default(tokens=tokens, head_dim=head_dim, axis="token"), block_w=4)
+        PackConfig.default(tokens=tokens, head_dim=head_dim, axis="token"),
+        block_w=2 if k_bits == 2 else 4)
   params = _triton.compiler_params(num_warps=config.num_warps, num_stages=config.num_stages)
   block_t = min(config.block_t, _triton.next_pow2(tokens))
   padded = pl.cdiv(tokens, block_t) * block_t

@@ -101,8 +101,9 @@ def test_pack_kv_bitwise(name, tokens, head_dim, dtype):
   refs = (jax.jit(functools.partial(quant.quantize, bits=fmt.k_bits, axis=fmt.k_axis,
                                     group=k_group))(k),
           jax.jit(functools.partial(quant.quantize, bits=fmt.v_bits, axis="token", group=gd))(v))
-  # The default (8-byte K column blocks) and 16-byte blocks with two warps.
-  for mask, config in ((None, None), (active, None), (active, pk.PackConfig(16, 16, 2))):
+  # The default (4-byte K column blocks), 16-byte blocks with two warps, 2-byte with one.
+  for mask, config in ((None, None), (active, None), (active, pk.PackConfig(16, 16, 2)),
+                       (active, pk.PackConfig(16, 2, 1))):
     got = pk.quantize_pack_kv(k, v, k_bits=fmt.k_bits, k_axis=fmt.k_axis, k_group=k_group,
                               v_bits=fmt.v_bits, v_group=gd, interpret=INTERPRET, active=mask,
                               config=config)
