@@ -525,13 +525,17 @@ def bench_flush(hbm, log, configs=None):
             for c in configs or flush_configs()]
     runs.append(("fused", functools.partial(fused, config=None)))
     # The fused launch with narrower K column blocks (more K programs) / fewer warps.
-    for fc in (pk.PackConfig(block_t=16, block_w=2), pk.PackConfig(block_t=16, block_w=2, num_warps=2),
+    for fc in (pk.PackConfig(block_t=8, block_w=2), pk.PackConfig(block_t=32, block_w=2),
+               pk.PackConfig(block_t=16, block_w=2, num_warps=8),
+               pk.PackConfig(block_t=8, block_w=4), pk.PackConfig(block_t=32, block_w=4),
+               pk.PackConfig(block_t=16, block_w=2), pk.PackConfig(block_t=16, block_w=2, num_warps=2),
                pk.PackConfig(block_t=16, block_w=2, num_warps=1),
                pk.PackConfig(block_t=16, block_w=4), pk.PackConfig(block_t=16, block_w=4, num_warps=2),
                pk.PackConfig(block_t=16, block_w=8), pk.PackConfig(block_t=16, block_w=8, num_warps=2),
                pk.PackConfig(block_t=16, block_w=8, num_warps=1),
                pk.PackConfig(block_t=16, block_w=16, num_warps=2)):
-      runs.append((f"fused w{fc.block_w} n{fc.num_warps}", functools.partial(fused, config=fc)))
+      runs.append((f"fused w{fc.block_w} n{fc.num_warps} t{fc.block_t}",
+                   functools.partial(fused, config=fc)))
     for label, fn in runs:
       got = jax.jit(fn)(*xs[0])
       ok = all(bool(jnp.all(a == b_)) for a, b_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)))

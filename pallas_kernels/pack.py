@@ -407,12 +407,13 @@ def quantize_pack_kv(
     # one-group flush spreads over more SMs (H100, jax 0.11.2, one flush at
     # (1, 131072, 32, 8), 16 -> 8 -> 4 bytes: kivi4 6.3 -> 3.9 -> 3.1 us,
     # kivi2 11.6 -> 7.1 -> 4.4 us; per-token K unchanged;
-    # `bench/results/flush-fused-*.log`). 2-bit K takes 2-byte blocks (kivi2
-    # 4.29 -> 3.87 us on an H200; 4-bit K was 3.0 -> 3.1 us with them,
-    # `flush-w2-20261126-nvidia-h200.log`).
+    # `bench/results/flush-fused-*.log`). 2-bit K takes 2-byte blocks and 8
+    # warps (kivi2 on an H100: 4.45 -> 3.94 -> 3.42 us; 4-bit K: 3.03 us
+    # with 4-byte blocks and 4 warps, 2.95-3.08 with the others;
+    # `flush-w2-20261126-*.log`, `flush-bt-20261126-*.log`).
     config = dataclasses.replace(
         PackConfig.default(tokens=tokens, head_dim=head_dim, axis="token"),
-        block_w=2 if k_bits == 2 else 4)
+        block_w=2 if k_bits == 2 else 4, num_warps=8 if k_bits == 2 else 4)
   params = _triton.compiler_params(num_warps=config.num_warps, num_stages=config.num_stages)
   block_t = min(config.block_t, _triton.next_pow2(tokens))
   padded = pl.cdiv(tokens, block_t) * block_t
