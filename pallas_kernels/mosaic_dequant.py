@@ -1,0 +1,236 @@
+"""4-bit codes -> bfloat16 ``wgmma`` A-operand registers, one shared load per row (Mosaic GPU).
+
+A building block for a third Hopper kernel (`bench/results/mosaic-NOTES.md`,
+"v3"): the packed K tile of the cache, ``[64, D/2]`` bytes in shared memory
+(planar nibbles: byte ``b`` of a row holds channel ``b`` in its low nibble
+and channel ``D/2 + b`` in its high nibble, as everywhere in jaxkv), becomes
+the ``[64, D]`` bfloat16 A operand of ``wgmma`` in ``WGMMA_LAYOUT`` without
+any shuffle or shared-memory round trip:
+
+- thread ``(warp, lane)`` of the warpgroup owns rows ``16 warp + lane // 4``
+  and ``+ 8`` and, for ``c = lane % 4``, the bytes ``[c D/8, (c + 1) D/8)`` of
+  each: one 16-byte (D = 128) or 8-byte (D = 64) shared load per row;
+- each 32-bit word gives four bf16 pairs, ``(w >> s) & 0x000F000F | 0x43004300``
+  (``128 + code`` in each half) minus ``128``: two instructions per pair;
+- register ``j`` (columns ``8 j + 2 c + {0, 1}`` of the MMA) takes pair
+  ``j % 4`` of word ``j // 4``, so the MMA's column order is a fixed
+  permutation of the channels (`k4_permutation`): the kernel permutes q's
+  channels (the B operand) once instead of moving any code.
+
+The jnp oracle of the register contents is `k4_registers_reference`.
+Hardware facts this rests on (sm_90): ``lop3.b32`` with LUT ``0xEA`` is
+``(a & b) | c``; ``sub.rn.bf16x2`` is exact here (both operands are
+bfloat16 integers below 256).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+try:
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, llvm, vector
+except ImportError:  # pragma: no cover
+  plgpu = None
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+_ROWS = 64  # rows of one warpgroup's A operand
+# (w & 0x000F000F) | 0x43004300, then minus 0x43004300 (128.0 in each bf16 half).
+_ASM = ("{\n.reg .b32 t, m;\nmov.b32 m, 0x43004300;\n"
+        "lop3.b32 t, $1, 0x000F000F, m, 0xEA;\nsub.rn.bf16x2 $0, t, m;\n}")
+
+
+def k4_permutation(head_dim: int) -> np.ndarray:
+  """``perm[col]``: the channel that MMA column ``col`` holds after `dequant_k4`."""
+  if head_dim not in (64, 128):
+    raise ValueError(f"head_dim={head_dim} must be 64 or 128")
+  width = head_dim // 2                       # code bytes per row
+  span = width // 4                           # bytes per thread per row
+  perm = np.empty(head_dim, np.int64)
+  for c in range(4):
+    for j in range(head_dim // 8):
+      w, k = divmod(j, 4)
+      for e in range(2):
+        byte = c * span + 4 * w + k // 2 + 2 * e
+        perm[8 * j + 2 * c + e] = byte + (width if k % 2 else 0)
+  return perm
+
+
+def k4_registers_reference(codes: np.ndarray) -> np.ndarray:
+  """``[rows, D]`` float values `dequant_k4` holds: code of channel ``perm[col]``."""
+  codes = np.asarray(codes)
+  width = codes.shape[-1]
+  channels = np.concatenate([codes & 15, codes >> 4], axis=-1)   # [rows, D] planar
+  return channels[..., k4_permutation(2 * width)].astype(np.float32)
+
+
+def dequant_k4(codes_smem, head_dim: int):
+  """``[64, D]`` bfloat16 codes (WGMMA layout) of a ``[64, D/2]`` uint8 smem tile.
+
+  ``codes_smem`` must be untiled and unswizzled (row stride ``D/2`` bytes);
+  a warp's 8 rows x 4 threads then read ``8 * D/2`` contiguous bytes, so the
+  16-byte loads are free of bank conflicts. Columns follow `k4_permutation`.
+  """
+  width = head_dim // 2
+  span = width // 4
+  words = span // 4
+
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.RefType(),),
+      return_type=plgpu.ShapeDtypeStruct((_ROWS, head_dim), jnp.bfloat16,
+                                         layout=plgpu.Layout.WGMMA))
+  def body(_, ref):
+    i32 = ir.IntegerType.get_signless(32)
+    index = ir.IndexType.get()
+    bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
+    tid = arith.remui(mgpu_utils.thread_idx(), mgpu_utils.c(128, i32))
+    warp = arith.shrui(tid, mgpu_utils.c(5, i32))
+    lane = arith.andi(tid, mgpu_utils.c(31, i32))
+    row0 = arith.addi(arith.muli(warp, mgpu_utils.c(16, i32)),
+                      arith.shrui(lane, mgpu_utils.c(2, i32)))
+    col = arith.muli(arith.andi(lane, mgpu_utils.c(3, i32)), mgpu_utils.c(span, i32))
+    col = arith.index_cast(index, col)
+    regs = np.empty(fa.WGMMA_LAYOUT.registers_shape((_ROWS, head_dim)), dtype=object)
+    for half in range(2):
+      row = arith.index_cast(index, arith.addi(row0, mgpu_utils.c(8 * half, i32)))
+      raw = vector.load(ir.VectorType.get((span,), ir.IntegerType.get_signless(8)), ref,
+                        [row, col])
+      packed = vector.bitcast(ir.VectorType.get((words,), i32), raw)
+      for w in range(words):
+        word = vector.extract(packed, [], [w])
+        for k in range(4):
+          shifted = arith.shrui(word, mgpu_utils.c(4 * k, i32)) if k else word
+          pair = llvm.inline_asm(i32, [shifted], _ASM, "=r,r")
+          regs[(0, 4 * w + k, 0, 0, half) + (0,) * (regs.ndim - 5)] = (
+              mgpu_utils.bitcast(pair, bf16x2))
+    return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+  return body(codes_smem)
+
+
+def _params():
+  return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+
+
+@jax.jit
+def probe_dequant_k4(codes: jax.Array) -> jax.Array:
+  """``[64, D/2]`` uint8 -> the ``[64, D]`` bf16 registers of `dequant_k4` (a test probe)."""
+  rows, width = codes.shape
+  head_dim = 2 * width
+
+  def kernel(codes_gmem, out_gmem, codes_smem, out_smem, barrier):
+    plgpu.copy_gmem_to_smem(codes_gmem, codes_smem, barrier)
+    plgpu.barrier_wait(barrier)
+    out_smem[...] = dequant_k4(codes_smem, head_dim)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, out_gmem)
+    plgpu.wait_smem_to_gmem(0)
+
+  return plgpu.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct((rows, head_dim), jnp.bfloat16),
+      scratch_types=[plgpu.SMEM((rows, width), jnp.uint8),
+                     plgpu.SMEM((rows, head_dim), jnp.bfloat16), plgpu.Barrier()],
+      compiler_params=_params(), kernel_name="jaxkv_probe_dequant_k4")(codes)
+
+
+@jax.jit
+def probe_scores_k4(codes: jax.Array, q: jax.Array) -> jax.Array:
+  """``S^T [64, N] = codes @ q^T`` through `dequant_k4` as the wgmma A operand (a probe).
+
+  ``q [N, D]`` bf16 in channel order, N a multiple of 8; its columns are
+  permuted by `k4_permutation` here, so the result is in channel terms.
+  """
+  rows, width = codes.shape
+  head_dim = 2 * width
+  n = q.shape[0]
+  q_perm = q[:, k4_permutation(head_dim)]                     # [N, D] in MMA column order
+  swizzle = 128 if head_dim * 2 % 128 == 0 else 64
+  q_transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+
+  def kernel(codes_gmem, q_gmem, out_gmem, codes_smem, q_smem, out_smem, barrier):
+    plgpu.copy_gmem_to_smem(codes_gmem, codes_smem, barrier)
+    plgpu.barrier_wait(barrier)
+    plgpu.copy_gmem_to_smem(q_gmem, q_smem, barrier)
+    plgpu.barrier_wait(barrier)
+    a = dequant_k4(codes_smem, head_dim)
+
+    def mma(acc_ref):
+      plgpu.wgmma(acc_ref, a, q_smem.transpose((1, 0)) if hasattr(q_smem, "transpose")
+                  else plgpu.transpose_ref(q_smem, (1, 0)))
+      return acc_ref[...]
+
+    out_smem[...] = pl.run_scoped(mma, plgpu.ACC((rows, n), jnp.float32))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, out_gmem)
+    plgpu.wait_smem_to_gmem(0)
+
+  return plgpu.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct((rows, n), jnp.float32),
+      scratch_types=[plgpu.SMEM((rows, width), jnp.uint8),
+                     plgpu.SMEM((n, head_dim), jnp.bfloat16, transforms=q_transforms),
+                     plgpu.SMEM((rows, n), jnp.float32), plgpu.Barrier()],
+      compiler_params=_params(), kernel_name="jaxkv_probe_scores_k4")(codes, q_perm)
+
+
+@functools.partial(jax.jit, static_argnames=("stages",))
+def probe_k4_score_stream(codes: jax.Array, q: jax.Array, *, stages: int = 4) -> jax.Array:
+  """The K half of decode attention as a rate probe: ``codes [P, T, D/2]`` uint8.
+
+  One program per ``p`` streams its ``T`` tokens in 64-token TMA tiles
+  (``stages`` deep), turns each into wgmma A-operand registers (`dequant_k4`)
+  and multiplies by ``q [N, D]`` (channel order); keeps the elementwise max
+  of the scores (no cross-warp reduction), ``[P, 64, N]`` float32. Measures
+  what the K side of a v3 kernel would cost per token-head.
+  """
+  programs, tokens, width = codes.shape
+  head_dim = 2 * width
+  n = q.shape[0]
+  q_perm = q[:, k4_permutation(head_dim)]
+  swizzle = 128 if head_dim * 2 % 128 == 0 else 64
+  q_transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+
+  def kernel(codes_gmem, q_gmem, out_gmem, q_smem, out_smem, barrier):
+    p = lax.axis_index("p")
+    plgpu.copy_gmem_to_smem(q_gmem, q_smem, barrier)
+    plgpu.barrier_wait(barrier)
+    q_t = q_smem.transpose((1, 0)) if hasattr(q_smem, "transpose") else plgpu.transpose_ref(
+        q_smem, (1, 0))
+
+    def body(_, tile, carry):
+      a = dequant_k4(tile, head_dim)
+
+      def mma(acc_ref):
+        plgpu.wgmma(acc_ref, a, q_t)
+        return acc_ref[...]
+
+      return jnp.maximum(carry, pl.run_scoped(mma, plgpu.ACC((_ROWS, n), jnp.float32)))
+
+    init = plgpu.layout_cast(jnp.full((_ROWS, n), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA)
+    pipeline = plgpu.emit_pipeline(
+        body, grid=(tokens // _ROWS,),
+        in_specs=[plgpu.BlockSpec((_ROWS, width), lambda i: (i, 0))],
+        max_concurrent_steps=stages, init_carry=init)
+    out_smem[...] = pipeline(codes_gmem.at[p])
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[p])
+    plgpu.wait_smem_to_gmem(0)
+
+  return plgpu.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct((programs, _ROWS, n), jnp.float32),
+      grid=(programs,), grid_names=("p",),
+      scratch_types=[plgpu.SMEM((n, head_dim), jnp.bfloat16, transforms=q_transforms),
+                     plgpu.SMEM((_ROWS, n), jnp.float32), plgpu.Barrier()],
+      compiler_params=_params(), kernel_name="jaxkv_probe_k4_stream")(codes, q_perm)
+
+
+__all__ = ["dequant_k4", "k4_permutation", "k4_registers_reference", "probe_dequant_k4",
+           "probe_k4_score_stream", "probe_scores_k4"]
