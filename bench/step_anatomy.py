@@ -4,8 +4,9 @@ Issue 12's profile groups a step's ~720 kernels into families; this script
 names the small ones. It compiles the decode step of Llama-3.1-8B widths with
 fewer layers (``--layers``; the per-layer kernels do not depend on depth),
 fills a cache with random K/V, profiles ``--steps`` jitted decode calls, and
-joins each kernel's CUPTI ``hlo_op`` with the optimized HLO of the step: for
-every fusion, its kind and the ops inside it (root first). The launch gaps are
+joins each kernel's name (its fusion's name, '.' -> '_'; the CUPTI ``hlo_op``
+is the command buffer the whole step runs in) with the optimized HLO of the
+step: for every fusion, its kind and the ops inside it. The launch gaps are
 the span of a step minus the sum of its kernels.
 
 Usage (GPU machine)::
@@ -89,8 +90,8 @@ def anatomy(name: str, model, context: int, steps: int, log) -> dict:
     per_op[op][0] += 1
     per_op[op][1] += dur / 1e3
     per_op[op][2] = kname
-  starts = sorted((s, s + d) for _, s, d, _, _ in events)
-  span_us = (starts[-1][1] - starts[0][0]) / 1e3 if starts else 0.0
+  span_us = ((max(s + d for _, s, d, _, _ in events) - min(s for _, s, _, _, _ in events)) / 1e3
+             if events else 0.0)
   kernel_us = sum(d for _, _, d, _, _ in events) / 1e3
   rows = []
   for op, (count, us, kname) in sorted(per_op.items(), key=lambda kv: -kv[1][1]):

@@ -205,9 +205,10 @@ class StagedCache:
 
     Raises ValueError (eager) when a sequence would hold more than ``P``
     staged tokens or pass the cache's capacity, or when ``k``/``v`` hold
-    NaN/inf; under `jit` such a sequence is left unchanged and its
-    ``cache.overflow`` flag is set (non-finite staged rows poison that
-    sequence's attention outputs and set ``cache.nonfinite`` at the flush).
+    NaN/inf. Under `jit`, a sequence that would not fit is left unchanged and
+    its ``cache.overflow`` flag is set; non-finite rows are staged, poison
+    that sequence's attention outputs and set ``cache.nonfinite`` at the
+    flush.
     """
     self.cache._validate_kv(k, v, "append")  # pylint: disable=protected-access
     s = k.shape[1]

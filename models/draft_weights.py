@@ -95,6 +95,7 @@ def quantize_kernel(w: jax.Array, *, bits: int = 4, group_size: int = 128) -> Qu
   """Quantizes one ``[in, out]`` kernel; the group is ``gcd(in, group_size)``."""
   if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or bits not in _BITS:
     raise ValueError(f"bits={bits!r} must be one of {list(_BITS)} (an int)")
+  bits = int(bits)
   if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)) \
       or group_size < 1:
     raise ValueError(f"group_size={group_size!r} must be a positive int")

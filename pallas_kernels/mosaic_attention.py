@@ -52,7 +52,6 @@ def _takes_index() -> bool:
 
 
 _LOAD_INDEX = _takes_index()
-_REF_TRANSPOSE = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11)
 
 
 def _load(ref, *, layout, **kw):
@@ -63,10 +62,9 @@ def _load(ref, *, layout, **kw):
 
 
 def _t(ref):
-  """The transposed view of a 2-D smem ref (``ref.transpose`` from jax 0.11 on)."""
-  if _REF_TRANSPOSE:
-    return ref.transpose((1, 0))
-  return plgpu.transpose_ref(ref, (1, 0))
+  """The transposed view of a 2-D smem ref (`plgpu.transpose_ref` is this on jax 0.10
+  and deprecated on 0.11)."""
+  return ref.transpose((1, 0))
 
 
 _M = 64  # rows of one warpgroup MMA

@@ -80,9 +80,20 @@ def dequant_k4(codes_smem, head_dim: int):
   a warp's 8 rows x 4 threads then read ``8 * D/2`` contiguous bytes, so the
   16-byte loads are free of bank conflicts. Columns follow `k4_permutation`.
   """
+  if head_dim not in (64, 128):
+    raise ValueError(f"head_dim={head_dim} must be 64 or 128")
+  if tuple(codes_smem.shape) != (_ROWS, head_dim // 2) or codes_smem.dtype != jnp.uint8:
+    raise ValueError(f"codes_smem must be uint8 [{_ROWS}, {head_dim // 2}], got "
+                     f"{codes_smem.dtype} {tuple(codes_smem.shape)}")
   width = head_dim // 2
   span = width // 4
   words = span // 4
+  # Register (0, j, 0, 0, half, 0...) = columns 8 j + 2 (lane % 4) + {0, 1} of
+  # row 16 warp + lane // 4 + 8 half: WGMMA_LAYOUT's tiling as of jax 0.10-0.11.
+  want_regs = (1, head_dim // 8, 1, 1, 2) + (1,) * 4
+  if fa.WGMMA_LAYOUT.registers_shape((_ROWS, head_dim)) != want_regs:
+    raise NotImplementedError("WGMMA_LAYOUT's register tiling changed; dequant_k4 assumes "
+                              f"{want_regs}")
 
   @plgpu.inline_mgpu(
       arg_types=(plgpu.RefType(),),
@@ -152,6 +163,8 @@ def probe_scores_k4(codes: jax.Array, q: jax.Array) -> jax.Array:
   rows, width = codes.shape
   head_dim = 2 * width
   n = q.shape[0]
+  if rows != _ROWS or n % 8 or q.shape[1] != head_dim:
+    raise ValueError(f"codes {codes.shape} must be [64, D/2] and q {q.shape} [N % 8 == 0, D]")
   q_perm = q[:, k4_permutation(head_dim)]                     # [N, D] in MMA column order
   swizzle = 128 if head_dim * 2 % 128 == 0 else 64
   q_transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
@@ -164,8 +177,7 @@ def probe_scores_k4(codes: jax.Array, q: jax.Array) -> jax.Array:
     a = dequant_k4(codes_smem, head_dim)
 
     def mma(acc_ref):
-      plgpu.wgmma(acc_ref, a, q_smem.transpose((1, 0)) if hasattr(q_smem, "transpose")
-                  else plgpu.transpose_ref(q_smem, (1, 0)))
+      plgpu.wgmma(acc_ref, a, q_smem.transpose((1, 0)))
       return acc_ref[...]
 
     out_smem[...] = pl.run_scoped(mma, plgpu.ACC((rows, n), jnp.float32))
@@ -194,6 +206,9 @@ def probe_k4_score_stream(codes: jax.Array, q: jax.Array, *, stages: int = 4) ->
   programs, tokens, width = codes.shape
   head_dim = 2 * width
   n = q.shape[0]
+  if tokens % _ROWS or n % 8 or q.shape[1] != head_dim:
+    raise ValueError(f"codes {codes.shape} must be [P, T % 64 == 0, D/2] and q {q.shape} "
+                     "[N % 8 == 0, D]")
   q_perm = q[:, k4_permutation(head_dim)]
   swizzle = 128 if head_dim * 2 % 128 == 0 else 64
   q_transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
@@ -202,8 +217,7 @@ def probe_k4_score_stream(codes: jax.Array, q: jax.Array, *, stages: int = 4) ->
     p = lax.axis_index("p")
     plgpu.copy_gmem_to_smem(q_gmem, q_smem, barrier)
     plgpu.barrier_wait(barrier)
-    q_t = q_smem.transpose((1, 0)) if hasattr(q_smem, "transpose") else plgpu.transpose_ref(
-        q_smem, (1, 0))
+    q_t = q_smem.transpose((1, 0))
 
     def body(_, tile, carry):
       a = dequant_k4(tile, head_dim)

@@ -413,7 +413,8 @@ def quantize_pack_kv(
     # `flush-w2-20261126-*.log`, `flush-bt-20261126-*.log`).
     config = dataclasses.replace(
         PackConfig.default(tokens=tokens, head_dim=head_dim, axis="token"),
-        block_w=2 if k_bits == 2 else 4, num_warps=8 if k_bits == 2 else 4)
+        block_w=2 if k_bits == 2 else 4,
+        num_warps=8 if (k_bits == 2 and k_axis == "channel") else 4)
   params = _triton.compiler_params(num_warps=config.num_warps, num_stages=config.num_stages)
   block_t = min(config.block_t, _triton.next_pow2(tokens))
   padded = pl.cdiv(tokens, block_t) * block_t

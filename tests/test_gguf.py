@@ -232,7 +232,8 @@ def test_zero_sized_metadata_named(key):
           "llama.attention.head_count": 4, "llama.attention.head_count_kv": 2,
           "llama.vocab_size": 96}
   meta[f"llama.{key}"] = 0
-  reader = type("Reader", (), {"fields": {k: _Field(v) for k, v in meta.items()}})()
+  reader = type("Reader", (), {"fields": {k: _Field(v) for k, v in meta.items()},
+                               "tensors": []})()
   with pytest.raises(ValueError, match=rf"llama\.{key}=0 must be >= 1"):
     read_config(reader)
 

@@ -101,7 +101,8 @@ def test_pack_kv_bitwise(name, tokens, head_dim, dtype):
   refs = (jax.jit(functools.partial(quant.quantize, bits=fmt.k_bits, axis=fmt.k_axis,
                                     group=k_group))(k),
           jax.jit(functools.partial(quant.quantize, bits=fmt.v_bits, axis="token", group=gd))(v))
-  # The default (4-byte K column blocks), 16-byte blocks with two warps, 2-byte with one.
+  # The default (2-byte K column blocks and 8 warps for 2-bit K, else 4-byte and 4),
+  # 16-byte blocks with two warps, 2-byte blocks with one.
   for mask, config in ((None, None), (active, None), (active, pk.PackConfig(16, 16, 2)),
                        (active, pk.PackConfig(16, 2, 1))):
     got = pk.quantize_pack_kv(k, v, k_bits=fmt.k_bits, k_axis=fmt.k_axis, k_group=k_group,
@@ -297,6 +298,9 @@ def test_config_validation():
     pk.DecodeAttentionConfig(num_splits=0)
   with pytest.raises(ValueError, match="block_t=3"):
     pk.PackConfig(block_t=3)
+  for block_w in (1, 6):
+    with pytest.raises(ValueError, match=f"block_w={block_w} must be a power of two >= 2"):
+      pk.PackConfig(block_w=block_w)
 
 
 def test_import_order_independent():
