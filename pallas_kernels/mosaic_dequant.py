@@ -1,4 +1,4 @@
-"""4-bit codes -> bfloat16 ``wgmma`` A-operand registers, one shared load per row (Mosaic GPU).
+"""4/2-bit codes -> bfloat16 ``wgmma`` A-operand registers, one shared load per row (Mosaic GPU).
 
 A building block for a third Hopper kernel (`bench/results/mosaic-NOTES.md`,
 "v3"): the packed K tile of the cache, ``[64, D/2]`` bytes in shared memory
@@ -14,10 +14,13 @@ any shuffle or shared-memory round trip:
   (``128 + code`` in each half) minus ``128``: two instructions per pair;
 - register ``j`` (columns ``8 j + 2 c + {0, 1}`` of the MMA) takes pair
   ``j % 4`` of word ``j // 4``, so the MMA's column order is a fixed
-  permutation of the channels (`k4_permutation`): the kernel permutes q's
+  permutation of the channels (`code_permutation`): the kernel permutes q's
   channels (the B operand) once instead of moving any code.
 
-The jnp oracle of the register contents is `k4_registers_reference`.
+2-bit codes (``bits=2``: four planes of ``D/4`` channels per byte) work the
+same way with the mask ``0x00030003`` and eight pairs per word. The numpy
+oracle of the register contents is `registers_reference`. 4-bit: compiled
+and tested on an H200 (jax 0.11.2); 2-bit: lowered for CUDA only so far.
 Hardware facts this rests on (sm_90): ``lop3.b32`` with LUT ``0xEA`` is
 ``(a & b) | c``; ``sub.rn.bf16x2`` is exact here (both operands are
 bfloat16 integers below 256).
@@ -45,54 +48,75 @@ from jax.experimental import pallas as pl
 
 _ROWS = 64  # rows of one warpgroup's A operand
 # (w & 0x000F000F) | 0x43004300, then minus 0x43004300 (128.0 in each bf16 half).
-_ASM = ("{\n.reg .b32 t, m;\nmov.b32 m, 0x43004300;\n"
-        "lop3.b32 t, $1, 0x000F000F, m, 0xEA;\nsub.rn.bf16x2 $0, t, m;\n}")
+_ASM = ("{{\n.reg .b32 t, m;\nmov.b32 m, 0x43004300;\n"
+        "lop3.b32 t, $1, {mask}, m, 0xEA;\nsub.rn.bf16x2 $0, t, m;\n}}")
+_MASK = {4: "0x000F000F", 2: "0x00030003"}
 
 
-def k4_permutation(head_dim: int) -> np.ndarray:
-  """``perm[col]``: the channel that MMA column ``col`` holds after `dequant_k4`."""
+def code_permutation(head_dim: int, bits: int = 4) -> np.ndarray:
+  """``perm[col]``: the channel that MMA column ``col`` holds after `dequant_codes`."""
   if head_dim not in (64, 128):
     raise ValueError(f"head_dim={head_dim} must be 64 or 128")
-  width = head_dim // 2                       # code bytes per row
+  if bits not in _MASK:
+    raise ValueError(f"bits={bits} must be 4 or 2")
+  width = head_dim * bits // 8                # code bytes per row (channels per plane)
   span = width // 4                           # bytes per thread per row
+  pairs = 16 // bits                          # bf16 pairs per 32-bit word
   perm = np.empty(head_dim, np.int64)
   for c in range(4):
     for j in range(head_dim // 8):
-      w, k = divmod(j, 4)
+      w, k = divmod(j, pairs)
+      shift = bits * k                        # pair k: bits [shift, shift + bits) of each half
       for e in range(2):
-        byte = c * span + 4 * w + k // 2 + 2 * e
-        perm[8 * j + 2 * c + e] = byte + (width if k % 2 else 0)
+        byte = c * span + 4 * w + shift // 8 + 2 * e
+        perm[8 * j + 2 * c + e] = (shift % 8) // bits * width + byte
   return perm
 
 
-def k4_registers_reference(codes: np.ndarray) -> np.ndarray:
-  """``[rows, D]`` float values `dequant_k4` holds: code of channel ``perm[col]``."""
+def k4_permutation(head_dim: int) -> np.ndarray:
+  """`code_permutation` of 4-bit codes."""
+  return code_permutation(head_dim, 4)
+
+
+def registers_reference(codes: np.ndarray, bits: int = 4) -> np.ndarray:
+  """``[rows, D]`` float values `dequant_codes` holds: code of channel ``perm[col]``."""
   codes = np.asarray(codes)
   width = codes.shape[-1]
-  channels = np.concatenate([codes & 15, codes >> 4], axis=-1)   # [rows, D] planar
-  return channels[..., k4_permutation(2 * width)].astype(np.float32)
+  mask = (1 << bits) - 1
+  channels = np.concatenate([(codes >> (bits * p)) & mask for p in range(8 // bits)],
+                            axis=-1)                                  # [rows, D] planar
+  return channels[..., code_permutation(width * 8 // bits, bits)].astype(np.float32)
 
 
-def dequant_k4(codes_smem, head_dim: int):
-  """``[64, D]`` bfloat16 codes (WGMMA layout) of a ``[64, D/2]`` uint8 smem tile.
+def k4_registers_reference(codes: np.ndarray) -> np.ndarray:
+  """`registers_reference` of 4-bit codes."""
+  return registers_reference(codes, 4)
 
-  ``codes_smem`` must be untiled and unswizzled (row stride ``D/2`` bytes);
-  a warp's 8 rows x 4 threads then read ``8 * D/2`` contiguous bytes, so the
-  16-byte loads are free of bank conflicts. Columns follow `k4_permutation`.
+
+def dequant_codes(codes_smem, head_dim: int, bits: int = 4):
+  """``[64, D]`` bfloat16 codes (WGMMA layout) of a ``[64, D*bits/8]`` uint8 smem tile.
+
+  ``codes_smem`` must be untiled and unswizzled (row stride ``D*bits/8``
+  bytes); a warp's 8 rows x 4 threads then read contiguous bytes, so the
+  loads are free of bank conflicts. Columns follow `code_permutation`.
   """
   if head_dim not in (64, 128):
     raise ValueError(f"head_dim={head_dim} must be 64 or 128")
-  if tuple(codes_smem.shape) != (_ROWS, head_dim // 2) or codes_smem.dtype != jnp.uint8:
-    raise ValueError(f"codes_smem must be uint8 [{_ROWS}, {head_dim // 2}], got "
+  if bits not in _MASK:
+    raise ValueError(f"bits={bits} must be 4 or 2")
+  width = head_dim * bits // 8
+  if tuple(codes_smem.shape) != (_ROWS, width) or codes_smem.dtype != jnp.uint8:
+    raise ValueError(f"codes_smem must be uint8 [{_ROWS}, {width}], got "
                      f"{codes_smem.dtype} {tuple(codes_smem.shape)}")
-  width = head_dim // 2
   span = width // 4
   words = span // 4
+  pairs = 16 // bits
+  asm = _ASM.format(mask=_MASK[bits])
   # Register (0, j, 0, 0, half, 0...) = columns 8 j + 2 (lane % 4) + {0, 1} of
   # row 16 warp + lane // 4 + 8 half: WGMMA_LAYOUT's tiling as of jax 0.10-0.11.
   want_regs = (1, head_dim // 8, 1, 1, 2) + (1,) * 4
   if fa.WGMMA_LAYOUT.registers_shape((_ROWS, head_dim)) != want_regs:
-    raise NotImplementedError("WGMMA_LAYOUT's register tiling changed; dequant_k4 assumes "
+    raise NotImplementedError("WGMMA_LAYOUT's register tiling changed; dequant_codes assumes "
                               f"{want_regs}")
 
   @plgpu.inline_mgpu(
@@ -118,30 +142,35 @@ def dequant_k4(codes_smem, head_dim: int):
       packed = vector.bitcast(ir.VectorType.get((words,), i32), raw)
       for w in range(words):
         word = vector.extract(packed, [], [w])
-        for k in range(4):
-          shifted = arith.shrui(word, mgpu_utils.c(4 * k, i32)) if k else word
-          pair = llvm.inline_asm(i32, [shifted], _ASM, "=r,r")
-          regs[(0, 4 * w + k, 0, 0, half) + (0,) * (regs.ndim - 5)] = (
+        for k in range(pairs):
+          shifted = arith.shrui(word, mgpu_utils.c(bits * k, i32)) if k else word
+          pair = llvm.inline_asm(i32, [shifted], asm, "=r,r")
+          regs[(0, pairs * w + k, 0, 0, half) + (0,) * (regs.ndim - 5)] = (
               mgpu_utils.bitcast(pair, bf16x2))
     return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
   return body(codes_smem)
 
 
+def dequant_k4(codes_smem, head_dim: int):
+  """`dequant_codes` of 4-bit codes."""
+  return dequant_codes(codes_smem, head_dim, 4)
+
+
 def _params():
   return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
 
 
-@jax.jit
-def probe_dequant_k4(codes: jax.Array) -> jax.Array:
-  """``[64, D/2]`` uint8 -> the ``[64, D]`` bf16 registers of `dequant_k4` (a test probe)."""
+@functools.partial(jax.jit, static_argnames=("bits",))
+def probe_dequant(codes: jax.Array, *, bits: int = 4) -> jax.Array:
+  """``[64, D*bits/8]`` uint8 -> the ``[64, D]`` bf16 registers of `dequant_codes` (a probe)."""
   rows, width = codes.shape
-  head_dim = 2 * width
+  head_dim = width * 8 // bits
 
   def kernel(codes_gmem, out_gmem, codes_smem, out_smem, barrier):
     plgpu.copy_gmem_to_smem(codes_gmem, codes_smem, barrier)
     plgpu.barrier_wait(barrier)
-    out_smem[...] = dequant_k4(codes_smem, head_dim)
+    out_smem[...] = dequant_codes(codes_smem, head_dim, bits)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(out_smem, out_gmem)
     plgpu.wait_smem_to_gmem(0)
@@ -150,22 +179,23 @@ def probe_dequant_k4(codes: jax.Array) -> jax.Array:
       kernel, out_type=jax.ShapeDtypeStruct((rows, head_dim), jnp.bfloat16),
       scratch_types=[plgpu.SMEM((rows, width), jnp.uint8),
                      plgpu.SMEM((rows, head_dim), jnp.bfloat16), plgpu.Barrier()],
-      compiler_params=_params(), kernel_name="jaxkv_probe_dequant_k4")(codes)
+      compiler_params=_params(), kernel_name=f"jaxkv_probe_dequant_{bits}")(codes)
 
 
-@jax.jit
-def probe_scores_k4(codes: jax.Array, q: jax.Array) -> jax.Array:
-  """``S^T [64, N] = codes @ q^T`` through `dequant_k4` as the wgmma A operand (a probe).
+@functools.partial(jax.jit, static_argnames=("bits",))
+def probe_scores(codes: jax.Array, q: jax.Array, *, bits: int = 4) -> jax.Array:
+  """``S^T [64, N] = codes @ q^T`` through `dequant_codes` as the wgmma A operand (a probe).
 
   ``q [N, D]`` bf16 in channel order, N a multiple of 8; its columns are
-  permuted by `k4_permutation` here, so the result is in channel terms.
+  permuted by `code_permutation` here, so the result is in channel terms.
   """
   rows, width = codes.shape
-  head_dim = 2 * width
+  head_dim = width * 8 // bits
   n = q.shape[0]
   if rows != _ROWS or n % 8 or q.shape[1] != head_dim:
-    raise ValueError(f"codes {codes.shape} must be [64, D/2] and q {q.shape} [N % 8 == 0, D]")
-  q_perm = q[:, k4_permutation(head_dim)]                     # [N, D] in MMA column order
+    raise ValueError(f"codes {codes.shape} must be [64, D*bits/8] and q {q.shape} "
+                     "[N % 8 == 0, D]")
+  q_perm = q[:, code_permutation(head_dim, bits)]             # [N, D] in MMA column order
   swizzle = 128 if head_dim * 2 % 128 == 0 else 64
   q_transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
 
@@ -174,7 +204,7 @@ def probe_scores_k4(codes: jax.Array, q: jax.Array) -> jax.Array:
     plgpu.barrier_wait(barrier)
     plgpu.copy_gmem_to_smem(q_gmem, q_smem, barrier)
     plgpu.barrier_wait(barrier)
-    a = dequant_k4(codes_smem, head_dim)
+    a = dequant_codes(codes_smem, head_dim, bits)
 
     def mma(acc_ref):
       plgpu.wgmma(acc_ref, a, q_smem.transpose((1, 0)))
@@ -190,7 +220,7 @@ def probe_scores_k4(codes: jax.Array, q: jax.Array) -> jax.Array:
       scratch_types=[plgpu.SMEM((rows, width), jnp.uint8),
                      plgpu.SMEM((n, head_dim), jnp.bfloat16, transforms=q_transforms),
                      plgpu.SMEM((rows, n), jnp.float32), plgpu.Barrier()],
-      compiler_params=_params(), kernel_name="jaxkv_probe_scores_k4")(codes, q_perm)
+      compiler_params=_params(), kernel_name=f"jaxkv_probe_scores_{bits}")(codes, q_perm)
 
 
 @functools.partial(jax.jit, static_argnames=("stages",))
@@ -246,5 +276,6 @@ def probe_k4_score_stream(codes: jax.Array, q: jax.Array, *, stages: int = 4) ->
       compiler_params=_params(), kernel_name="jaxkv_probe_k4_stream")(codes, q_perm)
 
 
-__all__ = ["dequant_k4", "k4_permutation", "k4_registers_reference", "probe_dequant_k4",
-           "probe_k4_score_stream", "probe_scores_k4"]
+__all__ = ["code_permutation", "dequant_codes", "dequant_k4", "k4_permutation",
+           "k4_registers_reference", "probe_dequant", "probe_k4_score_stream", "probe_scores",
+           "registers_reference"]

@@ -1,4 +1,4 @@
-"""4-bit codes -> wgmma A-operand registers (`pallas_kernels.mosaic_dequant`).
+"""4/2-bit codes -> wgmma A-operand registers (`pallas_kernels.mosaic_dequant`).
 
 On a Hopper GPU the probes run compiled: the register contents must equal the
 numpy codes of the permuted channels exactly, and the wgmma scores with q
@@ -24,16 +24,16 @@ def _codes(width, seed):
   return jnp.asarray(np.random.default_rng(seed).integers(0, 256, (64, width)), jnp.uint8)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_permutation_is_a_bijection_of_planar_channels(head_dim):
-  perm = md.k4_permutation(head_dim)
+@pytest.mark.parametrize("head_dim,bits", [(64, 4), (128, 4), (64, 2), (128, 2)])
+def test_permutation_is_a_bijection_of_planar_channels(head_dim, bits):
+  perm = md.code_permutation(head_dim, bits)
   np.testing.assert_array_equal(np.sort(perm), np.arange(head_dim))
   # Each thread's two columns of a register come from one 32-bit word: bytes
-  # 2 apart in the same nibble plane.
-  width = head_dim // 2
+  # 2 apart in the same plane.
+  width = head_dim * bits // 8
   for col in range(0, head_dim, 2):
     a, b = perm[col], perm[col + 1]
-    assert (a >= width) == (b >= width) and b - a == 2
+    assert a // width == b // width and b - a == 2
 
 
 def test_reference_reads_planar_nibbles():
@@ -46,27 +46,39 @@ def test_reference_reads_planar_nibbles():
     np.testing.assert_array_equal(ref[:, col], want)
   with pytest.raises(ValueError, match="head_dim=96"):
     md.k4_permutation(96)
+  with pytest.raises(ValueError, match="bits=3"):
+    md.code_permutation(128, 3)
+  c2 = np.asarray(_codes(32, 1))
+  ref2, perm2 = md.registers_reference(c2, 2), md.code_permutation(128, 2)
+  for col in (0, 1, 5, 40, 127):
+    plane, byte = divmod(perm2[col], 32)
+    np.testing.assert_array_equal(ref2[:, col], (c2[:, byte] >> (2 * plane)) & 3)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_dequant_k4_registers(head_dim):
-  codes = _codes(head_dim // 2, head_dim)
+@pytest.mark.parametrize("head_dim,bits", [(64, 4), (128, 4), (64, 2), (128, 2)])
+def test_dequant_registers(head_dim, bits):
+  codes = _codes(head_dim * bits // 8, head_dim + bits)
   if not ON_HOPPER:
-    jax.jit(md.probe_dequant_k4).trace(codes).lower(lowering_platforms=("cuda",))
+    jax.jit(md.probe_dequant, static_argnames="bits").trace(codes, bits=bits).lower(
+        lowering_platforms=("cuda",))
     return
-  got = np.asarray(md.probe_dequant_k4(codes), np.float32)
-  np.testing.assert_array_equal(got, md.k4_registers_reference(np.asarray(codes)))
+  got = np.asarray(md.probe_dequant(codes, bits=bits), np.float32)
+  np.testing.assert_array_equal(got, md.registers_reference(np.asarray(codes), bits))
 
 
-@pytest.mark.parametrize("head_dim,n", [(64, 8), (128, 8), (128, 16)])
-def test_dequant_k4_as_wgmma_operand(head_dim, n):
-  codes = _codes(head_dim // 2, head_dim + n)
+@pytest.mark.parametrize("head_dim,n,bits", [(64, 8, 4), (128, 8, 4), (128, 16, 4),
+                                             (64, 8, 2), (128, 16, 2)])
+def test_dequant_as_wgmma_operand(head_dim, n, bits):
+  codes = _codes(head_dim * bits // 8, head_dim + n + bits)
   q = jax.random.normal(jax.random.PRNGKey(n), (n, head_dim), jnp.float32).astype(jnp.bfloat16)
   if not ON_HOPPER:
-    jax.jit(md.probe_scores_k4).trace(codes, q).lower(lowering_platforms=("cuda",))
+    jax.jit(md.probe_scores, static_argnames="bits").trace(codes, q, bits=bits).lower(
+        lowering_platforms=("cuda",))
     return
-  got = np.asarray(md.probe_scores_k4(codes, q), np.float64)
+  got = np.asarray(md.probe_scores(codes, q, bits=bits), np.float64)
   c = np.asarray(codes)
-  channels = np.concatenate([c & 15, c >> 4], axis=1).astype(np.float64)   # [64, D]
+  mask = (1 << bits) - 1
+  channels = np.concatenate([(c >> (bits * p)) & mask for p in range(8 // bits)],
+                            axis=1).astype(np.float64)                     # [64, D] planar
   want = channels @ np.asarray(q, np.float64).T
   np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
