@@ -40,6 +40,7 @@ try:  # Mosaic GPU ships with every jax >= 0.6, but keep the import soft.
 except ImportError:  # pragma: no cover
   plgpu = None
 
+from pallas_kernels import mosaic_dequant
 from pallas_kernels.side_spec import SideSpec
 
 def _takes_index() -> bool:
@@ -90,6 +91,13 @@ class MosaicAttentionConfig:
     fold_scales: (tokens_m only) apply per-token scales and zeros to the scores
       (K) and to ``P`` (V) instead of to every code; per-channel K is always
       dequantized per element.
+    register_k: (tokens_m only; per-channel 4/2-bit K in a bfloat16 cache, else
+      ignored) K codes
+      become the wgmma A operand through `mosaic_dequant.dequant_codes` (one
+      shared load per row and two PTX instructions per value pair, unswizzled
+      code tiles) with q's channels and the K scale/zero rows permuted to the
+      MMA's column order in the wrapper; the residual program reads the
+      unpermuted q. Not yet measured: off by default.
 
   Search space (`jaxkv.autotune`): block_k in {64, 128}, num_splits around
   the heuristic (x1/2, x1, x2), max_concurrent_steps in {2, 3, 4}.
@@ -100,6 +108,7 @@ class MosaicAttentionConfig:
   max_concurrent_steps: int = 3
   tokens_m: bool = True
   fold_scales: bool = True
+  register_k: bool = False
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -370,8 +379,14 @@ def mosaic_decode_attention(
   if config.tokens_m:
     def arrays_of(codes, scale, zero, side):
       return [codes] if side.bits == 16 else [codes, scale, zero]
+    q_res = qh
+    if _register_k(config, k_side, head_dim, dtype):
+      # The MMA's K columns are a fixed permutation of the channels: permute
+      # q and the per-channel scale/zero rows once instead of any code.
+      perm = mosaic_dequant.code_permutation(head_dim, k_side.bits)
+      qh, k_scale, k_zero = (x[..., perm] for x in (qh, k_scale, k_zero))
     o_part, l_part, m_part = _tokens_m_call(
-        qh, arrays_of(k_codes, k_scale, k_zero, k_side),
+        qh, q_res, arrays_of(k_codes, k_scale, k_zero, k_side),
         arrays_of(v_codes, v_scale, v_zero, v_side), k_residual, v_residual, lengths,
         k_side=k_side, v_side=v_side, token_group=token_group, residual=residual,
         num_queries=num_queries, q_rows=q_rows, config=config, dtype=dtype)
@@ -578,9 +593,21 @@ def _token_affine(scale_smem, zero_smem):
           _load(zero_smem, layout=lay).astype(jnp.float32))
 
 
-def _tokens_m_call(qh, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v_side,
+def _register_k(config: MosaicAttentionConfig, k_side: SideSpec, head_dim: int, dtype) -> bool:
+  """Whether K takes the register-dequant path (`MosaicAttentionConfig.register_k`;
+  its PTX builds bfloat16 values, so bfloat16 caches only)."""
+  return (config.register_k and config.tokens_m and k_side.bits in (2, 4)
+          and k_side.axis == "channel" and head_dim in (64, 128)
+          and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16))
+
+
+def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v_side,
                    token_group, residual, num_queries, q_rows, config, dtype):
-  """The v2 kernel; returns partials ``o [B,H,J+1,D,N], l, m [B,H,J+1,N]``."""
+  """The v2 kernel; returns partials ``o [B,H,J+1,D,N], l, m [B,H,J+1,N]``.
+
+  ``qh`` is what the packed programs multiply K by (channels permuted with
+  `register_k`), ``q_res`` what the residual program does (channel order).
+  """
   batch, kv_heads, n_rows, head_dim = qh.shape
   bk = config.block_k
   num_splits = config.num_splits
@@ -593,7 +620,10 @@ def _tokens_m_call(qh, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v
   q_tf = _tiled(min(kw, 64), 16)
   v_tf = _tiled(n_rows, 16)
 
+  register_k = _register_k(config, k_side, head_dim, dtype)
   k_specs = _side_specs(k_side, k_in[0].shape[-1], head_dim, bk, q_tf)
+  if register_k:  # `dequant_codes` reads plain rows: no tiling or swizzle
+    k_specs[0] = plgpu.BlockSpec((bk, k_in[0].shape[-1]), lambda i: (i, 0))
   v_specs = _side_specs(v_side, v_in[0].shape[-1], head_dim, bk, v_tf)
   nk, nv = len(k_specs), len(v_specs)
 
@@ -616,6 +646,10 @@ def _tokens_m_call(qh, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v
     def scores(acc_ref):
       if not packed_k:  # full-precision K tile in smem
         plgpu.wgmma(acc_ref, k_tiles, _t(q_smem))
+      elif register_k:
+        x = mosaic_dequant.dequant_codes(k_tiles[0], head_dim, k_side.bits)
+        sc, zr = _affine_regs(k_tiles[1], k_tiles[2], k_side, 0, head_dim, bk, dtype)
+        plgpu.wgmma(acc_ref, x * sc + zr, _t(q_smem))
       else:
         for c0, x in _dequant_planes(*k_tiles, k_side, head_dim, dtype, affine=not fold_k):
           q_plane = q_smem.at[:, pl.ds(c0, kw)]
@@ -659,7 +693,7 @@ def _tokens_m_call(qh, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v
     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
     return acc, m_new, l_i, z_i
 
-  def kernel(lengths_gmem, q_gmem, qsum_gmem, *refs):
+  def kernel(lengths_gmem, q_gmem, qsum_gmem, qres_gmem, *refs):
     k_refs, v_refs = refs[:3], refs[3:6]
     kres_gmem, vres_gmem, o_gmem, l_gmem, m_gmem = refs[6:11]
     q_smem, kres_smem, vdq_smem, pt_smem, o_smem, lm_smem, barrier = refs[11:]
@@ -702,6 +736,9 @@ def _tokens_m_call(qh, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v
     def _residual():
       carry = (acc0, m0, l0, l0)
       num_res = length - packed
+      if register_k:  # the residual's K rows are in channel order
+        plgpu.copy_gmem_to_smem(qres_gmem.at[b, h], q_smem, barrier)
+        plgpu.barrier_wait(barrier)
       for r0 in range(0, residual, bk):
         plgpu.copy_gmem_to_smem(kres_gmem.at[b, h, pl.ds(r0, bk)], kres_smem, barrier)
         plgpu.barrier_wait(barrier)
@@ -736,4 +773,5 @@ def _tokens_m_call(qh, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v
       scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=_SEMANTICS),
       kernel_name=f"jaxkv_mosaic_tokens_m_attention_k{k_side.bits}v{v_side.bits}",
-  )(lengths, qh, jnp.sum(qh.astype(f32), axis=-1), *k_in, *v_in, k_residual, v_residual)
+  )(lengths, qh, jnp.sum(qh.astype(f32), axis=-1), q_res, *k_in, *v_in, k_residual,
+    v_residual)

@@ -29,6 +29,7 @@ bfloat16 integers below 256).
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import numpy as np
@@ -94,7 +95,9 @@ def k4_registers_reference(codes: np.ndarray) -> np.ndarray:
 
 
 def dequant_codes(codes_smem, head_dim: int, bits: int = 4):
-  """``[64, D]`` bfloat16 codes (WGMMA layout) of a ``[64, D*bits/8]`` uint8 smem tile.
+  """``[rows, D]`` bfloat16 codes (WGMMA layout) of a ``[rows, D*bits/8]`` uint8 smem tile.
+
+  ``rows`` is 64 or 128 (two warpgroup row tiles).
 
   ``codes_smem`` must be untiled and unswizzled (row stride ``D*bits/8``
   bytes); a warp's 8 rows x 4 threads then read contiguous bytes, so the
@@ -105,23 +108,26 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4):
   if bits not in _MASK:
     raise ValueError(f"bits={bits} must be 4 or 2")
   width = head_dim * bits // 8
-  if tuple(codes_smem.shape) != (_ROWS, width) or codes_smem.dtype != jnp.uint8:
-    raise ValueError(f"codes_smem must be uint8 [{_ROWS}, {width}], got "
+  rows = codes_smem.shape[0]
+  if (rows not in (_ROWS, 2 * _ROWS) or tuple(codes_smem.shape[1:]) != (width,)
+      or codes_smem.dtype != jnp.uint8):
+    raise ValueError(f"codes_smem must be uint8 [64 | 128, {width}], got "
                      f"{codes_smem.dtype} {tuple(codes_smem.shape)}")
   span = width // 4
   words = span // 4
   pairs = 16 // bits
   asm = _ASM.format(mask=_MASK[bits])
-  # Register (0, j, 0, 0, half, 0...) = columns 8 j + 2 (lane % 4) + {0, 1} of
-  # row 16 warp + lane // 4 + 8 half: WGMMA_LAYOUT's tiling as of jax 0.10-0.11.
-  want_regs = (1, head_dim // 8, 1, 1, 2) + (1,) * 4
-  if fa.WGMMA_LAYOUT.registers_shape((_ROWS, head_dim)) != want_regs:
+  # Register (m, j, 0, 0, half, 0...) = columns 8 j + 2 (lane % 4) + {0, 1} of
+  # row 64 m + 16 warp + lane // 4 + 8 half: WGMMA_LAYOUT's tiling as of jax
+  # 0.10-0.11.
+  want_regs = (rows // _ROWS, head_dim // 8, 1, 1, 2) + (1,) * 4
+  if fa.WGMMA_LAYOUT.registers_shape((rows, head_dim)) != want_regs:
     raise NotImplementedError("WGMMA_LAYOUT's register tiling changed; dequant_codes assumes "
                               f"{want_regs}")
 
   @plgpu.inline_mgpu(
       arg_types=(plgpu.RefType(),),
-      return_type=plgpu.ShapeDtypeStruct((_ROWS, head_dim), jnp.bfloat16,
+      return_type=plgpu.ShapeDtypeStruct((rows, head_dim), jnp.bfloat16,
                                          layout=plgpu.Layout.WGMMA))
   def body(_, ref):
     i32 = ir.IntegerType.get_signless(32)
@@ -134,9 +140,9 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4):
                       arith.shrui(lane, mgpu_utils.c(2, i32)))
     col = arith.muli(arith.andi(lane, mgpu_utils.c(3, i32)), mgpu_utils.c(span, i32))
     col = arith.index_cast(index, col)
-    regs = np.empty(fa.WGMMA_LAYOUT.registers_shape((_ROWS, head_dim)), dtype=object)
-    for half in range(2):
-      row = arith.index_cast(index, arith.addi(row0, mgpu_utils.c(8 * half, i32)))
+    regs = np.empty(want_regs, dtype=object)
+    for m, half in itertools.product(range(rows // _ROWS), range(2)):
+      row = arith.index_cast(index, arith.addi(row0, mgpu_utils.c(_ROWS * m + 8 * half, i32)))
       raw = vector.load(ir.VectorType.get((span,), ir.IntegerType.get_signless(8)), ref,
                         [row, col])
       packed = vector.bitcast(ir.VectorType.get((words,), i32), raw)
@@ -145,7 +151,7 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4):
         for k in range(pairs):
           shifted = arith.shrui(word, mgpu_utils.c(bits * k, i32)) if k else word
           pair = llvm.inline_asm(i32, [shifted], asm, "=r,r")
-          regs[(0, pairs * w + k, 0, 0, half) + (0,) * (regs.ndim - 5)] = (
+          regs[(m, pairs * w + k, 0, 0, half) + (0,) * (regs.ndim - 5)] = (
               mgpu_utils.bitcast(pair, bf16x2))
     return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
@@ -192,7 +198,7 @@ def probe_scores(codes: jax.Array, q: jax.Array, *, bits: int = 4) -> jax.Array:
   rows, width = codes.shape
   head_dim = width * 8 // bits
   n = q.shape[0]
-  if rows != _ROWS or n % 8 or q.shape[1] != head_dim:
+  if rows not in (_ROWS, 2 * _ROWS) or n % 8 or q.shape[1] != head_dim:
     raise ValueError(f"codes {codes.shape} must be [64, D*bits/8] and q {q.shape} "
                      "[N % 8 == 0, D]")
   q_perm = q[:, code_permutation(head_dim, bits)]             # [N, D] in MMA column order

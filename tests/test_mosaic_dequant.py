@@ -20,8 +20,8 @@ from pallas_kernels import mosaic_dequant as md
 ON_HOPPER = is_hopper()
 
 
-def _codes(width, seed):
-  return jnp.asarray(np.random.default_rng(seed).integers(0, 256, (64, width)), jnp.uint8)
+def _codes(width, seed, rows=64):
+  return jnp.asarray(np.random.default_rng(seed).integers(0, 256, (rows, width)), jnp.uint8)
 
 
 @pytest.mark.parametrize("head_dim,bits", [(64, 4), (128, 4), (64, 2), (128, 2)])
@@ -55,9 +55,10 @@ def test_reference_reads_planar_nibbles():
     np.testing.assert_array_equal(ref2[:, col], (c2[:, byte] >> (2 * plane)) & 3)
 
 
-@pytest.mark.parametrize("head_dim,bits", [(64, 4), (128, 4), (64, 2), (128, 2)])
-def test_dequant_registers(head_dim, bits):
-  codes = _codes(head_dim * bits // 8, head_dim + bits)
+@pytest.mark.parametrize("head_dim,bits,rows", [(64, 4, 64), (128, 4, 64), (64, 2, 64),
+                                                (128, 2, 64), (128, 4, 128), (128, 2, 128)])
+def test_dequant_registers(head_dim, bits, rows):
+  codes = _codes(head_dim * bits // 8, head_dim + bits + rows, rows)
   if not ON_HOPPER:
     jax.jit(md.probe_dequant, static_argnames="bits").trace(codes, bits=bits).lower(
         lowering_platforms=("cuda",))
@@ -66,10 +67,11 @@ def test_dequant_registers(head_dim, bits):
   np.testing.assert_array_equal(got, md.registers_reference(np.asarray(codes), bits))
 
 
-@pytest.mark.parametrize("head_dim,n,bits", [(64, 8, 4), (128, 8, 4), (128, 16, 4),
-                                             (64, 8, 2), (128, 16, 2)])
-def test_dequant_as_wgmma_operand(head_dim, n, bits):
-  codes = _codes(head_dim * bits // 8, head_dim + n + bits)
+@pytest.mark.parametrize("head_dim,n,bits,rows", [(64, 8, 4, 64), (128, 8, 4, 64),
+                                                  (128, 16, 4, 64), (64, 8, 2, 64),
+                                                  (128, 16, 2, 64), (128, 16, 4, 128)])
+def test_dequant_as_wgmma_operand(head_dim, n, bits, rows):
+  codes = _codes(head_dim * bits // 8, head_dim + n + bits + rows, rows)
   q = jax.random.normal(jax.random.PRNGKey(n), (n, head_dim), jnp.float32).astype(jnp.bfloat16)
   if not ON_HOPPER:
     jax.jit(md.probe_scores, static_argnames="bits").trace(codes, q, bits=bits).lower(
@@ -79,6 +81,6 @@ def test_dequant_as_wgmma_operand(head_dim, n, bits):
   c = np.asarray(codes)
   mask = (1 << bits) - 1
   channels = np.concatenate([(c >> (bits * p)) & mask for p in range(8 // bits)],
-                            axis=1).astype(np.float64)                     # [64, D] planar
+                            axis=1).astype(np.float64)                   # [rows, D] planar
   want = channels @ np.asarray(q, np.float64).T
   np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
