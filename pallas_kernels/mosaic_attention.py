@@ -98,6 +98,11 @@ class MosaicAttentionConfig:
       code tiles) with q's channels and the K scale/zero rows permuted to the
       MMA's column order in the wrapper; the residual program reads the
       unpermuted q. Not yet measured: off by default.
+    register_v: (tokens_m only; 4/2-bit V with one scale group per head, folded
+      scales, a bfloat16 cache; else ignored) V codes become exact values in
+      registers the same way and are stored to the value tile in one piece;
+      the packed programs' outputs come out in the permuted channel order and
+      are put back before the combine. Not yet measured: off by default.
 
   Search space (`jaxkv.autotune`): block_k in {64, 128}, num_splits around
   the heuristic (x1/2, x1, x2), max_concurrent_steps in {2, 3, 4}.
@@ -109,6 +114,7 @@ class MosaicAttentionConfig:
   tokens_m: bool = True
   fold_scales: bool = True
   register_k: bool = False
+  register_v: bool = False
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -390,6 +396,12 @@ def mosaic_decode_attention(
         arrays_of(v_codes, v_scale, v_zero, v_side), k_residual, v_residual, lengths,
         k_side=k_side, v_side=v_side, token_group=token_group, residual=residual,
         num_queries=num_queries, q_rows=q_rows, config=config, dtype=dtype)
+    if _register_v(config, v_side, head_dim, dtype):
+      # Packed programs wrote O^T rows in the MMA's V column order; the
+      # residual program's are in channel order.
+      inv = np.argsort(mosaic_dequant.code_permutation(head_dim, v_side.bits))
+      o_part = jnp.concatenate([o_part[:, :, :config.num_splits][..., inv, :],
+                                o_part[:, :, config.num_splits:]], axis=2)
     return unpack_out(_combine(jnp.swapaxes(o_part, -1, -2), l_part, m_part))
 
   k_w = k_codes.shape[-1]
@@ -593,6 +605,13 @@ def _token_affine(scale_smem, zero_smem):
           _load(zero_smem, layout=lay).astype(jnp.float32))
 
 
+def _register_v(config: MosaicAttentionConfig, v_side: SideSpec, head_dim: int, dtype) -> bool:
+  """Whether V takes the register-dequant path (`MosaicAttentionConfig.register_v`)."""
+  return (config.register_v and config.tokens_m and config.fold_scales
+          and v_side.bits in (2, 4) and v_side.group == head_dim and head_dim in (64, 128)
+          and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16))
+
+
 def _register_k(config: MosaicAttentionConfig, k_side: SideSpec, head_dim: int, dtype) -> bool:
   """Whether K takes the register-dequant path (`MosaicAttentionConfig.register_k`;
   its PTX builds bfloat16 values, so bfloat16 caches only)."""
@@ -625,6 +644,9 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
   if register_k:  # `dequant_codes` reads plain rows: no tiling or swizzle
     k_specs[0] = plgpu.BlockSpec((bk, k_in[0].shape[-1]), lambda i: (i, 0))
   v_specs = _side_specs(v_side, v_in[0].shape[-1], head_dim, bk, v_tf)
+  register_v = _register_v(config, v_side, head_dim, dtype)
+  if register_v:
+    v_specs[0] = plgpu.BlockSpec((bk, v_in[0].shape[-1]), lambda i: (i, 0))
   nk, nv = len(k_specs), len(v_specs)
 
   fold_k = config.fold_scales and k_side.bits < 16 and k_side.axis == "token"
@@ -680,8 +702,11 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       z_i = z_i * alpha_b
       pt_smem[...] = p.astype(dtype)
     if packed_v:
-      for c0, x in _dequant_planes(*v_tiles, v_side, head_dim, dtype, affine=not fold_v):
-        vdq_smem[:, pl.ds(c0, x.shape[1])] = x
+      if register_v:  # exact codes, channels in `code_permutation` order
+        vdq_smem[...] = mosaic_dequant.dequant_codes(v_tiles[0], head_dim, v_side.bits)
+      else:
+        for c0, x in _dequant_planes(*v_tiles, v_side, head_dim, dtype, affine=not fold_v):
+          vdq_smem[:, pl.ds(c0, x.shape[1])] = x
       v_tile = vdq_smem
     else:
       v_tile = v_tiles

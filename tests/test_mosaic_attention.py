@@ -90,12 +90,16 @@ def test_mosaic_attention(name, b, hkv, group, d, s, lengths, capacity, dtype):
   # rows on M (v1).
   configs = [ma.MosaicAttentionConfig(block_k=64, num_splits=3, tokens_m=t, fold_scales=f)
              for t, f in ((True, True), (True, False), (False, False))]
-  # K through the register dequant (`mosaic_dequant`; ignored where it does not apply).
+  # K (and V) through the register dequant (`mosaic_dequant`; ignored where it
+  # does not apply).
   configs.append(ma.MosaicAttentionConfig(block_k=64, num_splits=3, register_k=True))
+  configs.append(ma.MosaicAttentionConfig(block_k=64, num_splits=3, register_k=True,
+                                          register_v=True))
   k_side = SideSpec.of(fmt, "k", d)
   if (k_side.bits in (2, 4) and k_side.axis == "channel" and fmt.token_group % 128 == 0
       and fmt.residual % 128 == 0 and capacity % 128 == 0):
-    configs.append(ma.MosaicAttentionConfig(block_k=128, num_splits=2, register_k=True))
+    configs.append(ma.MosaicAttentionConfig(block_k=128, num_splits=2, register_k=True,
+                                            register_v=True))
   if not ON_HOPPER:
     for config in configs:
       lowered = jax.jit(_call, static_argnums=2).trace(q, cache, config).lower(
