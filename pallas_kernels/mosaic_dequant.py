@@ -163,6 +163,14 @@ def dequant_k4(codes_smem, head_dim: int):
   return dequant_codes(codes_smem, head_dim, 4)
 
 
+def _write_out(value, out_smem, out_gmem):
+  """Stores a register array through shared memory to its HBM output (the probes' end)."""
+  out_smem[...] = value
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(out_smem, out_gmem)
+  plgpu.wait_smem_to_gmem(0)
+
+
 def _params():
   return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
 
@@ -176,10 +184,7 @@ def probe_dequant(codes: jax.Array, *, bits: int = 4) -> jax.Array:
   def kernel(codes_gmem, out_gmem, codes_smem, out_smem, barrier):
     plgpu.copy_gmem_to_smem(codes_gmem, codes_smem, barrier)
     plgpu.barrier_wait(barrier)
-    out_smem[...] = dequant_codes(codes_smem, head_dim, bits)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, out_gmem)
-    plgpu.wait_smem_to_gmem(0)
+    _write_out(dequant_codes(codes_smem, head_dim, bits), out_smem, out_gmem)
 
   return plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((rows, head_dim), jnp.bfloat16),
@@ -216,10 +221,7 @@ def probe_scores(codes: jax.Array, q: jax.Array, *, bits: int = 4) -> jax.Array:
       plgpu.wgmma(acc_ref, a, q_smem.transpose((1, 0)))
       return acc_ref[...]
 
-    out_smem[...] = pl.run_scoped(mma, plgpu.ACC((rows, n), jnp.float32))
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, out_gmem)
-    plgpu.wait_smem_to_gmem(0)
+    _write_out(pl.run_scoped(mma, plgpu.ACC((rows, n), jnp.float32)), out_smem, out_gmem)
 
   return plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((rows, n), jnp.float32),
@@ -269,10 +271,7 @@ def probe_k4_score_stream(codes: jax.Array, q: jax.Array, *, stages: int = 4) ->
         body, grid=(tokens // _ROWS,),
         in_specs=[plgpu.BlockSpec((_ROWS, width), lambda i: (i, 0))],
         max_concurrent_steps=stages, init_carry=init)
-    out_smem[...] = pipeline(codes_gmem.at[p])
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[p])
-    plgpu.wait_smem_to_gmem(0)
+    _write_out(pipeline(codes_gmem.at[p]), out_smem, out_gmem.at[p])
 
   return plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((programs, _ROWS, n), jnp.float32),
