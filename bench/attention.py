@@ -524,16 +524,13 @@ def bench_flush(hbm, log, configs=None):
     runs = [(dataclasses.asdict(c) if c else "default", functools.partial(flush, config=c))
             for c in configs or flush_configs()]
     runs.append(("fused", functools.partial(fused, config=None)))
-    # The fused launch with narrower K column blocks (more K programs) / fewer warps.
-    for fc in (pk.PackConfig(block_t=8, block_w=2), pk.PackConfig(block_t=32, block_w=2),
-               pk.PackConfig(block_t=16, block_w=2, num_warps=8),
-               pk.PackConfig(block_t=8, block_w=4), pk.PackConfig(block_t=32, block_w=4),
-               pk.PackConfig(block_t=16, block_w=2), pk.PackConfig(block_t=16, block_w=2, num_warps=2),
-               pk.PackConfig(block_t=16, block_w=2, num_warps=1),
-               pk.PackConfig(block_t=16, block_w=4), pk.PackConfig(block_t=16, block_w=4, num_warps=2),
-               pk.PackConfig(block_t=16, block_w=8), pk.PackConfig(block_t=16, block_w=8, num_warps=2),
-               pk.PackConfig(block_t=16, block_w=8, num_warps=1),
-               pk.PackConfig(block_t=16, block_w=16, num_warps=2)):
+    # The fused launch around its two defaults (2-bit K: 2-byte blocks, 8 warps; else
+    # 4 bytes, 4 warps). Wider/narrower V blocks, 1-2 warps and 16-byte blocks were
+    # slower (`bench/results/flush-*-2026112[56]-*.log`).
+    for fc in (pk.PackConfig(block_t=16, block_w=2, num_warps=8),
+               pk.PackConfig(block_t=16, block_w=2), pk.PackConfig(block_t=16, block_w=4),
+               pk.PackConfig(block_t=16, block_w=4, num_warps=8),
+               pk.PackConfig(block_t=16, block_w=8)):
       runs.append((f"fused w{fc.block_w} n{fc.num_warps} t{fc.block_t}",
                    functools.partial(fused, config=fc)))
     for label, fn in runs:

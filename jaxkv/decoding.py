@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 
 from jaxkv.formats import KVFormat
+from jaxkv.sharding import check_mesh
 
 SAMPLERS = ("greedy", "sample", "temperature", "top_k", "top_p")
 
@@ -319,7 +320,7 @@ def _decode_steps_program(graphdef, state, tokens, cache, rng, stop_tokens, temp
 def _settings(model, max_new_tokens, sampler, temperature, top_k, top_p, implementation,
               progress, mesh=None) -> GenerateSettings:
   """Validates the sampling arguments shared by `generate` and `decode_steps`."""
-  _check_mesh(mesh)
+  check_mesh(mesh, optional=True)
   if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
       or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
@@ -411,12 +412,6 @@ def decode_steps(model, tokens, cache, num_steps: int, *, sampler: str | Callabl
                                np.float32(temperature),
                                np.float32(1.0 if top_p is None else top_p),
                                _pad_id(pad_token_id), settings=settings)
-
-
-def _check_mesh(mesh) -> None:
-  """TypeError unless ``mesh`` is None or a `jax.sharding.Mesh` (`jaxkv.make_mesh`)."""
-  if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
-    raise TypeError(f"mesh must be a jax.sharding.Mesh (jaxkv.make_mesh) or None, got {mesh!r}")
 
 
 def _pad_id(pad_token_id) -> np.int32:

@@ -202,10 +202,16 @@ def cache_shardings(cache, mesh: Mesh):
   return named(mesh, cache_specs(cache, mesh))
 
 
+def check_mesh(mesh, *, optional: bool = False) -> None:
+  """TypeError unless ``mesh`` is a `jax.sharding.Mesh` (`make_mesh`), or None when ``optional``."""
+  if not (isinstance(mesh, Mesh) or (optional and mesh is None)):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh (jaxkv.make_mesh)"
+                    f"{' or None' if optional else ''}, got {mesh!r}")
+
+
 def shard_cache(cache, mesh: Mesh):
   """Places a `ModelCache` / `KVCache` / `VQCache` on ``mesh`` (`cache_specs`); returns it placed."""
-  if not isinstance(mesh, Mesh):
-    raise TypeError(f"mesh must be a jax.sharding.Mesh (jaxkv.make_mesh), got {mesh!r}")
+  check_mesh(mesh)
   return jax.device_put(cache, cache_shardings(cache, mesh))
 
 

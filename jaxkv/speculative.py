@@ -43,9 +43,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxkv.decoding import (COMPILER_OPTIONS, SplitModel, _check_ids, _check_mesh,
-                             _is_stop, _pad_id, _split, _stop_array)
+from jaxkv.decoding import (COMPILER_OPTIONS, SplitModel, _check_ids, _is_stop, _pad_id,
+                             _split, _stop_array)
 from jaxkv.formats import KVFormat
+from jaxkv.sharding import check_mesh
 from jaxkv.model_cache import ModelCache
 from jaxkv.staged_cache import staged_attention, write_staged
 
@@ -343,7 +344,7 @@ def speculative_generate(model, prompt_tokens, prompt_lengths, *, max_new_tokens
     tokens accepted) and the totals ``acceptance_rate`` (accepted / drafted)
     and ``tokens_per_verification``; with ``return_cache`` the cache last.
   """
-  _check_mesh(mesh)
+  check_mesh(mesh, optional=True)
   prompt_tokens = np.asarray(prompt_tokens) if isinstance(prompt_tokens, (list, tuple)) \
       else prompt_tokens
   if getattr(prompt_tokens, "ndim", None) != 2:
@@ -479,7 +480,7 @@ def speculative_steps(model, token, cache, num_rounds: int, *, gamma: int = 4,
     raise ValueError(f"cache format {cache.fmt} must be hierarchical (e.g. 'quantspec'): the "
                      "draft reads its upper 4-bit plane")
   cache.check_model(model.config)
-  _check_mesh(mesh)
+  check_mesh(mesh, optional=True)
   token = jnp.asarray(token) if isinstance(token, (list, tuple)) else token
   if getattr(token, "ndim", None) != 1 or token.shape[0] != cache.batch:
     raise ValueError(f"token.shape={getattr(token, 'shape', None)} must be [{cache.batch}] "

@@ -92,8 +92,7 @@ class MosaicAttentionConfig:
       (K) and to ``P`` (V) instead of to every code; per-channel K is always
       dequantized per element.
     register_k: (tokens_m only; per-channel 4/2-bit K in a bfloat16 cache, else
-      ignored) K codes
-      become the wgmma A operand through `mosaic_dequant.dequant_codes` (one
+      ignored) K codes become the wgmma A operand through `mosaic_dequant.dequant_codes` (one
       shared load per row and two PTX instructions per value pair, unswizzled
       code tiles) with q's channels and the K scale/zero rows permuted to the
       MMA's column order in the wrapper; the residual program reads the
@@ -158,12 +157,15 @@ def _tiled(width_elems: int, itemsize_bits: int):
   return (plgpu.TilingTransform((8, sw * 8 // itemsize_bits)), plgpu.SwizzleTransform(sw))
 
 
-def _side_specs(side: SideSpec, width: int, head_dim: int, bk: int, values_transforms):
+def _side_specs(side: SideSpec, width: int, head_dim: int, bk: int, values_transforms,
+                plain_codes: bool = False):
   """Pipeline BlockSpecs of one side: code tile ``[bk, width]`` (+ scale, zero),
-  or a ``[bk, D]`` value tile (``values_transforms``) for a 16-bit side."""
+  or a ``[bk, D]`` value tile (``values_transforms``) for a 16-bit side.
+  ``plain_codes``: the code tile untiled and unswizzled (`mosaic_dequant` reads rows)."""
   if side.bits == 16:
     return [plgpu.BlockSpec((bk, head_dim), lambda i: (i, 0), transforms=values_transforms)]
-  specs = [plgpu.BlockSpec((bk, width), lambda i: (i, 0), transforms=_tiled(width, 8))]
+  specs = [plgpu.BlockSpec((bk, width), lambda i: (i, 0),
+                           transforms=() if plain_codes else _tiled(width, 8))]
   if side.axis == "token":
     specs += [plgpu.BlockSpec((bk,), lambda i: (i,))] * 2
   else:
@@ -605,19 +607,24 @@ def _token_affine(scale_smem, zero_smem):
           _load(zero_smem, layout=lay).astype(jnp.float32))
 
 
-def _register_v(config: MosaicAttentionConfig, v_side: SideSpec, head_dim: int, dtype) -> bool:
-  """Whether V takes the register-dequant path (`MosaicAttentionConfig.register_v`)."""
-  return (config.register_v and config.tokens_m and config.fold_scales
-          and v_side.bits in (2, 4) and v_side.group == head_dim and head_dim in (64, 128)
+def _dequant_codes_fit(config: MosaicAttentionConfig, side: SideSpec, head_dim: int,
+                       dtype) -> bool:
+  """Whether `mosaic_dequant.dequant_codes` makes this side's values (v2 layout, 4/2-bit
+  codes, D 64/128; its PTX builds bfloat16 values, so bfloat16 caches only)."""
+  return (config.tokens_m and side.bits in (2, 4) and head_dim in (64, 128)
           and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16))
 
 
 def _register_k(config: MosaicAttentionConfig, k_side: SideSpec, head_dim: int, dtype) -> bool:
-  """Whether K takes the register-dequant path (`MosaicAttentionConfig.register_k`;
-  its PTX builds bfloat16 values, so bfloat16 caches only)."""
-  return (config.register_k and config.tokens_m and k_side.bits in (2, 4)
-          and k_side.axis == "channel" and head_dim in (64, 128)
-          and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16))
+  """Whether K takes the register-dequant path (`MosaicAttentionConfig.register_k`)."""
+  return (config.register_k and k_side.axis == "channel"
+          and _dequant_codes_fit(config, k_side, head_dim, dtype))
+
+
+def _register_v(config: MosaicAttentionConfig, v_side: SideSpec, head_dim: int, dtype) -> bool:
+  """Whether V takes the register-dequant path (`MosaicAttentionConfig.register_v`)."""
+  return (config.register_v and config.fold_scales and v_side.group == head_dim
+          and _dequant_codes_fit(config, v_side, head_dim, dtype))
 
 
 def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v_side,
@@ -640,13 +647,9 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
   v_tf = _tiled(n_rows, 16)
 
   register_k = _register_k(config, k_side, head_dim, dtype)
-  k_specs = _side_specs(k_side, k_in[0].shape[-1], head_dim, bk, q_tf)
-  if register_k:  # `dequant_codes` reads plain rows: no tiling or swizzle
-    k_specs[0] = plgpu.BlockSpec((bk, k_in[0].shape[-1]), lambda i: (i, 0))
-  v_specs = _side_specs(v_side, v_in[0].shape[-1], head_dim, bk, v_tf)
   register_v = _register_v(config, v_side, head_dim, dtype)
-  if register_v:
-    v_specs[0] = plgpu.BlockSpec((bk, v_in[0].shape[-1]), lambda i: (i, 0))
+  k_specs = _side_specs(k_side, k_in[0].shape[-1], head_dim, bk, q_tf, plain_codes=register_k)
+  v_specs = _side_specs(v_side, v_in[0].shape[-1], head_dim, bk, v_tf, plain_codes=register_v)
   nk, nv = len(k_specs), len(v_specs)
 
   fold_k = config.fold_scales and k_side.bits < 16 and k_side.axis == "token"

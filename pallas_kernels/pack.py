@@ -411,10 +411,10 @@ def quantize_pack_kv(
     # warps (kivi2 on an H100: 4.45 -> 3.94 -> 3.42 us; 4-bit K: 3.03 us
     # with 4-byte blocks and 4 warps, 2.95-3.08 with the others;
     # `flush-w2-20261126-*.log`, `flush-bt-20261126-*.log`).
+    channel_2bit = k_axis == "channel" and k_bits == 2
     config = dataclasses.replace(
         PackConfig.default(tokens=tokens, head_dim=head_dim, axis="token"),
-        block_w=2 if k_bits == 2 else 4,
-        num_warps=8 if (k_bits == 2 and k_axis == "channel") else 4)
+        block_w=2 if channel_2bit else 4, num_warps=8 if channel_2bit else 4)
   params = _triton.compiler_params(num_warps=config.num_warps, num_stages=config.num_stages)
   block_t = min(config.block_t, _triton.next_pow2(tokens))
   padded = pl.cdiv(tokens, block_t) * block_t
