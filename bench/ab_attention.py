@@ -79,15 +79,21 @@ def _time_variants(name, shape, configs, call, args_, copies, cudnn, calls):
       out = jax.jit(fn)(*args_)
       ref = out if ref is None else ref
       err = A.rel_err(out, ref)
-      us = timing.kernel_time(fn, copies, calls=calls)["kernel"] * 1e6
+      kt = timing.kernel_time(fn, copies, calls=calls)
+      us = kt["kernel"] * 1e6
+      top = max(kt.get("by_name", {}).items(), key=lambda x: x[1], default=("", 0.0))
     except Exception as e:  # pylint: disable=broad-except
       print(f"  {name:16s} {vname:12s} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
       continue
     rows.append(dict(shape=A.shape_id(shape), format=name, variant=vname,
                      config=dataclasses.asdict(getattr(config, "config", config)), us=us, cudnn_us=cudnn,
-                     x_cudnn=cudnn / us, rel_err_vs_default=err))
-    print(f"  {name:16s} {vname:12s} {us:8.1f} us  {cudnn / us:5.2f}x cuDNN  err {err:.1e}",
-          flush=True)
+                     x_cudnn=cudnn / us, rel_err_vs_default=err, main_kernel=top[0][:80],
+                     main_kernel_us=top[1] * 1e6))
+    print(f"  {name:16s} {vname:12s} {us:8.1f} us  {cudnn / us:5.2f}x cuDNN  err {err:.1e}"
+          f"  (largest kernel {top[1] * 1e6:.1f} us of {kt['kernels']:.0f})", flush=True)
+    if os.environ.get("AB_KERNELS"):
+      for kname, sec in sorted(kt.get("by_name", {}).items(), key=lambda x: -x[1]):
+        print(f"      {sec * 1e6:7.1f} us  {kname[:90]}", flush=True)
   return rows
 
 

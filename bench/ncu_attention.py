@@ -17,6 +17,7 @@ Options: ``--shape`` indexes `bench/attention.py`'s SHAPES; ``--config``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import sys
@@ -40,6 +41,8 @@ def main(argv=None) -> int:
   p.add_argument("--calls", type=int, default=6)
   p.add_argument("--mosaic", action="store_true",
                  help="the Mosaic GPU kernel (default config; kernel regex jaxkv_mosaic)")
+  p.add_argument("--mosaic-set", default="",
+                 help="Mosaic config fields over the default, e.g. register_k=True,block_k=128")
   args = p.parse_args(argv)
   b, t, hq, hkv, d, s = A.SHAPES[args.shape]
   fmt = PRESETS[args.format]
@@ -51,6 +54,9 @@ def main(argv=None) -> int:
   data = A.random_packed(jax.random.PRNGKey(3), fmt, b, t, hkv, d)
   if args.mosaic:
     config = A.mosaic_default(fmt, b, t, hkv)
+    if args.mosaic_set:
+      from ab_attention import parse_variants  # pylint: disable=import-outside-toplevel
+      config = dataclasses.replace(config, **parse_variants("set:" + args.mosaic_set)["set"])
   call = A.mosaic_call if args.mosaic else A.jaxkv_call
   f = jax.jit(functools.partial(call, fmt=fmt, config=config))
   for _ in range(args.calls):

@@ -71,7 +71,8 @@ def kernel_time(fn: Callable, args_list: Sequence[tuple], *, calls: int = 20,
     start to last kernel end, per call (adds the gaps between kernels, and
     any time the GPU waited for the host); ``"kernels"``: kernels per call;
     ``"wall"``: host wall-clock per call of the same loop (one sync at the
-    end); ``"compile"``: seconds to compile. Where the trace has no GPU
+    end); ``"compile"``: seconds to compile; ``"by_name"``: seconds per call
+    of each kernel name (absent on a CPU backend). Where the trace has no GPU
     stream (a CPU backend), ``"kernel"`` and ``"span"`` fall back to
     ``"wall"`` and ``"kernels"`` is 0.
   """
@@ -105,8 +106,11 @@ def kernel_time(fn: Callable, args_list: Sequence[tuple], *, calls: int = 20,
     return {"kernel": wall, "span": wall, "kernels": 0, "wall": wall, "compile": compile_s}
   busy = sum(d for _, _, d in events) / calls / 1e9
   span = (max(s + d for _, s, d in events) - min(s for _, s, _ in events)) / calls / 1e9
+  by_name: dict[str, float] = {}
+  for name, _, d in events:
+    by_name[name] = by_name.get(name, 0.0) + d / calls / 1e9
   return {"kernel": busy, "span": span, "kernels": len(events) / calls, "wall": wall,
-          "compile": compile_s}
+          "compile": compile_s, "by_name": by_name}
 
 
 def hbm_read_probe(nbytes: int = 4 << 30, *, calls: int = 5) -> dict[str, float]:

@@ -93,15 +93,18 @@ class MosaicAttentionConfig:
       dequantized per element.
     register_k: (tokens_m only; per-channel 4/2-bit K in a bfloat16 cache, else
       ignored) K codes become the wgmma A operand through `mosaic_dequant.dequant_codes` (one
-      shared load per row and two PTX instructions per value pair, unswizzled
-      code tiles) with q's channels and the K scale/zero rows permuted to the
-      MMA's column order in the wrapper; the residual program reads the
-      unpermuted q. Not yet measured: off by default.
+      shared load per row, a shift, ``lop3``, ``sub`` and ``fma`` per value
+      pair with each column's scale/zero read from the channel-order rows,
+      unswizzled code tiles), q's channels permuted to the MMA's column order
+      in the wrapper; the residual program reads the unpermuted q. On by
+      default: 1.17-1.25x faster than without at (1, 131072, 32, 8, 128) on an
+      H200 (`bench/results/mosaic-NOTES.md`, 2026-11-26).
     register_v: (tokens_m only; 4/2-bit V with one scale group per head, folded
       scales, a bfloat16 cache; else ignored) V codes become exact values in
       registers the same way and are stored to the value tile in one piece;
-      the packed programs' outputs come out in the permuted channel order and
-      are put back before the combine. Not yet measured: off by default.
+      the packed programs' outputs come out in the permuted channel order; the
+      combine runs in that order and the small result is put back. On by
+      default (measured with ``register_k``).
 
   Search space (`jaxkv.autotune`): block_k in {64, 128}, num_splits around
   the heuristic (x1/2, x1, x2), max_concurrent_steps in {2, 3, 4}.
@@ -112,8 +115,8 @@ class MosaicAttentionConfig:
   max_concurrent_steps: int = 3
   tokens_m: bool = True
   fold_scales: bool = True
-  register_k: bool = False
-  register_v: bool = False
+  register_k: bool = True
+  register_v: bool = True
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -128,6 +131,11 @@ class MosaicAttentionConfig:
               k_bits: int = 4, v_bits: int = 4, token_group: int = 128, residual: int = 128,
               **unused) -> "MosaicAttentionConfig":
     """Heuristic: about 2 programs per SM, at least 4 blocks per split.
+
+    Not the "one wave" rule: at (1, 131072, 32, 8) on an H200, 32 splits
+    (264 programs) beat this heuristic's 33 (272) by 3-4 %, but at
+    (8, 32768, 32, 8) 3 splits (256 programs) lost 29 % to its 4 (320)
+    (2026-11-26, `bench/results/mosaic-NOTES.md`).
 
     From the v2 A/B on H100 and H200 (`bench/results/mosaic-NOTES.md`): sides
     of 2 bits take 128-token blocks (kivi2 52 -> 36 us at (1, 32768, 32, 8)),
@@ -390,20 +398,22 @@ def mosaic_decode_attention(
     q_res = qh
     if _register_k(config, k_side, head_dim, dtype):
       # The MMA's K columns are a fixed permutation of the channels: permute
-      # q and the per-channel scale/zero rows once instead of any code.
-      perm = mosaic_dequant.code_permutation(head_dim, k_side.bits)
-      qh, k_scale, k_zero = (x[..., perm] for x in (qh, k_scale, k_zero))
+      # q once instead of any code (the kernel reads each column's scale/zero).
+      qh = qh[..., mosaic_dequant.code_permutation(head_dim, k_side.bits)]
     o_part, l_part, m_part = _tokens_m_call(
         qh, q_res, arrays_of(k_codes, k_scale, k_zero, k_side),
         arrays_of(v_codes, v_scale, v_zero, v_side), k_residual, v_residual, lengths,
         k_side=k_side, v_side=v_side, token_group=token_group, residual=residual,
         num_queries=num_queries, q_rows=q_rows, config=config, dtype=dtype)
     if _register_v(config, v_side, head_dim, dtype):
-      # Packed programs wrote O^T rows in the MMA's V column order; the
-      # residual program's are in channel order.
-      inv = np.argsort(mosaic_dequant.code_permutation(head_dim, v_side.bits))
-      o_part = jnp.concatenate([o_part[:, :, :config.num_splits][..., inv, :],
-                                o_part[:, :, config.num_splits:]], axis=2)
+      # Packed programs wrote O^T rows in the MMA's V column order, the
+      # residual program in channel order: bring the one residual partial to
+      # the MMA's order, combine, and put the (small) result back.
+      perm = mosaic_dequant.code_permutation(head_dim, v_side.bits)
+      o_part = jnp.concatenate([o_part[:, :, :config.num_splits],
+                                o_part[:, :, config.num_splits:][..., perm, :]], axis=2)
+      out = _combine(jnp.swapaxes(o_part, -1, -2), l_part, m_part)
+      return unpack_out(out[..., np.argsort(perm)])
     return unpack_out(_combine(jnp.swapaxes(o_part, -1, -2), l_part, m_part))
 
   k_w = k_codes.shape[-1]
@@ -672,9 +682,10 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       if not packed_k:  # full-precision K tile in smem
         plgpu.wgmma(acc_ref, k_tiles, _t(q_smem))
       elif register_k:
-        x = mosaic_dequant.dequant_codes(k_tiles[0], head_dim, k_side.bits)
-        sc, zr = _affine_regs(k_tiles[1], k_tiles[2], k_side, 0, head_dim, bk, dtype)
-        plgpu.wgmma(acc_ref, x * sc + zr, _t(q_smem))
+        # code * scale + zero in registers; the scale/zero rows stay in channel order
+        x = mosaic_dequant.dequant_codes(k_tiles[0], head_dim, k_side.bits, k_tiles[1],
+                                         k_tiles[2])
+        plgpu.wgmma(acc_ref, x, _t(q_smem))
       else:
         for c0, x in _dequant_planes(*k_tiles, k_side, head_dim, dtype, affine=not fold_k):
           q_plane = q_smem.at[:, pl.ds(c0, kw)]

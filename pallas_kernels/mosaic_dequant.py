@@ -52,6 +52,18 @@ _ROWS = 64  # rows of one warpgroup's A operand
 _ASM = ("{{\n.reg .b32 t, m;\nmov.b32 m, 0x43004300;\n"
         "lop3.b32 t, $1, {mask}, m, 0xEA;\nsub.rn.bf16x2 $0, t, m;\n}}")
 _MASK = {4: "0x000F000F", 2: "0x00030003"}
+# Pairs (lo.0, hi.0) and (lo.1, hi.1) of two 32-bit words of 16-bit values, as
+# bfloat16 pairs: a byte permute, or for float16 rows a widening and one
+# rounding to bfloat16 (cvt.rn.bf16x2.f32 d, a, b puts b in the low half).
+_PAIR_BF16 = ("prmt.b32 $0, $1, $2, 0x5410;", "prmt.b32 $0, $1, $2, 0x7632;")
+_PAIR_F16 = tuple(
+    "{\n.reg .b16 a, b, c, d;\n.reg .f32 x, y;\nmov.b32 {a, b}, $1;\nmov.b32 {c, d}, $2;\n"
+    f"cvt.f32.f16 x, {u};\ncvt.f32.f16 y, {v};\ncvt.rn.bf16x2.f32 $0, y, x;\n}}"
+    for u, v in (("a", "c"), ("b", "d")))
+# The same, then code * scale + zero ($2, $3: bf16 pairs) with one rounding.
+_ASM_AFFINE = ("{{\n.reg .b32 t, m;\nmov.b32 m, 0x43004300;\n"
+               "lop3.b32 t, $1, {mask}, m, 0xEA;\nsub.rn.bf16x2 t, t, m;\n"
+               "fma.rn.bf16x2 $0, t, $2, $3;\n}}")
 
 
 def code_permutation(head_dim: int, bits: int = 4) -> np.ndarray:
@@ -79,13 +91,19 @@ def k4_permutation(head_dim: int) -> np.ndarray:
   return code_permutation(head_dim, 4)
 
 
-def registers_reference(codes: np.ndarray, bits: int = 4) -> np.ndarray:
-  """``[rows, D]`` float values `dequant_codes` holds: code of channel ``perm[col]``."""
+def registers_reference(codes: np.ndarray, bits: int = 4, scale=None, zero=None) -> np.ndarray:
+  """``[rows, D]`` float values `dequant_codes` holds: code of channel ``perm[col]``
+  (times its scale plus its zero, rounded once to bfloat16, when given)."""
   codes = np.asarray(codes)
   width = codes.shape[-1]
   mask = (1 << bits) - 1
   channels = np.concatenate([(codes >> (bits * p)) & mask for p in range(8 // bits)],
-                            axis=-1)                                  # [rows, D] planar
+                            axis=-1).astype(np.float64)                 # [rows, D] planar
+  if scale is not None:  # float16 rows are rounded to bfloat16 first, as the kernel does
+    def bf16(x):
+      return np.asarray(x, np.float32).astype(jnp.bfloat16).astype(np.float64).reshape(-1)
+    channels = channels * bf16(scale) + bf16(zero)
+    channels = channels.astype(jnp.bfloat16).astype(np.float64)  # ml_dtypes: round to nearest
   return channels[..., code_permutation(width * 8 // bits, bits)].astype(np.float32)
 
 
@@ -94,7 +112,7 @@ def k4_registers_reference(codes: np.ndarray) -> np.ndarray:
   return registers_reference(codes, 4)
 
 
-def dequant_codes(codes_smem, head_dim: int, bits: int = 4):
+def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zero_smem=None):
   """``[rows, D]`` bfloat16 codes (WGMMA layout) of a ``[rows, D*bits/8]`` uint8 smem tile.
 
   ``rows`` is 64 or 128 (two warpgroup row tiles).
@@ -102,6 +120,13 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4):
   ``codes_smem`` must be untiled and unswizzled (row stride ``D*bits/8``
   bytes); a warp's 8 rows x 4 threads then read contiguous bytes, so the
   loads are free of bank conflicts. Columns follow `code_permutation`.
+
+  With ``scale_smem`` and ``zero_smem`` (``[1, D]`` rows in *channel*
+  order, untiled, bfloat16 or float16 (rounded to bfloat16 once): a
+  per-channel side's group), the values are ``code * scale + zero`` of each
+  column's channel, one ``fma.rn.bf16x2`` per pair (a single rounding); each
+  thread reads the scale/zero of its own columns with one 8-byte load per
+  four channels, so no permuted copy of the rows is needed.
   """
   if head_dim not in (64, 128):
     raise ValueError(f"head_dim={head_dim} must be 64 or 128")
@@ -113,10 +138,21 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4):
       or codes_smem.dtype != jnp.uint8):
     raise ValueError(f"codes_smem must be uint8 [64 | 128, {width}], got "
                      f"{codes_smem.dtype} {tuple(codes_smem.shape)}")
+  affine = scale_smem is not None
+  if affine != (zero_smem is not None):
+    raise ValueError("pass both scale_smem and zero_smem, or neither")
+  rows_f16 = False
+  if affine:
+    for name, ref in (("scale_smem", scale_smem), ("zero_smem", zero_smem)):
+      if (tuple(ref.shape) != (1, head_dim)
+          or ref.dtype not in (jnp.bfloat16, jnp.float16) or ref.dtype != scale_smem.dtype):
+        raise ValueError(f"{name} must be bfloat16 or float16 [1, {head_dim}] (both alike), "
+                         f"got {ref.dtype} {tuple(ref.shape)}")
+    rows_f16 = scale_smem.dtype == jnp.float16
   span = width // 4
   words = span // 4
   pairs = 16 // bits
-  asm = _ASM.format(mask=_MASK[bits])
+  asm = (_ASM_AFFINE if affine else _ASM).format(mask=_MASK[bits])
   # Register (m, j, 0, 0, half, 0...) = columns 8 j + 2 (lane % 4) + {0, 1} of
   # row 64 m + 16 warp + lane // 4 + 8 half: WGMMA_LAYOUT's tiling as of jax
   # 0.10-0.11.
@@ -125,11 +161,9 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4):
     raise NotImplementedError("WGMMA_LAYOUT's register tiling changed; dequant_codes assumes "
                               f"{want_regs}")
 
-  @plgpu.inline_mgpu(
-      arg_types=(plgpu.RefType(),),
-      return_type=plgpu.ShapeDtypeStruct((rows, head_dim), jnp.bfloat16,
-                                         layout=plgpu.Layout.WGMMA))
-  def body(_, ref):
+  body_type = plgpu.ShapeDtypeStruct((rows, head_dim), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
+
+  def body_fn(_, ref, *rows_refs):
     i32 = ir.IntegerType.get_signless(32)
     index = ir.IndexType.get()
     bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
@@ -141,6 +175,27 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4):
     col = arith.muli(arith.andi(lane, mgpu_utils.c(3, i32)), mgpu_utils.c(span, i32))
     col = arith.index_cast(index, col)
     regs = np.empty(want_regs, dtype=object)
+    affine_pairs = {}
+    if rows_refs:
+      # Pair (w, k) of a thread holds channels base + k // (8 / bits) + {0, 2},
+      # base = plane * width + c * span + 4 w with plane = k % (8 / bits): one
+      # 8-byte load of channels [base, base + 4) serves four pairs.
+      planes = 8 // bits
+      cc = arith.andi(lane, mgpu_utils.c(3, i32))
+      for name, rref in zip(("s", "z"), rows_refs):
+        for w, plane in itertools.product(range(words), range(planes)):
+          base = arith.addi(arith.muli(cc, mgpu_utils.c(span, i32)),
+                            mgpu_utils.c(plane * width + 4 * w, i32))
+          elem = ir.F16Type.get() if rows_f16 else ir.BF16Type.get()
+          quad = vector.load(ir.VectorType.get((4,), elem), rref,
+                             [arith.index_cast(index, mgpu_utils.c(0, i32)),
+                              arith.index_cast(index, base)])
+          quad = vector.bitcast(ir.VectorType.get((2,), i32), quad)
+          lo, hi = (vector.extract(quad, [], [e]) for e in range(2))
+          for off in (0, 1):  # channels (base + off, base + off + 2) as one bf16 pair
+            asm_pair = (_PAIR_F16 if rows_f16 else _PAIR_BF16)[off]
+            affine_pairs[name, w, plane + planes * off] = llvm.inline_asm(
+                i32, [lo, hi], asm_pair, "=r,r,r")
     for m, half in itertools.product(range(rows // _ROWS), range(2)):
       row = arith.index_cast(index, arith.addi(row0, mgpu_utils.c(_ROWS * m + 8 * half, i32)))
       raw = vector.load(ir.VectorType.get((span,), ir.IntegerType.get_signless(8)), ref,
@@ -150,11 +205,20 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4):
         word = vector.extract(packed, [], [w])
         for k in range(pairs):
           shifted = arith.shrui(word, mgpu_utils.c(bits * k, i32)) if k else word
-          pair = llvm.inline_asm(i32, [shifted], asm, "=r,r")
+          if rows_refs:
+            pair = llvm.inline_asm(i32, [shifted, affine_pairs["s", w, k],
+                                         affine_pairs["z", w, k]], asm, "=r,r,r,r")
+          else:
+            pair = llvm.inline_asm(i32, [shifted], asm, "=r,r")
           regs[(m, pairs * w + k, 0, 0, half) + (0,) * (regs.ndim - 5)] = (
               mgpu_utils.bitcast(pair, bf16x2))
     return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
+  body = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=body_type)(body_fn)
+  if affine:
+    body = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3,
+                             return_type=body_type)(body_fn)
+    return body(codes_smem, scale_smem, zero_smem)
   return body(codes_smem)
 
 
@@ -176,21 +240,44 @@ def _params():
 
 
 @functools.partial(jax.jit, static_argnames=("bits",))
-def probe_dequant(codes: jax.Array, *, bits: int = 4) -> jax.Array:
-  """``[64, D*bits/8]`` uint8 -> the ``[64, D]`` bf16 registers of `dequant_codes` (a probe)."""
+def probe_dequant(codes: jax.Array, scale: jax.Array | None = None, zero: jax.Array | None = None,
+                  *, bits: int = 4) -> jax.Array:
+  """``[64, D*bits/8]`` uint8 -> the ``[64, D]`` bf16 registers of `dequant_codes` (a probe).
+
+  With ``scale`` and ``zero`` (bf16 ``[1, D]``, channel order) the registers
+  hold ``code * scale + zero``.
+  """
   rows, width = codes.shape
   head_dim = width * 8 // bits
+  if (scale is None) != (zero is None):
+    raise ValueError("pass both scale_smem and zero_smem rows (scale, zero), or neither")
+  rows_in = () if scale is None else (scale, zero)
+  for name, x in zip(("scale", "zero"), rows_in):
+    if tuple(x.shape) != (1, head_dim) or x.dtype not in (jnp.bfloat16, jnp.float16):
+      raise ValueError(f"{name} must be bfloat16 or float16 [1, {head_dim}], got {x.dtype} "
+                       f"{tuple(x.shape)}")
 
-  def kernel(codes_gmem, out_gmem, codes_smem, out_smem, barrier):
+  def kernel(codes_gmem, *refs):
+    if rows_in:
+      s_gmem, z_gmem, out_gmem, codes_smem, s_smem, z_smem, out_smem, barrier = refs
+      for g, sm in ((s_gmem, s_smem), (z_gmem, z_smem)):
+        plgpu.copy_gmem_to_smem(g, sm, barrier)
+        plgpu.barrier_wait(barrier)
+      extra = (s_smem, z_smem)
+    else:
+      out_gmem, codes_smem, out_smem, barrier = refs
+      extra = ()
     plgpu.copy_gmem_to_smem(codes_gmem, codes_smem, barrier)
     plgpu.barrier_wait(barrier)
-    _write_out(dequant_codes(codes_smem, head_dim, bits), out_smem, out_gmem)
+    _write_out(dequant_codes(codes_smem, head_dim, bits, *extra), out_smem, out_gmem)
 
+  rows_smem = [plgpu.SMEM((1, head_dim), x.dtype) for x in rows_in]
   return plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((rows, head_dim), jnp.bfloat16),
-      scratch_types=[plgpu.SMEM((rows, width), jnp.uint8),
+      scratch_types=[plgpu.SMEM((rows, width), jnp.uint8), *rows_smem,
                      plgpu.SMEM((rows, head_dim), jnp.bfloat16), plgpu.Barrier()],
-      compiler_params=_params(), kernel_name=f"jaxkv_probe_dequant_{bits}")(codes)
+      compiler_params=_params(),
+      kernel_name=f"jaxkv_probe_dequant_{bits}{'_affine' if rows_in else ''}")(codes, *rows_in)
 
 
 @functools.partial(jax.jit, static_argnames=("bits",))

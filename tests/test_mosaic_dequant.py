@@ -67,6 +67,44 @@ def test_dequant_registers(head_dim, bits, rows):
   np.testing.assert_array_equal(got, md.registers_reference(np.asarray(codes), bits))
 
 
+@pytest.mark.parametrize("head_dim,bits,rows,rows_dtype", [
+    (64, 4, 64, jnp.bfloat16), (128, 4, 64, jnp.float16), (64, 2, 64, jnp.float16),
+    (128, 2, 128, jnp.bfloat16), (128, 4, 128, jnp.float16)])
+def test_dequant_registers_affine(head_dim, bits, rows, rows_dtype):
+  """Codes times their channel's scale plus its zero, one bf16 rounding, columns permuted
+  (float16 scale/zero rows, as the cache stores them, rounded to bfloat16 first)."""
+  codes = _codes(head_dim * bits // 8, 7 * head_dim + bits + rows, rows)
+  rng = np.random.default_rng(head_dim * bits)
+  scale = jnp.asarray(rng.uniform(0.01, 0.5, (1, head_dim)), rows_dtype)
+  zero = jnp.asarray(rng.normal(0.0, 2.0, (1, head_dim)), rows_dtype)
+  if not ON_HOPPER:
+    jax.jit(md.probe_dequant, static_argnames="bits").trace(codes, scale, zero, bits=bits).lower(
+        lowering_platforms=("cuda",))
+    return
+  got = np.asarray(md.probe_dequant(codes, scale, zero, bits=bits), np.float32)
+  want = md.registers_reference(np.asarray(codes), bits, np.asarray(scale, np.float64),
+                                np.asarray(zero, np.float64))
+  np.testing.assert_array_equal(got, want)
+  # The oracle itself: column col is channel perm[col] of the dequantized tile.
+  plain = md.registers_reference(np.asarray(codes), bits)
+  perm = md.code_permutation(head_dim, bits)
+  s64, z64 = np.asarray(scale, np.float64)[0, perm], np.asarray(zero, np.float64)[0, perm]
+  exact = plain * s64 + z64
+  # at most three bf16 roundings (scale, zero, result) apart
+  np.testing.assert_array_less(np.abs(want - exact),
+                               2 ** -7 * (np.abs(exact) + np.abs(plain * s64) + np.abs(z64)))
+
+
+def test_dequant_affine_rows_checked():
+  codes = _codes(64, 3)
+  good = jnp.ones((1, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match="scale_smem and zero_smem"):
+    jax.jit(md.probe_dequant).trace(codes, good, None).lower(lowering_platforms=("cuda",))
+  with pytest.raises(ValueError, match=r"zero must be bfloat16 or float16 \[1, 128\]"):
+    jax.jit(md.probe_dequant).trace(codes, good, good[:, :64]).lower(
+        lowering_platforms=("cuda",))
+
+
 @pytest.mark.parametrize("head_dim,n,bits,rows", [(64, 8, 4, 64), (128, 8, 4, 64),
                                                   (128, 16, 4, 64), (64, 8, 2, 64),
                                                   (128, 16, 2, 64), (128, 16, 4, 128)])
