@@ -130,23 +130,32 @@ class MosaicAttentionConfig:
   def default(cls, *, batch: int, tokens: int, kv_heads: int, num_sms: int = 132,
               k_bits: int = 4, v_bits: int = 4, token_group: int = 128, residual: int = 128,
               **unused) -> "MosaicAttentionConfig":
-    """Heuristic: about 2 programs per SM, at least 4 blocks per split.
+    """Heuristic: one wave of programs at the occupancy the kernel reaches, at
+    least 4 blocks per split.
 
-    Not the "one wave" rule: at (1, 131072, 32, 8) on an H200, 32 splits
-    (264 programs) beat this heuristic's 33 (272) by 3-4 %, but at
-    (8, 32768, 32, 8) 3 splits (256 programs) lost 29 % to its 4 (320)
-    (2026-11-26, `bench/results/mosaic-NOTES.md`).
-
-    From the v2 A/B on H100 and H200 (`bench/results/mosaic-NOTES.md`): sides
+    From the A/Bs on H100 and H200 (`bench/results/mosaic-NOTES.md`): sides
     of 2 bits take 128-token blocks (kivi2 52 -> 36 us at (1, 32768, 32, 8)),
     where fixed per-step costs dominate; 4 pipeline stages unless both sides
     are 8-bit (int8 lost 10-25 % with 4, kivi4/k8v4 gained 2-5 %).
+
+    Programs: 4-bit K and V in 64-token blocks fit 3 per SM (168 registers,
+    62.5 KB shared memory, ncu on an H200), the other formats 2. The packed
+    programs per (batch, kv head) are ``per_sm * num_sms // (batch * kv_heads)``,
+    less one for the residual program when that count is large (a single
+    sequence). Measured on an H200 (2026-11-26; kernel us, the rule's pick in
+    bold-free brackets): kivi4 at (1, 131072, 32, 8) [48] 87.8 vs 96.7 (32),
+    125.8 (33), 99.5 (64); at (8, 32768, 32, 8) [6] 176 vs 204 (5), 248 (4);
+    kivi2 [32] 74.9 vs 76.4 (33), 98.7 (48); [4] 152 vs 202 (3); k8v4 [32]
+    106 vs 131 (48). The placement of programs on SMs makes these counts
+    jumpy; `jaxkv.autotune` searches around them.
     """
     del unused
     fits_128 = token_group % 128 == 0 and residual % 128 == 0
     block_k = 128 if min(k_bits, v_bits) <= 2 and fits_128 else 64
     blocks = max(1, tokens // block_k)
-    want = max(1, (2 * num_sms) // max(1, batch * kv_heads))
+    per_sm = 3 if (k_bits, v_bits, block_k) == (4, 4, 64) else 2
+    programs = max(1, (per_sm * num_sms) // max(1, batch * kv_heads))
+    want = programs - 1 if programs > 16 else programs
     splits = max(1, min(want, blocks // 4, 64))
     stages = 3 if (k_bits >= 8 and v_bits >= 8) or block_k == 128 else 4
     return cls(block_k=block_k, num_splits=splits, max_concurrent_steps=stages)
@@ -735,7 +744,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
   def kernel(lengths_gmem, q_gmem, qsum_gmem, qres_gmem, *refs):
     k_refs, v_refs = refs[:3], refs[3:6]
     kres_gmem, vres_gmem, o_gmem, l_gmem, m_gmem = refs[6:11]
-    q_smem, kres_smem, vdq_smem, pt_smem, o_smem, lm_smem, barrier = refs[11:]
+    q_smem, vdq_smem, pt_smem, barrier = refs[11:]
     # Query rows are the columns of the [bk, N] score tiles here.
     b, h, j, length, packed, row_limit = _program_start(
         lengths_gmem, q_gmem, q_smem, barrier, token_group=token_group, residual=residual,
@@ -753,8 +762,14 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       acc, m_i, l_i, z_i = carry
       if fold_v:  # + sum_t p_t * zero_t on every channel
         acc = acc + lax.broadcast_in_dim(z_i.sum(axis=0), acc.shape, [1])
-      _write_partials(acc, l_i.sum(axis=0), m_i, o_smem, lm_smem, o_gmem, l_gmem, m_gmem,
-                      (b, h, j))
+      l_sum = l_i.sum(axis=0)
+
+      # Scoped after the pipeline's (or the residual tile's) scope has closed,
+      # so the output tiles reuse that shared memory.
+      def write(o_smem, lm_smem):
+        _write_partials(acc, l_sum, m_i, o_smem, lm_smem, o_gmem, l_gmem, m_gmem, (b, h, j))
+
+      pl.run_scoped(write, plgpu.SMEM((head_dim, n_rows), f32), plgpu.SMEM((2, n_rows), f32))
 
     @pl.when(j < num_splits)
     def _packed():
@@ -773,32 +788,36 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
 
     @pl.when(j == num_splits)
     def _residual():
-      carry = (acc0, m0, l0, l0)
       num_res = length - packed
       if register_k:  # the residual's K rows are in channel order
         plgpu.copy_gmem_to_smem(qres_gmem.at[b, h], q_smem, barrier)
         plgpu.barrier_wait(barrier)
-      for r0 in range(0, residual, bk):
-        plgpu.copy_gmem_to_smem(kres_gmem.at[b, h, pl.ds(r0, bk)], kres_smem, barrier)
-        plgpu.barrier_wait(barrier)
-        plgpu.copy_gmem_to_smem(vres_gmem.at[b, h, pl.ds(r0, bk)], vdq_smem, barrier)
-        plgpu.barrier_wait(barrier)
-        # Residual row r holds token packed + r.
-        carry = attend(q_smem, kres_smem, vdq_smem, pt_smem, vdq_smem, carry,
-                       token0=packed + r0, valid_below=packed + num_res,
-                       row_limit=row_limit, q_sum=q_sum)
-      finish(carry)
+
+      # The residual K tile lives in this branch's scope only (the packed
+      # programs' pipeline buffers take the same shared memory).
+      def attend_residual(kres_smem):
+        carry = (acc0, m0, l0, l0)
+        for r0 in range(0, residual, bk):
+          plgpu.copy_gmem_to_smem(kres_gmem.at[b, h, pl.ds(r0, bk)], kres_smem, barrier)
+          plgpu.barrier_wait(barrier)
+          plgpu.copy_gmem_to_smem(vres_gmem.at[b, h, pl.ds(r0, bk)], vdq_smem, barrier)
+          plgpu.barrier_wait(barrier)
+          # Residual row r holds token packed + r.
+          carry = attend(q_smem, kres_smem, vdq_smem, pt_smem, vdq_smem, carry,
+                         token0=packed + r0, valid_below=packed + num_res,
+                         row_limit=row_limit, q_sum=q_sum)
+        return carry
+
+      finish(pl.run_scoped(attend_residual, plgpu.SMEM((bk, head_dim), dtype, transforms=q_tf)))
 
   k_in = list(k_in) + [k_in[0]] * (3 - len(k_in))  # unused slots repeat the codes
   v_in = list(v_in) + [v_in[0]] * (3 - len(v_in))
   scratch = [
       plgpu.SMEM((n_rows, head_dim), dtype, transforms=q_tf),     # q
-      plgpu.SMEM((bk, head_dim), dtype, transforms=q_tf),         # residual K tile
       plgpu.SMEM((bk, head_dim), dtype, transforms=v_tf),         # V tile (values)
       plgpu.SMEM((bk, n_rows), dtype, transforms=v_tf),           # P^T
-      plgpu.SMEM((head_dim, n_rows), f32),                        # o^T
-      plgpu.SMEM((2, n_rows), f32),                               # l, m
       plgpu.Barrier(),
+      # the residual K tile and o^T, l, m are scoped (see the kernel)
   ]
   return plgpu.kernel(
       kernel,

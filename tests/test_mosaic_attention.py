@@ -182,3 +182,18 @@ def test_default_config_per_format(name, block_k, stages):
                         q_rows=4, dtype=jnp.bfloat16, token_group=fmt.token_group,
                         residual=fmt.residual, block_k=config.block_k)
   assert ok, why
+
+
+@pytest.mark.parametrize("name,batch,tokens,splits", [
+    ("kivi4", 1, 131072, 48), ("kivi4", 8, 32768, 6), ("kivi2", 1, 131072, 32),
+    ("kivi2", 8, 32768, 4), ("k8v4", 1, 131072, 32), ("kivi4", 1, 2048, 8)])
+def test_default_splits_follow_the_documented_rule(name, batch, tokens, splits):
+  """One wave at 3 programs per SM for 4-bit K/V in 64-token blocks, else 2 (132 SMs, 8 kv
+  heads); a long single sequence leaves a slot for the residual program; never fewer than
+  4 blocks per split."""
+  fmt = _fmt(name)
+  config = ma.MosaicAttentionConfig.default(
+      batch=batch, tokens=tokens, kv_heads=8, k_bits=fmt.k_bits, v_bits=fmt.v_bits,
+      token_group=fmt.token_group, residual=fmt.residual)
+  assert config.num_splits == splits
+  assert tokens // config.block_k >= 4 * config.num_splits
