@@ -741,7 +741,12 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
     return acc, m_new, l_i, z_i
 
-  def kernel(lengths_gmem, q_gmem, qsum_gmem, qres_gmem, *refs):
+  def kernel(lengths_gmem, q_gmem, *refs):
+    # sum(q) per query row only when a per-token K side folds its zero point
+    if fold_k:
+      qsum_gmem, qres_gmem, *refs = refs
+    else:
+      qsum_gmem, (qres_gmem, *refs) = None, refs
     k_refs, v_refs = refs[:3], refs[3:6]
     kres_gmem, vres_gmem, o_gmem, l_gmem, m_gmem = refs[6:11]
     q_smem, vdq_smem, pt_smem, barrier = refs[11:]
@@ -831,5 +836,5 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=_SEMANTICS),
       kernel_name=f"jaxkv_mosaic_tokens_m_attention_k{k_side.bits}v{v_side.bits}",
-  )(lengths, qh, jnp.sum(qh.astype(f32), axis=-1), q_res, *k_in, *v_in, k_residual,
-    v_residual)
+  )(lengths, qh, *([jnp.sum(qh.astype(f32), axis=-1)] if fold_k else []), q_res, *k_in, *v_in,
+    k_residual, v_residual)
