@@ -382,7 +382,10 @@ def mosaic_decode_attention(
 
   # Query rows r = h * S + s, scaled by the softmax scale, zero-padded to M
   # (v1) or to the N of the tokens-on-M MMAs (v2).
-  n_pad = _rows_n(q_rows) if config.tokens_m else _M
+  # N = 8 only with the register K path: the 8-bit sides' float path lost
+  # ~20 % at (8, 32768, 32, 8) with it on an H200 (kivi2 gained 5-7 %).
+  n_pad = (_rows_n(q_rows, smallest=8 if _register_k(config, k_side, head_dim, dtype) else 16)
+           if config.tokens_m else _M)
   qh = q.reshape(batch, num_queries, kv_heads, group_q, head_dim)
   qh = qh.transpose(0, 2, 3, 1, 4).reshape(batch, kv_heads, q_rows, head_dim)
   qh = (qh.astype(jnp.float32) * sm_scale).astype(dtype)
@@ -414,6 +417,7 @@ def mosaic_decode_attention(
         arrays_of(v_codes, v_scale, v_zero, v_side), k_residual, v_residual, lengths,
         k_side=k_side, v_side=v_side, token_group=token_group, residual=residual,
         num_queries=num_queries, q_rows=q_rows, config=config, dtype=dtype)
+    o_part = o_part[..., :n_pad]  # the value MMA's extra (zero) columns
     if _register_v(config, v_side, head_dim, dtype):
       # Packed programs wrote O^T rows in the MMA's V column order, the
       # residual program in channel order: bring the one residual partial to
@@ -554,10 +558,11 @@ def _combine(o, l, m):
 _MAGIC = {jnp.dtype(jnp.bfloat16): (0x4300, 128.0), jnp.dtype(jnp.float16): (0x6400, 1024.0)}
 
 
-def _rows_n(q_rows: int) -> int:
-  """N of the tokens-on-M MMAs for ``q_rows`` query rows: 16, 32 or 64."""
-  for n in (16, 32, 64):
-    if q_rows <= n:
+def _rows_n(q_rows: int, smallest: int = 8) -> int:
+  """N of the tokens-on-M score MMA (and the softmax's width) for ``q_rows``
+  query rows: 8 (``smallest``), 16, 32 or 64."""
+  for n in (8, 16, 32, 64):
+    if smallest <= n and q_rows <= n:
       return n
   raise ValueError(f"{q_rows=} query rows per kv head > 64")
 
@@ -648,12 +653,17 @@ def _register_v(config: MosaicAttentionConfig, v_side: SideSpec, head_dim: int, 
 
 def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v_side,
                    token_group, residual, num_queries, q_rows, config, dtype):
-  """The v2 kernel; returns partials ``o [B,H,J+1,D,N], l, m [B,H,J+1,N]``.
+  """The v2 kernel; returns partials ``o [B,H,J+1,D,N_pv], l, m [B,H,J+1,N]``.
 
   ``qh`` is what the packed programs multiply K by (channels permuted with
   `register_k`), ``q_res`` what the residual program does (channel order).
+  N (q's padded rows) is the score MMA's N and the softmax's width; the value
+  MMA takes ``N_pv = max(N, 16)`` columns (its smem operands need rows of >=
+  32 bytes), the extra columns of ``P^T`` zero, so ``o``'s extra columns are
+  zero too.
   """
   batch, kv_heads, n_rows, head_dim = qh.shape
+  n_pv = max(n_rows, 16)
   bk = config.block_k
   num_splits = config.num_splits
   grid_j = num_splits + 1
@@ -663,7 +673,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
   # swizzle for both) are tiled by N.
   kw = _plane_width(k_side, head_dim)
   q_tf = _tiled(min(kw, 64), 16)
-  v_tf = _tiled(n_rows, 16)
+  v_tf = _tiled(n_pv, 16)
 
   register_k = _register_k(config, k_side, head_dim, dtype)
   register_v = _register_v(config, v_side, head_dim, dtype)
@@ -716,14 +726,15 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     p = jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [1]))
     alpha_b = lax.broadcast_in_dim(alpha, l_i.shape, [1])
     l_i = l_i * alpha_b + p                                    # row sums deferred
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+    acc = acc * mosaic_dequant.widen_columns(
+        lax.broadcast_in_dim(alpha, (head_dim, n_rows), [1]), n_pv, 1.0)
     if packed_v and fold_v:
       vsc, vzr = _token_affine(v_tiles[1], v_tiles[2])
       z_i = z_i * alpha_b + p * lax.broadcast_in_dim(vzr, p.shape, [0])
-      pt_smem[...] = (p * lax.broadcast_in_dim(vsc, p.shape, [0])).astype(dtype)
+      p = p * lax.broadcast_in_dim(vsc, p.shape, [0])
     else:
       z_i = z_i * alpha_b
-      pt_smem[...] = p.astype(dtype)
+    pt_smem[...] = mosaic_dequant.widen_columns(p.astype(dtype), n_pv)
     if packed_v:
       if register_v:  # exact codes, channels in `code_permutation` order
         vdq_smem[...] = mosaic_dequant.dequant_codes(v_tiles[0], head_dim, v_side.bits)
@@ -756,7 +767,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
         num_queries=num_queries, q_rows=q_rows, rows=n_rows,
         row_layout=plgpu.Layout.WGMMA.reduce(0))
 
-    acc0 = plgpu.layout_cast(jnp.zeros((head_dim, n_rows), f32), plgpu.Layout.WGMMA)
+    acc0 = plgpu.layout_cast(jnp.zeros((head_dim, n_pv), f32), plgpu.Layout.WGMMA)
     m0 = plgpu.layout_cast(jnp.full((n_rows,), -jnp.inf, f32), plgpu.Layout.WGMMA.reduce(0))
     l0 = plgpu.layout_cast(jnp.zeros((bk, n_rows), f32), plgpu.Layout.WGMMA)
     q_sum = (_load(qsum_gmem.at[b, h], layout=plgpu.Layout.WGMMA.reduce(0),
@@ -766,7 +777,8 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     def finish(carry):
       acc, m_i, l_i, z_i = carry
       if fold_v:  # + sum_t p_t * zero_t on every channel
-        acc = acc + lax.broadcast_in_dim(z_i.sum(axis=0), acc.shape, [1])
+        acc = acc + mosaic_dequant.widen_columns(
+            lax.broadcast_in_dim(z_i.sum(axis=0), (head_dim, n_rows), [1]), n_pv)
       l_sum = l_i.sum(axis=0)
 
       # Scoped after the pipeline's (or the residual tile's) scope has closed,
@@ -774,7 +786,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       def write(o_smem, lm_smem):
         _write_partials(acc, l_sum, m_i, o_smem, lm_smem, o_gmem, l_gmem, m_gmem, (b, h, j))
 
-      pl.run_scoped(write, plgpu.SMEM((head_dim, n_rows), f32), plgpu.SMEM((2, n_rows), f32))
+      pl.run_scoped(write, plgpu.SMEM((head_dim, n_pv), f32), plgpu.SMEM((2, n_rows), f32))
 
     @pl.when(j < num_splits)
     def _packed():
@@ -820,14 +832,14 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
   scratch = [
       plgpu.SMEM((n_rows, head_dim), dtype, transforms=q_tf),     # q
       plgpu.SMEM((bk, head_dim), dtype, transforms=v_tf),         # V tile (values)
-      plgpu.SMEM((bk, n_rows), dtype, transforms=v_tf),           # P^T
+      plgpu.SMEM((bk, n_pv), dtype, transforms=v_tf),             # P^T
       plgpu.Barrier(),
       # the residual K tile and o^T, l, m are scoped (see the kernel)
   ]
   return plgpu.kernel(
       kernel,
       out_type=[
-          jax.ShapeDtypeStruct((batch, kv_heads, grid_j, head_dim, n_rows), f32),
+          jax.ShapeDtypeStruct((batch, kv_heads, grid_j, head_dim, n_pv), f32),
           jax.ShapeDtypeStruct((batch, kv_heads, grid_j, n_rows), f32),
           jax.ShapeDtypeStruct((batch, kv_heads, grid_j, n_rows), f32),
       ],

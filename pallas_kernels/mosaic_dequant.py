@@ -222,6 +222,37 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
   return body(codes_smem)
 
 
+def widen_columns(x, columns: int, fill: float = 0.0):
+  """``[R, n]`` WGMMA-layout array -> ``[R, columns]`` (``columns`` a multiple of n):
+  the same registers for columns ``< n``, ``fill`` for the rest; no instruction
+  but the constant. Lets the softmax of a ``[bk, 8]`` score tile feed a
+  ``[bk, 16]`` MMA operand (Pallas swizzles need rows of >= 32 bytes)."""
+  rows, n = x.shape
+  if columns % 8 or columns < n or n % 8:
+    raise ValueError(f"widen_columns: {n} -> {columns} columns must be multiples of 8, "
+                     "not narrower")
+  if columns == n:
+    return x
+  out_regs = fa.WGMMA_LAYOUT.registers_shape((rows, columns))
+  in_regs = fa.WGMMA_LAYOUT.registers_shape((rows, n))
+  if out_regs[2:] != in_regs[2:] or out_regs[0] != in_regs[0]:
+    raise NotImplementedError(f"WGMMA_LAYOUT's register tiling changed: {in_regs} -> {out_regs}")
+
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WGMMA,),
+      return_type=plgpu.ShapeDtypeStruct((rows, columns), x.dtype, layout=plgpu.Layout.WGMMA))
+  def body(_, arr):
+    regs = np.empty(out_regs, dtype=object)
+    vec_ty = arr.registers.flat[0].type
+    pad = arith.constant(vec_ty, ir.DenseElementsAttr.get_splat(
+        vec_ty, ir.FloatAttr.get(ir.VectorType(vec_ty).element_type, fill)))
+    for idx in np.ndindex(out_regs):
+      regs[idx] = arr.registers[idx] if idx[1] < in_regs[1] else pad
+    return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+  return body(x)
+
+
 def dequant_k4(codes_smem, head_dim: int):
   """`dequant_codes` of 4-bit codes."""
   return dequant_codes(codes_smem, head_dim, 4)
@@ -370,4 +401,4 @@ def probe_k4_score_stream(codes: jax.Array, q: jax.Array, *, stages: int = 4) ->
 
 __all__ = ["code_permutation", "dequant_codes", "dequant_k4", "k4_permutation",
            "k4_registers_reference", "probe_dequant", "probe_k4_score_stream", "probe_scores",
-           "registers_reference"]
+           "registers_reference", "widen_columns"]
