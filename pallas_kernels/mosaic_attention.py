@@ -15,8 +15,9 @@ from Hopper's own pieces:
 - the residual block is one more program per (batch, kv head): its bf16/f16
   rows are copied straight into the same shared-memory tiles, no dequant.
 
-Partials of all programs are merged by a log-sum-exp combine (plain jnp here:
-``J + 1`` partials of ``rows x D`` floats per (batch, kv head)).
+Partials of all programs are merged by a log-sum-exp combine: the v2 kernel's
+``O^T`` partials by one Pallas Triton kernel (`combine_t`), v1's in jnp
+(``J + 1`` partials of ``rows x D`` floats per (batch, kv head)).
 
 Scope (``supports``): bf16/f16 caches, head_dim 64 or 128, per-channel K with
 token groups that are multiples of ``block_k``, per-token sides with one
@@ -40,6 +41,7 @@ try:  # Mosaic GPU ships with every jax >= 0.6, but keep the import soft.
 except ImportError:  # pragma: no cover
   plgpu = None
 
+from pallas_kernels import combine_t
 from pallas_kernels import mosaic_dequant
 from pallas_kernels.side_spec import SideSpec
 
@@ -417,17 +419,13 @@ def mosaic_decode_attention(
         arrays_of(v_codes, v_scale, v_zero, v_side), k_residual, v_residual, lengths,
         k_side=k_side, v_side=v_side, token_group=token_group, residual=residual,
         num_queries=num_queries, q_rows=q_rows, config=config, dtype=dtype)
-    o_part = o_part[..., :n_pad]  # the value MMA's extra (zero) columns
-    if _register_v(config, v_side, head_dim, dtype):
-      # Packed programs wrote O^T rows in the MMA's V column order, the
-      # residual program in channel order: bring the one residual partial to
-      # the MMA's order, combine, and put the (small) result back.
-      perm = mosaic_dequant.code_permutation(head_dim, v_side.bits)
-      o_part = jnp.concatenate([o_part[:, :, :config.num_splits],
-                                o_part[:, :, config.num_splits:][..., perm, :]], axis=2)
-      out = _combine(jnp.swapaxes(o_part, -1, -2), l_part, m_part)
-      return unpack_out(out[..., np.argsort(perm)])
-    return unpack_out(_combine(jnp.swapaxes(o_part, -1, -2), l_part, m_part))
+    # One combine kernel reads the O^T partials as they are: with register_v
+    # the packed programs' rows are in the MMA's V column order (channel c at
+    # row argsort(perm)[c]), the residual program's in channel order.
+    packed_rows = (np.argsort(mosaic_dequant.code_permutation(head_dim, v_side.bits))
+                   if _register_v(config, v_side, head_dim, dtype) else None)
+    return unpack_out(combine_t.combine_t(o_part, l_part, m_part, rows=_pow2(q_rows),
+                                          packed_rows=packed_rows, out_dtype=q.dtype))
 
   k_w = k_codes.shape[-1]
   v_w = v_codes.shape[-1]
@@ -556,6 +554,10 @@ def _combine(o, l, m):
 # ----------------------------------------------------------------------------
 
 _MAGIC = {jnp.dtype(jnp.bfloat16): (0x4300, 128.0), jnp.dtype(jnp.float16): (0x6400, 1024.0)}
+
+
+def _pow2(n: int) -> int:
+  return 1 << max(0, n - 1).bit_length()
 
 
 def _rows_n(q_rows: int, smallest: int = 8) -> int:

@@ -1,0 +1,101 @@
+"""The Mosaic family's combine kernel (`pallas_kernels.combine_t`) vs float64 attention.
+
+Oracle: split a random attention problem into J parts, form each part's
+unnormalized ``O^T``, ``l`` and ``m`` in float64 numpy, and compare the merged
+result with softmax attention over all keys at once. CPU runs the kernel in
+Pallas interpret mode (and lowers it for CUDA); ``JAXKV_TEST_GPU=1`` runs it
+compiled.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import combine_t as ct
+
+INTERPRET = os.environ.get("JAXKV_TEST_GPU", "0") != "1"
+
+
+def _problem(seed, batch, heads, parts, head_dim, rows, width, empty_part=None):
+  """Partials of random attention split into ``parts`` (numpy float64) and its answer."""
+  rng = np.random.default_rng(seed)
+  o_t = np.zeros((batch, heads, parts, head_dim, width))
+  l = np.zeros((batch, heads, parts, width))
+  m = np.full((batch, heads, parts, width), -np.inf)
+  want = np.zeros((batch, heads, rows, head_dim))
+  for b in range(batch):
+    for h in range(heads):
+      lens = rng.integers(1, 40, parts)
+      if empty_part is not None:
+        lens[empty_part] = 0
+      s = [rng.normal(0, 3, (n, rows)) for n in lens]               # scores [T_j, rows]
+      v = [rng.normal(0, 1, (n, head_dim)) for n in lens]
+      for j in range(parts):
+        if lens[j]:
+          m[b, h, j, :rows] = s[j].max(axis=0)
+          p = np.exp(s[j] - m[b, h, j, :rows])
+          l[b, h, j, :rows] = p.sum(axis=0)
+          o_t[b, h, j, :, :rows] = v[j].T @ p
+      s_all, v_all = np.concatenate(s), np.concatenate(v)
+      p_all = np.exp(s_all - s_all.max(axis=0))
+      want[b, h] = (p_all / p_all.sum(axis=0)).T @ v_all
+  return o_t, l, m, want
+
+
+@pytest.mark.parametrize("batch,heads,parts,head_dim,rows,width,permuted,empty", [
+    (1, 2, 5, 128, 8, 16, True, 1),     # GQA 8 rows, value-MMA width 16, a split with no keys
+    (2, 1, 34, 128, 4, 16, True, None),  # 33 splits + residual (non-power-of-two J)
+    (1, 3, 3, 64, 16, 16, False, 0),
+    (1, 1, 49, 64, 64, 64, True, None),
+])
+def test_combine_matches_full_attention(batch, heads, parts, head_dim, rows, width, permuted,
+                                        empty):
+  o_t, l, m, want = _problem(parts * head_dim + rows, batch, heads, parts, head_dim, rows, width,
+                             empty)
+  packed_rows = None
+  if permuted:  # packed partials hold channel perm[r] in row r; the last is in order
+    perm = np.random.default_rng(7).permutation(head_dim)
+    o_t[:, :, :-1] = o_t[:, :, :-1][:, :, :, perm]
+    packed_rows = np.argsort(perm)
+  args = [jnp.asarray(x, jnp.float32) for x in (o_t, l, m)]
+  got = ct.combine_t(*args, rows=rows, packed_rows=packed_rows, interpret=INTERPRET)
+  assert got.shape == (batch, heads, rows, head_dim)
+  np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2e-5, atol=2e-5)
+  ref = ct.combine_t_reference(*args, rows=rows, packed_rows=packed_rows)
+  np.testing.assert_allclose(np.asarray(ref, np.float64), want, rtol=2e-5, atol=2e-5)
+  if INTERPRET:
+    lowered = jax.jit(lambda o, l_, m_: ct.combine_t(
+        o, l_, m_, rows=rows, packed_rows=packed_rows)).trace(*args).lower(
+            lowering_platforms=("cuda",))
+    assert "triton" in lowered.as_text().lower()
+
+
+def test_no_visible_key_gives_zeros_and_nan_stays_nan():
+  o_t, l, m, _ = _problem(3, 1, 2, 3, 64, 8, 8)
+  l[0, 0, :, 0] = 0.0       # row 0: no key in any part
+  m[0, 0, :, 0] = -np.inf
+  o_t[0, 0, :, :, 0] = 0.0
+  l[0, 1, 1, 3] = np.nan    # row 3 of head 1: a NaN sum
+  got = np.asarray(ct.combine_t(*(jnp.asarray(x, jnp.float32) for x in (o_t, l, m)), rows=8,
+                                interpret=INTERPRET))
+  assert (got[0, 0, 0] == 0).all()
+  assert np.isnan(got[0, 1, 3]).all()
+  assert np.isfinite(np.delete(got[0, 1], 3, axis=0)).all()
+
+
+def test_bad_arguments():
+  o_t = jnp.zeros((1, 1, 3, 64, 16))
+  l = jnp.zeros((1, 1, 3, 16))
+  with pytest.raises(ValueError, match="rows=6"):
+    ct.combine_t(o_t, l, l, rows=6)
+  with pytest.raises(ValueError, match="rows=32"):
+    ct.combine_t(o_t, l, l, rows=32)
+  with pytest.raises(ValueError, match="permutation of range"):
+    ct.combine_t(o_t, l, l, rows=8, packed_rows=np.zeros(64, int))
+  with pytest.raises(ValueError, match="l .* and m"):
+    ct.combine_t(o_t, l[:, :, :2], l, rows=8)
