@@ -6,8 +6,8 @@ fallback everywhere. Two Pallas kernel families read the same cache:
 ``"triton"`` (every recent NVIDIA GPU; Pallas interpret mode on CPU) and
 ``"mosaic"`` (Hopper only: TMA + wgmma). ``"pallas"`` is the best family for
 the device. ``None`` picks the first family of `PALLAS_ORDER` that serves the
-case on a GPU (Triton today: it measured faster than the first Mosaic kernel
-on an H100), the reference elsewhere.
+case on a GPU (Triton today: see `PALLAS_ORDER` for the measurements), the
+reference elsewhere.
 
 Non-finite inputs give the same result on every implementation (README
 "Input policy"): a query row with a NaN/inf returns NaN, and every output of a
@@ -193,10 +193,12 @@ _SUPPORTED = {"triton": _triton_supported, "mosaic": _mosaic_supported}
 
 
 # Tried in this order when no implementation is forced. Measured on H100 and
-# H200 (jax 0.11.2, bench/results/attention-20261124-*, mosaic-NOTES.md): the
-# Mosaic kernel (v2: tokens on the wgmma M dimension) is 1.1-1.4x slower than
-# the Triton family, so Triton stays the default and Mosaic serves only what
-# Triton cannot. Swap the order once Mosaic is the faster one.
+# H200 (jax 0.11.2, bench/results/mosaic-NOTES.md, 2026-11-26): the Mosaic
+# kernel (register dequant, one combine kernel) is 0.88-0.93x of Triton for
+# kivi4 and 0.6-0.8x for 8-bit sides; for kivi2 it is 2-6 % faster on an H200
+# but 0-5 % slower in the jitted loop on an H100. So Triton stays the default
+# and Mosaic serves only what Triton cannot; swap per format once Mosaic wins
+# on both GPUs.
 PALLAS_ORDER = ("triton", "mosaic")
 
 
