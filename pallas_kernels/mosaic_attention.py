@@ -41,6 +41,7 @@ try:  # Mosaic GPU ships with every jax >= 0.6, but keep the import soft.
 except ImportError:  # pragma: no cover
   plgpu = None
 
+from pallas_kernels import _triton
 from pallas_kernels import combine_t
 from pallas_kernels import mosaic_dequant
 from pallas_kernels.side_spec import SideSpec
@@ -104,8 +105,8 @@ class MosaicAttentionConfig:
     register_v: (tokens_m only; 4/2-bit V with one scale group per head, folded
       scales, a bfloat16 cache; else ignored) V codes become exact values in
       registers the same way and are stored to the value tile in one piece;
-      the packed programs' outputs come out in the permuted channel order; the
-      combine runs in that order and the small result is put back. On by
+      the packed programs' outputs come out in the permuted channel order and
+      the combine kernel (`combine_t`) reads their rows in that order. On by
       default (measured with ``register_k``).
 
   Search space (`jaxkv.autotune`): block_k in {64, 128}, num_splits around
@@ -145,7 +146,7 @@ class MosaicAttentionConfig:
     programs per (batch, kv head) are ``per_sm * num_sms // (batch * kv_heads)``,
     less one for the residual program when that count is large (a single
     sequence). Measured on an H200 (2026-11-26; kernel us, the rule's pick in
-    bold-free brackets): kivi4 at (1, 131072, 32, 8) [48] 87.8 vs 96.7 (32),
+    brackets): kivi4 at (1, 131072, 32, 8) [48] 87.8 vs 96.7 (32),
     125.8 (33), 99.5 (64); at (8, 32768, 32, 8) [6] 176 vs 204 (5), 248 (4);
     kivi2 [32] 74.9 vs 76.4 (33), 98.7 (48); [4] 152 vs 202 (3); k8v4 [32]
     106 vs 131 (48). The placement of programs on SMs makes these counts
@@ -424,7 +425,7 @@ def mosaic_decode_attention(
     # row argsort(perm)[c]), the residual program's in channel order.
     packed_rows = (np.argsort(mosaic_dequant.code_permutation(head_dim, v_side.bits))
                    if _register_v(config, v_side, head_dim, dtype) else None)
-    return unpack_out(combine_t.combine_t(o_part, l_part, m_part, rows=_pow2(q_rows),
+    return unpack_out(combine_t.combine_t(o_part, l_part, m_part, rows=_triton.next_pow2(q_rows),
                                           packed_rows=packed_rows, out_dtype=q.dtype))
 
   k_w = k_codes.shape[-1]
@@ -554,10 +555,6 @@ def _combine(o, l, m):
 # ----------------------------------------------------------------------------
 
 _MAGIC = {jnp.dtype(jnp.bfloat16): (0x4300, 128.0), jnp.dtype(jnp.float16): (0x6400, 1024.0)}
-
-
-def _pow2(n: int) -> int:
-  return 1 << max(0, n - 1).bit_length()
 
 
 def _rows_n(q_rows: int, smallest: int = 8) -> int:
