@@ -72,7 +72,7 @@ def kernel_time(fn: Callable, args_list: Sequence[tuple], *, calls: int = 20,
     any time the GPU waited for the host); ``"kernels"``: kernels per call;
     ``"wall"``: host wall-clock per call of the same loop (one sync at the
     end); ``"compile"``: seconds to compile; ``"by_name"``: seconds per call
-    of each kernel name (absent on a CPU backend). Where the trace has no GPU
+    of each kernel name (empty without a GPU stream). Where the trace has no GPU
     stream (a CPU backend), ``"kernel"`` and ``"span"`` fall back to
     ``"wall"`` and ``"kernels"`` is 0.
   """
@@ -103,7 +103,8 @@ def kernel_time(fn: Callable, args_list: Sequence[tuple], *, calls: int = 20,
   finally:
     shutil.rmtree(trace_dir, ignore_errors=True)
   if not events:
-    return {"kernel": wall, "span": wall, "kernels": 0, "wall": wall, "compile": compile_s}
+    return {"kernel": wall, "span": wall, "kernels": 0, "wall": wall, "compile": compile_s,
+            "by_name": {}}
   busy = sum(d for _, _, d in events) / calls / 1e9
   span = (max(s + d for _, s, d in events) - min(s for _, s, _ in events)) / calls / 1e9
   by_name: dict[str, float] = {}

@@ -93,10 +93,14 @@ def test_device_time_fields(hide, monkeypatch):
 def test_kernel_time_fields_and_arg_validation():
   x = [(jnp.full((128, 128), float(i)),) for i in range(2)]
   tm = timing.kernel_time(lambda a: jnp.tanh(a @ a), x, calls=3)
-  assert set(tm) == {"kernel", "span", "kernels", "wall", "compile"}
+  assert set(tm) == {"kernel", "span", "kernels", "wall", "compile", "by_name"}
   assert tm["kernel"] > 0 and tm["span"] >= tm["kernel"] * 0.999 and tm["compile"] > 0
   if jax.default_backend() == "gpu":
     assert tm["kernels"] >= 1  # the matmul and the tanh ran on a GPU stream
+    # per-name times add up to the call's kernel time
+    assert abs(sum(tm["by_name"].values()) - tm["kernel"]) <= 1e-3 * tm["kernel"]
+  else:
+    assert tm["by_name"] == {}
   with pytest.raises(ValueError, match="args_list"):
     timing.kernel_time(lambda a: a, [])
   with pytest.raises(ValueError, match="calls=0"):
