@@ -1,7 +1,7 @@
 """How fast the register-level 4-bit K path streams (a v3 rate probe, H100/H200).
 
 Times `pallas_kernels.mosaic_dequant.probe_k4_score_stream` (TMA tiles ->
-`dequant_k4` registers -> wgmma against q, elementwise max) over
+`dequant_codes` registers -> wgmma against q, elementwise max) over
 ``programs x tokens`` token-heads of 4-bit K codes by profiler kernel time,
 beside its bytes floor (the HBM read probe of the same process). Checks the
 result against numpy first.

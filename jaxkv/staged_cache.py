@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxkv import hierarchical
 from jaxkv.attention import check_scale, reference_attention
-from jaxkv.cache import KVCache
+from jaxkv.cache import KVCache, nonfinite_rows
 
 
 def _is_concrete(x) -> bool:
@@ -219,8 +219,8 @@ class StagedCache:
       raise ValueError(f"append: sequences {bad} would hold more than staging={self.staging} "
                        f"staged tokens or pass capacity={self.cache.capacity} (S={s}); flush first")
     if _is_concrete(k) and _is_concrete(v):  # eager: refuse NaN/inf now, not at the flush
-      bad = np.nonzero(~np.all(np.isfinite(np.asarray(k, np.float32)), axis=(1, 2, 3))
-                       | ~np.all(np.isfinite(np.asarray(v, np.float32)), axis=(1, 2, 3)))[0]
+      every = jnp.full((k.shape[0],), s, jnp.int32)
+      bad = np.nonzero(np.asarray(nonfinite_rows(k, every) | nonfinite_rows(v, every)))[0]
       if bad.size:
         raise ValueError(f"append: k or v holds NaN/inf in sequences {bad.tolist()}; the "
                          "cache cannot store it")

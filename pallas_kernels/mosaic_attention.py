@@ -46,6 +46,7 @@ from pallas_kernels import combine_t
 from pallas_kernels import mosaic_dequant
 from pallas_kernels.side_spec import SideSpec
 
+
 def _takes_index() -> bool:
   """Whether `plgpu.load` still requires its index argument (jax 0.10; 0.11 deprecates it)."""
   import inspect  # pylint: disable=import-outside-toplevel

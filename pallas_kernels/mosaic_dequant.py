@@ -86,11 +86,6 @@ def code_permutation(head_dim: int, bits: int = 4) -> np.ndarray:
   return perm
 
 
-def k4_permutation(head_dim: int) -> np.ndarray:
-  """`code_permutation` of 4-bit codes."""
-  return code_permutation(head_dim, 4)
-
-
 def registers_reference(codes: np.ndarray, bits: int = 4, scale=None, zero=None) -> np.ndarray:
   """``[rows, D]`` float values `dequant_codes` holds: code of channel ``perm[col]``
   (times its scale plus its zero, rounded once to bfloat16, when given)."""
@@ -105,11 +100,6 @@ def registers_reference(codes: np.ndarray, bits: int = 4, scale=None, zero=None)
     channels = channels * bf16(scale) + bf16(zero)
     channels = channels.astype(jnp.bfloat16).astype(np.float64)  # ml_dtypes: round to nearest
   return channels[..., code_permutation(width * 8 // bits, bits)].astype(np.float32)
-
-
-def k4_registers_reference(codes: np.ndarray) -> np.ndarray:
-  """`registers_reference` of 4-bit codes."""
-  return registers_reference(codes, 4)
 
 
 def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zero_smem=None):
@@ -214,12 +204,9 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
               mgpu_utils.bitcast(pair, bf16x2))
     return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
-  body = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=body_type)(body_fn)
-  if affine:
-    body = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3,
-                             return_type=body_type)(body_fn)
-    return body(codes_smem, scale_smem, zero_smem)
-  return body(codes_smem)
+  refs = (codes_smem, scale_smem, zero_smem) if affine else (codes_smem,)
+  return plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(refs),
+                           return_type=body_type)(body_fn)(*refs)
 
 
 def widen_columns(x, columns: int, fill: float = 0.0):
@@ -251,11 +238,6 @@ def widen_columns(x, columns: int, fill: float = 0.0):
     return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
   return body(x)
-
-
-def dequant_k4(codes_smem, head_dim: int):
-  """`dequant_codes` of 4-bit codes."""
-  return dequant_codes(codes_smem, head_dim, 4)
 
 
 def _write_out(value, out_smem, out_gmem):
@@ -354,7 +336,7 @@ def probe_k4_score_stream(codes: jax.Array, q: jax.Array, *, stages: int = 4) ->
   """The K half of decode attention as a rate probe: ``codes [P, T, D/2]`` uint8.
 
   One program per ``p`` streams its ``T`` tokens in 64-token TMA tiles
-  (``stages`` deep), turns each into wgmma A-operand registers (`dequant_k4`)
+  (``stages`` deep), turns each into wgmma A-operand registers (`dequant_codes`)
   and multiplies by ``q [N, D]`` (channel order); keeps the elementwise max
   of the scores (no cross-warp reduction), ``[P, 64, N]`` float32. Measures
   what the K side of a v3 kernel would cost per token-head.
@@ -365,7 +347,7 @@ def probe_k4_score_stream(codes: jax.Array, q: jax.Array, *, stages: int = 4) ->
   if tokens % _ROWS or n % 8 or q.shape[1] != head_dim:
     raise ValueError(f"codes {codes.shape} must be [P, T % 64 == 0, D/2] and q {q.shape} "
                      "[N % 8 == 0, D]")
-  q_perm = q[:, k4_permutation(head_dim)]
+  q_perm = q[:, code_permutation(head_dim, 4)]
   swizzle = 128 if head_dim * 2 % 128 == 0 else 64
   q_transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
 
@@ -376,7 +358,7 @@ def probe_k4_score_stream(codes: jax.Array, q: jax.Array, *, stages: int = 4) ->
     q_t = q_smem.transpose((1, 0))
 
     def body(_, tile, carry):
-      a = dequant_k4(tile, head_dim)
+      a = dequant_codes(tile, head_dim, 4)
 
       def mma(acc_ref):
         plgpu.wgmma(acc_ref, a, q_t)
@@ -399,6 +381,5 @@ def probe_k4_score_stream(codes: jax.Array, q: jax.Array, *, stages: int = 4) ->
       compiler_params=_params(), kernel_name="jaxkv_probe_k4_stream")(codes, q_perm)
 
 
-__all__ = ["code_permutation", "dequant_codes", "dequant_k4", "k4_permutation",
-           "k4_registers_reference", "probe_dequant", "probe_k4_score_stream", "probe_scores",
-           "registers_reference", "widen_columns"]
+__all__ = ["code_permutation", "dequant_codes", "probe_dequant", "probe_k4_score_stream",
+           "probe_scores", "registers_reference", "widen_columns"]

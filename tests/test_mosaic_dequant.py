@@ -38,14 +38,14 @@ def test_permutation_is_a_bijection_of_planar_channels(head_dim, bits):
 
 def test_reference_reads_planar_nibbles():
   codes = np.asarray(_codes(64, 0))
-  ref = md.k4_registers_reference(codes)
-  perm = md.k4_permutation(128)
+  ref = md.registers_reference(codes, 4)
+  perm = md.code_permutation(128, 4)
   for col in (0, 1, 2, 9, 63, 64, 127):
     ch = perm[col]
     want = codes[:, ch] & 15 if ch < 64 else codes[:, ch - 64] >> 4
     np.testing.assert_array_equal(ref[:, col], want)
   with pytest.raises(ValueError, match="head_dim=96"):
-    md.k4_permutation(96)
+    md.code_permutation(96, 4)
   with pytest.raises(ValueError, match="bits=3"):
     md.code_permutation(128, 3)
   c2 = np.asarray(_codes(32, 1))
