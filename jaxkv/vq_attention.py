@@ -1,10 +1,12 @@
 """Decode attention over a `VQCache`; `jaxkv.decode_attention` dispatches here.
 
 ``implementation``: ``"reference"``/``"xla"`` is exact attention over
-``cache.dequantize()`` (the spec); ``"triton"``/``"pallas"`` the fused VQ
-kernel (`pallas_kernels.vq_attention`; Pallas interpret mode off GPU);
-``None`` the reference for now (`KERNEL_BY_DEFAULT`). There is no Mosaic GPU
-VQ kernel.
+``cache.dequantize()`` (the spec); ``"triton"`` the fused Triton VQ kernel
+(`pallas_kernels.vq_attention`; Pallas interpret mode off GPU); ``"mosaic"``
+the Hopper kernel with the codebooks in shared memory
+(`pallas_kernels.mosaic_vq_attention`; an sm_90 GPU, one VQ stage per side);
+``"pallas"`` the Mosaic kernel where it applies, else Triton; ``None`` the
+reference for now (`KERNEL_BY_DEFAULT`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.vq_cache import VQCache
+from pallas_kernels import mosaic_attention as mosaic_kernel
 from pallas_kernels import vq_attention as vq_kernel
 
 _NAMES = ("reference", "xla", "triton", "mosaic", "pallas")
@@ -48,8 +51,23 @@ def kernel_supports(q, cache: VQCache) -> tuple[bool, str]:
       residual=cache.fmt.residual, capacity=cache.storage_len)
 
 
-def resolve(q, cache: VQCache, implementation) -> str:
-  """``"reference"`` or ``"triton"``; ValueError naming why a forced kernel cannot run."""
+def mosaic_supports(q, cache: VQCache, config=None) -> tuple[bool, str]:
+  """Whether the Hopper VQ kernel serves this query and cache (on this machine)."""
+  # pylint: disable-next=import-outside-toplevel
+  from jaxkv.attention import is_hopper
+  from pallas_kernels import mosaic_vq_attention  # pylint: disable=import-outside-toplevel
+  if not is_hopper():
+    return False, "the Mosaic GPU kernels need a Hopper (sm_90) GPU"
+  return mosaic_vq_attention.supports(
+      head_dim=cache.head_dim, k_spec=cache.fmt.spec("k"), v_spec=cache.fmt.spec("v"),
+      q_rows=q.shape[1] * q.shape[2] // cache.kv_heads, dtype=cache.k_residual.dtype,
+      token_group=cache.fmt.token_group, residual=cache.fmt.residual,
+      capacity=cache.storage_len, block_k=64 if config is None else config.block_k)
+
+
+def resolve(q, cache: VQCache, implementation, config=None) -> str:
+  """``"reference"``, ``"triton"`` or ``"mosaic"``; ValueError naming why a forced
+  kernel cannot run."""
   if implementation is None:
     if (KERNEL_BY_DEFAULT and jax.default_backend() == "gpu"
         and kernel_supports(q, cache)[0]):
@@ -62,8 +80,15 @@ def resolve(q, cache: VQCache, implementation) -> str:
       raise ValueError(f"implementation={name!r} must be one of {_NAMES} or None")
     if name in ("reference", "xla"):
       return "reference"
-    if name == "mosaic":
-      reasons.append("mosaic: no Mosaic GPU kernel reads a VQ cache")
+    if name in ("mosaic", "pallas") and not isinstance(config, vq_kernel.VQAttentionConfig):
+      ok, why = mosaic_supports(q, cache, config)
+      if ok:
+        return "mosaic"
+      reasons.append(f"mosaic: {why}")
+      if name == "mosaic":
+        continue
+    if isinstance(config, mosaic_kernel.MosaicAttentionConfig):
+      reasons.append(f"{name}: config is a MosaicAttentionConfig")
       continue
     ok, why = kernel_supports(q, cache)
     if ok:
@@ -84,11 +109,21 @@ def vq_decode_attention(q: jax.Array, cache: VQCache, *, scale=None,
   # pylint: disable-next=import-outside-toplevel
   from jaxkv.attention import _poison, reference_attention
   _check_q(q, cache)
-  if config is not None and not isinstance(config, vq_kernel.VQAttentionConfig):
-    raise TypeError(f"config must be a pallas_kernels.vq_attention.VQAttentionConfig for a "
-                    f"VQ cache, got {type(config).__name__}")
-  impl = resolve(q, cache, implementation)
-  if impl == "triton":
+  if config is not None and not isinstance(
+      config, (vq_kernel.VQAttentionConfig, mosaic_kernel.MosaicAttentionConfig)):
+    raise TypeError(f"config must be a pallas_kernels.vq_attention.VQAttentionConfig (Triton) "
+                    f"or a MosaicAttentionConfig (Mosaic) for a VQ cache, got "
+                    f"{type(config).__name__}")
+  impl = resolve(q, cache, implementation, config)
+  if impl == "mosaic":
+    # pylint: disable-next=import-outside-toplevel
+    from pallas_kernels import mosaic_vq_attention
+    out = mosaic_vq_attention.mosaic_vq_decode_attention(
+        q, cache.k_codes, cache.k_codebook, cache.v_codes, cache.v_codebook, cache.k_residual,
+        cache.v_residual, cache.lengths, k_spec=cache.fmt.spec("k"),
+        v_spec=cache.fmt.spec("v"), token_group=cache.fmt.token_group, scale=scale,
+        config=config)
+  elif impl == "triton":
     out = vq_kernel.vq_decode_attention(
         q, cache.k_codes, cache.k_codebook, cache.v_codes, cache.v_codebook, cache.k_residual,
         cache.v_residual, cache.lengths, k_spec=cache.fmt.spec("k"), v_spec=cache.fmt.spec("v"),

@@ -652,11 +652,20 @@ def _register_v(config: MosaicAttentionConfig, v_side: SideSpec, head_dim: int, 
 
 
 def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v_side,
-                   token_group, residual, num_queries, q_rows, config, dtype):
+                   token_group, residual, num_queries, q_rows, config, dtype, vq=None):
   """The v2 kernel; returns partials ``o [B,H,J+1,D,N_pv], l, m [B,H,J+1,N]``.
 
   ``qh`` is what the packed programs multiply K by (channels permuted with
-  `register_k`), ``q_res`` what the residual program does (channel order).
+  `register_k` or ``vq``), ``q_res`` what the residual program does (channel
+  order).
+
+  ``vq``: ``((k_vector, k_entries, k_book), (v_vector, v_entries, v_book))``
+  for a one-stage VQ cache (``k_in = [codes]``, ``v_in = [codes]``, each book
+  ``[H, D E / 128, 128]`` in ``dtype``; ``k_side``/``v_side`` are then
+  ignored): each packed program copies its kv head's two codebooks into
+  shared memory once and `mosaic_dequant.gather_codebook` builds the K operand
+  and the V tile from them; the packed outputs come out in
+  `mosaic_dequant.vq_permutation` order.
   N (q's padded rows) is the score MMA's N and the softmax's width; the value
   MMA takes ``N_pv = max(N, 16)`` columns (its smem operands need rows of >=
   32 bytes), the extra columns of ``P^T`` zero, so ``o``'s extra columns are
@@ -675,17 +684,26 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
   q_tf = _tiled(min(kw, 64), 16)
   v_tf = _tiled(n_pv, 16)
 
-  register_k = _register_k(config, k_side, head_dim, dtype)
-  register_v = _register_v(config, v_side, head_dim, dtype)
-  k_specs = _side_specs(k_side, k_in[0].shape[-1], head_dim, bk, q_tf, plain_codes=register_k)
-  v_specs = _side_specs(v_side, v_in[0].shape[-1], head_dim, bk, v_tf, plain_codes=register_v)
+  if vq is not None:
+    register_k = register_v = fold_k = fold_v = False
+    k_specs = [plgpu.BlockSpec((bk, k_in[0].shape[-1]), lambda i: (i, 0))]
+    v_specs = [plgpu.BlockSpec((bk, v_in[0].shape[-1]), lambda i: (i, 0))]
+    (k_vec, k_entries, k_book), (v_vec, v_entries, v_book) = vq
+    books = [k_book, v_book]
+  else:
+    register_k = _register_k(config, k_side, head_dim, dtype)
+    register_v = _register_v(config, v_side, head_dim, dtype)
+    k_specs = _side_specs(k_side, k_in[0].shape[-1], head_dim, bk, q_tf,
+                          plain_codes=register_k)
+    v_specs = _side_specs(v_side, v_in[0].shape[-1], head_dim, bk, v_tf,
+                          plain_codes=register_v)
+    fold_k = config.fold_scales and k_side.bits < 16 and k_side.axis == "token"
+    fold_v = config.fold_scales and v_side.bits < 16
+    books = []
   nk, nv = len(k_specs), len(v_specs)
 
-  fold_k = config.fold_scales and k_side.bits < 16 and k_side.axis == "token"
-  fold_v = config.fold_scales and v_side.bits < 16
-
   def attend(q_smem, k_tiles, v_tiles, pt_smem, vdq_smem, carry, *, token0, valid_below,
-             row_limit, q_sum):
+             row_limit, q_sum, book_smems=None):
     """One online-softmax step over ``bk`` tokens (tokens on M).
 
     Folded scales (``config.fold_scales``): a per-token K side is applied to the
@@ -700,6 +718,10 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     def scores(acc_ref):
       if not packed_k:  # full-precision K tile in smem
         plgpu.wgmma(acc_ref, k_tiles, _t(q_smem))
+      elif vq is not None:  # centroids of the codes, channels in vq_permutation order
+        x = mosaic_dequant.gather_codebook(k_tiles[0], book_smems[0], head_dim, k_vec,
+                                           k_entries)
+        plgpu.wgmma(acc_ref, x, _t(q_smem))
       elif register_k:
         # code * scale + zero in registers; the scale/zero rows stay in channel order
         x = mosaic_dequant.dequant_codes(k_tiles[0], head_dim, k_side.bits, k_tiles[1],
@@ -736,7 +758,10 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       z_i = z_i * alpha_b
     pt_smem[...] = mosaic_dequant.widen_columns(p.astype(dtype), n_pv)
     if packed_v:
-      if register_v:  # exact codes, channels in `code_permutation` order
+      if vq is not None:
+        vdq_smem[...] = mosaic_dequant.gather_codebook(v_tiles[0], book_smems[1], head_dim,
+                                                       v_vec, v_entries)
+      elif register_v:  # exact codes, channels in `code_permutation` order
         vdq_smem[...] = mosaic_dequant.dequant_codes(v_tiles[0], head_dim, v_side.bits)
       else:
         for c0, x in _dequant_planes(*v_tiles, v_side, head_dim, dtype, affine=not fold_v):
@@ -759,8 +784,10 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     else:
       qsum_gmem, (qres_gmem, *refs) = None, refs
     k_refs, v_refs = refs[:3], refs[3:6]
-    kres_gmem, vres_gmem, o_gmem, l_gmem, m_gmem = refs[6:11]
-    q_smem, vdq_smem, pt_smem, barrier = refs[11:]
+    kres_gmem, vres_gmem = refs[6:8]
+    book_gmems, refs = refs[8:8 + len(books)], refs[8 + len(books):]
+    o_gmem, l_gmem, m_gmem = refs[:3]
+    q_smem, vdq_smem, pt_smem, barrier = refs[3:]
     # Query rows are the columns of the [bk, N] score tiles here.
     b, h, j, length, packed, row_limit = _program_start(
         lengths_gmem, q_gmem, q_smem, barrier, token_group=token_group, residual=residual,
@@ -790,23 +817,34 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
 
     @pl.when(j < num_splits)
     def _packed():
-      def step(tiles, carry, token0):
-        kt, vt = tiles[:nk], tiles[nk:]
-        k_tiles = kt[0] if k_side.bits == 16 else tuple(kt)
-        v_tiles = vt[0] if v_side.bits == 16 else tuple(vt)
-        return attend(q_smem, k_tiles, v_tiles, pt_smem, vdq_smem, carry, token0=token0,
-                      valid_below=packed, row_limit=row_limit, q_sum=q_sum)
+      def run(*book_smems):
+        for g, sm in zip(book_gmems, book_smems):  # a VQ head's codebooks, once
+          plgpu.copy_gmem_to_smem(g.at[h], sm, barrier)
+          plgpu.barrier_wait(barrier)
 
-      gm = [r.at[b, h] for r in k_refs[:nk]] + [r.at[b, h] for r in v_refs[:nv]]
-      finish(_run_split(step, k_specs + v_specs, gm, packed=packed, j=j,
-                        num_splits=num_splits, bk=bk,
-                        max_concurrent_steps=config.max_concurrent_steps,
-                        init_carry=(acc0, m0, l0, l0)))
+        def step(tiles, carry, token0):
+          kt, vt = tiles[:nk], tiles[nk:]
+          k_tiles = kt[0] if vq is None and k_side.bits == 16 else tuple(kt)
+          v_tiles = vt[0] if vq is None and v_side.bits == 16 else tuple(vt)
+          return attend(q_smem, k_tiles, v_tiles, pt_smem, vdq_smem, carry, token0=token0,
+                        valid_below=packed, row_limit=row_limit, q_sum=q_sum,
+                        book_smems=book_smems)
+
+        gm = [r.at[b, h] for r in k_refs[:nk]] + [r.at[b, h] for r in v_refs[:nv]]
+        return _run_split(step, k_specs + v_specs, gm, packed=packed, j=j,
+                          num_splits=num_splits, bk=bk,
+                          max_concurrent_steps=config.max_concurrent_steps,
+                          init_carry=(acc0, m0, l0, l0))
+
+      if books:
+        finish(pl.run_scoped(run, *[plgpu.SMEM(book.shape[1:], dtype) for book in books]))
+      else:
+        finish(run())
 
     @pl.when(j == num_splits)
     def _residual():
       num_res = length - packed
-      if register_k:  # the residual's K rows are in channel order
+      if register_k or vq is not None:  # the residual's K rows are in channel order
         plgpu.copy_gmem_to_smem(qres_gmem.at[b, h], q_smem, barrier)
         plgpu.barrier_wait(barrier)
 
@@ -847,6 +885,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       grid_names=("b", "h", "j"),
       scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=_SEMANTICS),
-      kernel_name=f"jaxkv_mosaic_tokens_m_attention_k{k_side.bits}v{v_side.bits}",
+      kernel_name=(f"jaxkv_mosaic_tokens_m_attention_k{k_side.bits}v{v_side.bits}" if vq is None
+                   else f"jaxkv_mosaic_vq_attention_k{k_vec}v{v_vec}"),
   )(lengths, qh, *([jnp.sum(qh.astype(f32), axis=-1)] if fold_k else []), q_res, *k_in, *v_in,
-    k_residual, v_residual)
+    k_residual, v_residual, *books)

@@ -209,6 +209,121 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
                            return_type=body_type)(body_fn)(*refs)
 
 
+def vq_permutation(head_dim: int) -> np.ndarray:
+  """``perm[col]``: the channel MMA column ``col`` holds after `gather_codebook`.
+
+  Thread ``c = lane % 4`` owns the channel quarter ``[c D/4, (c + 1) D/4)``:
+  register ``j`` (columns ``8 j + 2 c + {0, 1}``) holds channels
+  ``c D/4 + 2 j + {0, 1}``, whatever the sub-vector size.
+  """
+  if head_dim not in (64, 128):
+    raise ValueError(f"head_dim={head_dim} must be 64 or 128")
+  perm = np.empty(head_dim, np.int64)
+  for c, j, e in itertools.product(range(4), range(head_dim // 8), range(2)):
+    perm[8 * j + 2 * c + e] = c * (head_dim // 4) + 2 * j + e
+  return perm
+
+
+def gather_reference(codes: np.ndarray, codebook: np.ndarray) -> np.ndarray:
+  """``[rows, D]`` values `gather_codebook` holds: ``codebook [n, E, v]`` at each
+  sub-vector's code (``codes [rows, n]``), columns in `vq_permutation` order."""
+  codes = np.asarray(codes).astype(np.int64)
+  codebook = np.asarray(codebook)
+  n, _, vec = codebook.shape
+  x = codebook[np.arange(n)[None, :], codes]               # [rows, n, v]
+  x = x.reshape(codes.shape[0], n * vec)
+  return x[:, vq_permutation(n * vec)]
+
+
+def gather_codebook(codes_smem, codebook_smem, head_dim: int, vector_size: int, entries: int):
+  """``[rows, D]`` centroids (WGMMA layout) of a ``[rows, n]`` uint8 code tile.
+
+  ``codebook_smem`` is one kv head's codebook ``[n, E, v]`` flattened into a
+  ``[n E v / 128, 128]`` bfloat16 or float16 smem tile (untiled, unswizzled);
+  the result has its dtype. ``codes_smem`` (``n = D / v`` codes per token,
+  untiled and unswizzled) must have ``n >= 16`` (TMA's 16-byte rows).
+
+  Thread ``c = lane % 4`` of a row reads the row's codes ``[c n/4, (c+1) n/4)``
+  with one shared load, then each code's ``v`` coordinates with one
+  ``ld.shared`` of ``2 v`` bytes (`vq_permutation`: each thread holds a
+  contiguous quarter of the channels). The numpy oracle is `gather_reference`.
+  """
+  if head_dim not in (64, 128):
+    raise ValueError(f"head_dim={head_dim} must be 64 or 128")
+  if vector_size not in (2, 4, 8):
+    raise ValueError(f"vector_size={vector_size} must be 2, 4 or 8")
+  n = head_dim // vector_size
+  if n < 16:
+    raise ValueError(f"head_dim / vector_size = {n} codes per token < 16 (TMA rows of 16 "
+                     "bytes)")
+  rows = codes_smem.shape[0]
+  if (rows not in (_ROWS, 2 * _ROWS) or tuple(codes_smem.shape[1:]) != (n,)
+      or codes_smem.dtype != jnp.uint8):
+    raise ValueError(f"codes_smem must be uint8 [64 | 128, {n}], got "
+                     f"{codes_smem.dtype} {tuple(codes_smem.shape)}")
+  flat = head_dim * entries
+  if (codebook_smem.dtype not in (jnp.bfloat16, jnp.float16)
+      or tuple(codebook_smem.shape) != (flat // 128, 128)):
+    raise ValueError(f"codebook_smem must be bfloat16 or float16 [{flat // 128}, 128], got "
+                     f"{codebook_smem.dtype} {tuple(codebook_smem.shape)}")
+  span = n // 4                    # codes per thread per row: 4, 8 or 16 bytes
+  words = span // 4
+  pairs = vector_size // 2         # 32-bit registers per code
+  code_bytes = 2 * vector_size         # bytes of one centroid
+  sub_bytes = entries * code_bytes  # bytes of one sub-space's codebook
+  want_regs = (rows // _ROWS, head_dim // 8, 1, 1, 2) + (1,) * 4
+  if fa.WGMMA_LAYOUT.registers_shape((rows, head_dim)) != want_regs:
+    raise NotImplementedError("WGMMA_LAYOUT's register tiling changed; gather_codebook assumes "
+                              f"{want_regs}")
+  dtype = codebook_smem.dtype
+  outs = ",".join(f"${i}" for i in range(pairs))
+  vec = {1: "", 2: ".v2", 4: ".v4"}[pairs]
+  dst = f"{{{outs}}}" if pairs > 1 else "$0"
+  # $pairs: the code word, $pairs+1: this thread's sub-space base address.
+  def asm(k, t):
+    return ("{\n.reg .b32 t, a;\n"
+            f"bfe.u32 t, ${pairs}, {8 * k}, 8;\n"
+            f"mad.lo.u32 a, t, {code_bytes}, ${pairs + 1};\n"
+            f"ld.shared{vec}.b32 {dst}, [a+{t * sub_bytes}];\n}}")
+  constraints = ",".join(["=r"] * pairs + ["r", "r"])
+  body_type = plgpu.ShapeDtypeStruct((rows, head_dim), dtype, layout=plgpu.Layout.WGMMA)
+
+  def body_fn(_, codes_ref, book_ref):
+    i32 = ir.IntegerType.get_signless(32)
+    index = ir.IndexType.get()
+    pair_ty = ir.VectorType.get((2,), ir.BF16Type.get() if dtype == jnp.bfloat16
+                                else ir.F16Type.get())
+    result_ty = llvm.StructType.get_literal([i32] * pairs) if pairs > 1 else i32
+    tid = arith.remui(mgpu_utils.thread_idx(), mgpu_utils.c(128, i32))
+    warp = arith.shrui(tid, mgpu_utils.c(5, i32))
+    lane = arith.andi(tid, mgpu_utils.c(31, i32))
+    cc = arith.andi(lane, mgpu_utils.c(3, i32))
+    row0 = arith.addi(arith.muli(warp, mgpu_utils.c(16, i32)),
+                      arith.shrui(lane, mgpu_utils.c(2, i32)))
+    col = arith.index_cast(index, arith.muli(cc, mgpu_utils.c(span, i32)))
+    book = llvm.ptrtoint(i32, mgpu_utils.memref_ptr(book_ref))
+    base = arith.addi(book, arith.muli(cc, mgpu_utils.c(span * sub_bytes, i32)))
+    regs = np.empty(want_regs, dtype=object)
+    for m, half in itertools.product(range(rows // _ROWS), range(2)):
+      row = arith.index_cast(index, arith.addi(row0, mgpu_utils.c(_ROWS * m + 8 * half, i32)))
+      raw = vector.load(ir.VectorType.get((span,), ir.IntegerType.get_signless(8)), codes_ref,
+                        [row, col])
+      packed = vector.bitcast(ir.VectorType.get((words,), i32), raw)
+      for w in range(words):
+        word = vector.extract(packed, [], [w])
+        for k in range(4):
+          t = 4 * w + k                     # the thread's t-th code of this row
+          got = llvm.inline_asm(result_ty, [word, base], asm(k, t), constraints)
+          for p in range(pairs):
+            reg = llvm.extractvalue(i32, got, [p]) if pairs > 1 else got
+            regs[(m, pairs * t + p, 0, 0, half) + (0,) * (regs.ndim - 5)] = (
+                mgpu_utils.bitcast(reg, pair_ty))
+    return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+  return plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()),
+                           return_type=body_type)(body_fn)(codes_smem, codebook_smem)
+
+
 def widen_columns(x, columns: int, fill: float = 0.0):
   """``[R, n]`` WGMMA-layout array -> ``[R, columns]`` (``columns`` a multiple of n):
   the same registers for columns ``< n``, ``fill`` for the rest; no instruction
@@ -291,6 +406,31 @@ def probe_dequant(codes: jax.Array, scale: jax.Array | None = None, zero: jax.Ar
                      plgpu.SMEM((rows, head_dim), jnp.bfloat16), plgpu.Barrier()],
       compiler_params=_params(),
       kernel_name=f"jaxkv_probe_dequant_{bits}{'_affine' if rows_in else ''}")(codes, *rows_in)
+
+
+@jax.jit
+def probe_gather(codes: jax.Array, codebook: jax.Array) -> jax.Array:
+  """``codes [64 | 128, n]`` uint8, ``codebook [n, E, v]`` (bf16/f16) -> the
+  ``[rows, n v]`` registers of `gather_codebook` (a probe)."""
+  rows, n = codes.shape
+  n_cb, entries, vec = codebook.shape
+  if n_cb != n:
+    raise ValueError(f"codes {codes.shape} and codebook {codebook.shape} disagree on n")
+  head_dim = n * vec
+  flat = codebook.reshape(head_dim * entries // 128, 128)
+
+  def kernel(codes_gmem, book_gmem, out_gmem, codes_smem, book_smem, out_smem, barrier):
+    for g, sm in ((codes_gmem, codes_smem), (book_gmem, book_smem)):
+      plgpu.copy_gmem_to_smem(g, sm, barrier)
+      plgpu.barrier_wait(barrier)
+    _write_out(gather_codebook(codes_smem, book_smem, head_dim, vec, entries), out_smem,
+               out_gmem)
+
+  return plgpu.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct((rows, head_dim), codebook.dtype),
+      scratch_types=[plgpu.SMEM((rows, n), jnp.uint8), plgpu.SMEM(flat.shape, flat.dtype),
+                     plgpu.SMEM((rows, head_dim), codebook.dtype), plgpu.Barrier()],
+      compiler_params=_params(), kernel_name=f"jaxkv_probe_gather_v{vec}")(codes, flat)
 
 
 @functools.partial(jax.jit, static_argnames=("bits",))
@@ -381,5 +521,6 @@ def probe_k4_score_stream(codes: jax.Array, q: jax.Array, *, stages: int = 4) ->
       compiler_params=_params(), kernel_name="jaxkv_probe_k4_stream")(codes, q_perm)
 
 
-__all__ = ["code_permutation", "dequant_codes", "probe_dequant", "probe_k4_score_stream",
-           "probe_scores", "registers_reference", "widen_columns"]
+__all__ = ["code_permutation", "dequant_codes", "gather_codebook", "gather_reference",
+           "probe_dequant", "probe_gather", "probe_k4_score_stream", "probe_scores",
+           "registers_reference", "vq_permutation", "widen_columns"]
