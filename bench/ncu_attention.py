@@ -11,7 +11,9 @@ per instruction: the instruction mix behind `attention-NOTES.md`'s
   ncu -i /tmp/kivi4.ncu-rep --page source --csv --print-source sass > kivi4-sass.csv
 
 Options: ``--shape`` indexes `bench/attention.py`'s SHAPES; ``--config``
-``block_k,num_splits,num_warps,num_stages`` overrides the default config.
+``block_k,num_splits,num_warps,num_stages`` overrides the default config;
+``--vq`` runs a filled VQ cache (``--format cq2``/``cq4``) through the Mosaic
+VQ kernel (kernel regex ``jaxkv_mosaic_vq``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import attention as A  # noqa: E402
+import jaxkv  # noqa: E402
 import pallas_kernels as pk  # noqa: E402
 from jaxkv.formats import PRESETS  # noqa: E402
 
@@ -43,8 +46,19 @@ def main(argv=None) -> int:
                  help="the Mosaic GPU kernel (default config; kernel regex jaxkv_mosaic)")
   p.add_argument("--mosaic-set", default="",
                  help="Mosaic config fields over the default, e.g. register_k=True,block_k=128")
+  p.add_argument("--vq", action="store_true",
+                 help="a VQ cache (--format cq2/cq4) through the Mosaic VQ kernel")
   args = p.parse_args(argv)
   b, t, hq, hkv, d, s = A.SHAPES[args.shape]
+  if args.vq:
+    q = jax.random.normal(jax.random.PRNGKey(0), (b, s, hq, d), jnp.bfloat16)
+    cache = A.filled_cache(args.format, jax.random.PRNGKey(3), b, t, hkv, d)
+    f = jax.jit(functools.partial(jaxkv.decode_attention, implementation="mosaic"))
+    for _ in range(args.calls):
+      out = f(q, cache)
+    jax.block_until_ready(out)
+    print(f"{args.format} {A.SHAPES[args.shape]} mosaic VQ: ok")
+    return 0
   fmt = PRESETS[args.format]
   config = None
   if args.config:
