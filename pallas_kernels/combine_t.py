@@ -9,9 +9,10 @@ transpose; this kernel reads ``o_t`` as it is and writes the normalized
 ``jaxkv_decode_combine``.
 
 ``packed_rows`` (optional, ``[D]`` ints) says where channel ``c`` sits in the
-rows of every partial but the last: the register V path of the Mosaic kernel
-leaves the packed splits' rows in the MMA's column order, while the last
-partial (the residual program) is in channel order. The kernel gathers the
+rows of every partial but the last ``plain_tail`` (default 1): the register V
+path of the Mosaic kernel leaves the packed splits' rows in the MMA's column
+order, while the residual program's partials are in channel order (one
+partial, or one per compute warpgroup). The kernel gathers the
 rows per partial, so neither a permuted copy of the partials nor of the
 output is made.
 
@@ -34,13 +35,15 @@ from pallas_kernels import _triton
 _BUDGET = 8192  # float32 elements of one [J', dblk, M] tile per program
 
 
-def combine_t_reference(o_t, l, m, *, rows: int, packed_rows=None, out_dtype=jnp.float32):
+def combine_t_reference(o_t, l, m, *, rows: int, packed_rows=None, out_dtype=jnp.float32,
+                        plain_tail: int = 1):
   """jnp oracle: ``o_t [B,H,J,D,N], l/m [B,H,J,N]`` -> ``[B, H, rows, D]``."""
   o_t = o_t[..., :rows].astype(jnp.float32)
   l, m = l[..., :rows], m[..., :rows]
   if packed_rows is not None:
     idx = np.asarray(packed_rows)
-    o_t = jnp.concatenate([o_t[:, :, :-1][:, :, :, idx], o_t[:, :, -1:]], axis=2)
+    o_t = jnp.concatenate([o_t[:, :, :-plain_tail][:, :, :, idx], o_t[:, :, -plain_tail:]],
+                          axis=2)
   m_max = jnp.max(m, axis=2, keepdims=True)
   m_max = jnp.where(m_max == -jnp.inf, 0.0, m_max)
   w = jnp.exp(m - m_max)                                       # [B, H, J, M]
@@ -52,7 +55,7 @@ def combine_t_reference(o_t, l, m, *, rows: int, packed_rows=None, out_dtype=jnp
 
 
 def _kernel(o_ref, l_ref, m_ref, rows_ref, out_ref, *, num_parts, parts_pad, dblk, rows, width,
-            permuted):
+            permuted, plain_tail):
   """One (batch, kv head, channel block): all partials at once, gathered rows."""
   d0 = pl.program_id(2) * dblk
   part = jax.lax.broadcasted_iota(jnp.int32, (parts_pad, 1), 0)           # [J', 1]
@@ -67,9 +70,9 @@ def _kernel(o_ref, l_ref, m_ref, rows_ref, out_ref, *, num_parts, parts_pad, dbl
   den = jnp.sum(w * l, axis=0)                                           # [M]
 
   chan = d0 + jax.lax.broadcasted_iota(jnp.int32, (1, dblk), 1)          # [1, dblk]
-  if permuted:  # packed partials: channel c at row packed_rows[c]; the last in order
+  if permuted:  # packed partials: channel c at row packed_rows[c]; the tail in order
     packed = rows_ref[pl.ds(d0, dblk)][None, :]                          # [1, dblk]
-    row = jnp.where(part == num_parts - 1, chan, packed)                 # [J', dblk]
+    row = jnp.where(part >= num_parts - plain_tail, chan, packed)        # [J', dblk]
   else:
     row = jnp.broadcast_to(chan, (parts_pad, dblk))
   flat = (row[:, :, None] * width
@@ -85,13 +88,16 @@ def _kernel(o_ref, l_ref, m_ref, rows_ref, out_ref, *, num_parts, parts_pad, dbl
 
 
 def combine_t(o_t: jax.Array, l: jax.Array, m: jax.Array, *, rows: int, packed_rows=None,
-              out_dtype=jnp.float32, interpret: bool = False) -> jax.Array:
+              out_dtype=jnp.float32, interpret: bool = False, plain_tail: int = 1) -> jax.Array:
   """Merge ``o_t [B,H,J,D,N], l/m [B,H,J,N']`` over J into ``[B, H, rows, D]``.
 
   ``rows`` (a power of two <= N) query rows are merged; ``packed_rows`` see the
-  module docstring. The last partial is always read in channel order.
+  module docstring. The last ``plain_tail`` partials are always read in
+  channel order.
   """
   batch, heads, num_parts, head_dim, width = o_t.shape
+  if not 1 <= plain_tail <= num_parts:
+    raise ValueError(f"plain_tail={plain_tail} must be in [1, {num_parts}] partials")
   if rows & (rows - 1) or rows > width or rows > l.shape[-1]:
     raise ValueError(f"rows={rows} must be a power of two <= N={width} and <= l's "
                      f"{l.shape[-1]} columns")
@@ -110,7 +116,7 @@ def combine_t(o_t: jax.Array, l: jax.Array, m: jax.Array, *, rows: int, packed_r
   while dblk > 1 and parts_pad * dblk * rows > _BUDGET:
     dblk //= 2
   kernel = functools.partial(_kernel, num_parts=num_parts, parts_pad=parts_pad, dblk=dblk,
-                             rows=rows, width=width, permuted=permuted)
+                             rows=rows, width=width, permuted=permuted, plain_tail=plain_tail)
   o_flat = o_t.reshape(batch, heads, num_parts, head_dim * width)  # free
   return pl.pallas_call(
       kernel,

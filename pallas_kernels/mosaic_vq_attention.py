@@ -33,6 +33,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
 
 from pallas_kernels import _triton
 from pallas_kernels import combine_t
@@ -75,18 +77,226 @@ def supports(*, head_dim: int, k_spec: VQSideSpec, v_spec: VQSideSpec, q_rows: i
   return True, ""
 
 
-def default_config(*, batch: int, tokens: int, kv_heads: int,
-                   num_sms: int = 132) -> ma.MosaicAttentionConfig:
+def default_config(*, batch: int, tokens: int, kv_heads: int, num_sms: int = 132,
+                   two_warpgroups: bool = False, stages: int = 4) -> ma.MosaicAttentionConfig:
   """One CTA per SM (the two codebooks take most of its shared memory): one
   wave of ``num_sms`` programs, less one per (b, h) for the residual program
-  when that is many, at least 4 blocks per split; 64-token blocks, 4 stages.
-  Not yet tuned on a GPU."""
-  block_k = 64
+  when that is many, at least 4 blocks per split. ``two_warpgroups``: 128-token
+  blocks (the two-warpgroup kernel), else 64; ``stages`` pipeline stages."""
+  block_k = 128 if two_warpgroups else 64
   blocks = max(1, tokens // block_k)
   programs = max(1, num_sms // max(1, batch * kv_heads))
   want = programs - 1 if programs > 16 else programs
   splits = max(1, min(want, blocks // 4, 64))
-  return ma.MosaicAttentionConfig(block_k=block_k, num_splits=splits, max_concurrent_steps=4)
+  return ma.MosaicAttentionConfig(block_k=block_k, num_splits=splits,
+                                  max_concurrent_steps=stages)
+
+
+# ----------------------------------------------------------------------------
+# Two compute warpgroups per CTA. With 128 KiB of codebooks a CTA fills an SM
+# alone, so one warpgroup left each scheduler one warp and the kernel waited on
+# latency (ncu, H200: 6 % occupancy, stalls barrier 31 %, short scoreboard
+# 27 %). Here a memory warpgroup streams 128-token code tiles
+# (`plgpu.emit_pipeline_warp_specialized`) and each of two compute warpgroups
+# takes 64 rows of every tile with its own softmax state and writes its own
+# partial (index ``2 j + wg``), so nothing is reduced across warpgroups; the
+# column reductions of a warpgroup go through its own shared scratch
+# (`_wg_reduce`), since Pallas' own cross-warp reduction scratch is one buffer
+# per CTA.
+# ----------------------------------------------------------------------------
+_WGS = 2          # compute warpgroups
+_HALF = 64        # rows of a 128-token tile per compute warpgroup
+_RED = 512        # float32 reduction scratch per warpgroup (>= 4 warps x 32 lanes x 2)
+_SMEM_LIMIT = 220 * 1024
+
+
+def _wg_reduce(x, scratch, op: str):
+  """Column (axis-0) ``op`` ("max" or "add") of a ``[rows, N]`` WGMMA float32
+  array over this warpgroup's warps, through ``scratch`` (its own 1-D smem)."""
+  n = x.shape[1]
+
+  @ma.plgpu.inline_mgpu(
+      arg_types=(ma.plgpu.Layout.WGMMA, ma.plgpu.RefType()),
+      return_type=ma.plgpu.ShapeDtypeStruct((n,), jnp.float32,
+                                            layout=ma.plgpu.Layout.WGMMA.reduce(0)))
+  def body(_, arr, ref):
+    return arr.reduce(op, 0, scratch=ref)
+
+  return body(x, scratch)
+
+
+def _two_wg_smem(head_dim: int, n_pv: int, n_rows: int, book_elems: int, stages: int,
+                 code_bytes: int, itemsize: int) -> int:
+  """Shared-memory bytes of the two-warpgroup kernel (`_two_wg_call`)."""
+  fixed = (book_elems * itemsize                                         # codebooks
+           + n_rows * head_dim * itemsize                                # q
+           + _WGS * _HALF * (head_dim + n_pv) * itemsize                 # V tiles, P^T
+           + _WGS * (_RED + head_dim * n_pv + 2 * n_rows) * 4)           # scratch, o, l, m
+  pipeline = stages * 2 * _HALF * code_bytes
+  residual_k = _WGS * _HALF * head_dim * itemsize
+  return fixed + max(pipeline, residual_k)
+
+
+def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, lengths, books, *,
+                 token_group, residual, num_queries, q_rows, num_splits, stages, dtype):
+  """Partials ``o [B,H,2(J+1),D,N_pv], l, m [B,H,2(J+1),N]`` (``J = num_splits``)."""
+  plgpu = ma.plgpu
+  batch, kv_heads, n_rows, head_dim = q_perm.shape
+  n_pv = max(n_rows, 16)
+  bk = _WGS * _HALF
+  grid_j = num_splits + 1
+  f32 = jnp.float32
+  (k_vec, k_entries, k_book), (v_vec, v_entries, v_book) = books
+  q_tf = ma._tiled(64, 16)  # pylint: disable=protected-access
+  v_tf = ma._tiled(n_pv, 16)  # pylint: disable=protected-access
+  t = ma._t  # pylint: disable=protected-access
+  specs = [plgpu.BlockSpec((bk, x.shape[-1]), lambda i: (i, 0)) for x in (k_codes, v_codes)]
+  widen = mosaic_dequant.widen_columns
+
+  def attend(q_smem, k_tile, v_tile, pt_smem, vdq_smem, red, book_smems, carry, *, token0,
+             valid_below, row_limit):
+    """One online-softmax step of a warpgroup over its 64 tokens."""
+    acc, m_i, l_i = carry
+
+    def scores(acc_ref):
+      if book_smems is None:  # residual rows in smem
+        plgpu.wgmma(acc_ref, k_tile, t(q_smem))
+      else:
+        plgpu.wgmma(acc_ref, mosaic_dequant.gather_codebook(
+            k_tile, book_smems[0], head_dim, k_vec, k_entries), t(q_smem))
+      return acc_ref[...]
+
+    s = pl.run_scoped(scores, plgpu.ACC((_HALF, n_rows), f32))        # [64, N]
+    tok = token0 + plgpu.broadcasted_iota(jnp.int32, (_HALF, n_rows), 0,
+                                          layout=plgpu.Layout.WGMMA)
+    lim = lax.broadcast_in_dim(row_limit, (_HALF, n_rows), [1])
+    s = jnp.where((tok < valid_below) & (tok <= lim), s, -jnp.inf)
+    m_new = jnp.maximum(m_i, _wg_reduce(s, red, "max"))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp(m_i - m_safe)
+    p = jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [1]))
+    l_i = l_i * lax.broadcast_in_dim(alpha, l_i.shape, [1]) + p      # row sums deferred
+    acc = acc * widen(lax.broadcast_in_dim(alpha, (head_dim, n_rows), [1]), n_pv, 1.0)
+    pt_smem[...] = widen(p.astype(dtype), n_pv)
+    if book_smems is not None:
+      vdq_smem[...] = mosaic_dequant.gather_codebook(v_tile, book_smems[1], head_dim, v_vec,
+                                                     v_entries)
+      v_tile = vdq_smem
+    plgpu.commit_smem()
+
+    def pv(acc_ref):
+      plgpu.wgmma(acc_ref, t(v_tile), pt_smem)
+
+    return pl.run_state(pv)(plgpu.ACC.init(acc)), m_new, l_i
+
+  def kernel(lengths_gmem, q_gmem, qres_gmem, kc_gmem, vc_gmem, kres_gmem, vres_gmem,
+             kb_gmem, vb_gmem, o_gmem, l_gmem, m_gmem,
+             q_smem, kb_smem, vb_smem, vdq2, pt2, red2, o2, lm2, bars):
+    wg = lax.axis_index("wg")
+    b = lax.axis_index("b")
+    h = lax.axis_index("h")
+    j = lax.axis_index("j")
+    length = lengths_gmem[b]
+    packed = token_group * jnp.maximum(0, (length - residual + token_group) // token_group)
+    row = plgpu.broadcasted_iota(jnp.int32, (n_rows,), 0,
+                                 layout=plgpu.Layout.WGMMA.reduce(0))
+    row_limit = length - num_queries + (row % q_rows) % num_queries
+
+    def shared_load(src, dst, i):
+      """One TMA copy issued by compute warpgroup 0; both wait for it."""
+      @pl.when(wg == 0)
+      def _():
+        plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
+      plgpu.barrier_wait(bars.at[i])
+
+    def init():
+      return (plgpu.layout_cast(jnp.zeros((head_dim, n_pv), f32), plgpu.Layout.WGMMA),
+              plgpu.layout_cast(jnp.full((n_rows,), -jnp.inf, f32),
+                                plgpu.Layout.WGMMA.reduce(0)),
+              plgpu.layout_cast(jnp.zeros((_HALF, n_rows), f32), plgpu.Layout.WGMMA))
+
+    def finish(carry):
+      acc, m_i, l_i = carry
+      l_sum = _wg_reduce(l_i, red2.at[wg], "add")
+      ma._write_partials(acc, l_sum, m_i, o2.at[wg], lm2.at[wg],  # pylint: disable=protected-access
+                         o_gmem, l_gmem, m_gmem, (b, h, _WGS * j + wg))
+
+    @pl.when(j < num_splits)
+    def _packed():
+      first, num_blocks = ma._split_blocks(packed, j, num_splits, bk)  # pylint: disable=protected-access
+
+      def compute_context(pipeline_callback):
+        shared_load(q_gmem.at[b, h], q_smem, 0)
+        shared_load(kb_gmem.at[h], kb_smem, 1)
+        shared_load(vb_gmem.at[h], vb_smem, 2)
+        finish(pipeline_callback(init()))
+
+      def body(idx, k_tile, v_tile, carry):
+        (i,) = idx
+        rows = pl.ds(wg * _HALF, _HALF)
+        return attend(q_smem, k_tile.at[rows], v_tile.at[rows], pt2.at[wg], vdq2.at[wg],
+                      red2.at[wg], (kb_smem, vb_smem), carry,
+                      token0=(first + i) * bk + wg * _HALF, valid_below=packed,
+                      row_limit=row_limit)
+
+      pipeline = plgpu.emit_pipeline_warp_specialized(
+          body, grid=(num_blocks,), memory_registers=40,
+          in_specs=[ma._shifted(spec, first) for spec in specs],  # pylint: disable=protected-access
+          max_concurrent_steps=stages, wg_axis="wg", num_compute_wgs=_WGS,
+          compute_context=compute_context)
+      pipeline(kc_gmem.at[b, h], vc_gmem.at[b, h])
+
+    @pl.when(j == num_splits)
+    def _residual():
+      def scope(kres2):
+        @pl.when(wg < _WGS)
+        def _():
+          shared_load(qres_gmem.at[b, h], q_smem, 0)
+          carry = init()
+          for r0 in range(0, residual, bk):
+            # Residual row r holds token packed + r; warpgroup wg takes 64 of every 128.
+            rows = pl.ds(r0 + wg * _HALF, _HALF)
+            plgpu.copy_gmem_to_smem(kres_gmem.at[b, h, rows], kres2.at[wg], bars.at[3 + wg])
+            plgpu.barrier_wait(bars.at[3 + wg])
+            plgpu.copy_gmem_to_smem(vres_gmem.at[b, h, rows], vdq2.at[wg], bars.at[3 + wg])
+            plgpu.barrier_wait(bars.at[3 + wg])
+            carry = attend(q_smem, kres2.at[wg], vdq2.at[wg], pt2.at[wg], vdq2.at[wg],
+                           red2.at[wg], None, carry, token0=packed + r0 + wg * _HALF,
+                           valid_below=length, row_limit=row_limit)
+          finish(carry)
+
+      pl.run_scoped(scope, plgpu.SMEM((_WGS, _HALF, head_dim), dtype, transforms=q_tf),
+                    collective_axes="wg")
+
+  k_flat, v_flat = k_book, v_book
+  scratch = [
+      plgpu.SMEM((n_rows, head_dim), dtype, transforms=q_tf),            # q
+      plgpu.SMEM(k_flat.shape[1:], dtype),                              # K codebook
+      plgpu.SMEM(v_flat.shape[1:], dtype),                              # V codebook
+      plgpu.SMEM((_WGS, _HALF, head_dim), dtype, transforms=v_tf),      # V tiles
+      plgpu.SMEM((_WGS, _HALF, n_pv), dtype, transforms=v_tf),          # P^T
+      plgpu.SMEM((_WGS, _RED), f32),                                    # reductions
+      plgpu.SMEM((_WGS, head_dim, n_pv), f32),                          # o^T
+      plgpu.SMEM((_WGS, 2, n_rows), f32),                               # l, m
+      plgpu.Barrier(num_barriers=3 + _WGS),
+  ]
+  parts = _WGS * grid_j
+  return plgpu.kernel(
+      kernel,
+      out_type=[
+          jax.ShapeDtypeStruct((batch, kv_heads, parts, head_dim, n_pv), f32),
+          jax.ShapeDtypeStruct((batch, kv_heads, parts, n_rows), f32),
+          jax.ShapeDtypeStruct((batch, kv_heads, parts, n_rows), f32),
+      ],
+      grid=(batch, kv_heads, grid_j),
+      grid_names=("b", "h", "j"),
+      num_threads=_WGS + 1,
+      thread_name="wg",
+      scratch_types=scratch,
+      compiler_params=plgpu.CompilerParams(approx_math=True,
+                                           lowering_semantics=ma._SEMANTICS),  # pylint: disable=protected-access
+      kernel_name=f"jaxkv_mosaic_vq2_attention_k{k_vec}v{v_vec}",
+  )(lengths, q_perm, q_res, k_codes, v_codes, k_residual, v_residual, k_flat, v_flat)
 
 
 @functools.partial(jax.jit, static_argnames=("k_spec", "v_spec", "token_group", "config"))
@@ -110,7 +320,10 @@ def mosaic_vq_decode_attention(
 
   Same arguments and result as `vq_attention.vq_decode_attention` (raw VQ
   cache arrays, ``scale`` a float or a traced scalar, default ``D ** -0.5``);
-  ``config`` a `MosaicAttentionConfig` (its register/fold flags do not apply).
+  ``config`` a `MosaicAttentionConfig` (its register/fold flags do not apply):
+  ``block_k=128`` runs the two-warpgroup kernel (64 rows of each tile per
+  compute warpgroup; (Hq/Hkv) x S <= 16 and its shared memory must fit),
+  ``block_k=64`` the one-warpgroup kernel; by default the first where it fits.
   Returns ``[B, S, Hq, D]`` in q's dtype. ValueError when `supports` refuses.
   """
   batch, num_queries, q_heads, head_dim = q.shape
@@ -121,8 +334,29 @@ def mosaic_vq_decode_attention(
     raise ValueError(f"num query heads Hq={q_heads} must be a multiple of {kv_heads=}")
   group_q = q_heads // kv_heads
   q_rows = group_q * num_queries
+  n_pad = ma._rows_n(q_rows, smallest=8)  # pylint: disable=protected-access
+  code_bytes = k_codes.shape[-1] + v_codes.shape[-1]
+
+  def two_wg_smem(stages):
+    return _two_wg_smem(head_dim, max(n_pad, 16), n_pad,
+                        head_dim * (k_spec.entries + v_spec.entries), stages, code_bytes,
+                        jnp.dtype(dtype).itemsize)
+
   if config is None:
-    config = default_config(batch=batch, tokens=capacity, kv_heads=kv_heads)
+    two = (n_pad <= 16 and capacity % 128 == 0 and token_group % 128 == 0
+           and residual % 128 == 0 and two_wg_smem(2) <= _SMEM_LIMIT)
+    stages = max([st for st in (2, 3, 4) if two_wg_smem(st) <= _SMEM_LIMIT]) if two else 4
+    config = default_config(batch=batch, tokens=capacity, kv_heads=kv_heads,
+                            two_warpgroups=two, stages=stages)
+  if config.block_k == 128:
+    if n_pad > 16:
+      raise ValueError(f"Mosaic VQ kernel: block_k=128 (two warpgroups) serves <= 16 query "
+                       f"rows per kv head, got {q_rows}")
+    if two_wg_smem(config.max_concurrent_steps) > _SMEM_LIMIT:
+      raise ValueError(f"Mosaic VQ kernel: block_k=128 with max_concurrent_steps="
+                       f"{config.max_concurrent_steps} needs "
+                       f"{two_wg_smem(config.max_concurrent_steps)} bytes of shared memory "
+                       f"(> {_SMEM_LIMIT})")
   ok, why = supports(head_dim=head_dim, k_spec=k_spec, v_spec=v_spec, q_rows=q_rows,
                      dtype=dtype, token_group=token_group, residual=residual,
                      capacity=capacity, block_k=config.block_k)
@@ -145,20 +379,28 @@ def mosaic_vq_decode_attention(
     raise ValueError(f"scale must be a scalar, got shape {sm_scale.shape}")
 
   # Query rows r = h * S + s of each kv head, scaled, padded to the score MMA's N.
-  n_pad = ma._rows_n(q_rows, smallest=8)  # pylint: disable=protected-access
   qh = q.reshape(batch, num_queries, kv_heads, group_q, head_dim)
   qh = qh.transpose(0, 2, 3, 1, 4).reshape(batch, kv_heads, q_rows, head_dim)
   qh = (qh.astype(jnp.float32) * sm_scale).astype(dtype)
   qh = jnp.pad(qh, ((0, 0), (0, 0), (0, n_pad - q_rows), (0, 0)))
   perm = mosaic_dequant.vq_permutation(head_dim)
-  placeholder = SideSpec(16)  # the side specs of the quantized formats do not apply
-  o_part, l_part, m_part = ma._tokens_m_call(  # pylint: disable=protected-access
-      qh[..., perm], qh, [k_codes], [v_codes], k_residual, v_residual,
-      lengths.astype(jnp.int32), k_side=placeholder, v_side=placeholder,
-      token_group=token_group, residual=residual, num_queries=num_queries, q_rows=q_rows,
-      config=config, dtype=dtype, vq=tuple(books))
+  if config.block_k == 128:
+    o_part, l_part, m_part = _two_wg_call(
+        qh[..., perm], qh, k_codes, v_codes, k_residual, v_residual, lengths.astype(jnp.int32),
+        tuple(books), token_group=token_group, residual=residual, num_queries=num_queries,
+        q_rows=q_rows, num_splits=config.num_splits, stages=config.max_concurrent_steps,
+        dtype=dtype)
+    tail = _WGS  # the residual program's partials, one per compute warpgroup
+  else:
+    placeholder = SideSpec(16)  # the side specs of the quantized formats do not apply
+    o_part, l_part, m_part = ma._tokens_m_call(  # pylint: disable=protected-access
+        qh[..., perm], qh, [k_codes], [v_codes], k_residual, v_residual,
+        lengths.astype(jnp.int32), k_side=placeholder, v_side=placeholder,
+        token_group=token_group, residual=residual, num_queries=num_queries, q_rows=q_rows,
+        config=config, dtype=dtype, vq=tuple(books))
+    tail = 1
   out = combine_t.combine_t(o_part, l_part, m_part, rows=_triton.next_pow2(q_rows),
-                            packed_rows=np.argsort(perm), out_dtype=q.dtype)
+                            packed_rows=np.argsort(perm), out_dtype=q.dtype, plain_tail=tail)
   out = out[:, :, :q_rows].reshape(batch, kv_heads, group_q, num_queries, head_dim)
   return out.transpose(0, 3, 1, 2, 4).reshape(batch, num_queries, q_heads, head_dim)
 

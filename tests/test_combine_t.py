@@ -47,30 +47,32 @@ def _problem(seed, batch, heads, parts, head_dim, rows, width, empty_part=None):
   return o_t, l, m, want
 
 
-@pytest.mark.parametrize("batch,heads,parts,head_dim,rows,width,permuted,empty", [
-    (1, 2, 5, 128, 8, 16, True, 1),     # GQA 8 rows, value-MMA width 16, a split with no keys
-    (2, 1, 34, 128, 4, 16, True, None),  # 33 splits + residual (non-power-of-two J)
-    (1, 3, 3, 64, 16, 16, False, 0),
-    (1, 1, 49, 64, 64, 64, True, None),
+@pytest.mark.parametrize("batch,heads,parts,head_dim,rows,width,permuted,empty,tail", [
+    (1, 2, 5, 128, 8, 16, True, 1, 1),     # GQA 8 rows, value-MMA width 16, a split with no keys
+    (2, 1, 34, 128, 4, 16, True, None, 1),  # 33 splits + residual (non-power-of-two J)
+    (1, 3, 3, 64, 16, 16, False, 0, 1),
+    (1, 1, 49, 64, 64, 64, True, None, 1),
+    (2, 2, 10, 128, 8, 16, True, 9, 2),    # two residual partials (two warpgroups), one empty
 ])
 def test_combine_matches_full_attention(batch, heads, parts, head_dim, rows, width, permuted,
-                                        empty):
+                                        empty, tail):
   o_t, l, m, want = _problem(parts * head_dim + rows, batch, heads, parts, head_dim, rows, width,
                              empty)
   packed_rows = None
-  if permuted:  # packed partials hold channel perm[r] in row r; the last is in order
+  if permuted:  # packed partials hold channel perm[r] in row r; the last `tail` in order
     perm = np.random.default_rng(7).permutation(head_dim)
-    o_t[:, :, :-1] = o_t[:, :, :-1][:, :, :, perm]
+    o_t[:, :, :-tail] = o_t[:, :, :-tail][:, :, :, perm]
     packed_rows = np.argsort(perm)
   args = [jnp.asarray(x, jnp.float32) for x in (o_t, l, m)]
-  got = ct.combine_t(*args, rows=rows, packed_rows=packed_rows, interpret=INTERPRET)
+  got = ct.combine_t(*args, rows=rows, packed_rows=packed_rows, interpret=INTERPRET,
+                     plain_tail=tail)
   assert got.shape == (batch, heads, rows, head_dim)
   np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2e-5, atol=2e-5)
-  ref = ct.combine_t_reference(*args, rows=rows, packed_rows=packed_rows)
+  ref = ct.combine_t_reference(*args, rows=rows, packed_rows=packed_rows, plain_tail=tail)
   np.testing.assert_allclose(np.asarray(ref, np.float64), want, rtol=2e-5, atol=2e-5)
   if INTERPRET:
     lowered = jax.jit(lambda o, l_, m_: ct.combine_t(
-        o, l_, m_, rows=rows, packed_rows=packed_rows)).trace(*args).lower(
+        o, l_, m_, rows=rows, packed_rows=packed_rows, plain_tail=tail)).trace(*args).lower(
             lowering_platforms=("cuda",))
     assert "triton" in lowered.as_text().lower()
 
@@ -99,3 +101,5 @@ def test_bad_arguments():
     ct.combine_t(o_t, l, l, rows=8, packed_rows=np.zeros(64, int))
   with pytest.raises(ValueError, match="l .* and m"):
     ct.combine_t(o_t, l[:, :, :2], l, rows=8)
+  with pytest.raises(ValueError, match="plain_tail=4"):
+    ct.combine_t(o_t, l, l, rows=8, plain_tail=4)

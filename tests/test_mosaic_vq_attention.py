@@ -132,8 +132,10 @@ def test_mosaic_vq_attention(name, b, hkv, group, d, s, lengths, capacity, dtype
                         residual=fmt.residual, capacity=capacity)
   assert ok, why
   configs = [None, ma.MosaicAttentionConfig(block_k=64, num_splits=3, max_concurrent_steps=2)]
-  if capacity % 128 == 0 and fmt.token_group % 128 == 0 and fmt.residual % 128 == 0:
+  if (capacity % 128 == 0 and fmt.token_group % 128 == 0 and fmt.residual % 128 == 0
+      and group * s <= 16):  # the two-warpgroup kernel
     configs.append(ma.MosaicAttentionConfig(block_k=128, num_splits=2, max_concurrent_steps=2))
+    configs.append(ma.MosaicAttentionConfig(block_k=128, num_splits=5, max_concurrent_steps=2))
   if not ON_HOPPER:
     for config in configs:
       text = jax.jit(_call, static_argnums=2).trace(q, cache, config).lower(
@@ -175,11 +177,22 @@ def test_mosaic_vq_refuses_many_rows():
   assert not ok and "72 query rows" in reason
 
 
-@pytest.mark.parametrize("batch,tokens,kv_heads", list(itertools.product(
-    (1, 8, 64), (4096, 131072), (1, 8))))
-def test_default_config_fills_one_wave(batch, tokens, kv_heads):
-  config = mv.default_config(batch=batch, tokens=tokens, kv_heads=kv_heads, num_sms=132)
+@pytest.mark.parametrize("batch,tokens,kv_heads,two", list(itertools.product(
+    (1, 8, 64), (4096, 131072), (1, 8), (False, True))))
+def test_default_config_fills_one_wave(batch, tokens, kv_heads, two):
+  config = mv.default_config(batch=batch, tokens=tokens, kv_heads=kv_heads, num_sms=132,
+                             two_warpgroups=two, stages=3)
+  block_k = 128 if two else 64
   programs = 132 // (batch * kv_heads)
   want = programs - 1 if programs > 16 else max(1, programs)
-  assert config.num_splits == max(1, min(want, tokens // 64 // 4, 64))
-  assert config.block_k == 64 and config.max_concurrent_steps == 4
+  assert config.num_splits == max(1, min(want, tokens // block_k // 4, 64))
+  assert config.block_k == block_k and config.max_concurrent_steps == 3
+
+
+def test_two_warpgroup_config_checked():
+  q, cache = _case("cq2", 1, 1, 8, 128, 3, (300,), 512, jnp.bfloat16)   # 24 query rows
+  with pytest.raises(ValueError, match="<= 16 query rows"):
+    _call(q, cache, ma.MosaicAttentionConfig(block_k=128, num_splits=2))
+  q, cache = _case("cq4", 1, 1, 4, 128, 1, (300,), 512, jnp.bfloat16)
+  with pytest.raises(ValueError, match="max_concurrent_steps=8 needs"):
+    _call(q, cache, ma.MosaicAttentionConfig(block_k=128, num_splits=2, max_concurrent_steps=8))
