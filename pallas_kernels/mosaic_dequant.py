@@ -235,18 +235,50 @@ def gather_reference(codes: np.ndarray, codebook: np.ndarray) -> np.ndarray:
   return x[:, vq_permutation(n * vec)]
 
 
+def vq_book_rows(codebook):
+  """A kv head's codebook(s) ``[..., n, E, v]`` -> the entry-major shared-memory
+  image `gather_codebook` reads, ``[..., n E v / 128, 128]``: entry ``e`` of
+  sub-space ``s`` at element ``(e n + s) v``, so a centroid's bank depends on
+  its sub-space only."""
+  *lead, n, entries, vec = codebook.shape
+  x = codebook.swapaxes(-3, -2)                                   # [..., E, n, v]
+  return x.reshape(*lead, n * entries * vec // 128, 128)
+
+
+def _barrel(items, amount, bits: int, step_of):
+  """``out[k] = items[(k - amount) % len]`` (``step_of(k, d)``: the index d
+  steps back/forth) for a lane-dependent ``amount`` < 2^bits: one select per
+  item and bit."""
+  i1 = ir.IntegerType.get_signless(1)
+  i32 = ir.IntegerType.get_signless(32)
+  for b in range(bits):
+    bit = arith.trunci(i1, arith.shrui(amount, mgpu_utils.c(b, i32))) if b else (
+        arith.trunci(i1, amount))
+    items = [[arith.select(bit, a, o) for a, o in zip(items[step_of(k, 1 << b)], items[k])]
+             for k in range(len(items))]
+  return items
+
+
 def gather_codebook(codes_smem, codebook_smem, head_dim: int, vector_size: int, entries: int):
   """``[rows, D]`` centroids (WGMMA layout) of a ``[rows, n]`` uint8 code tile.
 
-  ``codebook_smem`` is one kv head's codebook ``[n, E, v]`` flattened into a
-  ``[n E v / 128, 128]`` bfloat16 or float16 smem tile (untiled, unswizzled);
-  the result has its dtype. ``codes_smem`` (``n = D / v`` codes per token,
-  untiled and unswizzled) must have ``n >= 16`` (TMA's 16-byte rows).
+  ``codebook_smem`` is one kv head's codebook ``[n, E, v]`` in the layout of
+  `vq_book_rows` (``[n E v / 128, 128]``, bfloat16 or float16, untiled and
+  unswizzled); the result has its dtype. ``codes_smem`` (``n = D / v`` codes
+  per token, untiled and unswizzled) must have ``n >= 16`` (TMA's 16-byte
+  rows).
 
-  Thread ``c = lane % 4`` of a row reads the row's codes ``[c n/4, (c+1) n/4)``
-  with one shared load, then each code's ``v`` coordinates with one
-  ``ld.shared`` of ``2 v`` bytes (`vq_permutation`: each thread holds a
-  contiguous quarter of the channels). The numpy oracle is `gather_reference`.
+  Thread ``c = lane % 4`` holds the channel quarter ``[c D/4, (c+1) D/4)``
+  (`vq_permutation`): sub-spaces ``c n/4 + k``. It reads its ``n/4`` codes of a
+  row with one shared load, then one ``ld.shared`` of ``2 v`` bytes per code.
+  Bank conflicts: in the entry-major image a centroid's bank is set by its
+  sub-space, so at load ``t`` thread ``(r = lane / 4, c)`` takes sub-space
+  ``k = (t + rho) % (n/4)`` with ``rho = r + (c / 2)(n/8)``: the lanes of one
+  shared-memory wavefront read distinct banks whatever the codes (a random
+  gather in sub-space-major order cost 5.8-way conflicts, ncu on an H200).
+  The thread's code bytes are rotated by ``rho`` once per row (funnel shifts)
+  and the loaded centroids rotated back into register order by ``log2(n/4)``
+  selects each. The numpy oracle is `gather_reference`.
   """
   if head_dim not in (64, 128):
     raise ValueError(f"head_dim={head_dim} must be 64 or 128")
@@ -266,11 +298,11 @@ def gather_codebook(codes_smem, codebook_smem, head_dim: int, vector_size: int, 
       or tuple(codebook_smem.shape) != (flat // 128, 128)):
     raise ValueError(f"codebook_smem must be bfloat16 or float16 [{flat // 128}, 128], got "
                      f"{codebook_smem.dtype} {tuple(codebook_smem.shape)}")
-  span = n // 4                    # codes per thread per row: 4, 8 or 16 bytes
+  span = n // 4                    # codes (sub-spaces) per thread per row: 4, 8 or 16
   words = span // 4
   pairs = vector_size // 2         # 32-bit registers per code
-  code_bytes = 2 * vector_size         # bytes of one centroid
-  sub_bytes = entries * code_bytes  # bytes of one sub-space's codebook
+  code_bytes = 2 * vector_size     # bytes of one centroid
+  row_bytes = n * code_bytes       # bytes of one entry over all sub-spaces
   want_regs = (rows // _ROWS, head_dim // 8, 1, 1, 2) + (1,) * 4
   if fa.WGMMA_LAYOUT.registers_shape((rows, head_dim)) != want_regs:
     raise NotImplementedError("WGMMA_LAYOUT's register tiling changed; gather_codebook assumes "
@@ -279,45 +311,61 @@ def gather_codebook(codes_smem, codebook_smem, head_dim: int, vector_size: int, 
   outs = ",".join(f"${i}" for i in range(pairs))
   vec = {1: "", 2: ".v2", 4: ".v4"}[pairs]
   dst = f"{{{outs}}}" if pairs > 1 else "$0"
-  # $pairs: the code word, $pairs+1: this thread's sub-space base address.
-  def asm(k, t):
+  # $pairs: the rotated code word, $pairs+1: this load's sub-space address.
+  def asm(k):
     return ("{\n.reg .b32 t, a;\n"
             f"bfe.u32 t, ${pairs}, {8 * k}, 8;\n"
-            f"mad.lo.u32 a, t, {code_bytes}, ${pairs + 1};\n"
-            f"ld.shared{vec}.b32 {dst}, [a+{t * sub_bytes}];\n}}")
+            f"mad.lo.u32 a, t, {row_bytes}, ${pairs + 1};\n"
+            f"ld.shared{vec}.b32 {dst}, [a];\n}}")
   constraints = ",".join(["=r"] * pairs + ["r", "r"])
   body_type = plgpu.ShapeDtypeStruct((rows, head_dim), dtype, layout=plgpu.Layout.WGMMA)
 
   def body_fn(_, codes_ref, book_ref):
     i32 = ir.IntegerType.get_signless(32)
     index = ir.IndexType.get()
+    c = lambda v: mgpu_utils.c(v, i32)  # noqa: E731
     pair_ty = ir.VectorType.get((2,), ir.BF16Type.get() if dtype == jnp.bfloat16
                                 else ir.F16Type.get())
     result_ty = llvm.StructType.get_literal([i32] * pairs) if pairs > 1 else i32
-    tid = arith.remui(mgpu_utils.thread_idx(), mgpu_utils.c(128, i32))
-    warp = arith.shrui(tid, mgpu_utils.c(5, i32))
-    lane = arith.andi(tid, mgpu_utils.c(31, i32))
-    cc = arith.andi(lane, mgpu_utils.c(3, i32))
-    row0 = arith.addi(arith.muli(warp, mgpu_utils.c(16, i32)),
-                      arith.shrui(lane, mgpu_utils.c(2, i32)))
-    col = arith.index_cast(index, arith.muli(cc, mgpu_utils.c(span, i32)))
+    tid = arith.remui(mgpu_utils.thread_idx(), c(128))
+    warp = arith.shrui(tid, c(5))
+    lane = arith.andi(tid, c(31))
+    cc = arith.andi(lane, c(3))
+    r = arith.shrui(lane, c(2))
+    row0 = arith.addi(arith.muli(warp, c(16)), r)
+    col = arith.index_cast(index, arith.muli(cc, c(span)))
+    rho = arith.andi(arith.addi(r, arith.muli(arith.shrui(cc, c(1)), c(span // 2))),
+                     c(span - 1))
     book = llvm.ptrtoint(i32, mgpu_utils.memref_ptr(book_ref))
-    base = arith.addi(book, arith.muli(cc, mgpu_utils.c(span * sub_bytes, i32)))
+    base = arith.addi(book, arith.muli(cc, c(span * code_bytes)))
+    # Load t reads sub-space k = (t + rho) % span of this thread.
+    addr = [arith.addi(base, arith.muli(arith.andi(arith.addi(rho, c(t)), c(span - 1)),
+                                        c(code_bytes))) for t in range(span)]
+    shift = arith.muli(arith.andi(rho, c(3)), c(8))
     regs = np.empty(want_regs, dtype=object)
     for m, half in itertools.product(range(rows // _ROWS), range(2)):
-      row = arith.index_cast(index, arith.addi(row0, mgpu_utils.c(_ROWS * m + 8 * half, i32)))
+      row = arith.index_cast(index, arith.addi(row0, c(_ROWS * m + 8 * half)))
       raw = vector.load(ir.VectorType.get((span,), ir.IntegerType.get_signless(8)), codes_ref,
                         [row, col])
       packed = vector.bitcast(ir.VectorType.get((words,), i32), raw)
-      for w in range(words):
-        word = vector.extract(packed, [], [w])
-        for k in range(4):
-          t = 4 * w + k                     # the thread's t-th code of this row
-          got = llvm.inline_asm(result_ty, [word, base], asm(k, t), constraints)
-          for p in range(pairs):
-            reg = llvm.extractvalue(i32, got, [p]) if pairs > 1 else got
-            regs[(m, pairs * t + p, 0, 0, half) + (0,) * (regs.ndim - 5)] = (
-                mgpu_utils.bitcast(reg, pair_ty))
+      w_in = [vector.extract(packed, [], [w]) for w in range(words)]
+      # Code bytes rotated by rho: whole words by rho / 4, then a funnel shift.
+      w_in = [x[0] for x in _barrel([[x] for x in w_in], arith.shrui(rho, c(2)),
+                                    max(0, words.bit_length() - 1),
+                                    lambda k, d: (k + d) % words)]
+      rot = [llvm.inline_asm(i32, [w_in[w], w_in[(w + 1) % words], shift],
+                             "shf.r.wrap.b32 $0, $1, $2, $3;", "=r,r,r,r")
+             for w in range(words)]
+      loaded = []
+      for t in range(span):
+        got = llvm.inline_asm(result_ty, [rot[t // 4], addr[t]], asm(t % 4), constraints)
+        loaded.append([llvm.extractvalue(i32, got, [p]) if pairs > 1 else got
+                       for p in range(pairs)])
+      # loaded[t] is sub-space (t + rho) % span: back to sub-space order.
+      ordered = _barrel(loaded, rho, span.bit_length() - 1, lambda k, d: (k - d) % span)
+      for k, p in itertools.product(range(span), range(pairs)):
+        regs[(m, pairs * k + p, 0, 0, half) + (0,) * (regs.ndim - 5)] = (
+            mgpu_utils.bitcast(ordered[k][p], pair_ty))
     return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
   return plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()),
@@ -417,7 +465,7 @@ def probe_gather(codes: jax.Array, codebook: jax.Array) -> jax.Array:
   if n_cb != n:
     raise ValueError(f"codes {codes.shape} and codebook {codebook.shape} disagree on n")
   head_dim = n * vec
-  flat = codebook.reshape(head_dim * entries // 128, 128)
+  flat = vq_book_rows(codebook)
 
   def kernel(codes_gmem, book_gmem, out_gmem, codes_smem, book_smem, out_smem, barrier):
     for g, sm in ((codes_gmem, codes_smem), (book_gmem, book_smem)):
@@ -523,4 +571,4 @@ def probe_k4_score_stream(codes: jax.Array, q: jax.Array, *, stages: int = 4) ->
 
 __all__ = ["code_permutation", "dequant_codes", "gather_codebook", "gather_reference",
            "probe_dequant", "probe_gather", "probe_k4_score_stream", "probe_scores",
-           "registers_reference", "vq_permutation", "widen_columns"]
+           "registers_reference", "vq_book_rows", "vq_permutation", "widen_columns"]

@@ -371,9 +371,8 @@ def mosaic_vq_decode_attention(
     if codes.shape[-1] != spec.code_width(head_dim) or codes.dtype != jnp.uint8:
       raise ValueError(f"{name}_codes must be uint8 [..., {spec.code_width(head_dim)}], got "
                        f"{codes.dtype} {codes.shape}")
-    # One kv head's [n, E, v] codebook in the MMA's dtype, as 128-element rows.
-    books.append((spec.vector, spec.entries,
-                  cb[:, 0].astype(dtype).reshape(kv_heads, head_dim * spec.entries // 128, 128)))
+    # Each kv head's [n, E, v] codebook in the MMA's dtype, entry-major rows.
+    books.append((spec.vector, spec.entries, mosaic_dequant.vq_book_rows(cb[:, 0].astype(dtype))))
   sm_scale = jnp.asarray(head_dim ** -0.5 if scale is None else scale, jnp.float32)
   if sm_scale.shape != ():
     raise ValueError(f"scale must be a scalar, got shape {sm_scale.shape}")
