@@ -21,6 +21,9 @@ that are not config fields.
 
 Hierarchical views go by ``quantspec:draft`` / ``quantspec:target`` in
 ``--formats`` (a filled `jaxkv.KVCache`, `pallas_decode_attention(view=...)`).
+VQ presets (``cq4``, ``cq2``) time the Mosaic VQ kernel with its automatic
+config (``default``), the ``--mosaic`` variants on that config, and the
+Triton VQ kernel (``triton``).
 """
 
 from __future__ import annotations
@@ -86,7 +89,9 @@ def _time_variants(name, shape, configs, call, args_, copies, cudnn, calls):
       print(f"  {name:16s} {vname:12s} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
       continue
     rows.append(dict(shape=A.shape_id(shape), format=name, variant=vname,
-                     config=dataclasses.asdict(getattr(config, "config", config)), us=us, cudnn_us=cudnn,
+                     config=(dataclasses.asdict(getattr(config, "config", config))
+                             if dataclasses.is_dataclass(getattr(config, "config", config))
+                             else str(config)), us=us, cudnn_us=cudnn,
                      x_cudnn=cudnn / us, rel_err_vs_default=err, main_kernel=top[0][:80],
                      main_kernel_us=top[1] * 1e6))
     print(f"  {name:16s} {vname:12s} {us:8.1f} us  {cudnn / us:5.2f}x cuDNN  err {err:.1e}"
@@ -111,6 +116,29 @@ def load_baseline(path: str):
   sys.modules[spec.name] = module  # dataclasses look their module up there
   spec.loader.exec_module(module)
   return module
+
+
+def vq_rows(name, q, shape, mosaic_variants, cudnn, calls):
+  """The Mosaic VQ kernel (automatic config and variants) and the Triton one."""
+  import jaxkv  # pylint: disable=import-outside-toplevel
+  from pallas_kernels import mosaic_vq_attention as mv  # pylint: disable=import-outside-toplevel
+  b, t, hq, hkv, d, s = shape
+  cache = A.filled_cache(name, jax.random.PRNGKey(4), b, t, hkv, d)
+  fmt = cache.fmt
+  auto = mv.auto_config(q_rows=hq // hkv * s, head_dim=d, k_spec=fmt.spec("k"),
+                        v_spec=fmt.spec("v"), dtype=cache.k_residual.dtype, batch=b,
+                        capacity=cache.storage_len, kv_heads=hkv,
+                        token_group=fmt.token_group, residual=fmt.residual)
+  configs = {"default": auto, "triton": "triton"}
+  configs.update({f"mosaic_{k_}": replace_config(auto, kv) for k_, kv in mosaic_variants.items()})
+
+  def call(q, cache, *, config):
+    if config == "triton":
+      return jaxkv.decode_attention(q, cache, implementation="triton")
+    return jaxkv.decode_attention(q, cache, implementation="mosaic", config=config)
+
+  copies = A.rotating_copies((q, cache), A.nbytes(*jax.tree.leaves(cache)))
+  return _time_variants(name, shape, configs, call, (q, cache), copies, cudnn, calls)
 
 
 def view_rows(name, q, shape, variants, cudnn, calls):
@@ -160,6 +188,9 @@ def main(argv=None) -> int:
     for name in args.formats.split(","):
       if ":" in name:  # a hierarchical view ("quantspec:draft" / "quantspec:target")
         rows += view_rows(name, q, shape, variants, cudnn, args.calls)
+        continue
+      if name in A.jaxkv.VQ_PRESETS:
+        rows += vq_rows(name, q, shape, parse_variants(args.mosaic), cudnn, args.calls)
         continue
       fmt = PRESETS[name]
       data = A.random_packed(jax.random.PRNGKey(3), fmt, b, t, hkv, d)

@@ -109,6 +109,9 @@ class MosaicAttentionConfig:
       the packed programs' outputs come out in the permuted channel order and
       the combine kernel (`combine_t`) reads their rows in that order. On by
       default (measured with ``register_k``).
+    early_v: (with ``register_v`` or a VQ cache) build the step's V tile while
+      the score MMA runs (between its issue and its wait) instead of after the
+      softmax, off the step's serial chain.
 
   Search space (`jaxkv.autotune`): block_k in {64, 128}, num_splits around
   the heuristic (x1/2, x1, x2), max_concurrent_steps in {2, 3, 4}.
@@ -121,6 +124,7 @@ class MosaicAttentionConfig:
   fold_scales: bool = True
   register_k: bool = True
   register_v: bool = True
+  early_v: bool = True
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -714,6 +718,13 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     acc, m_i, l_i, z_i = carry
     packed_k = isinstance(k_tiles, tuple)
     packed_v = isinstance(v_tiles, tuple)
+    early_v = config.early_v and packed_v and (vq is not None or register_v)
+
+    def v_values():  # the step's V tile in registers (register_v / VQ paths)
+      if vq is not None:
+        return mosaic_dequant.gather_codebook(v_tiles[0], book_smems[1], head_dim, v_vec,
+                                              v_entries)
+      return mosaic_dequant.dequant_codes(v_tiles[0], head_dim, v_side.bits)
 
     def scores(acc_ref):
       if not packed_k:  # full-precision K tile in smem
@@ -731,6 +742,8 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
         for c0, x in _dequant_planes(*k_tiles, k_side, head_dim, dtype, affine=not fold_k):
           q_plane = q_smem.at[:, pl.ds(c0, kw)]
           plgpu.wgmma(acc_ref, x, _t(q_plane))
+      if early_v:  # while the MMA runs (the last step's value MMA has finished)
+        vdq_smem[...] = v_values()
       return acc_ref[...]
 
     s = pl.run_scoped(scores, plgpu.ACC((bk, n_rows), f32))   # [bk, N]
@@ -758,11 +771,10 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       z_i = z_i * alpha_b
     pt_smem[...] = mosaic_dequant.widen_columns(p.astype(dtype), n_pv)
     if packed_v:
-      if vq is not None:
-        vdq_smem[...] = mosaic_dequant.gather_codebook(v_tiles[0], book_smems[1], head_dim,
-                                                       v_vec, v_entries)
-      elif register_v:  # exact codes, channels in `code_permutation` order
-        vdq_smem[...] = mosaic_dequant.dequant_codes(v_tiles[0], head_dim, v_side.bits)
+      if early_v:
+        pass
+      elif vq is not None or register_v:  # register_v: exact codes, `code_permutation` order
+        vdq_smem[...] = v_values()
       else:
         for c0, x in _dequant_planes(*v_tiles, v_side, head_dim, dtype, affine=not fold_v):
           vdq_smem[:, pl.ds(c0, x.shape[1])] = x

@@ -138,7 +138,8 @@ def _two_wg_smem(head_dim: int, n_pv: int, n_rows: int, book_elems: int, stages:
 
 
 def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, lengths, books, *,
-                 token_group, residual, num_queries, q_rows, num_splits, stages, dtype):
+                 token_group, residual, num_queries, q_rows, num_splits, stages, dtype,
+                 early_v=True):
   """Partials ``o [B,H,2(J+1),D,N_pv], l, m [B,H,2(J+1),N]`` (``J = num_splits``)."""
   plgpu = ma.plgpu
   batch, kv_heads, n_rows, head_dim = q_perm.shape
@@ -164,6 +165,9 @@ def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, length
       else:
         plgpu.wgmma(acc_ref, mosaic_dequant.gather_codebook(
             k_tile, book_smems[0], head_dim, k_vec, k_entries), t(q_smem))
+        if early_v:  # the V tile while the score MMA runs
+          vdq_smem[...] = mosaic_dequant.gather_codebook(v_tile, book_smems[1], head_dim, v_vec,
+                                                         v_entries)
       return acc_ref[...]
 
     s = pl.run_scoped(scores, plgpu.ACC((_HALF, n_rows), f32))        # [64, N]
@@ -179,8 +183,9 @@ def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, length
     acc = acc * widen(lax.broadcast_in_dim(alpha, (head_dim, n_rows), [1]), n_pv, 1.0)
     pt_smem[...] = widen(p.astype(dtype), n_pv)
     if book_smems is not None:
-      vdq_smem[...] = mosaic_dequant.gather_codebook(v_tile, book_smems[1], head_dim, v_vec,
-                                                     v_entries)
+      if not early_v:
+        vdq_smem[...] = mosaic_dequant.gather_codebook(v_tile, book_smems[1], head_dim, v_vec,
+                                                       v_entries)
       v_tile = vdq_smem
     plgpu.commit_smem()
 
@@ -299,6 +304,31 @@ def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, length
   )(lengths, q_perm, q_res, k_codes, v_codes, k_residual, v_residual, k_flat, v_flat)
 
 
+def _case_smem(q_rows, head_dim, k_spec, v_spec, dtype, stages):
+  """`_two_wg_smem` of one case."""
+  n_pad = ma._rows_n(q_rows, smallest=8)  # pylint: disable=protected-access
+  return _two_wg_smem(head_dim, max(n_pad, 16), n_pad,
+                      head_dim * (k_spec.entries + v_spec.entries), stages,
+                      k_spec.code_width(head_dim) + v_spec.code_width(head_dim),
+                      jnp.dtype(dtype).itemsize)
+
+
+def auto_config(*, q_rows: int, head_dim: int, k_spec: VQSideSpec, v_spec: VQSideSpec, dtype,
+                batch: int, capacity: int, kv_heads: int, token_group: int, residual: int,
+                num_sms: int = 132) -> ma.MosaicAttentionConfig:
+  """The config `mosaic_vq_decode_attention` uses when given none: the
+  two-warpgroup kernel where it fits (<= 16 query rows per kv head, 128-token
+  multiples, shared memory) with the deepest pipeline (2-4 stages) that fits,
+  else the one-warpgroup kernel (64-token blocks, 4 stages)."""
+  smem = functools.partial(_case_smem, q_rows, head_dim, k_spec, v_spec, dtype)
+  two = (ma._rows_n(q_rows, smallest=8) <= 16  # pylint: disable=protected-access
+         and capacity % 128 == 0 and token_group % 128 == 0 and residual % 128 == 0
+         and smem(2) <= _SMEM_LIMIT)
+  stages = max(st for st in (2, 3, 4) if smem(st) <= _SMEM_LIMIT) if two else 4
+  return default_config(batch=batch, tokens=capacity, kv_heads=kv_heads, num_sms=num_sms,
+                        two_warpgroups=two, stages=stages)
+
+
 @functools.partial(jax.jit, static_argnames=("k_spec", "v_spec", "token_group", "config"))
 def mosaic_vq_decode_attention(
     q: jax.Array,           # [B, S, Hq, D]
@@ -335,19 +365,12 @@ def mosaic_vq_decode_attention(
   group_q = q_heads // kv_heads
   q_rows = group_q * num_queries
   n_pad = ma._rows_n(q_rows, smallest=8)  # pylint: disable=protected-access
-  code_bytes = k_codes.shape[-1] + v_codes.shape[-1]
-
-  def two_wg_smem(stages):
-    return _two_wg_smem(head_dim, max(n_pad, 16), n_pad,
-                        head_dim * (k_spec.entries + v_spec.entries), stages, code_bytes,
-                        jnp.dtype(dtype).itemsize)
+  two_wg_smem = functools.partial(_case_smem, q_rows, head_dim, k_spec, v_spec, dtype)
 
   if config is None:
-    two = (n_pad <= 16 and capacity % 128 == 0 and token_group % 128 == 0
-           and residual % 128 == 0 and two_wg_smem(2) <= _SMEM_LIMIT)
-    stages = max([st for st in (2, 3, 4) if two_wg_smem(st) <= _SMEM_LIMIT]) if two else 4
-    config = default_config(batch=batch, tokens=capacity, kv_heads=kv_heads,
-                            two_warpgroups=two, stages=stages)
+    config = auto_config(q_rows=q_rows, head_dim=head_dim, k_spec=k_spec, v_spec=v_spec,
+                         dtype=dtype, batch=batch, capacity=capacity, kv_heads=kv_heads,
+                         token_group=token_group, residual=residual)
   if config.block_k == 128:
     if n_pad > 16:
       raise ValueError(f"Mosaic VQ kernel: block_k=128 (two warpgroups) serves <= 16 query "
@@ -388,7 +411,7 @@ def mosaic_vq_decode_attention(
         qh[..., perm], qh, k_codes, v_codes, k_residual, v_residual, lengths.astype(jnp.int32),
         tuple(books), token_group=token_group, residual=residual, num_queries=num_queries,
         q_rows=q_rows, num_splits=config.num_splits, stages=config.max_concurrent_steps,
-        dtype=dtype)
+        dtype=dtype, early_v=config.early_v)
     tail = _WGS  # the residual program's partials, one per compute warpgroup
   else:
     placeholder = SideSpec(16)  # the side specs of the quantized formats do not apply
@@ -404,4 +427,4 @@ def mosaic_vq_decode_attention(
   return out.transpose(0, 3, 1, 2, 4).reshape(batch, num_queries, q_heads, head_dim)
 
 
-__all__ = ["default_config", "mosaic_vq_decode_attention", "supports"]
+__all__ = ["auto_config", "default_config", "mosaic_vq_decode_attention", "supports"]
