@@ -112,6 +112,10 @@ class MosaicAttentionConfig:
     early_v: (with ``register_v`` or a VQ cache) build the step's V tile while
       the score MMA runs (between its issue and its wait) instead of after the
       softmax, off the step's serial chain.
+    lazy_max: (tokens_m only) the running max is a reference that moves only
+      when a score exceeds it by more than ``LAZY_MARGIN`` (so ``p <= e^8``):
+      one ``bar.red.or`` per step decides, and the exact cross-warp column max
+      and the rescale run only then (`new_max`).
 
   Search space (`jaxkv.autotune`): block_k in {64, 128}, num_splits around
   the heuristic (x1/2, x1, x2), max_concurrent_steps in {2, 3, 4}.
@@ -125,6 +129,7 @@ class MosaicAttentionConfig:
   register_k: bool = True
   register_v: bool = True
   early_v: bool = True
+  lazy_max: bool = True
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -559,6 +564,32 @@ def _combine(o, l, m):
 # reductions; the row sums are deferred (summed over tokens once at the end).
 # ----------------------------------------------------------------------------
 
+LAZY_MARGIN = 8.0  # natural-log units: p = exp(s - m) <= e^8 ~ 2981 between rescales
+
+
+def new_max(s, m_i, colmax, flag_smem=None):
+  """``(m_new, alpha)`` of an online-softmax step over scores ``s [bk, N]``
+  (tokens on rows, masked to -inf) with running reference ``m_i [N]``.
+
+  Exact (``flag_smem`` None): ``m_new = max(m_i, colmax(s))``, ``alpha =
+  exp(m_i - m_new)``. Lazy: the reference stays (``alpha = 1``) unless some
+  score of the warpgroup exceeds it by more than `LAZY_MARGIN`
+  (`mosaic_dequant.warpgroup_any` into ``flag_smem``); then the exact update
+  runs. Outputs are exact either way: o, l and m stay consistent with the
+  reference, whatever it is.
+  """
+  def exact(s, m_i):
+    m_new = jnp.maximum(m_i, colmax(s))
+    return m_new, jnp.exp(m_i - jnp.where(m_new == -jnp.inf, 0.0, m_new))
+
+  if flag_smem is None:
+    return exact(s, m_i)
+  above = s > lax.broadcast_in_dim(m_i + LAZY_MARGIN, s.shape, [1])
+  mosaic_dequant.warpgroup_any(above.astype(jnp.int32), flag_smem)
+  one = plgpu.layout_cast(jnp.ones(m_i.shape, jnp.float32), plgpu.Layout.WGMMA.reduce(0))
+  return lax.cond(flag_smem[0] != 0, exact, lambda s, m: (m, one), s, m_i)
+
+
 _MAGIC = {jnp.dtype(jnp.bfloat16): (0x4300, 128.0), jnp.dtype(jnp.float16): (0x6400, 1024.0)}
 
 
@@ -707,7 +738,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
   nk, nv = len(k_specs), len(v_specs)
 
   def attend(q_smem, k_tiles, v_tiles, pt_smem, vdq_smem, carry, *, token0, valid_below,
-             row_limit, q_sum, book_smems=None):
+             row_limit, q_sum, book_smems=None, flag_smem=None):
     """One online-softmax step over ``bk`` tokens (tokens on M).
 
     Folded scales (``config.fold_scales``): a per-token K side is applied to the
@@ -755,9 +786,9 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
                                           layout=plgpu.Layout.WGMMA)
     lim = lax.broadcast_in_dim(row_limit, (bk, n_rows), [1])
     s = jnp.where((tok < valid_below) & (tok <= lim), s, -jnp.inf)
-    m_new = jnp.maximum(m_i, s.max(axis=0))                   # [N]
+    m_new, alpha = new_max(s, m_i, lambda x: x.max(axis=0),            # [N]
+                           flag_smem if config.lazy_max else None)
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp(m_i - m_safe)
     p = jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [1]))
     alpha_b = lax.broadcast_in_dim(alpha, l_i.shape, [1])
     l_i = l_i * alpha_b + p                                    # row sums deferred
@@ -799,7 +830,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     kres_gmem, vres_gmem = refs[6:8]
     book_gmems, refs = refs[8:8 + len(books)], refs[8 + len(books):]
     o_gmem, l_gmem, m_gmem = refs[:3]
-    q_smem, vdq_smem, pt_smem, barrier = refs[3:]
+    q_smem, vdq_smem, pt_smem, flag_smem, barrier = refs[3:]
     # Query rows are the columns of the [bk, N] score tiles here.
     b, h, j, length, packed, row_limit = _program_start(
         lengths_gmem, q_gmem, q_smem, barrier, token_group=token_group, residual=residual,
@@ -840,7 +871,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
           v_tiles = vt[0] if vq is None and v_side.bits == 16 else tuple(vt)
           return attend(q_smem, k_tiles, v_tiles, pt_smem, vdq_smem, carry, token0=token0,
                         valid_below=packed, row_limit=row_limit, q_sum=q_sum,
-                        book_smems=book_smems)
+                        book_smems=book_smems, flag_smem=flag_smem)
 
         gm = [r.at[b, h] for r in k_refs[:nk]] + [r.at[b, h] for r in v_refs[:nv]]
         return _run_split(step, k_specs + v_specs, gm, packed=packed, j=j,
@@ -872,7 +903,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
           # Residual row r holds token packed + r.
           carry = attend(q_smem, kres_smem, vdq_smem, pt_smem, vdq_smem, carry,
                          token0=packed + r0, valid_below=packed + num_res,
-                         row_limit=row_limit, q_sum=q_sum)
+                         row_limit=row_limit, q_sum=q_sum, flag_smem=flag_smem)
         return carry
 
       finish(pl.run_scoped(attend_residual, plgpu.SMEM((bk, head_dim), dtype, transforms=q_tf)))
@@ -883,6 +914,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       plgpu.SMEM((n_rows, head_dim), dtype, transforms=q_tf),     # q
       plgpu.SMEM((bk, head_dim), dtype, transforms=v_tf),         # V tile (values)
       plgpu.SMEM((bk, n_pv), dtype, transforms=v_tf),             # P^T
+      plgpu.SMEM((1,), jnp.int32),                                # lazy-max flag
       plgpu.Barrier(),
       # the residual K tile and o^T, l, m are scoped (see the kernel)
   ]

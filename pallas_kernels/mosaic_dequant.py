@@ -39,7 +39,7 @@ try:
   from jax.experimental.mosaic.gpu import fragmented_array as fa
   from jax.experimental.mosaic.gpu import utils as mgpu_utils
   from jax._src.lib.mlir import ir
-  from jax._src.lib.mlir.dialects import arith, llvm, vector
+  from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
 except ImportError:  # pragma: no cover
   plgpu = None
 
@@ -403,6 +403,33 @@ def widen_columns(x, columns: int, fill: float = 0.0):
   return body(x)
 
 
+def warpgroup_any(flags, flag_smem) -> None:
+  """OR of a WGMMA-layout int32 array over this warpgroup, into ``flag_smem[0]``.
+
+  Each thread ORs its registers, then one ``bar.red.or.pred`` over the
+  warpgroup's 128 threads (its named barrier, as Mosaic's warpgroup barrier)
+  both synchronizes and reduces: one barrier instead of a shared-memory
+  exchange between two barriers. Every thread stores the same value, so
+  ``flag_smem[0]`` read right after is the warpgroup-uniform answer
+  (``flag_smem``: a ``[1]`` int32 smem ref of this warpgroup's own).
+  """
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
+  def body(_, arr, ref):
+    i32 = ir.IntegerType.get_signless(32)
+    acc = mgpu_utils.c(0, i32)
+    for reg in arr.registers.flat:
+      for k in range(ir.VectorType(reg.type).shape[0]):
+        acc = arith.ori(acc, vector.extract(reg, [], [k]))
+    bar = arith.addi(mgpu_utils.warpgroup_idx(sync=False), mgpu_utils.c(1, i32))
+    flag = llvm.inline_asm(
+        i32, [acc, bar],
+        "{\n.reg .pred p, q;\nsetp.ne.u32 p, $1, 0;\nbar.red.or.pred q, $2, 128, p;\n"
+        "selp.u32 $0, 1, 0, q;\n}", "=r,r,r", has_side_effects=True)
+    memref.store(flag, ref, [arith.constant(ir.IndexType.get(), 0)])
+
+  body(flags, flag_smem)
+
+
 def _write_out(value, out_smem, out_gmem):
   """Stores a register array through shared memory to its HBM output (the probes' end)."""
   out_smem[...] = value
@@ -571,4 +598,5 @@ def probe_k4_score_stream(codes: jax.Array, q: jax.Array, *, stages: int = 4) ->
 
 __all__ = ["code_permutation", "dequant_codes", "gather_codebook", "gather_reference",
            "probe_dequant", "probe_gather", "probe_k4_score_stream", "probe_scores",
-           "registers_reference", "vq_book_rows", "vq_permutation", "widen_columns"]
+           "registers_reference", "vq_book_rows", "vq_permutation", "warpgroup_any",
+           "widen_columns"]

@@ -131,7 +131,7 @@ def _two_wg_smem(head_dim: int, n_pv: int, n_rows: int, book_elems: int, stages:
   fixed = (book_elems * itemsize                                         # codebooks
            + n_rows * head_dim * itemsize                                # q
            + _WGS * _HALF * (head_dim + n_pv) * itemsize                 # V tiles, P^T
-           + _WGS * (_RED + head_dim * n_pv + 2 * n_rows) * 4)           # scratch, o, l, m
+           + _WGS * (_RED + 1 + head_dim * n_pv + 2 * n_rows) * 4)       # scratch, flag, o, l, m
   pipeline = stages * 2 * _HALF * code_bytes
   residual_k = _WGS * _HALF * head_dim * itemsize
   return fixed + max(pipeline, residual_k)
@@ -139,7 +139,7 @@ def _two_wg_smem(head_dim: int, n_pv: int, n_rows: int, book_elems: int, stages:
 
 def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, lengths, books, *,
                  token_group, residual, num_queries, q_rows, num_splits, stages, dtype,
-                 early_v=True):
+                 early_v=True, lazy_max=True):
   """Partials ``o [B,H,2(J+1),D,N_pv], l, m [B,H,2(J+1),N]`` (``J = num_splits``)."""
   plgpu = ma.plgpu
   batch, kv_heads, n_rows, head_dim = q_perm.shape
@@ -154,8 +154,8 @@ def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, length
   specs = [plgpu.BlockSpec((bk, x.shape[-1]), lambda i: (i, 0)) for x in (k_codes, v_codes)]
   widen = mosaic_dequant.widen_columns
 
-  def attend(q_smem, k_tile, v_tile, pt_smem, vdq_smem, red, book_smems, carry, *, token0,
-             valid_below, row_limit):
+  def attend(q_smem, k_tile, v_tile, pt_smem, vdq_smem, red, flag, book_smems, carry, *,
+             token0, valid_below, row_limit):
     """One online-softmax step of a warpgroup over its 64 tokens."""
     acc, m_i, l_i = carry
 
@@ -175,9 +175,9 @@ def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, length
                                           layout=plgpu.Layout.WGMMA)
     lim = lax.broadcast_in_dim(row_limit, (_HALF, n_rows), [1])
     s = jnp.where((tok < valid_below) & (tok <= lim), s, -jnp.inf)
-    m_new = jnp.maximum(m_i, _wg_reduce(s, red, "max"))
+    m_new, alpha = ma.new_max(s, m_i, lambda x: _wg_reduce(x, red, "max"),
+                              flag if lazy_max else None)
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp(m_i - m_safe)
     p = jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [1]))
     l_i = l_i * lax.broadcast_in_dim(alpha, l_i.shape, [1]) + p      # row sums deferred
     acc = acc * widen(lax.broadcast_in_dim(alpha, (head_dim, n_rows), [1]), n_pv, 1.0)
@@ -196,7 +196,7 @@ def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, length
 
   def kernel(lengths_gmem, q_gmem, qres_gmem, kc_gmem, vc_gmem, kres_gmem, vres_gmem,
              kb_gmem, vb_gmem, o_gmem, l_gmem, m_gmem,
-             q_smem, kb_smem, vb_smem, vdq2, pt2, red2, o2, lm2, bars):
+             q_smem, kb_smem, vb_smem, vdq2, pt2, red2, flag2, o2, lm2, bars):
     wg = lax.axis_index("wg")
     b = lax.axis_index("b")
     h = lax.axis_index("h")
@@ -240,7 +240,7 @@ def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, length
         (i,) = idx
         rows = pl.ds(wg * _HALF, _HALF)
         return attend(q_smem, k_tile.at[rows], v_tile.at[rows], pt2.at[wg], vdq2.at[wg],
-                      red2.at[wg], (kb_smem, vb_smem), carry,
+                      red2.at[wg], flag2.at[wg], (kb_smem, vb_smem), carry,
                       token0=(first + i) * bk + wg * _HALF, valid_below=packed,
                       row_limit=row_limit)
 
@@ -266,7 +266,8 @@ def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, length
             plgpu.copy_gmem_to_smem(vres_gmem.at[b, h, rows], vdq2.at[wg], bars.at[3 + wg])
             plgpu.barrier_wait(bars.at[3 + wg])
             carry = attend(q_smem, kres2.at[wg], vdq2.at[wg], pt2.at[wg], vdq2.at[wg],
-                           red2.at[wg], None, carry, token0=packed + r0 + wg * _HALF,
+                           red2.at[wg], flag2.at[wg], None, carry,
+                           token0=packed + r0 + wg * _HALF,
                            valid_below=length, row_limit=row_limit)
           finish(carry)
 
@@ -281,6 +282,7 @@ def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, length
       plgpu.SMEM((_WGS, _HALF, head_dim), dtype, transforms=v_tf),      # V tiles
       plgpu.SMEM((_WGS, _HALF, n_pv), dtype, transforms=v_tf),          # P^T
       plgpu.SMEM((_WGS, _RED), f32),                                    # reductions
+      plgpu.SMEM((_WGS, 1), jnp.int32),                                 # lazy-max flags
       plgpu.SMEM((_WGS, head_dim, n_pv), f32),                          # o^T
       plgpu.SMEM((_WGS, 2, n_rows), f32),                               # l, m
       plgpu.Barrier(num_barriers=3 + _WGS),
@@ -411,7 +413,7 @@ def mosaic_vq_decode_attention(
         qh[..., perm], qh, k_codes, v_codes, k_residual, v_residual, lengths.astype(jnp.int32),
         tuple(books), token_group=token_group, residual=residual, num_queries=num_queries,
         q_rows=q_rows, num_splits=config.num_splits, stages=config.max_concurrent_steps,
-        dtype=dtype, early_v=config.early_v)
+        dtype=dtype, early_v=config.early_v, lazy_max=config.lazy_max)
     tail = _WGS  # the residual program's partials, one per compute warpgroup
   else:
     placeholder = SideSpec(16)  # the side specs of the quantized formats do not apply

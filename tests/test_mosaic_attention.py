@@ -41,6 +41,9 @@ CASES = [
     ("k8v4", 2, 2, 4, 128, 1, (1000, 513), 1024, jnp.bfloat16),
     ("bf16", 2, 2, 4, 128, 1, (300, 129), 512, jnp.bfloat16),
     ("kivi4-r2g", 1, 2, 4, 128, 1, (700,), 1024, jnp.bfloat16),  # R = 2G
+    # K growing along the sequence: the lazy running max must move mid-split.
+    ("kivi4-grow", 1, 2, 4, 128, 1, (1000,), 1024, jnp.bfloat16),
+    ("k8v4-grow", 2, 1, 4, 64, 2, (900, 700), 1024, jnp.float16),
 ]
 _TOL = {jnp.bfloat16: 2e-2, jnp.float16: 4e-3}  # max |out - oracle| / max |oracle|
 
@@ -48,17 +51,38 @@ _TOL = {jnp.bfloat16: 2e-2, jnp.float16: 4e-3}  # max |out - oracle| / max |orac
 def _fmt(name):
   if name.endswith("-r2g"):
     return dataclasses.replace(PRESETS[name[:-4]], token_group=64, residual=128)
-  return PRESETS[name]
+  return PRESETS[name.removesuffix("-grow")]
+
+
+def _grows_within_splits(q, kd, lengths, parts=3, first=64):
+  """Whether, in each of ``parts`` equal token ranges of every sequence, some
+  query's score exceeds that range's first-``first``-token max by more than
+  the lazy max's margin (so the kernels' exact-rescale branch runs)."""
+  qf = np.asarray(q, np.float64)                       # [B, S, Hq, D]
+  kf = np.asarray(kd, np.float64)                      # [B, T, Hkv, D]
+  group = qf.shape[2] // kf.shape[2]
+  for b, n in enumerate(lengths):
+    s = np.einsum("shd,thd->sht", qf[b], np.repeat(kf[b, :n], group, axis=1)) / np.sqrt(
+        qf.shape[-1])
+    for lo in range(0, n - first, max(1, n // parts)):
+      hi = min(n, lo + n // parts)
+      if not (s[..., lo + first:hi].max(-1) - s[..., lo:lo + first].max(-1)
+              > ma.LAZY_MARGIN).any():
+        return False
+  return True
 
 
 def _key(*parts):
   return jax.random.PRNGKey(zlib.crc32(repr(parts).encode()))
 
 
-def _cache(fmt, b, hkv, d, lengths, capacity, dtype, key):
+def _cache(fmt, b, hkv, d, lengths, capacity, dtype, key, grow=False):
   t = max(lengths)
   k1, k2 = jax.random.split(key)
-  k = (jax.random.normal(k1, (b, t, hkv, d)) * 1.5 + 0.2).astype(dtype)
+  k = jax.random.normal(k1, (b, t, hkv, d)) * 1.5 + 0.2
+  if grow:  # scores grow along the sequence (x1 -> x12)
+    k = k * (1.0 + 11.0 * jnp.arange(t) / t)[None, :, None, None]
+  k = k.astype(dtype)
   v = jax.random.normal(k2, (b, t, hkv, d)).astype(dtype)
   cache = jaxkv.KVCache.init(fmt, b, hkv, d, capacity, dtype, use_kernel=False)
   return cache.prefill(k, v, jnp.asarray(lengths, jnp.int32))
@@ -84,8 +108,10 @@ def test_mosaic_attention(name, b, hkv, group, d, s, lengths, capacity, dtype):
                         residual=fmt.residual)
   assert ok, why
   key = _key(name, b, hkv, group, d, s, lengths)
-  cache = _cache(fmt, b, hkv, d, lengths, capacity, dtype, key)
+  cache = _cache(fmt, b, hkv, d, lengths, capacity, dtype, key, grow=name.endswith("-grow"))
   q = jax.random.normal(jax.random.fold_in(key, 1), (b, s, hkv * group, d)).astype(dtype)
+  if name.endswith("-grow"):  # the case must really exercise the lazy max's rescale branch
+    assert _grows_within_splits(q, cache.dequantize()[0], lengths)
   # Tokens on M (v2, the default) with and without folded scales, and query
   # rows on M (v1).
   configs = [ma.MosaicAttentionConfig(block_k=64, num_splits=3, tokens_m=t, fold_scales=f,
@@ -96,6 +122,9 @@ def test_mosaic_attention(name, b, hkv, group, d, s, lengths, capacity, dtype):
   configs.append(ma.MosaicAttentionConfig(block_k=64, num_splits=3, register_k=True))
   configs.append(ma.MosaicAttentionConfig(block_k=64, num_splits=3, register_k=True,
                                           register_v=True))
+  # The exact per-step max (no lazy reference), V built after the softmax.
+  configs.append(ma.MosaicAttentionConfig(block_k=64, num_splits=3, lazy_max=False,
+                                          early_v=False))
   k_side = SideSpec.of(fmt, "k", d)
   if (k_side.bits in (2, 4) and k_side.axis == "channel" and fmt.token_group % 128 == 0
       and fmt.residual % 128 == 0 and capacity % 128 == 0):

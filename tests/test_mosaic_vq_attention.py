@@ -23,6 +23,7 @@ from jaxkv.attention import is_hopper
 from pallas_kernels import mosaic_attention as ma
 from pallas_kernels import mosaic_dequant as md
 from pallas_kernels import mosaic_vq_attention as mv
+from tests.test_mosaic_attention import _grows_within_splits
 from tests.test_vq_attention import _key, _oracle
 
 ON_HOPPER = is_hopper()
@@ -33,6 +34,7 @@ FORMATS = {
     "cq2-bf16cb": dataclasses.replace(vq.VQ_PRESETS["cq2"], codebook_dtype="bfloat16"),
     "k8e64-v4-g64": vq.VQFormat(k_vector=8, v_vector=4, k_index_bits=6, token_group=64,
                                 residual=128),
+    "cq2-grow": vq.VQ_PRESETS["cq2"],
 }
 
 CASES = [
@@ -43,20 +45,28 @@ CASES = [
     ("cq4", 1, 4, 1, 64, 2, (1000,), 1024, jnp.bfloat16),        # GQA 1, D 64
     ("cq2-bf16cb", 2, 2, 4, 128, 1, (512, 640), 768, jnp.bfloat16),  # full packed, exact books
     ("k8e64-v4-g64", 1, 2, 6, 128, 1, (700,), 1024, jnp.bfloat16),   # vector 8, 64 entries
+    # K (and the centroids it picks) growing along the sequence: the lazy max moves mid-split.
+    ("cq2-grow", 1, 2, 4, 128, 1, (1000,), 1024, jnp.bfloat16),
 ]
 _TOL_BASE = {jnp.bfloat16: 2e-3, jnp.float16: 5e-4}  # x sqrt(T), as tests/test_vq_attention.py
 
 
 def _case(name, b, hkv, group, d, s, lengths, capacity, dtype):
   fmt = FORMATS[name]
+  grow = name.endswith("-grow")
   books = []
   for side in ("k", "v"):
     shape = fmt.codebook_shape(side, hkv, d)
-    books.append((jax.random.normal(_key(name, side, d), shape) * 0.8 + 0.1)
-                 .astype(fmt.codebook_dtype))
+    book = jax.random.normal(_key(name, side, d), shape) * 0.8 + 0.1
+    if grow:  # entries of every magnitude, so growing K picks growing centroids
+      book = book * (1.0 + 11.0 * jnp.arange(shape[-2]) / shape[-2])[:, None]
+    books.append(book.astype(fmt.codebook_dtype))
   k1, k2, k3 = jax.random.split(_key(name, b, hkv, group, d, lengths), 3)
   t = max(lengths)
-  k = (jax.random.normal(k1, (b, t, hkv, d)) * 1.5 + 0.2).astype(dtype)
+  k = jax.random.normal(k1, (b, t, hkv, d)) * 1.5 + 0.2
+  if grow:
+    k = k * (1.0 + 11.0 * jnp.arange(t) / t)[None, :, None, None]
+  k = k.astype(dtype)
   v = jax.random.normal(k2, (b, t, hkv, d)).astype(dtype)
   q = jax.random.normal(k3, (b, s, hkv * group, d)).astype(dtype)
   cache = jaxkv.VQCache.init(fmt, tuple(books), b, hkv, d, capacity, dtype)
@@ -127,15 +137,20 @@ def test_gather_checks_its_tiles():
 def test_mosaic_vq_attention(name, b, hkv, group, d, s, lengths, capacity, dtype):
   q, cache = _case(name, b, hkv, group, d, s, lengths, capacity, dtype)
   fmt = cache.fmt
+  if name.endswith("-grow"):  # the case must really exercise the lazy max's rescale branch
+    assert _grows_within_splits(q, cache.dequantize()[0], lengths)
   ok, why = mv.supports(head_dim=d, k_spec=fmt.spec("k"), v_spec=fmt.spec("v"),
                         q_rows=group * s, dtype=dtype, token_group=fmt.token_group,
                         residual=fmt.residual, capacity=capacity)
   assert ok, why
-  configs = [None, ma.MosaicAttentionConfig(block_k=64, num_splits=3, max_concurrent_steps=2)]
+  configs = [None, ma.MosaicAttentionConfig(block_k=64, num_splits=3, max_concurrent_steps=2),
+             ma.MosaicAttentionConfig(block_k=64, num_splits=3, lazy_max=False, early_v=False)]
   if (capacity % 128 == 0 and fmt.token_group % 128 == 0 and fmt.residual % 128 == 0
       and group * s <= 16):  # the two-warpgroup kernel
     configs.append(ma.MosaicAttentionConfig(block_k=128, num_splits=2, max_concurrent_steps=2))
     configs.append(ma.MosaicAttentionConfig(block_k=128, num_splits=5, max_concurrent_steps=2))
+    configs.append(ma.MosaicAttentionConfig(block_k=128, num_splits=3, max_concurrent_steps=2,
+                                            lazy_max=False, early_v=False))
   if not ON_HOPPER:
     for config in configs:
       text = jax.jit(_call, static_argnums=2).trace(q, cache, config).lower(
