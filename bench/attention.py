@@ -464,8 +464,8 @@ def bench_shape(shape, formats, hbm, tune, log, cache_formats=()):
     # "pallas" = the best family for the device; a VQ cache also times the
     # Triton VQ kernel beside it (the Mosaic one is "pallas" on a Hopper GPU).
     impls = [(f"jaxkv_{name}", "pallas")]
-    if name.split(":")[0] in jaxkv.VQ_PRESETS:
-      impls.append((f"jaxkv_{name}_triton", "triton"))
+    if name.split(":")[0] in jaxkv.VQ_PRESETS:  # and the paths a VQ cache could take
+      impls += [(f"jaxkv_{name}_triton", "triton"), (f"jaxkv_{name}_reference", "reference")]
     for row_name, impl in impls:
       fn = functools.partial(call, implementation=impl)
       try:

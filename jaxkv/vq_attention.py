@@ -6,7 +6,9 @@
 the Hopper kernel with the codebooks in shared memory
 (`pallas_kernels.mosaic_vq_attention`; an sm_90 GPU, one VQ stage per side);
 ``"pallas"`` the Mosaic kernel where it applies, else Triton; ``None`` the
-reference for now (`KERNEL_BY_DEFAULT`).
+Mosaic kernel on a Hopper GPU where it applies (1.1-1.2x the best BF16
+attention and 6-7x the Triton VQ kernel on an H200, `bench/results/vq-NOTES.md`),
+else the reference (`KERNEL_BY_DEFAULT` for the Triton kernel elsewhere).
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ def resolve(q, cache: VQCache, implementation, config=None) -> str:
   """``"reference"``, ``"triton"`` or ``"mosaic"``; ValueError naming why a forced
   kernel cannot run."""
   if implementation is None:
+    if not isinstance(config, vq_kernel.VQAttentionConfig) and mosaic_supports(q, cache,
+                                                                                config)[0]:
+      return "mosaic"
     if (KERNEL_BY_DEFAULT and jax.default_backend() == "gpu"
         and kernel_supports(q, cache)[0]):
       return "triton"

@@ -211,3 +211,21 @@ def test_two_warpgroup_config_checked():
   q, cache = _case("cq4", 1, 1, 4, 128, 1, (300,), 512, jnp.bfloat16)
   with pytest.raises(ValueError, match="max_concurrent_steps=8 needs"):
     _call(q, cache, ma.MosaicAttentionConfig(block_k=128, num_splits=2, max_concurrent_steps=8))
+
+
+def test_default_dispatch_and_forced_mosaic():
+  """``implementation=None`` takes the Mosaic kernel on a Hopper GPU, the
+  reference elsewhere; a forced "mosaic" off Hopper names why it cannot run."""
+  from jaxkv import vq_attention as va  # pylint: disable=import-outside-toplevel
+  q, cache = _case("cq2", 1, 2, 4, 128, 1, (300,), 512, jnp.bfloat16)
+  assert va.resolve(q, cache, None) == ("mosaic" if ON_HOPPER else "reference")
+  assert va.resolve(q, cache, ("mosaic", "reference")) == ("mosaic" if ON_HOPPER
+                                                          else "reference")
+  if not ON_HOPPER:
+    with pytest.raises(ValueError, match="mosaic: the Mosaic GPU kernels need a Hopper"):
+      jaxkv.decode_attention(q, cache, implementation="mosaic")
+  two_stage = dataclasses.replace(vq.VQ_PRESETS["cq2"], k_stages=2)
+  books = tuple(jnp.ones(two_stage.codebook_shape(side, 2, 128), jnp.float16)
+                for side in ("k", "v"))
+  cache2 = jaxkv.VQCache.init(two_stage, books, 1, 2, 128, 512, jnp.bfloat16)
+  assert va.resolve(q, cache2, None) == "reference"   # no Mosaic kernel for 2 stages
