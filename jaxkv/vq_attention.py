@@ -6,9 +6,10 @@
 the Hopper kernel with the codebooks in shared memory
 (`pallas_kernels.mosaic_vq_attention`; an sm_90 GPU, one VQ stage per side);
 ``"pallas"`` the Mosaic kernel where it applies, else Triton; ``None`` the
-Mosaic kernel on a Hopper GPU where it applies (1.1-1.2x the best BF16
-attention and 6-7x the Triton VQ kernel on an H200, `bench/results/vq-NOTES.md`),
-else the reference (`KERNEL_BY_DEFAULT` for the Triton kernel elsewhere).
+Mosaic kernel on a Hopper GPU where it applies (cq2 1.3-1.9x the best BF16
+attention on an H100, 1.0-1.3x on an H200, 4-7x the Triton VQ kernel;
+`bench/results/vq-NOTES.md`), else the Triton kernel on a GPU
+(`KERNEL_BY_DEFAULT`), else the reference.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ from pallas_kernels import vq_attention as vq_kernel
 
 _NAMES = ("reference", "xla", "triton", "mosaic", "pallas")
 
-# Whether ``implementation=None`` takes the fused kernel on a GPU. Off until the
-# kernel has been compiled and passed tests/test_vq_attention.py on a GPU
-# (JAXKV_TEST_GPU=1) and measured faster than the reference there; it has
-# only run in Pallas interpret mode so far.
-KERNEL_BY_DEFAULT = False
+# Whether ``implementation=None`` takes the Triton VQ kernel on a GPU where the
+# Mosaic one does not apply. On: it passes tests/test_vq_attention.py compiled
+# (H100 and H200 suites) and runs 2-2.5x faster than the reference, which
+# materializes the dequantized cache (H100, 2026-11-26: cq2 728 vs 1323 us at
+# (1, 131072, 32, 8, 128); bench/results/attention-mosaic-vq2-*).
+KERNEL_BY_DEFAULT = True
 
 
 def _check_q(q, cache: VQCache):

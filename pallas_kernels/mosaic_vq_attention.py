@@ -1,29 +1,42 @@
 """Split-K decode attention over a VQ cache for Hopper (Pallas Mosaic GPU).
 
 The Triton VQ kernel (`pallas_kernels.vq_attention`) gathers every centroid
-coordinate from L1/L2 and is bound by those gathers (about 0.2x of BF16
-attention, `bench/results/vq-NOTES.md`). This one is the tokens-on-M Mosaic
-kernel of `pallas_kernels.mosaic_attention` (``S^T = K q^T``, ``O^T += V^T
-P^T``, split-K, the residual as one more program, the `combine_t` merge)
-with the codebooks in shared memory, VQ-LLM's point:
+coordinate from L1/L2 and is bound by those gathers (0.2x of BF16 attention).
+These kernels keep the codebooks in shared memory, VQ-LLM's point, on the
+tokens-on-M dataflow of `pallas_kernels.mosaic_attention` (``S^T = K q^T``,
+``O^T += V^T P^T``, split-K, the residual block as one more program, the
+`combine_t` merge):
 
 - each packed program copies its kv head's K and V codebooks (``[n, E, v]``
-  each, converted to the cache dtype in the wrapper: 64 KiB per side at
-  D = 128, E = 256) into shared memory once, before its pipeline;
-- per 64-token block the code tiles arrive by TMA (``D / v`` bytes per
-  token and side), and `mosaic_dequant.gather_codebook` turns them into the
-  ``[bk, D]`` wgmma operand with one ``ld.shared`` of ``2 v`` bytes per code
-  (each thread holds a contiguous quarter of the channels,
-  `mosaic_dequant.vq_permutation`): the K operand stays in registers, the V
-  tile is stored to shared memory for the value MMA;
-- q's channels are permuted once in the wrapper, and the packed programs'
-  outputs are read back in that order by the combine.
+  each, in the cache dtype, in the entry-major image of
+  `mosaic_dequant.vq_book_rows`: 64 KiB per side at D = 128, E = 256) into
+  shared memory once, before its pipeline;
+- code tiles (``D / v`` bytes per token and side) arrive by TMA and
+  `mosaic_dequant.gather_codebook` turns them into the ``[64, D]`` wgmma
+  operand with one ``ld.shared`` of ``2 v`` bytes per code, free of bank
+  conflicts (each thread holds a contiguous quarter of the channels,
+  `mosaic_dequant.vq_permutation`, and walks its sub-spaces in a lane-rotated
+  order); K stays in registers, V is stored for the value MMA;
+- q's channels are permuted once in the wrapper, and the combine reads the
+  packed programs' outputs in that order.
+
+Two kernels. ``block_k=128`` (the default where it fits): two compute
+warpgroups and a memory warpgroup per CTA (`_two_wg_call`), since the
+codebooks leave room for one CTA per SM; each compute warpgroup takes 64 rows
+of every 128-token tile with its own softmax state and partial, its column
+reductions through its own scratch. ``block_k=64``: the one-warpgroup kernel
+of `mosaic_attention._tokens_m_call` with the codebooks in its scope. Both
+use the lazy running max (`mosaic_attention.new_max`). H200, (1, 131072, 32,
+8, 128): cq2 190 us with one warpgroup and sub-space-major gathers (5.8-way
+bank conflicts), 138 with two warpgroups, 113 conflict-free, 104 with the
+lazy max; the Triton VQ kernel 718 (`bench/results/vq-NOTES.md`).
 
 Scope (`supports`): one VQ stage per side, ``D / v >= 16`` codes per token,
-head_dim 64/128, bfloat16/float16 caches, (Hq/Hkv) x S <= 64, token group,
-residual and capacity multiples of ``block_k``. The centroids enter the MMA
-in the cache dtype, as in the Triton VQ kernel. `vq_attention
-.vq_decode_attention_reference` is the spec.
+head_dim 64/128, bfloat16/float16 caches, (Hq/Hkv) x S <= 64 (<= 16 for two
+warpgroups), token group, residual and capacity multiples of ``block_k``. The
+centroids enter the MMA in the cache dtype (float16 codebooks are rounded to a
+bfloat16 cache's dtype per call, as in the Triton VQ kernel).
+`vq_attention.vq_decode_attention_reference` is the spec.
 """
 
 from __future__ import annotations
