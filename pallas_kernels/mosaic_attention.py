@@ -686,6 +686,16 @@ def _register_v(config: MosaicAttentionConfig, v_side: SideSpec, head_dim: int, 
           and _dequant_codes_fit(config, v_side, head_dim, dtype))
 
 
+def partials_type(batch: int, kv_heads: int, parts: int, head_dim: int, n_pv: int,
+                  n_rows: int) -> list:
+  """Output types of the tokens-on-M kernels: ``o^T [B, H, parts, D, N_pv]``,
+  ``l, m [B, H, parts, N]`` (float32)."""
+  f32 = jnp.float32
+  return [jax.ShapeDtypeStruct((batch, kv_heads, parts, head_dim, n_pv), f32),
+          jax.ShapeDtypeStruct((batch, kv_heads, parts, n_rows), f32),
+          jax.ShapeDtypeStruct((batch, kv_heads, parts, n_rows), f32)]
+
+
 def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v_side,
                    token_group, residual, num_queries, q_rows, config, dtype, vq=None):
   """The v2 kernel; returns partials ``o [B,H,J+1,D,N_pv], l, m [B,H,J+1,N]``.
@@ -920,11 +930,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
   ]
   return plgpu.kernel(
       kernel,
-      out_type=[
-          jax.ShapeDtypeStruct((batch, kv_heads, grid_j, head_dim, n_pv), f32),
-          jax.ShapeDtypeStruct((batch, kv_heads, grid_j, n_rows), f32),
-          jax.ShapeDtypeStruct((batch, kv_heads, grid_j, n_rows), f32),
-      ],
+      out_type=partials_type(batch, kv_heads, grid_j, head_dim, n_pv, n_rows),
       grid=(batch, kv_heads, grid_j),
       grid_names=("b", "h", "j"),
       scratch_types=scratch,

@@ -303,11 +303,7 @@ def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, length
   parts = _WGS * grid_j
   return plgpu.kernel(
       kernel,
-      out_type=[
-          jax.ShapeDtypeStruct((batch, kv_heads, parts, head_dim, n_pv), f32),
-          jax.ShapeDtypeStruct((batch, kv_heads, parts, n_rows), f32),
-          jax.ShapeDtypeStruct((batch, kv_heads, parts, n_rows), f32),
-      ],
+      out_type=ma.partials_type(batch, kv_heads, parts, head_dim, n_pv, n_rows),
       grid=(batch, kv_heads, grid_j),
       grid_names=("b", "h", "j"),
       num_threads=_WGS + 1,
