@@ -575,8 +575,8 @@ def new_max(s, m_i, colmax, flag_smem=None):
   exp(m_i - m_new)``. Lazy: the reference stays (``alpha = 1``) unless some
   score of the warpgroup exceeds it by more than `LAZY_MARGIN`
   (`mosaic_dequant.warpgroup_any` into ``flag_smem``); then the exact update
-  runs. Outputs are exact either way: o, l and m stay consistent with the
-  reference, whatever it is.
+  runs. Either way o, l and m stay consistent with the reference, so the
+  result is the same up to float rounding (p <= e^8 between rescales).
   """
   def exact(s, m_i):
     m_new = jnp.maximum(m_i, colmax(s))
@@ -706,8 +706,8 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
 
   ``vq``: ``((k_vector, k_entries, k_book), (v_vector, v_entries, v_book))``
   for a one-stage VQ cache (``k_in = [codes]``, ``v_in = [codes]``, each book
-  ``[H, D E / 128, 128]`` in ``dtype``; ``k_side``/``v_side`` are then
-  ignored): each packed program copies its kv head's two codebooks into
+  the `mosaic_dequant.vq_book_rows` image ``[H, D E / 128, 128]`` in ``dtype``;
+  ``k_side``/``v_side`` are then ignored): each packed program copies its kv head's two codebooks into
   shared memory once and `mosaic_dequant.gather_codebook` builds the K operand
   and the V tile from them; the packed outputs come out in
   `mosaic_dequant.vq_permutation` order.
@@ -812,10 +812,9 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       z_i = z_i * alpha_b
     pt_smem[...] = mosaic_dequant.widen_columns(p.astype(dtype), n_pv)
     if packed_v:
-      if early_v:
-        pass
-      elif vq is not None or register_v:  # register_v: exact codes, `code_permutation` order
-        vdq_smem[...] = v_values()
+      if vq is not None or register_v:  # register_v: exact codes, `code_permutation` order
+        if not early_v:
+          vdq_smem[...] = v_values()
       else:
         for c0, x in _dequant_planes(*v_tiles, v_side, head_dim, dtype, affine=not fold_v):
           vdq_smem[:, pl.ds(c0, x.shape[1])] = x

@@ -1,7 +1,14 @@
-"""4/2-bit codes -> bfloat16 ``wgmma`` A-operand registers, one shared load per row (Mosaic GPU).
+"""Register builders of the Mosaic GPU kernels: codes -> ``wgmma`` operands (inline PTX).
 
-A building block for a third Hopper kernel (`bench/results/mosaic-NOTES.md`,
-"v3"): the packed K tile of the cache, ``[64, D/2]`` bytes in shared memory
+- `dequant_codes`: 4/2-bit codes -> bfloat16 registers, one shared load per row
+  (below);
+- `gather_codebook`: VQ codes -> their centroids from a shared-memory codebook,
+  one conflict-free ``ld.shared`` per code (`vq_book_rows`, `vq_permutation`,
+  oracle `gather_reference`);
+- `widen_columns`, `warpgroup_any` (an OR over a warpgroup in one
+  ``bar.red``).
+
+`dequant_codes` (`bench/results/mosaic-NOTES.md`, "v3"): the packed K tile of the cache, ``[64, D/2]`` bytes in shared memory
 (planar nibbles: byte ``b`` of a row holds channel ``b`` in its low nibble
 and channel ``D/2 + b`` in its high nibble, as everywhere in jaxkv), becomes
 the ``[64, D]`` bfloat16 A operand of ``wgmma`` in ``WGMMA_LAYOUT`` without
@@ -19,8 +26,8 @@ any shuffle or shared-memory round trip:
 
 2-bit codes (``bits=2``: four planes of ``D/4`` channels per byte) work the
 same way with the mask ``0x00030003`` and eight pairs per word. The numpy
-oracle of the register contents is `registers_reference`. 4-bit: compiled
-and tested on an H200 (jax 0.11.2); 2-bit: lowered for CUDA only so far.
+oracle of the register contents is `registers_reference`. Everything here is
+compiled and tested on an H100 and an H200 (jax 0.11.2).
 Hardware facts this rests on (sm_90): ``lop3.b32`` with LUT ``0xEA`` is
 ``(a & b) | c``; ``sub.rn.bf16x2`` is exact here (both operands are
 bfloat16 integers below 256).
@@ -246,9 +253,9 @@ def vq_book_rows(codebook):
 
 
 def _barrel(items, amount, bits: int, step_of):
-  """``out[k] = items[(k - amount) % len]`` (``step_of(k, d)``: the index d
-  steps back/forth) for a lane-dependent ``amount`` < 2^bits: one select per
-  item and bit."""
+  """``out[k] = items[step_of(k, amount)]`` for a lane-dependent ``amount`` <
+  2^bits (a rotation: ``step_of(k, d)`` is ``k`` moved by ``d`` places, so
+  moves compose), as one select per item and bit of ``amount``."""
   i1 = ir.IntegerType.get_signless(1)
   i32 = ir.IntegerType.get_signless(32)
   for b in range(bits):
