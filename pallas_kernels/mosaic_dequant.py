@@ -553,57 +553,7 @@ def probe_scores(codes: jax.Array, q: jax.Array, *, bits: int = 4) -> jax.Array:
       compiler_params=_params(), kernel_name=f"jaxkv_probe_scores_{bits}")(codes, q_perm)
 
 
-@functools.partial(jax.jit, static_argnames=("stages",))
-def probe_k4_score_stream(codes: jax.Array, q: jax.Array, *, stages: int = 4) -> jax.Array:
-  """The K half of decode attention as a rate probe: ``codes [P, T, D/2]`` uint8.
-
-  One program per ``p`` streams its ``T`` tokens in 64-token TMA tiles
-  (``stages`` deep), turns each into wgmma A-operand registers (`dequant_codes`)
-  and multiplies by ``q [N, D]`` (channel order); keeps the elementwise max
-  of the scores (no cross-warp reduction), ``[P, 64, N]`` float32. Measures
-  what the K side of a v3 kernel would cost per token-head.
-  """
-  programs, tokens, width = codes.shape
-  head_dim = 2 * width
-  n = q.shape[0]
-  if tokens % _ROWS or n % 8 or q.shape[1] != head_dim:
-    raise ValueError(f"codes {codes.shape} must be [P, T % 64 == 0, D/2] and q {q.shape} "
-                     "[N % 8 == 0, D]")
-  q_perm = q[:, code_permutation(head_dim, 4)]
-  swizzle = 128 if head_dim * 2 % 128 == 0 else 64
-  q_transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
-
-  def kernel(codes_gmem, q_gmem, out_gmem, q_smem, out_smem, barrier):
-    p = lax.axis_index("p")
-    plgpu.copy_gmem_to_smem(q_gmem, q_smem, barrier)
-    plgpu.barrier_wait(barrier)
-    q_t = q_smem.transpose((1, 0))
-
-    def body(_, tile, carry):
-      a = dequant_codes(tile, head_dim, 4)
-
-      def mma(acc_ref):
-        plgpu.wgmma(acc_ref, a, q_t)
-        return acc_ref[...]
-
-      return jnp.maximum(carry, pl.run_scoped(mma, plgpu.ACC((_ROWS, n), jnp.float32)))
-
-    init = plgpu.layout_cast(jnp.full((_ROWS, n), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA)
-    pipeline = plgpu.emit_pipeline(
-        body, grid=(tokens // _ROWS,),
-        in_specs=[plgpu.BlockSpec((_ROWS, width), lambda i: (i, 0))],
-        max_concurrent_steps=stages, init_carry=init)
-    _write_out(pipeline(codes_gmem.at[p]), out_smem, out_gmem.at[p])
-
-  return plgpu.kernel(
-      kernel, out_type=jax.ShapeDtypeStruct((programs, _ROWS, n), jnp.float32),
-      grid=(programs,), grid_names=("p",),
-      scratch_types=[plgpu.SMEM((n, head_dim), jnp.bfloat16, transforms=q_transforms),
-                     plgpu.SMEM((_ROWS, n), jnp.float32), plgpu.Barrier()],
-      compiler_params=_params(), kernel_name="jaxkv_probe_k4_stream")(codes, q_perm)
-
-
 __all__ = ["code_permutation", "dequant_codes", "gather_codebook", "gather_reference",
-           "probe_dequant", "probe_gather", "probe_k4_score_stream", "probe_scores",
+           "probe_dequant", "probe_gather", "probe_scores",
            "registers_reference", "vq_book_rows", "vq_permutation", "warpgroup_any",
            "widen_columns"]
