@@ -51,7 +51,6 @@ except ImportError:  # pragma: no cover
   plgpu = None
 
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 _ROWS = 64  # rows of one warpgroup's A operand
