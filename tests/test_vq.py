@@ -311,7 +311,9 @@ def test_bad_inputs_name_the_value():
     vq.fit(y, y.at[0, 7, 1, 3].set(jnp.nan), fmt)
   cache = jaxkv.VQCache.init(fmt, books, 1, 2, 32, 64, layer=0)
   q = jnp.ones((1, 1, 4, 32))
-  with pytest.raises(ValueError, match="mosaic: no Mosaic GPU kernel"):
+  # A forced Mosaic kernel names why it cannot run (no Hopper GPU, or D = 32).
+  with pytest.raises(ValueError, match=r"mosaic: (the Mosaic GPU kernels need a Hopper|"
+                                       r"head_dim=32 \(Mosaic VQ kernel: 64 or 128\))"):
     jaxkv.decode_attention(q, cache, implementation="mosaic")
   small_fmt = vq.VQFormat(token_group=16, residual=16)
   small = jaxkv.VQCache.init(small_fmt, _codebooks(small_fmt, 1, 16, "d16"), 1, 1, 16, 32)
