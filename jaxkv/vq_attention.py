@@ -71,15 +71,11 @@ def mosaic_supports(q, cache: VQCache, config=None) -> tuple[bool, str]:
 
 def resolve(q, cache: VQCache, implementation, config=None) -> str:
   """``"reference"``, ``"triton"`` or ``"mosaic"``; ValueError naming why a forced
-  kernel cannot run."""
+  kernel cannot run. ``None`` tries Mosaic, then Triton on a GPU
+  (`KERNEL_BY_DEFAULT`), then the reference."""
   if implementation is None:
-    if not isinstance(config, vq_kernel.VQAttentionConfig) and mosaic_supports(q, cache,
-                                                                                config)[0]:
-      return "mosaic"
-    if (KERNEL_BY_DEFAULT and jax.default_backend() == "gpu"
-        and kernel_supports(q, cache)[0]):
-      return "triton"
-    return "reference"
+    on_gpu = KERNEL_BY_DEFAULT and jax.default_backend() == "gpu"
+    implementation = ("mosaic", "triton", "reference") if on_gpu else ("mosaic", "reference")
   names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
   reasons = []
   for name in names:
@@ -87,11 +83,14 @@ def resolve(q, cache: VQCache, implementation, config=None) -> str:
       raise ValueError(f"implementation={name!r} must be one of {_NAMES} or None")
     if name in ("reference", "xla"):
       return "reference"
-    if name in ("mosaic", "pallas") and not isinstance(config, vq_kernel.VQAttentionConfig):
-      ok, why = mosaic_supports(q, cache, config)
-      if ok:
-        return "mosaic"
-      reasons.append(f"mosaic: {why}")
+    if name in ("mosaic", "pallas"):  # "pallas": Mosaic where it applies, else Triton
+      if isinstance(config, vq_kernel.VQAttentionConfig):
+        reasons.append("mosaic: config is a VQAttentionConfig (the Triton kernel's)")
+      else:
+        ok, why = mosaic_supports(q, cache, config)
+        if ok:
+          return "mosaic"
+        reasons.append(f"mosaic: {why}")
       if name == "mosaic":
         continue
     if isinstance(config, mosaic_kernel.MosaicAttentionConfig):

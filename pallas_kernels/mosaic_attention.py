@@ -167,11 +167,19 @@ class MosaicAttentionConfig:
     block_k = 128 if min(k_bits, v_bits) <= 2 and fits_128 else 64
     blocks = max(1, tokens // block_k)
     per_sm = 3 if (k_bits, v_bits, block_k) == (4, 4, 64) else 2
-    programs = max(1, (per_sm * num_sms) // max(1, batch * kv_heads))
-    want = programs - 1 if programs > 16 else programs
-    splits = max(1, min(want, blocks // 4, 64))
+    splits = one_wave_splits(per_sm * num_sms, batch * kv_heads, blocks)
     stages = 3 if (k_bits >= 8 and v_bits >= 8) or block_k == 128 else 4
     return cls(block_k=block_k, num_splits=splits, max_concurrent_steps=stages)
+
+
+def one_wave_splits(slots: int, heads: int, blocks: int) -> int:
+  """Packed programs per (batch, kv head) for one wave of ``slots`` resident
+  programs over ``heads = B * Hkv``: ``slots // heads``, less one for the
+  residual program when that is more than 16, at most ``blocks // 4`` (>= 4
+  blocks per split) and 64."""
+  programs = max(1, slots // max(1, heads))
+  want = programs - 1 if programs > 16 else programs
+  return max(1, min(want, blocks // 4, 64))
 
 
 def _swizzle(width_bytes: int) -> int:
@@ -265,6 +273,28 @@ def _write_partials(acc, l_i, m_i, o_smem, lm_smem, o_gmem, l_gmem, m_gmem, idx,
   plgpu.copy_smem_to_gmem(lm_smem.at[0, part], l_gmem.at[idx])
   plgpu.copy_smem_to_gmem(lm_smem.at[1, part], m_gmem.at[idx])
   plgpu.wait_smem_to_gmem(0)
+
+
+def query_rows(q, kv_heads: int, sm_scale, dtype, n_pad: int):
+  """``q [B, S, Hq, D]`` -> ``[B, Hkv, n_pad, D]``: the query rows ``r = h S + s``
+  of each kv head, times ``sm_scale`` (in float32), in ``dtype``, zero-padded."""
+  batch, num_queries, q_heads, head_dim = q.shape
+  group_q = q_heads // kv_heads
+  q_rows = group_q * num_queries
+  qh = q.reshape(batch, num_queries, kv_heads, group_q, head_dim)
+  qh = qh.transpose(0, 2, 3, 1, 4).reshape(batch, kv_heads, q_rows, head_dim)
+  qh = (qh.astype(jnp.float32) * sm_scale).astype(dtype)
+  return jnp.pad(qh, ((0, 0), (0, 0), (0, n_pad - q_rows), (0, 0)))
+
+
+def unpack_rows(out, num_queries: int, q_heads: int):
+  """Inverse of `query_rows`' layout: ``[B, Hkv, rows, D]`` (rows >= Hq/Hkv * S)
+  -> ``[B, S, Hq, D]``; the padding rows are dropped."""
+  batch, kv_heads, _, head_dim = out.shape
+  group_q = q_heads // kv_heads
+  out = out[:, :, :group_q * num_queries].reshape(batch, kv_heads, group_q, num_queries,
+                                                  head_dim)
+  return out.transpose(0, 3, 1, 2, 4).reshape(batch, num_queries, q_heads, head_dim)
 
 
 def supports(k_side: SideSpec, v_side: SideSpec, *, head_dim: int, q_rows: int,
@@ -399,10 +429,7 @@ def mosaic_decode_attention(
   # ~20 % at (8, 32768, 32, 8) with it on an H200 (kivi2 gained 5-7 %).
   n_pad = (_rows_n(q_rows, smallest=8 if _register_k(config, k_side, head_dim, dtype) else 16)
            if config.tokens_m else _M)
-  qh = q.reshape(batch, num_queries, kv_heads, group_q, head_dim)
-  qh = qh.transpose(0, 2, 3, 1, 4).reshape(batch, kv_heads, q_rows, head_dim)
-  qh = (qh.astype(jnp.float32) * sm_scale).astype(dtype)
-  qh = jnp.pad(qh, ((0, 0), (0, 0), (0, n_pad - q_rows), (0, 0)))
+  qh = query_rows(q, kv_heads, sm_scale, dtype, n_pad)
   # Per-token scale/zero with one group per head: [B, H, C] so TMA boxes are rows.
   def squeeze_token(x, side):
     if x is None or side.axis != "token":
@@ -413,9 +440,7 @@ def mosaic_decode_attention(
   lengths = lengths.astype(jnp.int32)
 
   def unpack_out(out):  # [B, H, rows, D] -> [B, S, Hq, D]
-    out = out[:, :, :q_rows].reshape(batch, kv_heads, group_q, num_queries, head_dim)
-    return out.transpose(0, 3, 1, 2, 4).reshape(batch, num_queries, q_heads,
-                                                head_dim).astype(q.dtype)
+    return unpack_rows(out, num_queries, q_heads).astype(q.dtype)
 
   if config.tokens_m:
     def arrays_of(codes, scale, zero, side):
@@ -588,6 +613,20 @@ def new_max(s, m_i, colmax, flag_smem=None):
   mosaic_dequant.warpgroup_any(above.astype(jnp.int32), flag_smem)
   one = plgpu.layout_cast(jnp.ones(m_i.shape, jnp.float32), plgpu.Layout.WGMMA.reduce(0))
   return lax.cond(flag_smem[0] != 0, exact, lambda s, m: (m, one), s, m_i)
+
+
+def masked_softmax(s, m_i, *, token0, valid_below, row_limit, colmax, flag_smem=None):
+  """``(p, m_new, alpha)`` of one online-softmax step over scores ``s [bk, N]``
+  of tokens ``token0 + [0, bk)``: tokens ``>= valid_below`` or past a query
+  row's causal limit (``row_limit [N]``) are masked, then `new_max` (``colmax``
+  the column max; lazy with ``flag_smem``), then ``p = exp(s - m_new)``."""
+  bk, n_rows = s.shape
+  tok = token0 + plgpu.broadcasted_iota(jnp.int32, (bk, n_rows), 0, layout=plgpu.Layout.WGMMA)
+  lim = lax.broadcast_in_dim(row_limit, (bk, n_rows), [1])
+  s = jnp.where((tok < valid_below) & (tok <= lim), s, -jnp.inf)
+  m_new, alpha = new_max(s, m_i, colmax, flag_smem)                    # [N]
+  m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  return jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [1])), m_new, alpha
 
 
 _MAGIC = {jnp.dtype(jnp.bfloat16): (0x4300, 128.0), jnp.dtype(jnp.float16): (0x6400, 1024.0)}
@@ -792,14 +831,9 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       ksc, kzr = _token_affine(k_tiles[1], k_tiles[2])
       s = (s * lax.broadcast_in_dim(ksc, s.shape, [0])
            + lax.broadcast_in_dim(kzr, s.shape, [0]) * lax.broadcast_in_dim(q_sum, s.shape, [1]))
-    tok = token0 + plgpu.broadcasted_iota(jnp.int32, (bk, n_rows), 0,
-                                          layout=plgpu.Layout.WGMMA)
-    lim = lax.broadcast_in_dim(row_limit, (bk, n_rows), [1])
-    s = jnp.where((tok < valid_below) & (tok <= lim), s, -jnp.inf)
-    m_new, alpha = new_max(s, m_i, lambda x: x.max(axis=0),            # [N]
-                           flag_smem if config.lazy_max else None)
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    p = jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [1]))
+    p, m_new, alpha = masked_softmax(s, m_i, token0=token0, valid_below=valid_below,
+                                     row_limit=row_limit, colmax=lambda x: x.max(axis=0),
+                                     flag_smem=flag_smem if config.lazy_max else None)
     alpha_b = lax.broadcast_in_dim(alpha, l_i.shape, [1])
     l_i = l_i * alpha_b + p                                    # row sums deferred
     acc = acc * mosaic_dequant.widen_columns(

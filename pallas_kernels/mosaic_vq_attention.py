@@ -97,10 +97,7 @@ def default_config(*, batch: int, tokens: int, kv_heads: int, num_sms: int = 132
   when that is many, at least 4 blocks per split. ``two_warpgroups``: 128-token
   blocks (the two-warpgroup kernel), else 64; ``stages`` pipeline stages."""
   block_k = 128 if two_warpgroups else 64
-  blocks = max(1, tokens // block_k)
-  programs = max(1, num_sms // max(1, batch * kv_heads))
-  want = programs - 1 if programs > 16 else programs
-  splits = max(1, min(want, blocks // 4, 64))
+  splits = ma.one_wave_splits(num_sms, batch * kv_heads, max(1, tokens // block_k))
   return ma.MosaicAttentionConfig(block_k=block_k, num_splits=splits,
                                   max_concurrent_steps=stages)
 
@@ -184,14 +181,9 @@ def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, length
       return acc_ref[...]
 
     s = pl.run_scoped(scores, plgpu.ACC((_HALF, n_rows), f32))        # [64, N]
-    tok = token0 + plgpu.broadcasted_iota(jnp.int32, (_HALF, n_rows), 0,
-                                          layout=plgpu.Layout.WGMMA)
-    lim = lax.broadcast_in_dim(row_limit, (_HALF, n_rows), [1])
-    s = jnp.where((tok < valid_below) & (tok <= lim), s, -jnp.inf)
-    m_new, alpha = ma.new_max(s, m_i, lambda x: _wg_reduce(x, red, "max"),
-                              flag if lazy_max else None)
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    p = jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [1]))
+    p, m_new, alpha = ma.masked_softmax(
+        s, m_i, token0=token0, valid_below=valid_below, row_limit=row_limit,
+        colmax=lambda x: _wg_reduce(x, red, "max"), flag_smem=flag if lazy_max else None)
     l_i = l_i * lax.broadcast_in_dim(alpha, l_i.shape, [1]) + p      # row sums deferred
     acc = acc * widen(lax.broadcast_in_dim(alpha, (head_dim, n_rows), [1]), n_pv, 1.0)
     pt_smem[...] = widen(p.astype(dtype), n_pv)
@@ -386,10 +378,10 @@ def mosaic_vq_decode_attention(
     if n_pad > 16:
       raise ValueError(f"Mosaic VQ kernel: block_k=128 (two warpgroups) serves <= 16 query "
                        f"rows per kv head, got {q_rows}")
-    if two_wg_smem(config.max_concurrent_steps) > _SMEM_LIMIT:
+    need = two_wg_smem(config.max_concurrent_steps)
+    if need > _SMEM_LIMIT:
       raise ValueError(f"Mosaic VQ kernel: block_k=128 with max_concurrent_steps="
-                       f"{config.max_concurrent_steps} needs "
-                       f"{two_wg_smem(config.max_concurrent_steps)} bytes of shared memory "
+                       f"{config.max_concurrent_steps} needs {need} bytes of shared memory "
                        f"(> {_SMEM_LIMIT})")
   ok, why = supports(head_dim=head_dim, k_spec=k_spec, v_spec=v_spec, q_rows=q_rows,
                      dtype=dtype, token_group=token_group, residual=residual,
@@ -412,10 +404,7 @@ def mosaic_vq_decode_attention(
     raise ValueError(f"scale must be a scalar, got shape {sm_scale.shape}")
 
   # Query rows r = h * S + s of each kv head, scaled, padded to the score MMA's N.
-  qh = q.reshape(batch, num_queries, kv_heads, group_q, head_dim)
-  qh = qh.transpose(0, 2, 3, 1, 4).reshape(batch, kv_heads, q_rows, head_dim)
-  qh = (qh.astype(jnp.float32) * sm_scale).astype(dtype)
-  qh = jnp.pad(qh, ((0, 0), (0, 0), (0, n_pad - q_rows), (0, 0)))
+  qh = ma.query_rows(q, kv_heads, sm_scale, dtype, n_pad)
   perm = mosaic_dequant.vq_permutation(head_dim)
   if config.block_k == 128:
     o_part, l_part, m_part = _two_wg_call(
@@ -434,8 +423,7 @@ def mosaic_vq_decode_attention(
     tail = 1
   out = combine_t.combine_t(o_part, l_part, m_part, rows=_triton.next_pow2(q_rows),
                             packed_rows=np.argsort(perm), out_dtype=q.dtype, plain_tail=tail)
-  out = out[:, :, :q_rows].reshape(batch, kv_heads, group_q, num_queries, head_dim)
-  return out.transpose(0, 3, 1, 2, 4).reshape(batch, num_queries, q_heads, head_dim)
+  return ma.unpack_rows(out, num_queries, q_heads)
 
 
 __all__ = ["auto_config", "default_config", "mosaic_vq_decode_attention", "supports"]

@@ -231,3 +231,21 @@ def test_default_dispatch_and_forced_mosaic():
   # No Mosaic kernel for 2 stages: the Triton VQ kernel on a GPU, else the reference.
   assert va.resolve(q, cache2, None) == ("triton" if jax.default_backend() == "gpu"
                                          else "reference")
+
+
+def test_config_type_picks_the_family():
+  """A Triton config never runs the Mosaic kernel and a Mosaic config never the
+  Triton one; a forced family that its config does not fit names why."""
+  from jaxkv import vq_attention as va  # pylint: disable=import-outside-toplevel
+  from pallas_kernels import vq_attention as vk  # pylint: disable=import-outside-toplevel
+  q, cache = _case("cq2", 1, 2, 4, 128, 1, (300,), 512, jnp.bfloat16)
+  triton_cfg = vk.VQAttentionConfig(block_k=64, num_splits=2)
+  mosaic_cfg = ma.MosaicAttentionConfig(block_k=64, num_splits=2)
+  with pytest.raises(ValueError, match="config is a VQAttentionConfig"):
+    va.resolve(q, cache, "mosaic", triton_cfg)
+  with pytest.raises(ValueError, match="triton: config is a MosaicAttentionConfig"):
+    va.resolve(q, cache, "triton", mosaic_cfg)
+  want = "mosaic" if ON_HOPPER else "reference"
+  assert va.resolve(q, cache, None, mosaic_cfg) == want
+  assert va.resolve(q, cache, None, triton_cfg) == ("triton" if jax.default_backend() == "gpu"
+                                                    else "reference")
