@@ -374,7 +374,8 @@ class Runner:
 
   def _capacity(self, context: int) -> int:
     a = self.args
-    loops = a.reps + 2 + (1 if a.profile else 0)  # compile + warm loop; the profile one more
+    loops = (a.reps + 2) * (1 + len(a.alt_implementations)) + (1 if a.profile else 0)
+    # compile + warm loop each implementation; the profile one more
     return context + loops * a.loop_steps + a.warmup + a.steps + 2 * a.profile_steps + 8
 
   def decode_case(self, fmt_name: str, context: int, batch: int) -> dict:
@@ -404,6 +405,16 @@ class Runner:
     calls, tokens, cache = time_decode_calls(self.graphdef, self.state, cache, tokens,
                                              steps=a.steps, warmup=a.warmup,
                                              implementation=a.implementation)
+    # --implementations: each alternative in the same loop over the same cache,
+    # then the main implementation once more (drift check).
+    if a.alt_implementations:
+      row["alt_loops"] = {}
+      for impl in a.alt_implementations:
+        row["alt_loops"][impl], tokens, cache = time_decode_loop(
+            self.split, cache, tokens, loop_steps=a.loop_steps, reps=a.reps, implementation=impl)
+      again, tokens, cache = time_decode_loop(self.split, cache, tokens, loop_steps=a.loop_steps,
+                                              reps=a.reps, implementation=a.implementation)
+      row["alt_loops"][f"{a.implementation} (again)"] = again
     # Profiled: the longest B=1 context, and each max-batch child's case.
     if a.profile and a.profile_steps and (
         a.batch_only or (batch == 1 and context == max(self.args.context_list))):
@@ -614,6 +625,13 @@ def print_table(latency, batch_rows, prefill_rows, profiles, summary, skipped, e
                    f"{r[0]['floor_us']:.0f}".rjust(22) if r else f"{'-':>22}")
     if any(c.strip() != "-" for c in cells):
       print(f"{f:<8}" + "".join(cells))
+  alts = [r for r in latency + batch_rows if r.get("alt_loops")]
+  if alts:
+    print("\n== in-loop us per step by attention implementation (same process, same cache) ==")
+    for r in alts:
+      cells = " ".join(f"{k}={v['median_us']:.0f}" for k, v in r["alt_loops"].items())
+      print(f"{r['format']:<8}{_ctx(r['context']):>6} B={r['batch']:<4} main={r['median_us']:.0f} "
+            f"{cells}")
   if batch_rows:
     print(f"\n== largest batch at {_ctx(batch_rows[0]['context'])} ==")
     print(f"{'format':<8}{'batch':>7}{'step ms':>10}{'floor ms':>10}{'tok/s':>10}"
@@ -827,6 +845,9 @@ def main(argv=None) -> int:
   p.add_argument("--batch-size", type=int, default=None, help=argparse.SUPPRESS)
   p.add_argument("--batch-only", default=None, help=argparse.SUPPRESS)
   p.add_argument("--implementation", default=None, help="decode_attention implementation")
+  p.add_argument("--implementations", default="",
+                 help="comma-separated alternative implementations, each timed in the decode "
+                      "loop on the same cache after the main one (A/B in one process)")
   p.add_argument("--mesh", default=None, metavar="data=D,model=M",
                  help="shard weights, caches and attention on a device mesh; floors and "
                       "max batch are per device (weights / model, cache / its shards)")
@@ -846,6 +867,7 @@ def main(argv=None) -> int:
                                                "results"))
   argv = list(sys.argv[1:] if argv is None else argv)
   args = p.parse_args(argv)
+  args.alt_implementations = [x for x in args.implementations.split(",") if x.strip()]
   formats = (args.formats.split(",") if args.formats
              else list(QUICK_FORMATS if args.quick else FORMATS))
   contexts = ([int(c) for c in args.contexts.split(",")] if args.contexts

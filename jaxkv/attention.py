@@ -272,17 +272,17 @@ def _mosaic_default(cache):
       v_bits=fmt.v_bits, token_group=fmt.token_group, residual=fmt.residual)
 
 
-def _mosaic_attention(q, cache, *, scale, config):
+def _mosaic_attention(q, cache, *, scale, config, layer=None):
+  """The Mosaic kernel over a `KVCache`, or over layer ``layer`` of a
+  `ModelCache`'s stacked arrays (read in place)."""
   from pallas_kernels import mosaic_attention  # pylint: disable=import-outside-toplevel
   k_side, v_side = _mosaic_specs(cache)
-  if config is None:
-    config = _mosaic_default(cache)
   sm_scale = cache.head_dim ** -0.5 if scale is None else scale
   return mosaic_attention.mosaic_decode_attention(
       q, cache.k.codes, cache.k.scale, cache.k.zero, cache.v.codes, cache.v.scale,
       cache.v.zero, cache.k_residual, cache.v_residual, cache.lengths,
       k_side=k_side, v_side=v_side, token_group=cache.fmt.token_group,
-      residual=cache.fmt.residual, sm_scale=sm_scale, config=config)
+      residual=cache.fmt.residual, sm_scale=sm_scale, config=config, layer=layer)
 
 
 def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None,
@@ -295,7 +295,8 @@ def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None
   Args:
     q: ``[B, S, Hq, D]``; ``Hq`` a multiple of ``cache.kv_heads``.
     cache: the `KVCache`, or one layer of a `jaxkv.ModelCache`
-      (`ModelCache.layer_view`), which the Triton kernels read in place, or
+      (`ModelCache.layer_view`), which both Pallas kernel families read in
+      place (the reference takes `LayerView.materialize()`), or
       a `jaxkv.VQCache` (`jaxkv.vq_attention`: reference or fused VQ kernel).
     scale: softmax scale, default ``D ** -0.5``: a Python/numpy real or a
       scalar array (traced ones included); a concrete non-finite one raises.
@@ -331,16 +332,17 @@ def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None
                      f"got {cache.fmt}")
   impl = resolve_implementation(q, cache, implementation, config)
   from jaxkv.model_cache import LayerView  # pylint: disable=import-outside-toplevel
+  if impl == "mosaic":  # resolved on the layer's shapes, before any unwrapping
+    config = config if _is_mosaic_config(config) else _mosaic_default(cache)
   layer = None
   if isinstance(cache, LayerView):
-    if impl == "triton":  # the kernel reads the layer of the stacked arrays in place
+    if impl in ("triton", "mosaic"):  # the kernels read the layer of the stacked arrays in place
       layer = cache.index
       cache = dataclasses.replace(cache.stacked, lengths=cache.lengths, overflow=cache.overflow)
     else:
       cache = cache.materialize()
   if impl == "mosaic":
-    out = _mosaic_attention(q, cache, scale=scale,
-                            config=config if _is_mosaic_config(config) else None)
+    out = _mosaic_attention(q, cache, scale=scale, config=config, layer=layer)
   elif impl == "triton":
     import pallas_kernels  # pylint: disable=import-outside-toplevel
     if config is not None and _is_mosaic_config(config):

@@ -244,21 +244,24 @@ def _run_split(step, specs, gmem_refs, *, packed, j, num_splits: int, bk: int,
   return pipeline(*gmem_refs)
 
 
-def _program_start(lengths_gmem, q_gmem, q_smem, barrier, *, token_group: int, residual: int,
-                   num_queries: int, q_rows: int, rows: int, row_layout):
-  """What every program reads first: its ``(b, h, j)``, the sequence length, the
-  packed length (the residual rule) and each query row's causal limit (row
-  ``r = head * S + s`` sees tokens ``<= length - S + s``); q is copied to smem."""
+def _program_start(lengths_gmem, row0_gmem, q_gmem, q_smem, barrier, *, token_group: int,
+                   residual: int, num_queries: int, q_rows: int, rows: int, row_layout):
+  """What every program reads first: its ``(b, h, j)``, its row ``cb`` of the
+  cache arrays (``row0_gmem [1]``, see `stacked_rows`, plus ``b``), the
+  sequence length, the packed length (the residual rule) and each query row's
+  causal limit (row ``r = head * S + s`` sees tokens ``<= length - S + s``); q
+  is copied to smem. Returns ``(b, cb, h, j, length, packed, row_limit)``."""
   b = lax.axis_index("b")
   h = lax.axis_index("h")
   j = lax.axis_index("j")
+  cb = row0_gmem[0] + b
   length = lengths_gmem[b]
   packed = token_group * jnp.maximum(0, (length - residual + token_group) // token_group)
   row = plgpu.broadcasted_iota(jnp.int32, (rows,), 0, layout=row_layout)
   row_limit = length - num_queries + (row % q_rows) % num_queries
   plgpu.copy_gmem_to_smem(q_gmem.at[b, h], q_smem, barrier)
   plgpu.barrier_wait(barrier)
-  return b, h, j, length, packed, row_limit
+  return b, cb, h, j, length, packed, row_limit
 
 
 def _write_partials(acc, l_i, m_i, o_smem, lm_smem, o_gmem, l_gmem, m_gmem, idx, rows=None):
@@ -273,6 +276,21 @@ def _write_partials(acc, l_i, m_i, o_smem, lm_smem, o_gmem, l_gmem, m_gmem, idx,
   plgpu.copy_smem_to_gmem(lm_smem.at[0, part], l_gmem.at[idx])
   plgpu.copy_smem_to_gmem(lm_smem.at[1, part], m_gmem.at[idx])
   plgpu.wait_smem_to_gmem(0)
+
+
+def stacked_rows(arrays, layer, batch: int):
+  """Layer ``layer`` of layer-stacked cache arrays, read in place.
+
+  ``arrays``: ``[L, B, H, ...]`` (None entries pass through). Returns them as
+  ``[L * B, H, ...]`` (merging the two leading axes is free: no copy) and
+  ``row0 [1]`` int32, the row of sequence 0 of that layer; the kernels read
+  sequence ``b`` at row ``row0 + b``. ``layer`` (int or traced) is clamped
+  to ``[0, L)`` like `lax.dynamic_index_in_dim`.
+  """
+  num_layers = next(x for x in arrays if x is not None).shape[0]
+  flat = [None if x is None else x.reshape(num_layers * batch, *x.shape[2:]) for x in arrays]
+  row0 = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1) * batch
+  return flat, row0.reshape(1)
 
 
 def query_rows(q, kv_heads: int, sm_scale, dtype, n_pad: int):
@@ -403,15 +421,26 @@ def mosaic_decode_attention(
     residual: int,
     sm_scale: float | jax.Array,
     config: MosaicAttentionConfig,
+    layer: jax.Array | int | None = None,
 ) -> jax.Array:
   """Decode attention of S new queries over a packed cache (Hopper kernel).
 
   Same arguments and result as `dequant_attention.dequant_decode_attention`
   (raw cache arrays); ``k_side``/``v_side`` describe the storage;
   ``sm_scale`` may be a traced scalar (it scales q before the kernel).
+  ``layer``: with every cache array stacked on a leading layer axis
+  (``[L, B, H, ...]``, a `jaxkv.ModelCache`), the (possibly traced) layer to
+  attend over, read in place (`stacked_rows`): slicing it out first would
+  copy the layer's whole storage on every call.
   Returns ``[B, S, Hq, D]`` in q's dtype.
   """
   batch, num_queries, q_heads, head_dim = q.shape
+  if layer is None:
+    row0 = jnp.zeros((1,), jnp.int32)
+  else:
+    (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_residual, v_residual), row0 = \
+        stacked_rows((k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_residual,
+                      v_residual), layer, batch)
   kv_heads, capacity = k_codes.shape[1], k_codes.shape[2]
   dtype = k_residual.dtype
   group_q = q_heads // kv_heads
@@ -454,7 +483,7 @@ def mosaic_decode_attention(
         qh, q_res, arrays_of(k_codes, k_scale, k_zero, k_side),
         arrays_of(v_codes, v_scale, v_zero, v_side), k_residual, v_residual, lengths,
         k_side=k_side, v_side=v_side, token_group=token_group, residual=residual,
-        num_queries=num_queries, q_rows=q_rows, config=config, dtype=dtype)
+        num_queries=num_queries, q_rows=q_rows, config=config, dtype=dtype, row0=row0)
     # One combine kernel reads the O^T partials as they are: with register_v
     # the packed programs' rows are in the MMA's V column order (channel c at
     # row argsort(perm)[c]), the residual program's in channel order.
@@ -475,14 +504,14 @@ def mosaic_decode_attention(
   v_specs = _side_specs(v_side, v_w, head_dim, bk, dq_transforms)
   nk, nv = len(k_specs), len(v_specs)
 
-  def kernel(lengths_gmem, q_gmem, *refs):
+  def kernel(lengths_gmem, row0_gmem, q_gmem, *refs):
     k_refs = refs[:3]
     v_refs = refs[3:6]
     kres_gmem, vres_gmem, o_gmem, l_gmem, m_gmem = refs[6:11]
     q_smem, kdq_smem, vdq_smem, o_smem, lm_smem, barrier = refs[11:]
-    b, h, j, length, packed, row_limit = _program_start(
-        lengths_gmem, q_gmem, q_smem, barrier, token_group=token_group, residual=residual,
-        num_queries=num_queries, q_rows=q_rows, rows=_M, row_layout=plgpu.Layout.WGMMA.reduce(1))
+    b, cb, h, j, length, packed, row_limit = _program_start(
+        lengths_gmem, row0_gmem, q_gmem, q_smem, barrier, token_group=token_group,
+        residual=residual, num_queries=num_queries, q_rows=q_rows, rows=_M, row_layout=plgpu.Layout.WGMMA.reduce(1))
 
     acc0 = plgpu.layout_cast(jnp.zeros((_M, head_dim), jnp.float32), plgpu.Layout.WGMMA)
     m0 = plgpu.layout_cast(jnp.full((_M,), -jnp.inf, jnp.float32),
@@ -512,7 +541,7 @@ def mosaic_decode_attention(
         return _attend_block(q_smem, k_tile, v_tile, carry, token0=token0,
                              valid_below=packed, row_limit=row_limit, dtype=dtype)
 
-      gm = [r.at[b, h] for r in k_refs[:nk]] + [r.at[b, h] for r in v_refs[:nv]]
+      gm = [r.at[cb, h] for r in k_refs[:nk]] + [r.at[cb, h] for r in v_refs[:nv]]
       finish(_run_split(step, k_specs + v_specs, gm, packed=packed, j=j,
                         num_splits=num_splits, bk=bk,
                         max_concurrent_steps=config.max_concurrent_steps,
@@ -523,9 +552,9 @@ def mosaic_decode_attention(
       carry = (acc0, m0, l0)
       num_res = length - packed
       for r0 in range(0, residual, bk):
-        plgpu.copy_gmem_to_smem(kres_gmem.at[b, h, pl.ds(r0, bk)], kdq_smem, barrier)
+        plgpu.copy_gmem_to_smem(kres_gmem.at[cb, h, pl.ds(r0, bk)], kdq_smem, barrier)
         plgpu.barrier_wait(barrier)
-        plgpu.copy_gmem_to_smem(vres_gmem.at[b, h, pl.ds(r0, bk)], vdq_smem, barrier)
+        plgpu.copy_gmem_to_smem(vres_gmem.at[cb, h, pl.ds(r0, bk)], vdq_smem, barrier)
         plgpu.barrier_wait(barrier)
         # Residual row r holds token packed + r.
         carry = _attend_block(q_smem, kdq_smem, vdq_smem, carry, token0=packed + r0,
@@ -559,7 +588,7 @@ def mosaic_decode_attention(
       scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=_SEMANTICS),
       kernel_name=f"jaxkv_mosaic_dequant_attention_k{k_side.bits}v{v_side.bits}",
-  )(lengths, qh, *k_in, *v_in, k_residual, v_residual)
+  )(lengths, row0, qh, *k_in, *v_in, k_residual, v_residual)
   return unpack_out(_combine(o_part, l_part, m_part))
 
 
@@ -736,8 +765,12 @@ def partials_type(batch: int, kv_heads: int, parts: int, head_dim: int, n_pv: in
 
 
 def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v_side,
-                   token_group, residual, num_queries, q_rows, config, dtype, vq=None):
+                   token_group, residual, num_queries, q_rows, config, dtype, vq=None,
+                   row0=None):
   """The v2 kernel; returns partials ``o [B,H,J+1,D,N_pv], l, m [B,H,J+1,N]``.
+
+  ``row0``: ``[1]`` int32, the cache arrays' row of sequence 0 (`stacked_rows`;
+  None: 0).
 
   ``qh`` is what the packed programs multiply K by (channels permuted with
   `register_k` or ``vq``), ``q_res`` what the residual program does (channel
@@ -757,6 +790,8 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
   """
   batch, kv_heads, n_rows, head_dim = qh.shape
   n_pv = max(n_rows, 16)
+  if row0 is None:
+    row0 = jnp.zeros((1,), jnp.int32)
   bk = config.block_k
   num_splits = config.num_splits
   grid_j = num_splits + 1
@@ -863,7 +898,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
     return acc, m_new, l_i, z_i
 
-  def kernel(lengths_gmem, q_gmem, *refs):
+  def kernel(lengths_gmem, row0_gmem, q_gmem, *refs):
     # sum(q) per query row only when a per-token K side folds its zero point
     if fold_k:
       qsum_gmem, qres_gmem, *refs = refs
@@ -875,9 +910,9 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     o_gmem, l_gmem, m_gmem = refs[:3]
     q_smem, vdq_smem, pt_smem, flag_smem, barrier = refs[3:]
     # Query rows are the columns of the [bk, N] score tiles here.
-    b, h, j, length, packed, row_limit = _program_start(
-        lengths_gmem, q_gmem, q_smem, barrier, token_group=token_group, residual=residual,
-        num_queries=num_queries, q_rows=q_rows, rows=n_rows,
+    b, cb, h, j, length, packed, row_limit = _program_start(
+        lengths_gmem, row0_gmem, q_gmem, q_smem, barrier, token_group=token_group,
+        residual=residual, num_queries=num_queries, q_rows=q_rows, rows=n_rows,
         row_layout=plgpu.Layout.WGMMA.reduce(0))
 
     acc0 = plgpu.layout_cast(jnp.zeros((head_dim, n_pv), f32), plgpu.Layout.WGMMA)
@@ -916,7 +951,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
                         valid_below=packed, row_limit=row_limit, q_sum=q_sum,
                         book_smems=book_smems, flag_smem=flag_smem)
 
-        gm = [r.at[b, h] for r in k_refs[:nk]] + [r.at[b, h] for r in v_refs[:nv]]
+        gm = [r.at[cb, h] for r in k_refs[:nk]] + [r.at[cb, h] for r in v_refs[:nv]]
         return _run_split(step, k_specs + v_specs, gm, packed=packed, j=j,
                           num_splits=num_splits, bk=bk,
                           max_concurrent_steps=config.max_concurrent_steps,
@@ -939,9 +974,9 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       def attend_residual(kres_smem):
         carry = (acc0, m0, l0, l0)
         for r0 in range(0, residual, bk):
-          plgpu.copy_gmem_to_smem(kres_gmem.at[b, h, pl.ds(r0, bk)], kres_smem, barrier)
+          plgpu.copy_gmem_to_smem(kres_gmem.at[cb, h, pl.ds(r0, bk)], kres_smem, barrier)
           plgpu.barrier_wait(barrier)
-          plgpu.copy_gmem_to_smem(vres_gmem.at[b, h, pl.ds(r0, bk)], vdq_smem, barrier)
+          plgpu.copy_gmem_to_smem(vres_gmem.at[cb, h, pl.ds(r0, bk)], vdq_smem, barrier)
           plgpu.barrier_wait(barrier)
           # Residual row r holds token packed + r.
           carry = attend(q_smem, kres_smem, vdq_smem, pt_smem, vdq_smem, carry,
@@ -970,5 +1005,5 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=_SEMANTICS),
       kernel_name=(f"jaxkv_mosaic_tokens_m_attention_k{k_side.bits}v{v_side.bits}" if vq is None
                    else f"jaxkv_mosaic_vq_attention_k{k_vec}v{v_vec}"),
-  )(lengths, qh, *([jnp.sum(qh.astype(f32), axis=-1)] if fold_k else []), q_res, *k_in, *v_in,
-    k_residual, v_residual, *books)
+  )(lengths, row0, qh, *([jnp.sum(qh.astype(f32), axis=-1)] if fold_k else []), q_res, *k_in,
+    *v_in, k_residual, v_residual, *books)

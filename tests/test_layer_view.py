@@ -70,3 +70,64 @@ def test_layer_view_lowers_for_cuda_without_slicing_the_cache():
   assert "__gpu$xla.gpu.triton" in text
   # No slice of the stacked storage is taken outside the kernel.
   assert "dynamic_slice" not in text
+
+
+# (format, Hq/Hkv, S, dtype, Mosaic config or None for the heuristic default)
+MOSAIC_CASES = [
+    ("kivi4", 4, 1, jnp.bfloat16, None),
+    ("kivi2", 8, 2, jnp.float16, None),
+    ("int8", 4, 1, jnp.bfloat16, None),
+    ("kivi4", 4, 3, jnp.bfloat16, "v1"),  # query rows on M (the v1 kernel)
+    ("bf16", 2, 1, jnp.bfloat16, None),
+]
+
+
+def _mosaic_config(which):
+  from pallas_kernels import mosaic_attention as ma
+  if which == "v1":
+    return ma.MosaicAttentionConfig(block_k=64, num_splits=3, tokens_m=False,
+                                    fold_scales=False, register_k=False, register_v=False)
+  return None
+
+
+@pytest.mark.parametrize("fmt,group,s,dtype,which", MOSAIC_CASES,
+                         ids=[f"{c[0]}-g{c[1]}-s{c[2]}-{c[4] or 'default'}" for c in MOSAIC_CASES])
+def test_layer_view_mosaic(fmt, group, s, dtype, which):
+  """The Mosaic family reads the layer in place too: on a Hopper GPU compiled
+  against float64 over the layer's dequantized K/V (traced layer index); off
+  Hopper its CUDA lowering takes the stacked arrays whole (no slice)."""
+  from jaxkv.attention import is_hopper
+  from pallas_kernels import mosaic_attention as ma
+  from pallas_kernels.side_spec import SideSpec
+  b, hkv, d, lengths = 2, 2, 128, (700, 141)
+  seed = zlib.crc32(f"mosaic-{fmt}-{group}-{s}".encode())
+  mc = _model_cache(fmt, 3, b, hkv, d, lengths, 1024, dtype, seed)
+  q = jax.random.normal(jax.random.PRNGKey(seed + 7), (b, s, hkv * group, d)).astype(dtype)
+  config = _mosaic_config(which)
+  if not is_hopper():
+    mf = mc.fmt
+    cfg = config or ma.MosaicAttentionConfig(block_k=64, num_splits=3)
+
+    def f(q, mc, i):
+      return ma.mosaic_decode_attention(
+          q, mc.k.codes, mc.k.scale, mc.k.zero, mc.v.codes, mc.v.scale, mc.v.zero,
+          mc.k_residual, mc.v_residual, mc.lengths, k_side=SideSpec.of(mf, "k", d),
+          v_side=SideSpec.of(mf, "v", d), token_group=mf.token_group, residual=mf.residual,
+          sm_scale=d ** -0.5, config=cfg, layer=i)
+
+    text = jax.jit(f).trace(q, mc, jnp.int32(1)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    assert "dynamic_slice" not in text  # the stacked storage goes to the kernel whole
+    return
+
+  @jax.jit
+  def attend(q, mc, index):
+    return jaxkv.decode_attention(q, mc.layer_view(index), implementation="mosaic",
+                                  config=config)
+
+  for index in (2, 0, 1):
+    got = np.asarray(attend(q, mc, jnp.int32(index)), np.float64)
+    kd, vd = mc.layer(index).dequantize()
+    ref = np_attention(np.asarray(q, np.float64), np.asarray(kd), np.asarray(vd), lengths)
+    tol = 2e-2 if dtype == jnp.bfloat16 else 4e-3
+    np.testing.assert_allclose(got, ref, atol=tol * np.abs(ref).max(), rtol=0)
