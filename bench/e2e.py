@@ -374,8 +374,10 @@ class Runner:
 
   def _capacity(self, context: int) -> int:
     a = self.args
-    loops = (a.reps + 2) * (1 + len(a.alt_implementations)) + (1 if a.profile else 0)
-    # compile + warm loop each implementation; the profile one more
+    alts = len(a.alt_implementations)
+    # compile + warm loop per implementation (the main one twice with alternatives),
+    # the profile one more
+    loops = (a.reps + 2) * (1 + alts + (1 if alts else 0)) + (1 if a.profile else 0)
     return context + loops * a.loop_steps + a.warmup + a.steps + 2 * a.profile_steps + 8
 
   def decode_case(self, fmt_name: str, context: int, batch: int) -> dict:

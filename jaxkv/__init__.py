@@ -18,6 +18,8 @@ Public API:
   quant                     reference quantize/dequantize/pack/unpack
   VQFormat, VQ_PRESETS,     vector-quantized formats, cache and k-means codebooks
   VQCache, VQCodebooks, vq  (`jaxkv.vq`, `jaxkv.vq_cache`; issue 15)
+  VQModelCache              all layers' VQ caches stacked (`jaxkv.vq_model_cache`):
+                            what `model.init_cache("cq2", ..., codebooks=)` returns
   hierarchical              QuantSpec's two-plane INT8 codes (draft / target views)
   StagedCache               a KVCache plus unflushed tokens: append(flush=False),
                             rollback, flush (`jaxkv.staged_cache`)
@@ -40,6 +42,8 @@ from jaxkv.sharding import make_mesh, shard_cache, sharded_decode_attention
 from jaxkv import vq
 from jaxkv.vq import VQ_PRESETS, VQCodebooks, VQFormat
 from jaxkv.vq_cache import VQCache
+from jaxkv import vq_model_cache
+from jaxkv.vq_model_cache import VQModelCache
 from jaxkv.speculative import speculative_generate, speculative_steps
 from jaxkv.staged_cache import StagedCache
 
@@ -55,6 +59,7 @@ __all__ = [
     "VQCache",
     "VQCodebooks",
     "VQFormat",
+    "VQModelCache",
     "VQ_PRESETS",
     "StagedCache",
     "autotune",

@@ -5,7 +5,8 @@ against a cache that already holds ``L_b`` tokens. Query ``i`` of sequence
 ``b`` (position ``L_b + i``) attends to
 
 * the history ``[0, L_b)`` exactly as stored (`KVCache.dequantize()`:
-  packed tokens dequantized, residual tokens exact), and
+  packed tokens dequantized, residual tokens exact; for a `jaxkv.VQCache`
+  the packed tokens are their summed centroids), and
 * the chunk's own keys ``j <= i`` in full precision (causal),
 
 with one softmax over both. The chunk's K/V are written to the cache after
@@ -35,6 +36,7 @@ path otherwise.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -43,6 +45,8 @@ import jax.numpy as jnp
 from jaxkv import hierarchical, quant
 from jaxkv.attention import _poison, check_scale
 from jaxkv.cache import KVCache, QuantizedKV
+from jaxkv.vq_cache import VQCache
+from pallas_kernels.vq_attention import vq_dequantize
 
 IMPLEMENTATIONS = ("pallas", "xla", "reference")
 # implementation=None runs the dense reference while its float32 logits stay
@@ -85,15 +89,25 @@ def _pallas(q, cache: KVCache, k_chunk, v_chunk, scale, config, interpret: bool)
   def one_slice(i, out):
     start = jnp.minimum(i * bs, b - bs)
     take = lambda x: jax.lax.dynamic_slice_in_dim(x, start, bs, axis=0)  # noqa: E731
-    o = attend(take(q), jax.tree.map(take, cache), take(k_chunk), take(v_chunk))
+    o = attend(take(q), _take_sequences(cache, take), take(k_chunk), take(v_chunk))
     return jax.lax.dynamic_update_slice_in_dim(out, o, start, axis=0)
 
   return jax.lax.fori_loop(0, -(-b // bs), one_slice, jnp.zeros_like(q))
 
 
+def _take_sequences(cache, take):
+  """``take`` applied to every per-sequence leaf of the cache (a VQ cache's
+  codebooks ``[Hkv, ...]`` are shared by all sequences and kept whole)."""
+  if not isinstance(cache, VQCache):
+    return jax.tree.map(take, cache)
+  shared = dict(k_codebook=cache.k_codebook, v_codebook=cache.v_codebook)
+  per_seq = jax.tree.map(take, dataclasses.replace(cache, k_codebook=None, v_codebook=None))
+  return dataclasses.replace(per_seq, **shared)
+
+
 def _check(q, cache, k_chunk, v_chunk, chunk_lengths):
-  if not isinstance(cache, KVCache):
-    raise TypeError(f"cache must be a jaxkv.KVCache, got {type(cache).__name__}")
+  if not isinstance(cache, (KVCache, VQCache)):
+    raise TypeError(f"cache must be a jaxkv.KVCache or VQCache, got {type(cache).__name__}")
   for name, x in (("q", q), ("k_chunk", k_chunk), ("v_chunk", v_chunk)):
     if getattr(x, "ndim", None) != 4:
       raise ValueError(f"{name} must be rank 4, got shape {getattr(x, 'shape', type(x))}")
@@ -116,7 +130,7 @@ def chunk_attention_reference(q: jax.Array, cache: KVCache, k_chunk: jax.Array,
 
   Args:
     q: ``[B, c, Hq, D]`` queries of the chunk (positions ``L_b + i``).
-    cache: the history (`KVCache`, lengths ``L_b``); not changed.
+    cache: the history (`KVCache` or `jaxkv.VQCache`, lengths ``L_b``); not changed.
     k_chunk, v_chunk: ``[B, c, Hkv, D]`` the chunk's own keys and values.
     scale: softmax scale, default ``D ** -0.5``.
   Returns:
@@ -126,6 +140,14 @@ def chunk_attention_reference(q: jax.Array, cache: KVCache, k_chunk: jax.Array,
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   k_hist, v_hist = cache.dequantize()                                   # [B, C, Hkv, D]
   return dense(q, k_hist, v_hist, cache.lengths, k_chunk, v_chunk, scale=scale)
+
+
+def _history_rows(cache, side: str, start, n: int) -> jax.Array:
+  """Packed rows ``[start, start + n)`` of side ``"k"``/``"v"`` as float32 ``[B, H, n, D]``."""
+  if isinstance(cache, VQCache):
+    codes = jax.lax.dynamic_slice_in_dim(getattr(cache, f"{side}_codes"), start, n, axis=2)
+    return vq_dequantize(codes, getattr(cache, f"{side}_codebook"))
+  return _dequant_rows(getattr(cache, side), start, n)
 
 
 def _dequant_rows(side: QuantizedKV, start, n: int) -> jax.Array:
@@ -192,7 +214,7 @@ def _blocked(q, cache: KVCache, k_chunk, v_chunk, scale, block_q: int, block_k: 
              jnp.full(qb.shape[:-1], -jnp.inf, jnp.float32))
 
     def hist(j, state):
-      kb, vb = _dequant_rows(cache.k, j * bk, bk), _dequant_rows(cache.v, j * bk, bk)
+      kb, vb = _history_rows(cache, "k", j * bk, bk), _history_rows(cache, "v", j * bk, bk)
       mask = (j * bk + jnp.arange(bk)[None, :] < packed[:, None])[:, None, None, None, :]
       return _partial(qb, kb, vb, mask, state)
 
@@ -229,7 +251,8 @@ def chunk_attention(q: jax.Array, cache: KVCache, k_chunk: jax.Array, v_chunk: j
   Args:
     q: ``[B, c, Hq, D]`` queries of the chunk; query ``i`` sits at position
       ``cache.lengths[b] + i``.
-    cache: `KVCache` holding the history (the chunk is *not* in it yet).
+    cache: `KVCache` or `jaxkv.VQCache` holding the history (the chunk is
+      *not* in it yet).
     k_chunk, v_chunk: ``[B, c, Hkv, D]`` the chunk's keys and values.
     chunk_lengths: ``[B]`` real tokens per sequence (optional; queries past it
       are padding and their rows are unspecified but finite). Checked for shape.

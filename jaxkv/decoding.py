@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxkv import vq
 from jaxkv.formats import KVFormat
 from jaxkv.sharding import check_mesh
 
@@ -450,7 +451,7 @@ def generate(model, prompt_tokens, prompt_lengths, *, kv_format: KVFormat | str 
              rng: jax.Array | None = None, capacity: int | None = None,
              implementation: str | None = None, cache_dtype=None, pad_token_id: int = 0,
              return_cache: bool = False, progress: Callable[[Any], None] | None = None,
-             num_steps: int | None = None, mesh=None):
+             num_steps: int | None = None, mesh=None, codebooks=None):
   """Generates ``max_new_tokens`` tokens per prompt with a (quantized) KV cache.
 
   Args:
@@ -459,7 +460,8 @@ def generate(model, prompt_tokens, prompt_lengths, *, kv_format: KVFormat | str 
     prompt_tokens: ``[B, T]`` int, right-padded: row ``b`` holds
       ``prompt_lengths[b]`` real tokens first.
     prompt_lengths: ``[B]`` int in ``[1, T]``.
-    kv_format: `KVFormat` or preset name for every layer's cache.
+    kv_format: `KVFormat` or preset name for every layer's cache, or a
+      `jaxkv.VQFormat` / VQ preset name (``"cq4"``, ``"cq2"``) with ``codebooks``.
     max_new_tokens: tokens to generate per sequence (>= 1).
     sampler: ``"greedy"``; ``"sample"`` (temperature, then optional top-k and
       top-p); ``"temperature"``, ``"top_k"``, ``"top_p"`` as aliases of
@@ -486,6 +488,8 @@ def generate(model, prompt_tokens, prompt_lengths, *, kv_format: KVFormat | str 
       (`jaxkv.shard_cache`) and every layer's append and attention run per
       shard. Place the model first with `models.sharding.shard_model` (else
       XLA replicates its weights). Greedy tokens match one device.
+    codebooks: a VQ format's `jaxkv.VQCodebooks` (required there; passed to
+      ``model.init_cache``).
   Returns:
     ``(tokens [B, max_new_tokens] int32, lengths [B] int32)`` where
     ``lengths[b]`` counts generated tokens up to and including the stop
@@ -525,7 +529,9 @@ def generate(model, prompt_tokens, prompt_lengths, *, kv_format: KVFormat | str 
     raise ValueError(f"num_steps={num_steps!r} must be an int in [1, max_new_tokens="
                      f"{max_new_tokens}] or None")
   if isinstance(kv_format, str):
-    kv_format = KVFormat.preset(kv_format)
+    kv_format = vq.VQ_PRESETS.get(kv_format) or KVFormat.preset(kv_format)
+  # VQ formats need codebooks; only then is the keyword passed (other models' init_cache).
+  extra = {} if codebooks is None else {"codebooks": codebooks}
   needed = prompt_len + max_new_tokens - 1  # the last token is never appended
   capacity = prompt_len + max_new_tokens if capacity is None else capacity
   if capacity < needed:
@@ -535,11 +541,11 @@ def generate(model, prompt_tokens, prompt_lengths, *, kv_format: KVFormat | str 
   rng = jax.random.key(0) if rng is None else rng
   stops = jnp.asarray(_stop_array(stop_tokens, batch))
   if mesh is None:
-    cache = model.init_cache(kv_format, batch, capacity, dtype=cache_dtype)
+    cache = model.init_cache(kv_format, batch, capacity, dtype=cache_dtype, **extra)
   else:  # each device allocates only its shard
     from jaxkv.sharding import init_sharded  # pylint: disable=import-outside-toplevel
     cache = init_sharded(
-        lambda: model.init_cache(kv_format, batch, capacity, dtype=cache_dtype), mesh)
+        lambda: model.init_cache(kv_format, batch, capacity, dtype=cache_dtype, **extra), mesh)
   graphdef, state = _split(model)
   tokens, lengths, cache = _generate_program(
       graphdef, state, prompt_tokens, prompt_lengths, cache, rng, stops,

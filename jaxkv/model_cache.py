@@ -35,6 +35,10 @@ cache): ``overflow``: an append under `jit` would have grown the sequence past
 token ids or lengths for the sequence (see `models.llama.Llama.prefill`);
 ``nonfinite``: an append stored a NaN/inf K or V row in some layer (README
 "Input policy"; attention over the sequence is NaN on every implementation).
+
+Vector-quantized formats (`jaxkv.VQFormat`) have the subclass
+`jaxkv.VQModelCache` (`jaxkv/vq_model_cache.py`): the same append and
+flag code, codes plus codebooks as the packed storage.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ import numpy as np
 
 from jaxkv.cache import (KVCache, QuantizedKV, flush_groups, nonfinite_rows, quantize_kv,
                          shift_residual, stage_residual)
+from jaxkv import vq
 from jaxkv.formats import KVFormat
 from pallas_kernels import residual_write
 
@@ -115,6 +120,9 @@ class ModelCache:
     if isinstance(num_layers, bool) or not isinstance(num_layers, (int, np.integer)) \
         or num_layers < 1:
       raise ValueError(f"num_layers={num_layers!r} must be an int >= 1")
+    if isinstance(fmt, vq.VQFormat) or (isinstance(fmt, str) and fmt in vq.VQ_PRESETS):
+      raise ValueError(f"fmt={fmt!r} is a VQ format: use jaxkv.VQModelCache.init(..., "
+                       "codebooks=) (or model.init_cache(fmt, ..., codebooks=))")
     one = jax.eval_shape(lambda: KVCache.init(fmt, batch, kv_heads, head_dim, capacity, dtype,
                                               use_kernel=use_kernel))
     stacked = lambda s: jnp.zeros((num_layers, *s.shape), s.dtype)  # noqa: E731

@@ -153,8 +153,8 @@ def cache_specs(cache, mesh: Mesh):
 
   Storage ``[(L,) B, Hkv, C, X]`` (codes, scales, hierarchical planes,
   residual rows): batch over ``"data"``, kv heads over ``"model"`` (each
-  replicated when not divisible); VQ codebooks ``[Hkv, ...]`` with their kv
-  heads, replicated over ``"data"``; ``[B]`` lengths and
+  replicated when not divisible); VQ codebooks ``[(L,) Hkv, ...]`` with their
+  kv heads, replicated over ``"data"``; ``[B]`` lengths and
   flags over ``"data"``; a layer index replicated. Works on arrays and on
   `jax.ShapeDtypeStruct`s (`jax.eval_shape` output).
   """
@@ -185,7 +185,13 @@ def cache_specs(cache, mesh: Mesh):
   def storage(x):
     return P(*ref[: len(lead) + 2], *([None] * (x.ndim - len(lead) - 2)))
 
-  side = lambda s: jax.tree_util.tree_map(storage, s)  # noqa: E731
+  def side(s):
+    from jaxkv.vq_model_cache import VQCodes  # pylint: disable=import-outside-toplevel
+    if isinstance(s, VQCodes):  # codebooks [L, Hkv, ...] go with their kv heads
+      return VQCodes(codes=storage(s.codes),
+                     codebook=P(ref[0], ref[2], *([None] * (s.codebook.ndim - 2))))
+    return jax.tree_util.tree_map(storage, s)
+
   common = dict(k_residual=storage(cache.k_residual), v_residual=storage(cache.v_residual),
                 lengths=per_seq(cache.lengths), **{f: per_seq(getattr(cache, f)) for f in flags})
   if isinstance(cache, VQCache):

@@ -105,6 +105,11 @@ class VQFormat:
   def is_quantized(self) -> bool:
     return True
 
+  @property
+  def hierarchical(self) -> bool:
+    """False: no draft view (`jaxkv.KVFormat.hierarchical`; QuantSpec needs a KV format)."""
+    return False
+
   def spec(self, side: str) -> VQSideSpec:
     """The static kernel description of side ``"k"`` or ``"v"``."""
     if side not in ("k", "v"):

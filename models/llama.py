@@ -19,7 +19,9 @@ Three entry points:
   `jaxkv.decode_attention` over the (quantized) cache.
 
 The cache is one `jaxkv.ModelCache`: every layer's storage stacked on a
-leading layer axis, ``lengths`` once. It travels as data: methods return a new
+leading layer axis, ``lengths`` once. Vector-quantized formats take a
+`jaxkv.VQModelCache` (``init_cache("cq2", B, capacity, codebooks=books)``),
+the same interface over codes plus each layer's codebooks. It travels as data: methods return a new
 cache, never mutate the module. The layers' parameters are separate arrays per
 layer (``model.layers[i]``), run unrolled (see `Llama`).
 
@@ -560,20 +562,35 @@ class Llama(nnx.Module):
       bad = bad & real
     return jnp.any(bad, axis=1)
 
-  def init_cache(self, kv_format: KVFormat | str, batch: int, capacity: int, dtype=None,
+  def init_cache(self, kv_format: KVFormat | jaxkv.VQFormat | str, batch: int, capacity: int,
+                 dtype=None, *, codebooks: jaxkv.VQCodebooks | None = None,
                  **kwargs) -> "jaxkv.ModelCache":
-    """An empty `jaxkv.ModelCache` for every layer of this model.
+    """An empty `jaxkv.ModelCache` (`jaxkv.VQModelCache` for a VQ format) for every layer.
 
     Args:
-      kv_format: a `jaxkv.KVFormat` or preset name.
+      kv_format: a `jaxkv.KVFormat` or preset name, or a `jaxkv.VQFormat` or
+        VQ preset name (``"cq4"``, ``"cq2"``).
       batch: sequences B.
       capacity: tokens per sequence (prompt + generated).
       dtype: full-precision K/V dtype (residual block, 16-bit sides);
         default: the model dtype.
+      codebooks: VQ formats only, and required there: every layer's
+        `jaxkv.VQCodebooks` (``[num_layers, num_kv_heads, ...]``, learned with
+        `jaxkv.vq.fit` on this model's K/V for ``kv_format``).
       **kwargs: forwarded to `jaxkv.ModelCache.init` (e.g. ``use_kernel``).
+    Raises:
+      ValueError: a VQ format without ``codebooks`` (or codebooks for another
+        format, layer count, kv-head count or head_dim); ``codebooks`` with a
+        non-VQ format.
     """
     c = self.config
     dtype = self.dtype if dtype is None else dtype
+    if jaxkv.vq_model_cache.is_vq_format(kv_format):
+      return jaxkv.VQModelCache.init(kv_format, c.num_layers, batch, c.num_kv_heads, c.head_dim,
+                                     capacity, dtype, codebooks=codebooks, **kwargs)
+    if codebooks is not None:
+      raise ValueError(f"codebooks= is only for VQ formats (jaxkv.VQFormat, "
+                       f"{sorted(jaxkv.VQ_PRESETS)}), got kv_format={kv_format!r}")
     return jaxkv.ModelCache.init(kv_format, c.num_layers, batch, c.num_kv_heads, c.head_dim,
                                  capacity, dtype, **kwargs)
 
