@@ -1,0 +1,240 @@
+"""`VQModelCache`: every layer's vector-quantized KV cache, stacked on a layer axis.
+
+The VQ sibling of `jaxkv.ModelCache` with the same interface (``init``,
+``plan_append`` / ``append_layer`` / ``append_layer_with_history`` /
+``commit``, ``layer``, ``layer_view``, ``dequantize``, flags, ``check``), so
+`models.llama.Llama` prefills and decodes on it unchanged. It is a subclass:
+the residual staging, the one-token decode write, the flush `lax.cond`s and
+the flags are `ModelCache`'s own code; only the packed storage differs:
+
+* ``k``, ``v`` are `VQCodes`: uint8 codes ``[L, B, Hkv, C, S*n]`` and the
+  codebooks ``[L, Hkv, S, n, 2^b, v]`` of every layer (from a
+  `jaxkv.VQCodebooks`), all pytree leaves, so the cache flows through `jit`,
+  `lax.scan` and donation;
+* a flush writes the nearest-centroid codes of the full groups
+  (`jaxkv.vq_cache._quantize_groups`, the function `jaxkv.VQCache` flushes
+  with), scattered in place into the layer's rows.
+
+VQ quantizes each token on its own, so the cache after any sequence of
+appends is bit for bit the cache of quantizing the whole history at once,
+and each layer equals the `jaxkv.VQCache` that saw the same appends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv import vq
+from jaxkv.cache import STORAGE_ALIGN, check_dims
+from jaxkv.model_cache import AppendPlan, ModelCache, _is_concrete, _scatter_rows
+from jaxkv.vq_cache import VQCache, _quantize_groups
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class VQCodes:
+  """The packed region of K or V of every layer.
+
+  Attributes:
+    codes: ``[L, B, Hkv, C, S*n]`` uint8 codebook indices (column ``s*n + j``:
+      stage ``s``, sub-vector ``j``; `pallas_kernels.vq_attention` layout).
+    codebook: ``[L, Hkv, S, n, 2^b, v]`` centroids in ``fmt.codebook_dtype``.
+  """
+
+  codes: jax.Array
+  codebook: jax.Array
+
+
+def stacked_codebooks(fmt: vq.VQFormat, codebooks, num_layers: int, kv_heads: int,
+                      head_dim: int) -> tuple[jax.Array, jax.Array]:
+  """Validated copies of every layer's codebooks, ``(k, v)`` each ``[L, Hkv, S, n, E, v]``.
+
+  Args:
+    fmt: the cache's `VQFormat`.
+    codebooks: a `jaxkv.VQCodebooks` learned for ``fmt`` (`jaxkv.vq.fit`), or
+      a ``(k, v)`` pair of stacked arrays of that shape.
+    num_layers, kv_heads, head_dim: the cache's (model's) sizes.
+  Raises:
+    ValueError: no codebooks, another format, or a layer / kv-head / head_dim
+      count that differs from the cache's (named in the message); untrained
+      (all-zero) or non-finite centroids.
+    TypeError: anything but a `VQCodebooks` or a pair.
+  """
+  if codebooks is None:
+    raise ValueError(f"a VQ format ({fmt}) needs codebooks=: every layer's jaxkv.VQCodebooks "
+                     "(learn them with jaxkv.vq.fit on calibration K/V)")
+  if isinstance(codebooks, vq.VQCodebooks):
+    if codebooks.fmt != fmt:
+      raise ValueError(f"codebooks were learned for {codebooks.fmt}, not {fmt}")
+    k_books, v_books = codebooks.k, codebooks.v
+  elif isinstance(codebooks, (tuple, list)) and len(codebooks) == 2:
+    k_books, v_books = codebooks
+  else:
+    raise TypeError(f"codebooks must be a jaxkv.VQCodebooks or a (k, v) pair of "
+                    f"[L, Hkv, S, D/vector, 2^bits, vector] arrays, got {type(codebooks).__name__}")
+  for side, x in (("k", k_books), ("v", v_books)):
+    shape = tuple(getattr(x, "shape", ()))
+    if len(shape) != 6:
+      raise ValueError(f"codebooks.{side} must be [L, Hkv, S, D/vector, 2^bits, vector], got "
+                       f"shape {shape}")
+    if shape[0] != num_layers:
+      raise ValueError(f"codebooks.{side} holds {shape[0]} layers but the cache has "
+                       f"num_layers={num_layers}")
+    if shape[1] != kv_heads:
+      raise ValueError(f"codebooks.{side} holds {shape[1]} kv heads but the cache has "
+                       f"kv_heads={kv_heads}")
+    if shape[3] * shape[5] != head_dim:
+      raise ValueError(f"codebooks.{side} cover head_dim={shape[3] * shape[5]} (D/vector="
+                       f"{shape[3]} x vector={shape[5]}) but the cache has head_dim={head_dim}")
+  # Per layer: the shape (stages, entries, vector of fmt), trained, copied to codebook_dtype.
+  pairs = [vq.check_codebooks(fmt, k_books[i], v_books[i], kv_heads, head_dim)
+           for i in range(num_layers)]
+  return jnp.stack([p[0] for p in pairs]), jnp.stack([p[1] for p in pairs])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class VQModelCache(ModelCache):
+  """Vector-quantized KV caches of all layers of a model, stacked on a leading layer axis.
+
+  Attributes:
+    k, v: `VQCodes`: codes ``[L, B, Hkv, C, S*n]`` uint8, codebooks
+      ``[L, Hkv, S, n, 2^b, v]``.
+    k_residual, v_residual: ``[L, B, Hkv, R, D]`` full-precision rows.
+    lengths, overflow, invalid, nonfinite: ``[B]`` as in `jaxkv.ModelCache`.
+    fmt: the `jaxkv.VQFormat` (static).
+    capacity: tokens per sequence (static).
+    use_kernel: write decode rows into the residual with the Pallas
+      `residual_write` kernel off GPU too (static; as `ModelCache`).
+  """
+
+  # ------------------------------------------------------------ construction
+  @classmethod
+  def init(cls, fmt: vq.VQFormat | str, num_layers: int, batch: int, kv_heads: int,
+           head_dim: int, capacity: int, dtype: Any = jnp.bfloat16, *, codebooks=None,
+           use_kernel: bool | None = None) -> "VQModelCache":
+    """An empty cache; arguments as `jaxkv.ModelCache.init` plus ``codebooks``.
+
+    Args:
+      fmt: a `jaxkv.VQFormat` or a VQ preset name (``"cq4"``, ``"cq2"``).
+      num_layers, batch, kv_heads, head_dim, capacity, dtype: as `ModelCache.init`.
+      codebooks: every layer's codebooks: a `jaxkv.VQCodebooks` learned for
+        ``fmt`` (`jaxkv.vq.fit`) or a ``(k, v)`` pair of
+        ``[L, Hkv, S, D/v, 2^b, v]`` arrays. The cache keeps its own copy.
+      use_kernel: see the class docstring; None = False.
+    """
+    fmt = vq.as_vq_format(fmt)
+    if isinstance(num_layers, bool) or not isinstance(num_layers, (int, np.integer)) \
+        or num_layers < 1:
+      raise ValueError(f"num_layers={num_layers!r} must be an int >= 1")
+    dtype = check_dims(fmt, batch, kv_heads, head_dim, capacity, dtype)
+    k_books, v_books = stacked_codebooks(fmt, codebooks, num_layers, kv_heads, head_dim)
+    align = max(STORAGE_ALIGN, fmt.token_group)
+    storage = -(-capacity // align) * align
+    res_shape = (num_layers, batch, kv_heads, fmt.residual, head_dim)
+
+    def side(name, books):
+      width = fmt.spec(name).code_width(head_dim)
+      return VQCodes(jnp.zeros((num_layers, batch, kv_heads, storage, width), jnp.uint8), books)
+
+    return cls(
+        k=side("k", k_books), v=side("v", v_books),
+        k_residual=jnp.zeros(res_shape, dtype), v_residual=jnp.zeros(res_shape, dtype),
+        lengths=jnp.zeros((batch,), jnp.int32), overflow=jnp.zeros((batch,), bool),
+        invalid=jnp.zeros((batch,), bool), nonfinite=jnp.zeros((batch,), bool),
+        fmt=fmt, capacity=int(capacity), use_kernel=bool(use_kernel))
+
+  @classmethod
+  def from_layers(cls, caches: Sequence[VQCache]) -> "VQModelCache":
+    """Stacks per-layer `jaxkv.VQCache`s that agree on format, shapes and lengths."""
+    caches = list(caches)
+    if not caches or not all(isinstance(c, VQCache) for c in caches):
+      raise TypeError("caches must be a non-empty sequence of jaxkv.VQCache")
+    first = caches[0]
+    for i, c in enumerate(caches[1:], 1):
+      if (c.fmt, c.capacity, c.k_residual.shape, c.dtype) != (
+          first.fmt, first.capacity, first.k_residual.shape, first.dtype):
+        raise ValueError(f"caches[{i}] differs from caches[0] in format, capacity or shapes")
+      if _is_concrete(c.lengths) and _is_concrete(first.lengths) and not np.array_equal(
+          np.asarray(c.lengths), np.asarray(first.lengths)):
+        raise ValueError(f"caches[{i}].lengths differ from caches[0].lengths")
+    stack = lambda name: jnp.stack([getattr(c, name) for c in caches])  # noqa: E731
+    return cls(
+        k=VQCodes(stack("k_codes"), stack("k_codebook")),
+        v=VQCodes(stack("v_codes"), stack("v_codebook")),
+        k_residual=stack("k_residual"), v_residual=stack("v_residual"),
+        lengths=first.lengths, overflow=first.overflow,
+        invalid=jnp.zeros(first.lengths.shape, bool),
+        nonfinite=jnp.any(stack("nonfinite"), axis=0),
+        fmt=first.fmt, capacity=first.capacity)
+
+  @property
+  def codebooks(self) -> vq.VQCodebooks:
+    """The cache's codebooks as a `jaxkv.VQCodebooks` (its own arrays, not copies)."""
+    return vq.VQCodebooks(k=self.k.codebook, v=self.v.codebook, fmt=self.fmt)
+
+  # ------------------------------------------------------------------ views
+  def layer(self, index, plan: AppendPlan | None = None) -> VQCache:
+    """Layer ``index``'s `jaxkv.VQCache` (int or traced index; slices of the stacked storage).
+
+    With ``plan`` the view has the lengths after that append, as
+    `ModelCache.layer`.
+    """
+    take = lambda x: jax.lax.dynamic_index_in_dim(x, index, 0, keepdims=False)  # noqa: E731
+    return VQCache(
+        k_codes=take(self.k.codes), v_codes=take(self.v.codes),
+        k_codebook=take(self.k.codebook), v_codebook=take(self.v.codebook),
+        k_residual=take(self.k_residual), v_residual=take(self.v_residual),
+        lengths=self.lengths if plan is None else plan.new_lengths,
+        overflow=self.overflow if plan is None else self.overflow | ~plan.fits,
+        nonfinite=self.nonfinite, fmt=self.fmt, capacity=self.capacity)
+
+  def layer_view(self, index, plan: AppendPlan | None = None) -> VQCache:
+    """What `jaxkv.decode_attention` gets for layer ``index``: its `jaxkv.VQCache`.
+
+    Unlike `ModelCache.layer_view` this materializes the layer (`layer`):
+    `jaxkv.vq_attention.vq_decode_attention` runs on it unchanged (reference,
+    Triton or Mosaic VQ kernel). The slice makes XLA copy the layer's codes
+    (``[B, Hkv, C, S*n]`` per side) on every step; the reference path reads
+    them all anyway, but the fused Mosaic/Triton VQ kernels would need an
+    in-place layer index (as the KV Triton kernel takes) to avoid that copy.
+    """
+    return self.layer(index, plan)
+
+  # ----------------------------------------------------------------- append
+  def _flush_rows(self, sides, index, rows, plan: AppendPlan) -> tuple[VQCodes, VQCodes]:
+    """Nearest-centroid codes of ``rows`` (K and V ``[B, H, n, D]``, ``n`` a
+    multiple of G) with layer ``index``'s codebooks; the first
+    ``plan.flush[b]`` rows of each are written at ``old_packed``.
+
+    The same quantizer as `jaxkv.VQCache` (bit-exact); computed for every
+    sequence, kept only where one flushes (out-of-bounds rows are dropped).
+    """
+    out = []
+    for side, x in zip(sides, rows):
+      book = jax.lax.dynamic_index_in_dim(side.codebook, index, 0, keepdims=False)
+      codes = _quantize_groups(x, book, self.fmt.token_group)          # [B, H, n, S*n]
+      out.append(dataclasses.replace(
+          side, codes=_scatter_rows(side.codes, index, codes, plan.old_packed, plan.flush)))
+    return tuple(out)
+
+  # --------------------------------------------------------------- readback
+  def dequantize(self, view: str = "target") -> tuple[jax.Array, jax.Array]:
+    """``(k, v)`` float32 ``[L, B, capacity, Hkv, D]``; see `jaxkv.VQCache.dequantize`."""
+    if view != "target":
+      raise ValueError(f"view={view!r}: a VQ cache has only the 'target' view")
+    pairs = [c.dequantize() for c in self.layers()]
+    return jnp.stack([p[0] for p in pairs]), jnp.stack([p[1] for p in pairs])
+
+
+def is_vq_format(fmt) -> bool:
+  """Whether ``fmt`` is a `jaxkv.VQFormat` or the name of a VQ preset."""
+  return isinstance(fmt, vq.VQFormat) or (isinstance(fmt, str) and fmt in vq.VQ_PRESETS)
+
+
+__all__ = ["VQCodes", "VQModelCache", "is_vq_format", "stacked_codebooks"]
