@@ -116,13 +116,6 @@ class MosaicAttentionConfig:
       when a score exceeds it by more than ``LAZY_MARGIN`` (so ``p <= e^8``):
       one ``bar.red.or`` per step decides, and the exact cross-warp column max
       and the rescale run only then (`new_max`).
-    k_float16: (with ``register_k`` in a bfloat16 cache whose K scale/zero
-      rows are float16, the presets' default) the packed programs' score MMA
-      runs in float16: K values ``code * scale + zero`` straight from the
-      float16 rows (no per-block rounding of the rows to bfloat16, which was
-      ~16 % of kivi4's instructions) and q in float16, each query row scaled
-      by a power of two into float16's range (`float16_rows`; the scores are
-      scaled back exactly). The residual program keeps bfloat16.
 
   Search space (`jaxkv.autotune`): block_k in {64, 128}, num_splits around
   the heuristic (x1/2, x1, x2), max_concurrent_steps in {2, 3, 4}.
@@ -137,7 +130,6 @@ class MosaicAttentionConfig:
   register_v: bool = True
   early_v: bool = True
   lazy_max: bool = True
-  k_float16: bool = True
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -299,19 +291,6 @@ def stacked_rows(arrays, layer, batch: int):
   flat = [None if x is None else x.reshape(num_layers * batch, *x.shape[2:]) for x in arrays]
   row0 = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1) * batch
   return flat, row0.reshape(1)
-
-
-def float16_rows(qf):
-  """``qf [..., D]`` float32 -> ``(q16 [..., D] float16, factor [...] float32)``
-  with ``q16 * factor = qf`` up to one float16 rounding: each row is scaled by a
-  power of two (exact) so that its largest magnitude lies in ``[2^14, 2^15)``,
-  inside float16's range whatever q's. Rows of zeros or with a NaN/inf keep
-  factor 1 (their outputs are zero / NaN as everywhere)."""
-  amax = jnp.max(jnp.abs(qf), axis=-1)
-  _, e = jnp.frexp(amax)                                  # amax < 2^e
-  e = jnp.where(jnp.isfinite(amax) & (amax > 0), e - 15, 0)
-  q16 = jnp.ldexp(qf, -e[..., None]).astype(jnp.float16)
-  return q16, jnp.ldexp(jnp.ones_like(amax), e)
 
 
 def query_rows(q, kv_heads: int, sm_scale, dtype, n_pad: int):
@@ -479,8 +458,7 @@ def mosaic_decode_attention(
   # ~20 % at (8, 32768, 32, 8) with it on an H200 (kivi2 gained 5-7 %).
   n_pad = (_rows_n(q_rows, smallest=8 if _register_k(config, k_side, head_dim, dtype) else 16)
            if config.tokens_m else _M)
-  k16 = _k_float16(config, k_side, head_dim, dtype, k_scale)
-  qh = query_rows(q, kv_heads, sm_scale, jnp.float32 if k16 else dtype, n_pad)
+  qh = query_rows(q, kv_heads, sm_scale, dtype, n_pad)
   # Per-token scale/zero with one group per head: [B, H, C] so TMA boxes are rows.
   def squeeze_token(x, side):
     if x is None or side.axis != "token":
@@ -496,19 +474,16 @@ def mosaic_decode_attention(
   if config.tokens_m:
     def arrays_of(codes, scale, zero, side):
       return [codes] if side.bits == 16 else [codes, scale, zero]
-    q_res, q_factor = qh.astype(dtype), None
+    q_res = qh
     if _register_k(config, k_side, head_dim, dtype):
       # The MMA's K columns are a fixed permutation of the channels: permute
       # q once instead of any code (the kernel reads each column's scale/zero).
       qh = qh[..., mosaic_dequant.code_permutation(head_dim, k_side.bits)]
-    if k16:
-      qh, q_factor = float16_rows(qh)
     o_part, l_part, m_part = _tokens_m_call(
         qh, q_res, arrays_of(k_codes, k_scale, k_zero, k_side),
         arrays_of(v_codes, v_scale, v_zero, v_side), k_residual, v_residual, lengths,
         k_side=k_side, v_side=v_side, token_group=token_group, residual=residual,
-        num_queries=num_queries, q_rows=q_rows, config=config, dtype=dtype, row0=row0,
-        q_factor=q_factor)
+        num_queries=num_queries, q_rows=q_rows, config=config, dtype=dtype, row0=row0)
     # One combine kernel reads the O^T partials as they are: with register_v
     # the packed programs' rows are in the MMA's V column order (channel c at
     # row argsort(perm)[c]), the residual program's in channel order.
@@ -773,13 +748,6 @@ def _register_k(config: MosaicAttentionConfig, k_side: SideSpec, head_dim: int, 
           and _dequant_codes_fit(config, k_side, head_dim, dtype))
 
 
-def _k_float16(config: MosaicAttentionConfig, k_side: SideSpec, head_dim: int, dtype,
-               k_scale) -> bool:
-  """Whether the packed programs' score MMA runs in float16 (`MosaicAttentionConfig.k_float16`)."""
-  return (config.k_float16 and _register_k(config, k_side, head_dim, dtype)
-          and k_scale is not None and k_scale.dtype == jnp.float16)
-
-
 def _register_v(config: MosaicAttentionConfig, v_side: SideSpec, head_dim: int, dtype) -> bool:
   """Whether V takes the register-dequant path (`MosaicAttentionConfig.register_v`)."""
   return (config.register_v and config.fold_scales and v_side.group == head_dim
@@ -798,13 +766,11 @@ def partials_type(batch: int, kv_heads: int, parts: int, head_dim: int, n_pv: in
 
 def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v_side,
                    token_group, residual, num_queries, q_rows, config, dtype, vq=None,
-                   row0=None, q_factor=None):
+                   row0=None):
   """The v2 kernel; returns partials ``o [B,H,J+1,D,N_pv], l, m [B,H,J+1,N]``.
 
   ``row0``: ``[1]`` int32, the cache arrays' row of sequence 0 (`stacked_rows`;
-  None: 0). ``q_factor``: ``[B, H, N]`` float32 with a float16 ``qh``
-  (`float16_rows`, register K only): the packed programs' scores are
-  multiplied by it; ``q_res`` stays in ``dtype``.
+  None: 0).
 
   ``qh`` is what the packed programs multiply K by (channels permuted with
   `register_k` or ``vq``), ``q_res`` what the residual program does (channel
@@ -826,7 +792,6 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
   n_pv = max(n_rows, 16)
   if row0 is None:
     row0 = jnp.zeros((1,), jnp.int32)
-  k16 = q_factor is not None
   bk = config.block_k
   num_splits = config.num_splits
   grid_j = num_splits + 1
@@ -857,7 +822,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
   nk, nv = len(k_specs), len(v_specs)
 
   def attend(q_smem, k_tiles, v_tiles, pt_smem, vdq_smem, carry, *, token0, valid_below,
-             row_limit, q_sum, book_smems=None, flag_smem=None, q_scale=None):
+             row_limit, q_sum, book_smems=None, flag_smem=None):
     """One online-softmax step over ``bk`` tokens (tokens on M).
 
     Folded scales (``config.fold_scales``): a per-token K side is applied to the
@@ -886,7 +851,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       elif register_k:
         # code * scale + zero in registers; the scale/zero rows stay in channel order
         x = mosaic_dequant.dequant_codes(k_tiles[0], head_dim, k_side.bits, k_tiles[1],
-                                         k_tiles[2], dtype=q_smem.dtype)
+                                         k_tiles[2])
         plgpu.wgmma(acc_ref, x, _t(q_smem))
       else:
         for c0, x in _dequant_planes(*k_tiles, k_side, head_dim, dtype, affine=not fold_k):
@@ -897,8 +862,6 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       return acc_ref[...]
 
     s = pl.run_scoped(scores, plgpu.ACC((bk, n_rows), f32))   # [bk, N]
-    if q_scale is not None:  # float16 q rows: back to their true scale (exact)
-      s = s * lax.broadcast_in_dim(q_scale, s.shape, [1])
     if packed_k and fold_k:
       ksc, kzr = _token_affine(k_tiles[1], k_tiles[2])
       s = (s * lax.broadcast_in_dim(ksc, s.shape, [0])
@@ -936,14 +899,11 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     return acc, m_new, l_i, z_i
 
   def kernel(lengths_gmem, row0_gmem, q_gmem, *refs):
-    # sum(q) per query row only when a per-token K side folds its zero point;
-    # the float16 q rows' scale factors only with them
-    qsum_gmem = qfac_gmem = None
+    # sum(q) per query row only when a per-token K side folds its zero point
     if fold_k:
-      qsum_gmem, *refs = refs
-    if k16:
-      qfac_gmem, *refs = refs
-    qres_gmem, *refs = refs
+      qsum_gmem, qres_gmem, *refs = refs
+    else:
+      qsum_gmem, (qres_gmem, *refs) = None, refs
     k_refs, v_refs = refs[:3], refs[3:6]
     kres_gmem, vres_gmem = refs[6:8]
     book_gmems, refs = refs[8:8 + len(books)], refs[8 + len(books):]
@@ -961,9 +921,6 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     q_sum = (_load(qsum_gmem.at[b, h], layout=plgpu.Layout.WGMMA.reduce(0),
                    optimized=False)
              if fold_k else None)
-    q_scale = (_load(qfac_gmem.at[b, h], layout=plgpu.Layout.WGMMA.reduce(0),
-                     optimized=False)
-               if k16 else None)
 
     def finish(carry):
       acc, m_i, l_i, z_i = carry
@@ -992,7 +949,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
           v_tiles = vt[0] if vq is None and v_side.bits == 16 else tuple(vt)
           return attend(q_smem, k_tiles, v_tiles, pt_smem, vdq_smem, carry, token0=token0,
                         valid_below=packed, row_limit=row_limit, q_sum=q_sum,
-                        book_smems=book_smems, flag_smem=flag_smem, q_scale=q_scale)
+                        book_smems=book_smems, flag_smem=flag_smem)
 
         gm = [r.at[cb, h] for r in k_refs[:nk]] + [r.at[cb, h] for r in v_refs[:nv]]
         return _run_split(step, k_specs + v_specs, gm, packed=packed, j=j,
@@ -1008,15 +965,13 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     @pl.when(j == num_splits)
     def _residual():
       num_res = length - packed
+      if register_k or vq is not None:  # the residual's K rows are in channel order
+        plgpu.copy_gmem_to_smem(qres_gmem.at[b, h], q_smem, barrier)
+        plgpu.barrier_wait(barrier)
 
-      # The residual K tile (and with float16 packed q rows the residual's
-      # own q tile) lives in this branch's scope only (the packed programs'
-      # pipeline buffers take the same shared memory).
-      def attend_residual(kres_smem, *qres_smem):
-        qr_smem = qres_smem[0] if k16 else q_smem
-        if register_k or vq is not None:  # the residual's K rows are in channel order
-          plgpu.copy_gmem_to_smem(qres_gmem.at[b, h], qr_smem, barrier)
-          plgpu.barrier_wait(barrier)
+      # The residual K tile lives in this branch's scope only (the packed
+      # programs' pipeline buffers take the same shared memory).
+      def attend_residual(kres_smem):
         carry = (acc0, m0, l0, l0)
         for r0 in range(0, residual, bk):
           plgpu.copy_gmem_to_smem(kres_gmem.at[cb, h, pl.ds(r0, bk)], kres_smem, barrier)
@@ -1024,19 +979,17 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
           plgpu.copy_gmem_to_smem(vres_gmem.at[cb, h, pl.ds(r0, bk)], vdq_smem, barrier)
           plgpu.barrier_wait(barrier)
           # Residual row r holds token packed + r.
-          carry = attend(qr_smem, kres_smem, vdq_smem, pt_smem, vdq_smem, carry,
+          carry = attend(q_smem, kres_smem, vdq_smem, pt_smem, vdq_smem, carry,
                          token0=packed + r0, valid_below=packed + num_res,
                          row_limit=row_limit, q_sum=q_sum, flag_smem=flag_smem)
         return carry
 
-      finish(pl.run_scoped(attend_residual, plgpu.SMEM((bk, head_dim), dtype, transforms=q_tf),
-                           *([plgpu.SMEM((n_rows, head_dim), dtype, transforms=q_tf)]
-                             if k16 else [])))
+      finish(pl.run_scoped(attend_residual, plgpu.SMEM((bk, head_dim), dtype, transforms=q_tf)))
 
   k_in = list(k_in) + [k_in[0]] * (3 - len(k_in))  # unused slots repeat the codes
   v_in = list(v_in) + [v_in[0]] * (3 - len(v_in))
   scratch = [
-      plgpu.SMEM((n_rows, head_dim), qh.dtype, transforms=q_tf),  # q
+      plgpu.SMEM((n_rows, head_dim), dtype, transforms=q_tf),     # q
       plgpu.SMEM((bk, head_dim), dtype, transforms=v_tf),         # V tile (values)
       plgpu.SMEM((bk, n_pv), dtype, transforms=v_tf),             # P^T
       plgpu.SMEM((1,), jnp.int32),                                # lazy-max flag
@@ -1052,5 +1005,5 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=_SEMANTICS),
       kernel_name=(f"jaxkv_mosaic_tokens_m_attention_k{k_side.bits}v{v_side.bits}" if vq is None
                    else f"jaxkv_mosaic_vq_attention_k{k_vec}v{v_vec}"),
-  )(lengths, row0, qh, *([jnp.sum(qh.astype(f32), axis=-1)] if fold_k else []),
-    *([q_factor] if k16 else []), q_res, *k_in, *v_in, k_residual, v_residual, *books)
+  )(lengths, row0, qh, *([jnp.sum(qh.astype(f32), axis=-1)] if fold_k else []), q_res, *k_in,
+    *v_in, k_residual, v_residual, *books)

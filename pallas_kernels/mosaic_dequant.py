@@ -54,27 +54,22 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 _ROWS = 64  # rows of one warpgroup's A operand
-# (w & 0x000F000F) | 0x43004300, then minus 0x43004300 (128.0 in each bf16 half);
-# for float16 values 0x64006400 (1024.0 in each f16 half; 1024 + code is exact).
-_ASM = ("{{\n.reg .b32 t, m;\nmov.b32 m, {magic};\n"
-        "lop3.b32 t, $1, {mask}, m, 0xEA;\nsub.rn.{ty} $0, t, m;\n}}")
+# (w & 0x000F000F) | 0x43004300, then minus 0x43004300 (128.0 in each bf16 half).
+_ASM = ("{{\n.reg .b32 t, m;\nmov.b32 m, 0x43004300;\n"
+        "lop3.b32 t, $1, {mask}, m, 0xEA;\nsub.rn.bf16x2 $0, t, m;\n}}")
 _MASK = {4: "0x000F000F", 2: "0x00030003"}
-_HALF = {jnp.dtype(jnp.bfloat16): ("0x43004300", "bf16x2"),
-         jnp.dtype(jnp.float16): ("0x64006400", "f16x2")}
 # Pairs (lo.0, hi.0) and (lo.1, hi.1) of two 32-bit words of 16-bit values, as
-# pairs of the values' type: a byte permute when the rows have that type, or
-# for float16 rows of bfloat16 values a widening and one rounding to bfloat16
-# (cvt.rn.bf16x2.f32 d, a, b puts b in the low half).
-_PAIR_SAME = ("prmt.b32 $0, $1, $2, 0x5410;", "prmt.b32 $0, $1, $2, 0x7632;")
+# bfloat16 pairs: a byte permute, or for float16 rows a widening and one
+# rounding to bfloat16 (cvt.rn.bf16x2.f32 d, a, b puts b in the low half).
+_PAIR_BF16 = ("prmt.b32 $0, $1, $2, 0x5410;", "prmt.b32 $0, $1, $2, 0x7632;")
 _PAIR_F16 = tuple(
     "{\n.reg .b16 a, b, c, d;\n.reg .f32 x, y;\nmov.b32 {a, b}, $1;\nmov.b32 {c, d}, $2;\n"
     f"cvt.f32.f16 x, {u};\ncvt.f32.f16 y, {v};\ncvt.rn.bf16x2.f32 $0, y, x;\n}}"
     for u, v in (("a", "c"), ("b", "d")))
-# The same, then code * scale + zero ($2, $3: pairs of the values' type) with
-# one rounding.
-_ASM_AFFINE = ("{{\n.reg .b32 t, m;\nmov.b32 m, {magic};\n"
-               "lop3.b32 t, $1, {mask}, m, 0xEA;\nsub.rn.{ty} t, t, m;\n"
-               "fma.rn.{ty} $0, t, $2, $3;\n}}")
+# The same, then code * scale + zero ($2, $3: bf16 pairs) with one rounding.
+_ASM_AFFINE = ("{{\n.reg .b32 t, m;\nmov.b32 m, 0x43004300;\n"
+               "lop3.b32 t, $1, {mask}, m, 0xEA;\nsub.rn.bf16x2 t, t, m;\n"
+               "fma.rn.bf16x2 $0, t, $2, $3;\n}}")
 
 
 def code_permutation(head_dim: int, bits: int = 4) -> np.ndarray:
@@ -97,27 +92,24 @@ def code_permutation(head_dim: int, bits: int = 4) -> np.ndarray:
   return perm
 
 
-def registers_reference(codes: np.ndarray, bits: int = 4, scale=None, zero=None,
-                        dtype=jnp.bfloat16) -> np.ndarray:
+def registers_reference(codes: np.ndarray, bits: int = 4, scale=None, zero=None) -> np.ndarray:
   """``[rows, D]`` float values `dequant_codes` holds: code of channel ``perm[col]``
-  (times its scale plus its zero, rounded once to ``dtype``, when given)."""
+  (times its scale plus its zero, rounded once to bfloat16, when given)."""
   codes = np.asarray(codes)
   width = codes.shape[-1]
   mask = (1 << bits) - 1
   channels = np.concatenate([(codes >> (bits * p)) & mask for p in range(8 // bits)],
                             axis=-1).astype(np.float64)                 # [rows, D] planar
-  if scale is not None:  # rows of another type are rounded to dtype first, as the kernel does
-    def rows(x):
-      return np.asarray(x, np.float32).astype(dtype).astype(np.float64).reshape(-1)
-    channels = channels * rows(scale) + rows(zero)
-    channels = channels.astype(dtype).astype(np.float64)  # ml_dtypes: round to nearest
+  if scale is not None:  # float16 rows are rounded to bfloat16 first, as the kernel does
+    def bf16(x):
+      return np.asarray(x, np.float32).astype(jnp.bfloat16).astype(np.float64).reshape(-1)
+    channels = channels * bf16(scale) + bf16(zero)
+    channels = channels.astype(jnp.bfloat16).astype(np.float64)  # ml_dtypes: round to nearest
   return channels[..., code_permutation(width * 8 // bits, bits)].astype(np.float32)
 
 
-def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zero_smem=None,
-                  dtype=jnp.bfloat16):
-  """``[rows, D]`` codes (WGMMA layout, ``dtype`` bfloat16 or float16) of a
-  ``[rows, D*bits/8]`` uint8 smem tile.
+def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zero_smem=None):
+  """``[rows, D]`` bfloat16 codes (WGMMA layout) of a ``[rows, D*bits/8]`` uint8 smem tile.
 
   ``rows`` is 64 or 128 (two warpgroup row tiles).
 
@@ -126,17 +118,12 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
   loads are free of bank conflicts. Columns follow `code_permutation`.
 
   With ``scale_smem`` and ``zero_smem`` (``[1, D]`` rows in *channel*
-  order, untiled: a per-channel side's group), the values are ``code *
-  scale + zero`` of each column's channel, one ``fma.rn`` per pair (a single
-  rounding); each thread reads the scale/zero of its own columns with one
-  8-byte load per four channels, so no permuted copy of the rows is needed.
-  bfloat16 values take bfloat16 or float16 rows (float16 ones are rounded to
-  bfloat16 once per call: three instructions per pair); float16 values take
-  float16 rows as they are.
+  order, untiled, bfloat16 or float16 (rounded to bfloat16 once): a
+  per-channel side's group), the values are ``code * scale + zero`` of each
+  column's channel, one ``fma.rn.bf16x2`` per pair (a single rounding); each
+  thread reads the scale/zero of its own columns with one 8-byte load per
+  four channels, so no permuted copy of the rows is needed.
   """
-  dtype = jnp.dtype(dtype)
-  if dtype not in _HALF:
-    raise ValueError(f"dtype={dtype} must be bfloat16 or float16")
   if head_dim not in (64, 128):
     raise ValueError(f"head_dim={head_dim} must be 64 or 128")
   if bits not in _MASK:
@@ -158,15 +145,10 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
         raise ValueError(f"{name} must be bfloat16 or float16 [1, {head_dim}] (both alike), "
                          f"got {ref.dtype} {tuple(ref.shape)}")
     rows_f16 = scale_smem.dtype == jnp.float16
-    if dtype == jnp.float16 and not rows_f16:
-      raise ValueError("float16 values need float16 scale/zero rows, got "
-                       f"{scale_smem.dtype}")
   span = width // 4
   words = span // 4
   pairs = 16 // bits
-  magic, ty = _HALF[dtype]
-  asm = (_ASM_AFFINE if affine else _ASM).format(mask=_MASK[bits], magic=magic, ty=ty)
-  convert_rows = rows_f16 and dtype == jnp.bfloat16
+  asm = (_ASM_AFFINE if affine else _ASM).format(mask=_MASK[bits])
   # Register (m, j, 0, 0, half, 0...) = columns 8 j + 2 (lane % 4) + {0, 1} of
   # row 64 m + 16 warp + lane // 4 + 8 half: WGMMA_LAYOUT's tiling as of jax
   # 0.10-0.11.
@@ -175,13 +157,12 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
     raise NotImplementedError("WGMMA_LAYOUT's register tiling changed; dequant_codes assumes "
                               f"{want_regs}")
 
-  body_type = plgpu.ShapeDtypeStruct((rows, head_dim), dtype, layout=plgpu.Layout.WGMMA)
+  body_type = plgpu.ShapeDtypeStruct((rows, head_dim), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
 
   def body_fn(_, ref, *rows_refs):
     i32 = ir.IntegerType.get_signless(32)
     index = ir.IndexType.get()
-    pair_ty = ir.VectorType.get(
-        (2,), ir.BF16Type.get() if dtype == jnp.bfloat16 else ir.F16Type.get())
+    bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
     tid = arith.remui(mgpu_utils.thread_idx(), mgpu_utils.c(128, i32))
     warp = arith.shrui(tid, mgpu_utils.c(5, i32))
     lane = arith.andi(tid, mgpu_utils.c(31, i32))
@@ -207,8 +188,8 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
                               arith.index_cast(index, base)])
           quad = vector.bitcast(ir.VectorType.get((2,), i32), quad)
           lo, hi = (vector.extract(quad, [], [e]) for e in range(2))
-          for off in (0, 1):  # channels (base + off, base + off + 2) as one pair
-            asm_pair = (_PAIR_F16 if convert_rows else _PAIR_SAME)[off]
+          for off in (0, 1):  # channels (base + off, base + off + 2) as one bf16 pair
+            asm_pair = (_PAIR_F16 if rows_f16 else _PAIR_BF16)[off]
             affine_pairs[name, w, plane + planes * off] = llvm.inline_asm(
                 i32, [lo, hi], asm_pair, "=r,r,r")
     for m, half in itertools.product(range(rows // _ROWS), range(2)):
@@ -226,7 +207,7 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
           else:
             pair = llvm.inline_asm(i32, [shifted], asm, "=r,r")
           regs[(m, pairs * w + k, 0, 0, half) + (0,) * (regs.ndim - 5)] = (
-              mgpu_utils.bitcast(pair, pair_ty))
+              mgpu_utils.bitcast(pair, bf16x2))
     return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
   refs = (codes_smem, scale_smem, zero_smem) if affine else (codes_smem,)
@@ -467,14 +448,13 @@ def _params():
   return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "dtype"))
+@functools.partial(jax.jit, static_argnames=("bits",))
 def probe_dequant(codes: jax.Array, scale: jax.Array | None = None, zero: jax.Array | None = None,
-                  *, bits: int = 4, dtype=jnp.bfloat16) -> jax.Array:
-  """``[64, D*bits/8]`` uint8 -> the ``[64, D]`` ``dtype`` registers of
-  `dequant_codes` (a probe).
+                  *, bits: int = 4) -> jax.Array:
+  """``[64, D*bits/8]`` uint8 -> the ``[64, D]`` bf16 registers of `dequant_codes` (a probe).
 
-  With ``scale`` and ``zero`` (bf16/f16 ``[1, D]``, channel order) the
-  registers hold ``code * scale + zero``.
+  With ``scale`` and ``zero`` (bf16 ``[1, D]``, channel order) the registers
+  hold ``code * scale + zero``.
   """
   rows, width = codes.shape
   head_dim = width * 8 // bits
@@ -498,14 +478,13 @@ def probe_dequant(codes: jax.Array, scale: jax.Array | None = None, zero: jax.Ar
       extra = ()
     plgpu.copy_gmem_to_smem(codes_gmem, codes_smem, barrier)
     plgpu.barrier_wait(barrier)
-    _write_out(dequant_codes(codes_smem, head_dim, bits, *extra, dtype=dtype), out_smem,
-               out_gmem)
+    _write_out(dequant_codes(codes_smem, head_dim, bits, *extra), out_smem, out_gmem)
 
   rows_smem = [plgpu.SMEM((1, head_dim), x.dtype) for x in rows_in]
   return plgpu.kernel(
-      kernel, out_type=jax.ShapeDtypeStruct((rows, head_dim), dtype),
+      kernel, out_type=jax.ShapeDtypeStruct((rows, head_dim), jnp.bfloat16),
       scratch_types=[plgpu.SMEM((rows, width), jnp.uint8), *rows_smem,
-                     plgpu.SMEM((rows, head_dim), dtype), plgpu.Barrier()],
+                     plgpu.SMEM((rows, head_dim), jnp.bfloat16), plgpu.Barrier()],
       compiler_params=_params(),
       kernel_name=f"jaxkv_probe_dequant_{bits}{'_affine' if rows_in else ''}")(codes, *rows_in)
 
