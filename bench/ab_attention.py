@@ -192,7 +192,9 @@ def main(argv=None) -> int:
       if name in A.jaxkv.VQ_PRESETS:
         rows += vq_rows(name, q, shape, parse_variants(args.mosaic), cudnn, args.calls)
         continue
-      fmt = PRESETS[name]
+      base, _, fields = name.partition("@")  # "kivi4@scale_dtype=bfloat16": a preset, modified
+      fmt = dataclasses.replace(PRESETS[base], **dict(f.split("=") for f in fields.split("+")
+                                                      if f))
       data = A.random_packed(jax.random.PRNGKey(3), fmt, b, t, hkv, d)
       default, _ = pk.default_config(fmt, batch=b, q_heads=hq, kv_heads=hkv, head_dim=d,
                                      num_queries=s, capacity=t)

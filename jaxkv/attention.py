@@ -5,9 +5,9 @@
 fallback everywhere. Two Pallas kernel families read the same cache:
 ``"triton"`` (every recent NVIDIA GPU; Pallas interpret mode on CPU) and
 ``"mosaic"`` (Hopper only: TMA + wgmma). ``"pallas"`` is the best family for
-the device. ``None`` picks the first family of `PALLAS_ORDER` that serves the
-case on a GPU (Triton today: see `PALLAS_ORDER` for the measurements), the
-reference elsewhere.
+the device. ``None`` picks the first family of `pallas_order` that serves the
+case on a GPU (Mosaic for 2-bit K and V on Hopper, Triton otherwise: see
+`PALLAS_ORDER` for the measurements), the reference elsewhere.
 
 Non-finite inputs give the same result on every implementation (README
 "Input policy"): a query row with a NaN/inf returns NaN, and every output of a
@@ -192,20 +192,27 @@ def _mosaic_supported(q, cache, config=None) -> tuple[bool, str]:
 _SUPPORTED = {"triton": _triton_supported, "mosaic": _mosaic_supported}
 
 
-# Tried in this order when no implementation is forced. Measured on H100 and
-# H200 (jax 0.11.2, bench/results/mosaic-NOTES.md, 2026-11-26): the Mosaic
-# kernel (register dequant, one combine kernel) is 0.88-0.93x of Triton for
-# kivi4 and 0.6-0.8x for 8-bit sides; for kivi2 it is 2-6 % faster on an H200
-# but 0-5 % slower in the jitted loop on an H100. So Triton stays the default
-# and Mosaic serves only what Triton cannot; swap per format once Mosaic wins
-# on both GPUs.
+# Tried in this order when no implementation is forced (`pallas_order`).
+# Measured on H100 and H200 (jax 0.11.2, bench/results/mosaic-NOTES.md,
+# 2026-11-26): with 2-bit K and V (kivi2) the Mosaic kernel is 5-8 % faster
+# than Triton's on both GPUs and the Llama-3.1-8B decode step with it 3-4 %
+# faster (H100, B=1, 32K and 128K); for kivi4 the two are within 1-5 % (Triton
+# ahead at B=8) and 8-bit sides are 0.6-0.8x on Mosaic. So Mosaic goes first
+# where both sides have at most 2 bits, Triton elsewhere.
 PALLAS_ORDER = ("triton", "mosaic")
+PALLAS_ORDER_2BIT = ("mosaic", "triton")
+
+
+def pallas_order(fmt) -> tuple[str, ...]:
+  """The Pallas families `decode_attention` tries, in order, for a `KVFormat`."""
+  low = fmt.k_bits <= 2 and fmt.v_bits <= 2 and not fmt.hierarchical
+  return PALLAS_ORDER_2BIT if low else PALLAS_ORDER
 
 
 def _best_pallas(q, cache) -> tuple[str | None, str]:
-  """The first family of `PALLAS_ORDER` that serves the input on this device."""
+  """The first family of `pallas_order` that serves the input on this device."""
   reasons = []
-  for impl in PALLAS_ORDER:
+  for impl in pallas_order(cache.fmt):
     ok, why = _SUPPORTED[impl](q, cache)
     if ok:
       return impl, ""
@@ -216,7 +223,7 @@ def _best_pallas(q, cache) -> tuple[str | None, str]:
 def resolve_implementation(q, cache, implementation, config=None) -> str:
   """Which implementation `decode_attention` runs: "reference", "triton" or "mosaic".
 
-  ``None``: on a GPU the first Pallas family of `PALLAS_ORDER` that serves
+  ``None``: on a GPU the first Pallas family of `pallas_order` that serves
   the input, the reference elsewhere. ``"pallas"``: the best
   Pallas family for the device (Triton in interpret mode off GPU). A
   sequence is tried in order; a single forced name that cannot serve the
@@ -301,7 +308,7 @@ def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None
     scale: softmax scale, default ``D ** -0.5``: a Python/numpy real or a
       scalar array (traced ones included); a concrete non-finite one raises.
     implementation: ``None`` (best available: the faster Pallas family that
-      serves the input on a GPU, see `PALLAS_ORDER`; the reference
+      serves the input on a GPU, see `pallas_order`; the reference
       elsewhere), ``"reference"``/``"xla"``, ``"triton"``, ``"mosaic"``,
       ``"pallas"`` (the best Pallas family for the device), or a sequence
       tried in order.

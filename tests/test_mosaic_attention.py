@@ -226,3 +226,29 @@ def test_default_splits_follow_the_documented_rule(name, batch, tokens, splits):
       token_group=fmt.token_group, residual=fmt.residual)
   assert config.num_splits == splits
   assert tokens // config.block_k >= 4 * config.num_splits
+
+
+@pytest.mark.parametrize("name,first", [("kivi2", "mosaic"), ("kivi4", "triton"),
+                                        ("int8", "triton"), ("k8v4", "triton"),
+                                        ("quantspec", "triton"), ("bf16", "triton")])
+def test_pallas_order_per_format(name, first):
+  """Mosaic first only where both sides have at most 2 bits (measured faster there)."""
+  from jaxkv.attention import pallas_order
+  order = pallas_order(PRESETS[name])
+  assert order[0] == first and set(order) == {"mosaic", "triton"}
+
+
+def test_default_dispatch_follows_pallas_order():
+  """On a Hopper GPU a kivi2 cache runs Mosaic by default, kivi4 Triton; elsewhere
+  the reference (no GPU) or Triton."""
+  from jaxkv.attention import resolve_implementation
+  for name, want in (("kivi2", "mosaic"), ("kivi4", "triton")):
+    cache = jaxkv.KVCache.init(name, 1, 2, 128, 512, jnp.bfloat16)
+    q = jnp.ones((1, 1, 8, 128), jnp.bfloat16)
+    got = resolve_implementation(q, cache, None)
+    if ON_HOPPER:
+      assert got == want
+    elif jax.default_backend() == "gpu":
+      assert got == "triton"
+    else:
+      assert got == "reference"
