@@ -390,8 +390,13 @@ class Runner:
     cache = fill_cache(self.model, fmt, batch, context, capacity, seed=context + batch)
     row["fill_s"] = time.perf_counter() - t0
     row["cache_read_bytes"] = cache_read_bytes(cache, context)
-    if jax.default_backend() == "gpu" and a.implementation in (None, "pallas", "triton"):
-      row["attention_config"] = attention_config(self.model.config.num_heads, cache)
+    if jax.default_backend() == "gpu":
+      view = cache.layer_view(0)
+      q = jnp.zeros((batch, 1, self.model.config.num_heads, cache.head_dim), cache.dtype)
+      row["attention_implementation"] = jaxkv.attention.resolve_implementation(
+          q, view, a.implementation)
+      if row["attention_implementation"] == "triton":
+        row["attention_config"] = attention_config(self.model.config.num_heads, cache)
     row["weight_bytes"] = self.weight_bytes
     w_split, c_split = self.splits(batch)
     row["floor_us"] = (self.weight_bytes / w_split + row["cache_read_bytes"] / c_split) \
