@@ -223,8 +223,8 @@ class ModelCache:
     """Layer ``index`` without slicing it out (what decode attention should get).
 
     `jaxkv.decode_attention` hands the stacked arrays and the index to the
-    Triton kernel, which reads the layer in place; other implementations
-    take `LayerView.materialize()`. Slicing first (`layer`) makes XLA copy
+    Pallas kernels (Triton and Mosaic), which read the layer in place; the
+    reference takes `LayerView.materialize()`. Slicing first (`layer`) makes XLA copy
     the layer's whole storage into a fresh buffer for a kernel call on every
     step (measured on an H100: ~20 ms per Llama-3.1-8B step at 128K).
     """
