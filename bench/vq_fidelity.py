@@ -1,13 +1,12 @@
 """VQ presets (cq4, cq2) against KIVI on a real model: perplexity and next-token KL.
 
-`VQCache` is not wired into `ModelCache` / the Llama yet, so this script runs
-its own decode loop over a list of per-layer caches (`KVCache` or `VQCache`,
-one code path for every format): the prompt's K/V come from a full-precision
-causal forward and are prefilled into each layer's cache, then ``steps``
-teacher-forced tokens are decoded one at a time over the (quantized) cache in
-one jitted `lax.scan`. Codebooks are learned with `jaxkv.vq.fit` on the K/V
-of a *different* window of the same text (calibration), never on the
-evaluated window.
+Every format runs through the model's own cache (`model.init_cache`: a
+`jaxkv.ModelCache`, or a `jaxkv.VQModelCache` with the learned codebooks):
+``model.prefill`` of the prompt (full-precision causal attention over it, its
+K/V then stored), then ``steps`` teacher-forced ``model.decode`` steps over
+the (quantized) cache in one jitted `lax.scan`. Codebooks are learned with
+`jaxkv.vq.fit` on the K/V of a *different* window of the same text
+(calibration), never on the evaluated window.
 
   python bench/vq_fidelity.py                    # SmolLM2, 1 window of 384 + 128 tokens
   python bench/vq_fidelity.py --windows 2 --prompt 896 --calib 2048
@@ -60,30 +59,22 @@ def _forward_kv(graphdef, state, tokens):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _forced_decode(graphdef, state, caches, inputs, start):
-  """Teacher-forced decode of ``inputs [steps, B]`` at positions ``start + i``.
+def _forced_logp(graphdef, state, cache, prompt, inputs):
+  """Prefills ``prompt [B, P]``, then teacher-forces ``inputs [steps, B]`` one token a step.
 
-  Returns the log-probabilities ``[steps, B, V]`` of every step.
+  Returns the log-probabilities ``[steps, B, V]`` of every step. As every
+  user of the model: the prompt attends to itself in the cache dtype (bf16)
+  and the decode steps run `jaxkv.decode_attention` over the stored cache.
   """
   model = nnx.merge(graphdef, state)
+  b, p = prompt.shape
+  _, cache = model.prefill(prompt, jnp.full((b,), p, jnp.int32), cache)
 
-  def step(caches, xs):
-    token, i = xs
-    pos = (start + i)[:, None]
-    x = model._embed(token[:, None])  # pylint: disable=protected-access
-    new = []
-    for layer, cache in zip(model.layers, caches):
-      def attend(q, k, v, cache):
-        cache = cache.append(k.astype(cache.dtype), v.astype(cache.dtype))
-        out = jaxkv.decode_attention(q, cache, implementation="reference")
-        return out.astype(q.dtype), cache
-      x, cache = layer(x, pos, attend, cache)
-      new.append(cache)
-    logits = model._logits(x)[:, 0]  # pylint: disable=protected-access
-    return new, jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  def step(cache, token):
+    logits, cache = model.decode(token[:, None], cache, implementation="reference")
+    return cache, jax.nn.log_softmax(logits[:, 0].astype(jnp.float32), axis=-1)
 
-  steps = inputs.shape[0]
-  _, logp = jax.lax.scan(step, caches, (inputs, jnp.arange(steps, dtype=jnp.int32)))
+  _, logp = jax.lax.scan(step, cache, inputs)
   return logp
 
 
@@ -118,12 +109,11 @@ def main(argv=None) -> int:
   _, ck, cv = _forward_kv(graphdef, state, jnp.asarray(calib))
   k_calib = jnp.stack([k[0] for k in ck])  # [L, N, Hkv, D]
   v_calib = jnp.stack([v[0] for v in cv])
-  _, pk, pv = _forward_kv(graphdef, state, jnp.asarray(windows[:, :args.prompt]))
+  prompt = jnp.asarray(windows[:, :args.prompt])
   inputs = jnp.asarray(windows[:, args.prompt:args.prompt + args.steps].T)   # [steps, B]
   targets = windows[:, args.prompt + 1:args.prompt + args.steps + 1]         # [B, steps]
   b = windows.shape[0]
   capacity = args.prompt + args.steps
-  lengths = np.full((b,), args.prompt)
 
   rows, ref_logp = [], None
   for name in args.formats.split(","):
@@ -131,19 +121,13 @@ def main(argv=None) -> int:
     if name in vq.VQ_PRESETS:
       fmt = vq.VQ_PRESETS[name]
       books = vq.fit(k_calib, v_calib, fmt, seed=0, iters=args.iters)
-      caches = [jaxkv.VQCache.init(fmt, books, b, cfg.num_kv_heads, cfg.head_dim, capacity,
-                                   jnp.bfloat16, layer=i) for i in range(cfg.num_layers)]
+      cache = model.init_cache(fmt, b, capacity, jnp.bfloat16, codebooks=books)
       bpt = fmt.bytes_per_token(cfg.num_kv_heads, cfg.head_dim, context=args.amortize)
     else:
       fmt = jaxkv.KVFormat.preset(name)
-      caches = [jaxkv.KVCache.init(fmt, b, cfg.num_kv_heads, cfg.head_dim, capacity,
-                                   jnp.bfloat16, use_kernel=False)
-                for _ in range(cfg.num_layers)]
+      cache = model.init_cache(fmt, b, capacity, jnp.bfloat16, use_kernel=False)
       bpt = fmt.bytes_per_token(cfg.num_kv_heads, cfg.head_dim)
-    caches = [c.prefill(k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), lengths)
-              for c, k, v in zip(caches, pk, pv)]
-    logp = np.asarray(_forced_decode(graphdef, state, caches, inputs,
-                                     jnp.asarray(lengths, jnp.int32)))       # [steps, B, V]
+    logp = np.asarray(_forced_logp(graphdef, state, cache, prompt, inputs))  # [steps, B, V]
     target_lp = np.take_along_axis(logp, targets.T[:, :, None], axis=-1)[..., 0]
     if ref_logp is None:
       ref_logp = logp

@@ -241,6 +241,50 @@ def run_formats_case(n: int = 8):
   print(f"OK formats_per_shard {time.time() - t0:.1f}s", flush=True)
 
 
+def run_vq_model_case(n: int = 8):
+  """A `VQModelCache` (codebooks [L, Hkv, ...] with their kv heads) on a mixed mesh: placed
+  as declared, prefill / decode per shard / `generate(codebooks=)` equal to one device,
+  no all-gather in the decode step. G = R = 4, so prefill and decode flush groups."""
+  t0 = time.time()
+  fmt = jaxkv.VQFormat(k_vector=4, v_vector=2, token_group=4, residual=4)
+  key = jax.random.key(7)
+  books = jaxkv.VQCodebooks(fmt=fmt, **{
+      side: jax.random.normal(jax.random.fold_in(key, i), (
+          WIDE.num_layers, *fmt.codebook_shape(side, WIDE.num_kv_heads, WIDE.head_dim)),
+          jnp.float32).astype(fmt.codebook_dtype) for i, side in enumerate("kv")})
+  tokens, lengths = inputs(1)
+  one = llama.random_model(WIDE, seed=1, dtype=jnp.float32)
+  init = lambda m: m.init_cache(fmt, BATCH, PROMPT + NEW, codebooks=books)  # noqa: E731
+  prefill, step = make_steps(one, None)
+  want_pre, cache = prefill(nnx.state(one), tokens, lengths, init(one))
+  token = jnp.argmax(want_pre, -1).astype(jnp.int32)
+  want_dec, _ = step(nnx.state(one), token, cache)
+  want_out, _ = jaxkv.generate(one, tokens, lengths, kv_format=fmt, codebooks=books,
+                               max_new_tokens=NEW)
+
+  mesh = mixed_mesh(n)
+  model = shard_model(one, mesh)
+  prefill, step = make_steps(model, mesh)
+  state = nnx.state(model)
+  cache = sharding.init_sharded(lambda: init(model), mesh)
+  check_placement(cache, mesh, "vq_model init_sharded")
+  spec = sharding.cache_specs(cache, mesh).k.codebook
+  assert spec[1] == "model" and all(a is None for a in (spec[0], *spec[2:])), spec
+  pre, cache = prefill(state, tokens, lengths, cache)
+  assert rel_err(pre, want_pre) < 1e-4, ("vq_model prefill", rel_err(pre, want_pre))
+  check_placement(cache, mesh, "vq_model after prefill")
+  check_hlo(step.lower(state, token, cache).compile().as_text(), cache, "vq_model",
+            allow_small=False)
+  dec, cache = step(state, token, cache)
+  assert rel_err(dec, want_dec) < 1e-4, ("vq_model decode", rel_err(dec, want_dec))
+  check_placement(cache, mesh, "vq_model after decode step")
+  assert (np.asarray(cache.packed_lens) > 0).all()
+  out, _ = jaxkv.generate(model, tokens, lengths, kv_format=fmt, codebooks=books,
+                          max_new_tokens=NEW, mesh=mesh)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(want_out), err_msg="vq_model tokens")
+  print(f"OK vq_model_per_shard {time.time() - t0:.1f}s", flush=True)
+
+
 def run_speculative_case(n: int = 8):
   """`speculative_generate(mesh=)` (QuantSpec cache, int4 draft weights): the same greedy
   tokens and statistics as one device, the cache placed as declared afterwards."""
@@ -351,6 +395,8 @@ def main(argv) -> int:
     run_kernel_case(n)
   if not args or "formats" in names:
     run_formats_case(n)
+  if not args or "vq_model" in names:
+    run_vq_model_case(n)
   if not args or "speculative" in names:
     run_speculative_case(n)
   if not args or "load" in names:
