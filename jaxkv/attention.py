@@ -324,10 +324,14 @@ def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None
     ``[0, L_b - S + i]``. NaN for query rows holding a NaN/inf and for every
     query of a sequence flagged ``cache.nonfinite`` (README "Input policy").
   """
+  from jaxkv.model_cache import LayerView  # pylint: disable=import-outside-toplevel
   from jaxkv.vq_cache import VQCache  # pylint: disable=import-outside-toplevel
-  if isinstance(cache, VQCache) and view != "target":
-    raise ValueError(f"view={view!r}: a VQCache has only the 'target' view")
-  if isinstance(cache, VQCache):  # vector-quantized cache (issue 15): its own kernel
+  from jaxkv.vq_model_cache import VQModelCache  # pylint: disable=import-outside-toplevel
+  vq_cache = isinstance(cache, VQCache) or (isinstance(cache, LayerView)
+                                            and isinstance(cache.stacked, VQModelCache))
+  if vq_cache and view != "target":
+    raise ValueError(f"view={view!r}: a VQ cache has only the 'target' view")
+  if vq_cache:  # vector-quantized cache (issue 15): its own kernels
     from jaxkv.vq_attention import vq_decode_attention  # pylint: disable=import-outside-toplevel
     return vq_decode_attention(q, cache, scale=check_scale(scale),
                                implementation=implementation, config=config)

@@ -109,11 +109,18 @@ def vq_decode_attention(q: jax.Array, cache: VQCache, *, scale=None,
                         config: vq_kernel.VQAttentionConfig | None = None) -> jax.Array:
   """Attention of the S newest queries over a `VQCache` (see `jaxkv.decode_attention`).
 
-  ``scale`` is already validated by the caller (`jaxkv.attention.check_scale`).
-  Returns ``[B, S, Hq, D]`` in q's dtype; NaN rows as `jaxkv.decode_attention`.
+  ``cache`` may also be a `jaxkv.VQModelCache.layer_view` (a `LayerView`):
+  the Mosaic kernel reads that layer's codes and residual rows in place (a
+  layer index into the stacked arrays); the Triton kernel and the reference
+  take the layer's slice. ``scale`` is already validated by the caller
+  (`jaxkv.attention.check_scale`). Returns ``[B, S, Hq, D]`` in q's dtype;
+  NaN rows as `jaxkv.decode_attention`.
   """
   # pylint: disable-next=import-outside-toplevel
   from jaxkv.attention import _poison, reference_attention
+  view = None
+  if not isinstance(cache, VQCache):  # a layer view: its slice gives shapes and codebooks
+    view, cache = cache, cache.materialize()  # (slices nothing reads are dropped by XLA)
   _check_q(q, cache)
   if config is not None and not isinstance(
       config, (vq_kernel.VQAttentionConfig, mosaic_kernel.MosaicAttentionConfig)):
@@ -124,11 +131,17 @@ def vq_decode_attention(q: jax.Array, cache: VQCache, *, scale=None,
   if impl == "mosaic":
     # pylint: disable-next=import-outside-toplevel
     from pallas_kernels import mosaic_vq_attention
+    k_codes, v_codes, k_res, v_res, layer = (cache.k_codes, cache.v_codes, cache.k_residual,
+                                             cache.v_residual, None)
+    if view is not None:  # the stacked codes and residuals, read in place
+      st = view.stacked
+      k_codes, v_codes, k_res, v_res = st.k.codes, st.v.codes, st.k_residual, st.v_residual
+      layer = view.index
     out = mosaic_vq_attention.mosaic_vq_decode_attention(
-        q, cache.k_codes, cache.k_codebook, cache.v_codes, cache.v_codebook, cache.k_residual,
-        cache.v_residual, cache.lengths, k_spec=cache.fmt.spec("k"),
+        q, k_codes, cache.k_codebook, v_codes, cache.v_codebook, k_res, v_res, cache.lengths,
+        k_spec=cache.fmt.spec("k"),
         v_spec=cache.fmt.spec("v"), token_group=cache.fmt.token_group, scale=scale,
-        config=config)
+        config=config, layer=layer)
   elif impl == "triton":
     out = vq_kernel.vq_decode_attention(
         q, cache.k_codes, cache.k_codebook, cache.v_codes, cache.v_codebook, cache.k_residual,

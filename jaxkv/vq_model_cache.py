@@ -31,7 +31,7 @@ import numpy as np
 
 from jaxkv import vq
 from jaxkv.cache import STORAGE_ALIGN, check_dims
-from jaxkv.model_cache import AppendPlan, ModelCache, _is_concrete, _scatter_rows
+from jaxkv.model_cache import AppendPlan, LayerView, ModelCache, _is_concrete, _scatter_rows
 from jaxkv.vq_cache import VQCache, _quantize_groups
 
 
@@ -194,17 +194,15 @@ class VQModelCache(ModelCache):
         overflow=self.overflow if plan is None else self.overflow | ~plan.fits,
         nonfinite=self.nonfinite, fmt=self.fmt, capacity=self.capacity)
 
-  def layer_view(self, index, plan: AppendPlan | None = None) -> VQCache:
-    """What `jaxkv.decode_attention` gets for layer ``index``: its `jaxkv.VQCache`.
+  def layer_view(self, index, plan: AppendPlan | None = None) -> LayerView:
+    """Layer ``index`` as (stacked storage, index): what `jaxkv.decode_attention` gets.
 
-    Unlike `ModelCache.layer_view` this materializes the layer (`layer`):
-    `jaxkv.vq_attention.vq_decode_attention` runs on it unchanged (reference,
-    Triton or Mosaic VQ kernel). The slice makes XLA copy the layer's codes
-    (``[B, Hkv, C, S*n]`` per side) on every step; the reference path reads
-    them all anyway, but the fused Mosaic/Triton VQ kernels would need an
-    in-place layer index (as the KV Triton kernel takes) to avoid that copy.
+    The Mosaic VQ kernel reads the layer's codes and residual rows in place
+    (a layer index into the stacked arrays: slicing them out would copy
+    ``[B, Hkv, C, S*n]`` codes per side on every step); the Triton VQ kernel
+    and the reference take `LayerView.materialize()`, the layer's `VQCache`.
     """
-    return self.layer(index, plan)
+    return super().layer_view(index, plan)
 
   # ----------------------------------------------------------------- append
   def _flush_rows(self, sides, index, rows, plan: AppendPlan) -> tuple[VQCodes, VQCodes]:

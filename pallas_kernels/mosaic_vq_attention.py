@@ -149,8 +149,13 @@ def _two_wg_smem(head_dim: int, n_pv: int, n_rows: int, book_elems: int, stages:
 
 def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, lengths, books, *,
                  token_group, residual, num_queries, q_rows, num_splits, stages, dtype,
-                 early_v=True, lazy_max=True):
-  """Partials ``o [B,H,2(J+1),D,N_pv], l, m [B,H,2(J+1),N]`` (``J = num_splits``)."""
+                 early_v=True, lazy_max=True, row0=None):
+  """Partials ``o [B,H,2(J+1),D,N_pv], l, m [B,H,2(J+1),N]`` (``J = num_splits``).
+
+  ``row0``: ``[1]`` int32, the cache arrays' row of sequence 0
+  (`mosaic_attention.stacked_rows`; None: 0)."""
+  if row0 is None:
+    row0 = jnp.zeros((1,), jnp.int32)
   plgpu = ma.plgpu
   batch, kv_heads, n_rows, head_dim = q_perm.shape
   n_pv = max(n_rows, 16)
@@ -199,13 +204,14 @@ def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, length
 
     return pl.run_state(pv)(plgpu.ACC.init(acc)), m_new, l_i
 
-  def kernel(lengths_gmem, q_gmem, qres_gmem, kc_gmem, vc_gmem, kres_gmem, vres_gmem,
+  def kernel(lengths_gmem, row0_gmem, q_gmem, qres_gmem, kc_gmem, vc_gmem, kres_gmem, vres_gmem,
              kb_gmem, vb_gmem, o_gmem, l_gmem, m_gmem,
              q_smem, kb_smem, vb_smem, vdq2, pt2, red2, flag2, o2, lm2, bars):
     wg = lax.axis_index("wg")
     b = lax.axis_index("b")
     h = lax.axis_index("h")
     j = lax.axis_index("j")
+    cb = row0_gmem[0] + b  # this sequence's row of the cache arrays
     length = lengths_gmem[b]
     packed = token_group * jnp.maximum(0, (length - residual + token_group) // token_group)
     row = plgpu.broadcasted_iota(jnp.int32, (n_rows,), 0,
@@ -254,7 +260,7 @@ def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, length
           in_specs=[ma._shifted(spec, first) for spec in specs],  # pylint: disable=protected-access
           max_concurrent_steps=stages, wg_axis="wg", num_compute_wgs=_WGS,
           compute_context=compute_context)
-      pipeline(kc_gmem.at[b, h], vc_gmem.at[b, h])
+      pipeline(kc_gmem.at[cb, h], vc_gmem.at[cb, h])
 
     @pl.when(j == num_splits)
     def _residual():
@@ -266,9 +272,9 @@ def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, length
           for r0 in range(0, residual, bk):
             # Residual row r holds token packed + r; warpgroup wg takes 64 of every 128.
             rows = pl.ds(r0 + wg * _HALF, _HALF)
-            plgpu.copy_gmem_to_smem(kres_gmem.at[b, h, rows], kres2.at[wg], bars.at[3 + wg])
+            plgpu.copy_gmem_to_smem(kres_gmem.at[cb, h, rows], kres2.at[wg], bars.at[3 + wg])
             plgpu.barrier_wait(bars.at[3 + wg])
-            plgpu.copy_gmem_to_smem(vres_gmem.at[b, h, rows], vdq2.at[wg], bars.at[3 + wg])
+            plgpu.copy_gmem_to_smem(vres_gmem.at[cb, h, rows], vdq2.at[wg], bars.at[3 + wg])
             plgpu.barrier_wait(bars.at[3 + wg])
             carry = attend(q_smem, kres2.at[wg], vdq2.at[wg], pt2.at[wg], vdq2.at[wg],
                            red2.at[wg], flag2.at[wg], None, carry,
@@ -304,7 +310,7 @@ def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, length
       compiler_params=plgpu.CompilerParams(approx_math=True,
                                            lowering_semantics=ma._SEMANTICS),  # pylint: disable=protected-access
       kernel_name=f"jaxkv_mosaic_vq2_attention_k{k_vec}v{v_vec}",
-  )(lengths, q_perm, q_res, k_codes, v_codes, k_residual, v_residual, k_flat, v_flat)
+  )(lengths, row0, q_perm, q_res, k_codes, v_codes, k_residual, v_residual, k_flat, v_flat)
 
 
 def _case_smem(q_rows, head_dim, k_spec, v_spec, dtype, stages):
@@ -335,7 +341,7 @@ def auto_config(*, q_rows: int, head_dim: int, k_spec: VQSideSpec, v_spec: VQSid
 @functools.partial(jax.jit, static_argnames=("k_spec", "v_spec", "token_group", "config"))
 def mosaic_vq_decode_attention(
     q: jax.Array,           # [B, S, Hq, D]
-    k_codes: jax.Array,     # [B, H, C, nk] uint8
+    k_codes: jax.Array,     # [B, H, C, nk] uint8 ([L, B, ...] with ``layer``)
     k_codebook: jax.Array,  # [H, 1, nk, Ek, vk]
     v_codes: jax.Array,     # [B, H, C, nv] uint8
     v_codebook: jax.Array,  # [H, 1, nv, Ev, vv]
@@ -348,6 +354,7 @@ def mosaic_vq_decode_attention(
     token_group: int,
     scale: float | jax.Array | None = None,
     config: ma.MosaicAttentionConfig | None = None,
+    layer: jax.Array | int | None = None,
 ) -> jax.Array:
   """Decode attention of S new queries over a VQ cache (Hopper kernel).
 
@@ -357,9 +364,17 @@ def mosaic_vq_decode_attention(
   ``block_k=128`` runs the two-warpgroup kernel (64 rows of each tile per
   compute warpgroup; (Hq/Hkv) x S <= 16 and its shared memory must fit),
   ``block_k=64`` the one-warpgroup kernel; by default the first where it fits.
+  ``layer``: with the codes and residuals stacked on a leading layer axis
+  (``[L, B, H, ...]``, a `jaxkv.VQModelCache`; the codebooks are the layer's
+  own ``[H, ...]``), the (possibly traced) layer to read in place
+  (`mosaic_attention.stacked_rows`).
   Returns ``[B, S, Hq, D]`` in q's dtype. ValueError when `supports` refuses.
   """
   batch, num_queries, q_heads, head_dim = q.shape
+  row0 = None
+  if layer is not None:
+    (k_codes, v_codes, k_residual, v_residual), row0 = ma.stacked_rows(
+        (k_codes, v_codes, k_residual, v_residual), layer, batch)
   kv_heads, capacity = k_codes.shape[1], k_codes.shape[2]
   residual = k_residual.shape[2]
   dtype = k_residual.dtype
@@ -411,7 +426,7 @@ def mosaic_vq_decode_attention(
         qh[..., perm], qh, k_codes, v_codes, k_residual, v_residual, lengths.astype(jnp.int32),
         tuple(books), token_group=token_group, residual=residual, num_queries=num_queries,
         q_rows=q_rows, num_splits=config.num_splits, stages=config.max_concurrent_steps,
-        dtype=dtype, early_v=config.early_v, lazy_max=config.lazy_max)
+        dtype=dtype, early_v=config.early_v, lazy_max=config.lazy_max, row0=row0)
     tail = _WGS  # the residual program's partials, one per compute warpgroup
   else:
     placeholder = SideSpec(16)  # the side specs of the quantized formats do not apply
@@ -419,7 +434,7 @@ def mosaic_vq_decode_attention(
         qh[..., perm], qh, [k_codes], [v_codes], k_residual, v_residual,
         lengths.astype(jnp.int32), k_side=placeholder, v_side=placeholder,
         token_group=token_group, residual=residual, num_queries=num_queries, q_rows=q_rows,
-        config=config, dtype=dtype, vq=tuple(books))
+        config=config, dtype=dtype, vq=tuple(books), row0=row0)
     tail = 1
   out = combine_t.combine_t(o_part, l_part, m_part, rows=_triton.next_pow2(q_rows),
                             packed_rows=np.argsort(perm), out_dtype=q.dtype, plain_tail=tail)

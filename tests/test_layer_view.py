@@ -131,3 +131,63 @@ def test_layer_view_mosaic(fmt, group, s, dtype, which):
     ref = np_attention(np.asarray(q, np.float64), np.asarray(kd), np.asarray(vd), lengths)
     tol = 2e-2 if dtype == jnp.bfloat16 else 4e-3
     np.testing.assert_allclose(got, ref, atol=tol * np.abs(ref).max(), rtol=0)
+
+
+def _vq_model_cache(fmt_name, layers, b, hkv, d, lengths, capacity, dtype, seed):
+  """A `VQModelCache` of ``layers`` prefilled `VQCache`s (each its own codebooks)."""
+  fmt = jaxkv.VQ_PRESETS[fmt_name]
+  caches = []
+  for i in range(layers):
+    keys = jax.random.split(jax.random.PRNGKey(seed + i), 4)
+    books = tuple((jax.random.normal(keys[j], fmt.codebook_shape(side, hkv, d)) * 0.8 + 0.1)
+                  .astype(fmt.codebook_dtype) for j, side in enumerate("kv"))
+    t = max(lengths)
+    k = (jax.random.normal(keys[2], (b, t, hkv, d)) * 1.5 + 0.2).astype(dtype)
+    v = jax.random.normal(keys[3], (b, t, hkv, d)).astype(dtype)
+    c = jaxkv.VQCache.init(fmt, books, b, hkv, d, capacity, dtype)
+    caches.append(c.prefill(k, v, np.asarray(lengths)))
+  return jaxkv.VQModelCache.from_layers(caches)
+
+
+@pytest.mark.parametrize("block_k", [64, 128])
+def test_layer_view_vq(block_k):
+  """A `VQModelCache` layer through `decode_attention`: float64 over the layer's
+  dequantized K/V (reference off a GPU; on a Hopper GPU the Mosaic VQ kernels,
+  one and two warpgroups, reading the stacked codes in place); off Hopper the
+  Mosaic kernel's CUDA lowering takes the stacked codes whole."""
+  from jaxkv.attention import is_hopper
+  from pallas_kernels import mosaic_attention as ma
+  from pallas_kernels import mosaic_vq_attention as mv
+  b, hkv, group, d, lengths = 2, 2, 4, 128, (700, 141)
+  mc = _vq_model_cache("cq2", 3, b, hkv, d, lengths, 1024, jnp.bfloat16, 77 + block_k)
+  q = jax.random.normal(jax.random.PRNGKey(block_k), (b, 1, hkv * group, d)).astype(jnp.bfloat16)
+  config = ma.MosaicAttentionConfig(block_k=block_k, num_splits=3,
+                                    max_concurrent_steps=2 if block_k == 128 else 4)
+  if is_hopper():
+    impl, cfg, tol = "mosaic", config, 2e-2
+  else:
+    impl, cfg, tol = "reference", None, 4e-3  # the output is bfloat16
+    fmt = mc.fmt
+
+    def f(q, mc, i):
+      layer = mc.layer(i)  # codebooks only: [H, ...] slices
+      return mv.mosaic_vq_decode_attention(
+          q, mc.k.codes, layer.k_codebook, mc.v.codes, layer.v_codebook, mc.k_residual,
+          mc.v_residual, mc.lengths, k_spec=fmt.spec("k"), v_spec=fmt.spec("v"),
+          token_group=fmt.token_group, config=config, layer=i)
+
+    text = jax.jit(f).trace(q, mc, jnp.int32(1)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    codes_slice = "x".join(map(str, (1, *mc.k.codes.shape[1:])))  # one layer of the codes
+    assert f"tensor<{codes_slice}xui8>" not in text    # not sliced out: read in place
+
+  @jax.jit
+  def attend(q, mc, index):
+    return jaxkv.decode_attention(q, mc.layer_view(index), implementation=impl, config=cfg)
+
+  for index in (2, 0):
+    got = np.asarray(attend(q, mc, jnp.int32(index)), np.float64)
+    kd, vd = mc.layer(index).dequantize()
+    ref = np_attention(np.asarray(q, np.float64), np.asarray(kd, np.float64),
+                       np.asarray(vd, np.float64), lengths)
+    np.testing.assert_allclose(got, ref, atol=tol * np.abs(ref).max(), rtol=0)

@@ -127,7 +127,7 @@ def test_dispatch_reference_and_custom_scale():
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=tol, rtol=tol)
   # The default scale gives a different answer (the scale is really used).
   assert np.abs(_oracle(q, cache) - want).max() > 10 * tol
-  with pytest.raises(ValueError, match="view='draft': a VQCache has only the 'target' view"):
+  with pytest.raises(ValueError, match="view='draft': a VQ cache has only the 'target' view"):
     jaxkv.decode_attention(q, cache, view="draft")
 
 
