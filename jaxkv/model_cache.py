@@ -62,6 +62,28 @@ def _static(**kw):
   return dataclasses.field(metadata=dict(static=True), **kw)
 
 
+def check_layers(caches, layer_type: type) -> list:
+  """``caches`` as a list of per-layer caches that `from_layers` can stack.
+
+  Raises:
+    TypeError: empty, or an item that is not a ``layer_type``.
+    ValueError: a cache whose format, capacity, residual shape, dtype or
+      (concrete) lengths differ from ``caches[0]``'s.
+  """
+  caches = list(caches)
+  if not caches or not all(isinstance(c, layer_type) for c in caches):
+    raise TypeError(f"caches must be a non-empty sequence of jaxkv.{layer_type.__name__}")
+  first = caches[0]
+  for i, c in enumerate(caches[1:], 1):
+    if (c.fmt, c.capacity, c.k_residual.shape, c.dtype) != (
+        first.fmt, first.capacity, first.k_residual.shape, first.dtype):
+      raise ValueError(f"caches[{i}] differs from caches[0] in format, capacity or shapes")
+    if _is_concrete(c.lengths) and _is_concrete(first.lengths) and not np.array_equal(
+        np.asarray(c.lengths), np.asarray(first.lengths)):
+      raise ValueError(f"caches[{i}].lengths differ from caches[0].lengths")
+  return caches
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AppendPlan:
@@ -136,17 +158,8 @@ class ModelCache:
   @classmethod
   def from_layers(cls, caches: Sequence[KVCache]) -> "ModelCache":
     """Stacks per-layer caches that agree on format, shapes and lengths."""
-    caches = list(caches)
-    if not caches or not all(isinstance(c, KVCache) for c in caches):
-      raise TypeError("caches must be a non-empty sequence of jaxkv.KVCache")
+    caches = check_layers(caches, KVCache)
     first = caches[0]
-    for i, c in enumerate(caches[1:], 1):
-      if (c.fmt, c.capacity, c.k_residual.shape, c.dtype) != (
-          first.fmt, first.capacity, first.k_residual.shape, first.dtype):
-        raise ValueError(f"caches[{i}] differs from caches[0] in format, capacity or shapes")
-      if _is_concrete(c.lengths) and _is_concrete(first.lengths) and not np.array_equal(
-          np.asarray(c.lengths), np.asarray(first.lengths)):
-        raise ValueError(f"caches[{i}].lengths differ from caches[0].lengths")
     stack = lambda *xs: jnp.stack(xs)  # noqa: E731
     return cls(
         k=jax.tree_util.tree_map(stack, *[c.k for c in caches]),

@@ -31,7 +31,8 @@ import numpy as np
 
 from jaxkv import vq
 from jaxkv.cache import STORAGE_ALIGN, check_dims
-from jaxkv.model_cache import AppendPlan, LayerView, ModelCache, _is_concrete, _scatter_rows
+from jaxkv.model_cache import (AppendPlan, LayerView, ModelCache, _scatter_rows,
+                               check_layers)
 from jaxkv.vq_cache import VQCache, _quantize_groups
 
 
@@ -152,17 +153,8 @@ class VQModelCache(ModelCache):
   @classmethod
   def from_layers(cls, caches: Sequence[VQCache]) -> "VQModelCache":
     """Stacks per-layer `jaxkv.VQCache`s that agree on format, shapes and lengths."""
-    caches = list(caches)
-    if not caches or not all(isinstance(c, VQCache) for c in caches):
-      raise TypeError("caches must be a non-empty sequence of jaxkv.VQCache")
+    caches = check_layers(caches, VQCache)
     first = caches[0]
-    for i, c in enumerate(caches[1:], 1):
-      if (c.fmt, c.capacity, c.k_residual.shape, c.dtype) != (
-          first.fmt, first.capacity, first.k_residual.shape, first.dtype):
-        raise ValueError(f"caches[{i}] differs from caches[0] in format, capacity or shapes")
-      if _is_concrete(c.lengths) and _is_concrete(first.lengths) and not np.array_equal(
-          np.asarray(c.lengths), np.asarray(first.lengths)):
-        raise ValueError(f"caches[{i}].lengths differ from caches[0].lengths")
     stack = lambda name: jnp.stack([getattr(c, name) for c in caches])  # noqa: E731
     return cls(
         k=VQCodes(stack("k_codes"), stack("k_codebook")),

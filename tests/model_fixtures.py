@@ -1,6 +1,7 @@
-"""Shared pieces of the model tests: a tiny Llama config and full-precision matmuls."""
+"""Shared pieces of the model tests: a tiny Llama config, full-precision matmuls, `rel_err`."""
 
 import jax
+import numpy as np
 import pytest
 
 from models import llama
@@ -20,3 +21,9 @@ def full_f32_matmuls():
   """
   with jax.default_matmul_precision("highest"):
     yield
+
+
+def rel_err(got, want) -> float:
+  """Largest absolute difference over the largest ``|want|`` (float64)."""
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return float(np.abs(got - want).max() / np.abs(want).max())

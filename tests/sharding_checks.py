@@ -25,6 +25,7 @@ import jaxkv
 from jaxkv import sharding
 from models import llama
 from models.sharding import param_specs, shard_model, vocab_parallel_embed
+from tests.model_fixtures import rel_err
 
 FMT = "kivi4"
 BATCH, PROMPT, NEW = 8, 12, 5
@@ -53,11 +54,6 @@ def mixed_mesh(n: int):
   """2 x n/2 (both axes split) when n >= 4, else 1 x n (heads split)."""
   data = 2 if n >= 4 else 1
   return sharding.make_mesh(data=data, model=n // data)
-
-
-def rel_err(got, want) -> float:
-  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  return float(np.abs(got - want).max() / np.abs(want).max())
 
 
 def inputs(seed: int = 0):

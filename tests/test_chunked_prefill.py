@@ -15,7 +15,7 @@ from jaxkv.decoding import generate
 from models import llama
 from models.checkpoint import save_llama
 from pallas_kernels.chunk_attention import ChunkAttentionConfig
-from tests.model_fixtures import SMALL, full_f32_matmuls  # noqa: F401  (autouse fixture)
+from tests.model_fixtures import SMALL, full_f32_matmuls, rel_err  # noqa: F401  (autouse fixture)
 
 CFG = SMALL
 INTERPRET = os.environ.get("JAXKV_TEST_GPU", "0") != "1"
@@ -26,11 +26,6 @@ INTERPRET = os.environ.get("JAXKV_TEST_GPU", "0") != "1"
 @pytest.fixture(scope="module")
 def model():
   return llama.random_model(CFG, seed=41, dtype=jnp.float32)
-
-
-def rel_err(got, want) -> float:
-  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  return float(np.abs(got - want).max() / np.abs(want).max())
 
 
 # ------------------------------------------------------ chunk attention

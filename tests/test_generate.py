@@ -15,6 +15,7 @@ from jaxkv.formats import PRESETS, KVFormat
 from jaxkv import decoding as gen_mod
 from jaxkv.decoding import decode_step, generate, sample_logits
 from models import llama
+from tests.model_fixtures import rel_err
 
 CFG = llama.LlamaConfig(
     vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -30,11 +31,6 @@ def model():
 def _prompts(seed, batch, length, lengths):
   rng = np.random.default_rng(seed)
   return rng.integers(0, CFG.vocab_size, (batch, length)), np.asarray(lengths)
-
-
-def rel_err(got, want) -> float:
-  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  return float(np.abs(got - want).max() / np.abs(want).max())
 
 
 # ------------------------------------------------------- quantized presets

@@ -13,15 +13,10 @@ import pytest
 
 from models import llama
 from models.checkpoint import load_llama, save_llama
-from tests.model_fixtures import SMALL, full_f32_matmuls  # noqa: F401  (autouse fixture)
+from tests.model_fixtures import SMALL, full_f32_matmuls, rel_err  # noqa: F401  (autouse fixture)
 
 
 
-
-
-def rel_err(got, want) -> float:
-  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  return float(np.abs(got - want).max() / np.abs(want).max())
 
 
 # ------------------------------------------------------------------- config
