@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+import jaxkv  # noqa: E402
 from jaxkv import fidelity  # noqa: E402
 from models import llama  # noqa: E402
 from models.gguf import SMOLLM2_INSTALL, find_smollm2  # noqa: E402
@@ -80,7 +81,9 @@ def main(argv=None) -> int:
   p.add_argument("--sequences", type=int, default=1, help="text windows per context")
   p.add_argument("--steps", type=int, default=128, help="scored / generated tokens per row")
   p.add_argument("--questions", type=int, default=2, help="document-question prompts (greedy)")
-  p.add_argument("--formats", default="all", help="comma-separated names, or 'all'")
+  p.add_argument("--formats", default="all",
+                 help="comma-separated names, or 'all'; VQ presets (cq4, cq2) too, their "
+                      "codebooks fitted on the text after the perplexity windows")
   p.add_argument("--dtype", default=None, help="model dtype (default float32 on CPU, else bf16)")
   p.add_argument("--implementation", default=None, help="decode_attention implementation")
   p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
@@ -97,6 +100,7 @@ def main(argv=None) -> int:
   print(f"loaded {model_path} ({dtype.name}) in {time.perf_counter() - t0:.1f}s", flush=True)
   formats = fidelity.default_formats(model.config.head_dim)
   if args.formats != "all":
+    formats.update(jaxkv.VQ_PRESETS)  # only when named: each is fitted first
     names = args.formats.split(",")
     unknown = [n for n in names if n not in formats]
     if unknown:

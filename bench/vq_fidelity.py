@@ -5,8 +5,8 @@ Every format runs through the model's own cache (`model.init_cache`: a
 ``model.prefill`` of the prompt (full-precision causal attention over it, its
 K/V then stored), then ``steps`` teacher-forced ``model.decode`` steps over
 the (quantized) cache in one jitted `lax.scan`. Codebooks are learned with
-`jaxkv.vq.fit` on the K/V of a *different* window of the same text
-(calibration), never on the evaluated window.
+`jaxkv.vq.fit` on the K/V (`jaxkv.vq.calibration_kv`) of a *different*
+window of the same text (calibration), never on the evaluated window.
 
   python bench/vq_fidelity.py                    # SmolLM2, 1 window of 384 + 128 tokens
   python bench/vq_fidelity.py --windows 2 --prompt 896 --calib 2048
@@ -37,25 +37,6 @@ from models.gguf import SMOLLM2_INSTALL, find_smollm2  # noqa: E402
 from models.tokenizer import load_tokenizer  # noqa: E402
 
 FORMATS = ("bf16", "kivi4", "kivi2", "kivi4-g32", "kivi2-g32", "cq4", "cq2")
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _forward_kv(graphdef, state, tokens):
-  """Full-precision causal forward: logits ``[B, T, V]``, each layer's K/V ``[B, T, Hkv, D]``."""
-  model = nnx.merge(graphdef, state)
-  b, t = tokens.shape
-  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  ks, vs = [], []
-
-  def attend(q, k, v, cache):
-    ks.append(k)
-    vs.append(v)
-    return llama.causal_attention(q, k, v), cache
-
-  x = model._embed(tokens)  # pylint: disable=protected-access
-  for layer in model.layers:
-    x, _ = layer(x, positions, attend)
-  return model._logits(x), ks, vs  # pylint: disable=protected-access
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -106,9 +87,7 @@ def main(argv=None) -> int:
   print(f"loaded {os.path.basename(path)} in {time.perf_counter() - t0:.0f}s; "
         f"{len(tokens)} text tokens", flush=True)
 
-  _, ck, cv = _forward_kv(graphdef, state, jnp.asarray(calib))
-  k_calib = jnp.stack([k[0] for k in ck])  # [L, N, Hkv, D]
-  v_calib = jnp.stack([v[0] for v in cv])
+  k_calib, v_calib = vq.calibration_kv(model, calib)  # [L, N, Hkv, D]
   prompt = jnp.asarray(windows[:, :args.prompt])
   inputs = jnp.asarray(windows[:, args.prompt:args.prompt + args.steps].T)   # [steps, B]
   targets = windows[:, args.prompt + 1:args.prompt + args.steps + 1]         # [B, steps]

@@ -11,6 +11,12 @@
   (config.json, safetensors, tokenizer.json) on a chosen cache format; the
   checkpoint's chat template is applied when it has one.
 * ``formats``: memory and attention error of every preset (`jaxkv.report`).
+
+A VQ format (``cq4``, ``cq2``; `jaxkv.vq`) needs codebooks: they are fitted
+(`jaxkv.vq.fit`) on the model's own K/V of the prompt(s), which must hold at
+least one token per codebook entry (256), or ``generate --codebooks PATH``
+loads ones saved with `jaxkv.VQCodebooks.save` (``--save-codebooks PATH``
+writes the fitted ones).
 """
 
 from __future__ import annotations
@@ -51,7 +57,9 @@ def _parser() -> argparse.ArgumentParser:
   d.add_argument("--batch", type=_positive_int, default=None,
                  help="sequences (random model; default 2) or document-question prompts "
                       "(real model; default 1)")
-  d.add_argument("--formats", default="all", help="comma-separated presets, or 'all'")
+  d.add_argument("--formats", default="all",
+                 help="comma-separated presets, or 'all' (the KV presets); VQ presets (cq4, "
+                      "cq2) fit their codebooks on the prompts' K/V")
   d.add_argument("--seed", type=int, default=0)
   d.add_argument("--implementation", default=None, help="decode_attention implementation")
 
@@ -59,7 +67,14 @@ def _parser() -> argparse.ArgumentParser:
   g.add_argument("--model", "--checkpoint", dest="model", required=True,
                  help=".gguf file or HF model directory")
   g.add_argument("--kv-format", "--kv", dest="kv", default=None,
-                 help="cache format preset (default kivi4; quantspec with --speculative)")
+                 help="cache format preset (default kivi4; quantspec with --speculative; "
+                      "with --codebooks their format); VQ presets cq4, cq2 fit codebooks on "
+                      "the prompt's K/V")
+  g.add_argument("--codebooks", default=None, metavar="PATH",
+                 help="VQ codebooks saved with jaxkv.VQCodebooks.save (.npz) instead of "
+                      "fitting them on the prompt")
+  g.add_argument("--save-codebooks", default=None, metavar="PATH",
+                 help="write the codebooks fitted on the prompt (VQ --kv) to PATH (.npz)")
   g.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
   g.add_argument("--prompt-ids", help="comma-separated token ids instead of --prompt")
   g.add_argument("--raw", action="store_true",
@@ -132,11 +147,49 @@ def _demo(args) -> int:
 
 
 def _demo_formats(arg: str) -> list[str]:
-  from jaxkv.formats import PRESETS, KVFormat  # pylint: disable=import-outside-toplevel
+  from jaxkv.decoding import as_format  # pylint: disable=import-outside-toplevel
+  from jaxkv.formats import PRESETS  # pylint: disable=import-outside-toplevel
   names = list(PRESETS) if arg == "all" else [n for n in arg.split(",") if n]
   for name in names:
-    KVFormat.preset(name)  # ValueError for unknown names
+    as_format(name)  # ValueError for unknown names
   return ["bf16"] + [n for n in names if n != "bf16"]
+
+
+def _fit_codebooks(model, fmt, name: str, tokens, lengths, *, seed: int, hint: str, file):
+  """`jaxkv.VQCodebooks` of VQ format ``fmt`` fitted on the model's K/V of the prompts'
+  real tokens (``tokens [B, T]`` right-padded to ``lengths [B]``); says so on ``file``."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+
+  from jaxkv import vq  # pylint: disable=import-outside-toplevel
+  n = int(np.sum(lengths))
+  need = max(fmt.spec(side).entries for side in ("k", "v"))
+  if n < need:
+    raise ValueError(f"{name} fits its codebooks on the prompt's K/V and needs at least {need} "
+                     f"prompt tokens (one per codebook entry), got {n}: {hint}")
+  print(f"fitting {name} codebooks on the prompt's K/V: {n} tokens x "
+        f"{model.config.num_layers} layers (k-means)", file=file, flush=True)
+  t0 = time.perf_counter()
+  books = vq.fit(*vq.calibration_kv(model, tokens, lengths), fmt, seed=seed)
+  print(f"fitted in {time.perf_counter() - t0:.1f}s", file=file, flush=True)
+  return books
+
+
+def _vq_note(names) -> str:
+  """The demo's footnote on VQ rows (empty without one)."""
+  from jaxkv.vq import VQ_PRESETS  # pylint: disable=import-outside-toplevel
+  if not any(n in VQ_PRESETS for n in names):
+    return ""
+  return (" VQ formats: codes plus every layer's codebooks amortized over 8192 tokens; "
+          "codebooks fitted on these prompts' own K/V.")
+
+
+def _fit_if_vq(model, fmt, name: str, tokens, lengths):
+  """The demo's codebooks for ``fmt`` (None for a KV format)."""
+  from jaxkv import vq  # pylint: disable=import-outside-toplevel
+  if not isinstance(fmt, vq.VQFormat):
+    return None
+  return _fit_codebooks(model, fmt, name, tokens, lengths, seed=0, file=sys.stdout,
+                        hint="use longer prompts (--prompt-len, --batch)")
 
 
 def _demo_real(args, model_path: str) -> int:
@@ -146,7 +199,7 @@ def _demo_real(args, model_path: str) -> int:
   import numpy as np  # pylint: disable=import-outside-toplevel
 
   from jaxkv import fidelity, generate  # pylint: disable=import-outside-toplevel
-  from jaxkv.formats import KVFormat  # pylint: disable=import-outside-toplevel
+  from jaxkv.decoding import as_format  # pylint: disable=import-outside-toplevel
   from models import llama  # pylint: disable=import-outside-toplevel
   from models.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
 
@@ -175,11 +228,12 @@ def _demo_real(args, model_path: str) -> int:
     print(f"  Q{i}: {question}")
   rows, ref = [], None
   for name in names:
-    fmt = KVFormat.preset(name)
+    fmt = as_format(name)
+    books = _fit_if_vq(model, fmt, name, tokens, lengths)
     stamps = []
     t0 = time.perf_counter()
     out, out_len = generate(model, tokens, lengths, kv_format=fmt, max_new_tokens=n,
-                            stop_tokens=stops, cache_dtype=jnp.bfloat16,
+                            stop_tokens=stops, cache_dtype=jnp.bfloat16, codebooks=books,
                             implementation=args.implementation,
                             progress=lambda step: stamps.append(time.perf_counter()))
     out, out_len = np.asarray(out), np.asarray(out_len)
@@ -212,7 +266,8 @@ def _demo_real(args, model_path: str) -> int:
   print("\nKB/token: packed K+V bytes over all layers (codes + scales, excluding the "
         "full-precision residual block). same answer: answers identical to the bf16 cache's; "
         "tokens = bf16: greedy tokens identical to the bf16 cache's before the first "
-        "difference, per question. Perplexity and KL per format: bench/fidelity.py.")
+        f"difference, per question.{_vq_note(names)} "
+        "Perplexity and KL per format: bench/fidelity.py.")
   return 0
 
 
@@ -228,8 +283,8 @@ def _demo_random(args) -> int:
   import jax.numpy as jnp
   import numpy as np
 
-  from jaxkv.formats import PRESETS, KVFormat
-  from jaxkv.decoding import cache_nbytes, generate
+  from jaxkv.formats import PRESETS
+  from jaxkv.decoding import as_format, cache_nbytes, generate
   from models import llama
 
   config = llama.LlamaConfig.named(args.config)
@@ -248,28 +303,29 @@ def _demo_random(args) -> int:
         f"({jax.devices()[0].device_kind}), batch {b}, prompt {t}, {n} new tokens, "
         f"greedy, bf16 cache dtype")
 
-  def run(fmt, steps):
+  def run(fmt, books, steps):
     out, _ = generate(model, tokens, lengths, kv_format=fmt, max_new_tokens=n,
                       cache_dtype=jnp.bfloat16, implementation=args.implementation,
-                      num_steps=steps)
+                      num_steps=steps, codebooks=books)
     return np.asarray(out)
 
-  def best_time(fmt, steps, repeats=3):
+  def best_time(fmt, books, steps, repeats=3):
     times = []
     for _ in range(repeats):
       t0 = time.perf_counter()
-      out = run(fmt, steps)
+      out = run(fmt, books, steps)
       times.append(time.perf_counter() - t0)
     return min(times), out
 
   rows, ref = [], None
   for name in names:
-    fmt = KVFormat.preset(name)
+    fmt = as_format(name)
+    books = _fit_if_vq(model, fmt, name, tokens, lengths)
     t0 = time.perf_counter()
-    run(fmt, 1)  # compile + prefill + first token
+    run(fmt, books, 1)  # compile + prefill + first token
     compile_s = time.perf_counter() - t0
-    prefill_s, _ = best_time(fmt, 1)
-    total_s, out = best_time(fmt, n)
+    prefill_s, _ = best_time(fmt, books, 1)
+    total_s, out = best_time(fmt, books, n)
     decode_s = max(total_s - prefill_s, 1e-9)
     if ref is None:
       ref = out
@@ -292,7 +348,8 @@ def _demo_random(args) -> int:
         f"for {b}x{capacity} tokens incl. the {PRESETS['kivi4'].residual}-token full-precision "
         "residual block. agree: mean fraction of greedy tokens identical to the bf16 cache's "
         "before a sequence first differs; 1st diff: first step where any sequence differs. Random weights give flat next-token distributions, so "
-        "agreement understates what trained models show.")
+        f"agreement understates what trained models show."
+        f"{_vq_note(names)}")
   return 0
 
 
@@ -334,17 +391,49 @@ def _parse_ids(text: str, vocab_size: int) -> list[int]:
   return ids
 
 
+def _vq_name(fmt) -> str:
+  """A VQ format's preset name, or its repr if it is no preset."""
+  from jaxkv.vq import VQ_PRESETS  # pylint: disable=import-outside-toplevel
+  return next((name for name, f in VQ_PRESETS.items() if f == fmt), repr(fmt))
+
+
+def _load_codebooks(path: str):
+  """`jaxkv.VQCodebooks.load` of ``--codebooks``; ValueError naming the path on failure."""
+  from jaxkv import vq  # pylint: disable=import-outside-toplevel
+  if not os.path.isfile(path):
+    raise ValueError(f"--codebooks {path!r}: no such file")
+  try:
+    return vq.VQCodebooks.load(path)
+  except (OSError, KeyError, TypeError, ValueError) as e:
+    raise ValueError(f"--codebooks {path!r} is not a file written by "
+                     f"jaxkv.VQCodebooks.save: {e}") from None
+
+
 def _generate(args) -> int:
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
 
-  from jaxkv import generate  # pylint: disable=import-outside-toplevel
-  from jaxkv.formats import KVFormat  # pylint: disable=import-outside-toplevel
-  from jaxkv.decoding import cache_nbytes  # pylint: disable=import-outside-toplevel
+  from jaxkv import generate, vq  # pylint: disable=import-outside-toplevel
+  from jaxkv.decoding import as_format, cache_nbytes  # pylint: disable=import-outside-toplevel
   from models import llama  # pylint: disable=import-outside-toplevel
 
-  args.kv = args.kv or ("quantspec" if args.speculative else "kivi4")
-  fmt = KVFormat.preset(args.kv)
+  books = _load_codebooks(args.codebooks) if args.codebooks else None
+  if books is not None and args.kv is None:  # the codebooks' format
+    fmt = books.fmt
+    args.kv = _vq_name(fmt)
+  else:
+    args.kv = args.kv or ("quantspec" if args.speculative else "kivi4")
+    fmt = as_format(args.kv)
+  is_vq = isinstance(fmt, vq.VQFormat)
+  if (args.codebooks or args.save_codebooks) and not is_vq:
+    raise ValueError(f"--codebooks / --save-codebooks are for VQ formats "
+                     f"({', '.join(vq.VQ_PRESETS)}), got --kv {args.kv}")
+  if args.codebooks and args.save_codebooks:
+    raise ValueError("--save-codebooks writes codebooks fitted on the prompt; with --codebooks "
+                     "nothing is fitted")
+  if books is not None and books.fmt != fmt:
+    raise ValueError(f"--codebooks {args.codebooks!r} were learned for {_vq_name(books.fmt)}, "
+                     f"not --kv {args.kv}: leave --kv out to decode with their format")
   if args.speculative is not None:
     if not fmt.hierarchical:
       raise ValueError(f"--speculative needs a hierarchical --kv-format (quantspec), got {args.kv}")
@@ -396,6 +485,14 @@ def _generate(args) -> int:
   capacity = args.capacity or t + n
   if capacity < t + n - 1:
     raise ValueError(f"--capacity {capacity} < prompt {t} + --max-new-tokens {n} - 1")
+  if is_vq and books is None:
+    books = _fit_codebooks(model, fmt, args.kv, tokens, lengths, seed=args.seed, file=sys.stderr,
+                           hint="give a longer prompt, or --codebooks PATH (saved with "
+                                "jaxkv.VQCodebooks.save or --save-codebooks)")
+    if args.save_codebooks:
+      books.save(args.save_codebooks)  # numpy adds .npz to a path without it
+      saved = args.save_codebooks + ("" if args.save_codebooks.endswith(".npz") else ".npz")
+      print(f"wrote the codebooks to {saved}", file=sys.stderr)
 
   def progress(step):
     stamps.append(time.perf_counter())
@@ -426,7 +523,7 @@ def _generate(args) -> int:
         model, tokens, lengths, kv_format=fmt, max_new_tokens=n, sampler=args.sampler,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         stop_tokens=stops or None, rng=jax.random.key(args.seed), capacity=capacity,
-        implementation=args.implementation, progress=progress, mesh=mesh)
+        implementation=args.implementation, progress=progress, mesh=mesh, codebooks=books)
   out, out_len = np.asarray(out), np.asarray(out_len)
   total_s = time.perf_counter() - t0
   if bar is not None:

@@ -528,8 +528,7 @@ def generate(model, prompt_tokens, prompt_lengths, *, kv_format: KVFormat | str 
                                 or not 1 <= num_steps <= max_new_tokens):
     raise ValueError(f"num_steps={num_steps!r} must be an int in [1, max_new_tokens="
                      f"{max_new_tokens}] or None")
-  if isinstance(kv_format, str):
-    kv_format = vq.VQ_PRESETS.get(kv_format) or KVFormat.preset(kv_format)
+  kv_format = as_format(kv_format)
   # VQ formats need codebooks; only then is the keyword passed (other models' init_cache).
   extra = {} if codebooks is None else {"codebooks": codebooks}
   needed = prompt_len + max_new_tokens - 1  # the last token is never appended
@@ -557,11 +556,36 @@ def generate(model, prompt_tokens, prompt_lengths, *, kv_format: KVFormat | str 
   return tokens, lengths
 
 
-def cache_nbytes(model, kv_format: KVFormat | str, batch: int, capacity: int, dtype=None) -> int:
-  """Device bytes of the cache `generate` would allocate (no allocation)."""
-  cache = jax.eval_shape(lambda: model.init_cache(kv_format, batch, capacity, dtype=dtype))
+def as_format(kv_format):
+  """A `KVFormat` or `jaxkv.VQFormat` from itself or a preset name (`PRESETS`, `VQ_PRESETS`)."""
+  if isinstance(kv_format, str):
+    return vq.VQ_PRESETS.get(kv_format) or KVFormat.preset(kv_format)
+  return kv_format
+
+
+def cache_nbytes(model, kv_format: KVFormat | vq.VQFormat | str, batch: int, capacity: int,
+                 dtype=None) -> int:
+  """Device bytes of the cache `generate` would allocate (no allocation).
+
+  A VQ format counts its codes, residual rows and every layer's codebooks
+  (shapes from the format and ``model.config``: ``num_layers``,
+  ``num_kv_heads``, ``head_dim``; no codebooks needed).
+  """
+  kv_format = as_format(kv_format)
+
+  def init():
+    if not isinstance(kv_format, vq.VQFormat):
+      return model.init_cache(kv_format, batch, capacity, dtype=dtype)
+    c = model.config
+    books = {side: jnp.ones((c.num_layers, *kv_format.codebook_shape(side, c.num_kv_heads,
+                                                                     c.head_dim)),
+                            kv_format.codebook_dtype) for side in ("k", "v")}
+    return model.init_cache(kv_format, batch, capacity, dtype=dtype,
+                            codebooks=vq.VQCodebooks(fmt=kv_format, **books))
+
+  cache = jax.eval_shape(init)
   return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache))
 
 
-__all__ = ["DecodeState", "GenerateSettings", "SplitModel", "cache_nbytes", "decode_step", "decode_steps",
+__all__ = ["DecodeState", "GenerateSettings", "SplitModel", "as_format", "cache_nbytes", "decode_step", "decode_steps",
            "generate", "greedy", "sample_logits"]

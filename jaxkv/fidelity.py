@@ -19,6 +19,10 @@ shipped with the interpreter: nothing is downloaded).
 
 The model contract is that of `jaxkv.generate`: ``init_cache``, ``prefill``,
 ``decode``, ``config`` (``num_layers``, ``num_kv_heads``, ``head_dim``).
+Vector-quantized formats (`jaxkv.VQFormat`, ``"cq4"``, ``"cq2"``) take
+codebooks; `evaluate` fits them on the model's own K/V of a calibration
+window of the text (``model.forward_kv``, `jaxkv.vq.calibration_kv`) unless
+given.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxkv import vq
+from jaxkv.decoding import as_format
 from jaxkv.formats import PRESETS, KVFormat
 
 # ------------------------------------------------------------------ text
@@ -113,29 +119,31 @@ def first_divergence(ref_tokens, tokens) -> np.ndarray:
   return np.where(differs.any(axis=1), np.argmax(differs, axis=1), ref.shape[1])
 
 
-def bytes_per_token(kv_format: KVFormat, config) -> float:
-  """Packed cache bytes of one token over all layers (codes + scales, K and V)."""
+def bytes_per_token(kv_format: KVFormat | vq.VQFormat, config) -> float:
+  """Packed cache bytes of one token over all layers (codes + scales, K and V; VQ:
+  codes, codebooks amortized as `jaxkv.VQFormat.bytes_per_token`)."""
   return kv_format.bytes_per_token(config.num_kv_heads, config.head_dim) * config.num_layers
 
 
 # ------------------------------------------------------------ decode path
 @dataclasses.dataclass(frozen=True)
 class _Static:
-  kv_format: KVFormat
+  kv_format: KVFormat | vq.VQFormat
   capacity: int
   cache_dtype: str | None
   implementation: str | None
 
 
 @functools.partial(jax.jit, static_argnames=("static",))
-def _forced_program(graphdef, state, prompt_tokens, prompt_lengths, targets, teacher, *,
-                    static: _Static):
+def _forced_program(graphdef, state, prompt_tokens, prompt_lengths, targets, teacher, codebooks,
+                    *, static: _Static):
   """Prefill, then a scan of decode steps. Returns ``(logprobs [N,B,V], argmax [N,B])``."""
   model = nnx.merge(graphdef, state)
   batch = prompt_tokens.shape[0]
+  extra = {} if codebooks is None else {"codebooks": codebooks}  # VQ formats only
   caches = model.init_cache(static.kv_format, batch, static.capacity,
                             dtype=None if static.cache_dtype is None
-                            else jnp.dtype(static.cache_dtype))
+                            else jnp.dtype(static.cache_dtype), **extra)
   logits, caches = model.prefill(prompt_tokens, prompt_lengths, caches)
 
   def step(carry, target):  # target [B]: the true token at this position
@@ -151,8 +159,9 @@ def _forced_program(graphdef, state, prompt_tokens, prompt_lengths, targets, tea
 
 
 def forced_decode(model, prompt_tokens, prompt_lengths, targets, teacher, *,
-                  kv_format: KVFormat | str, cache_dtype=jnp.bfloat16,
-                  implementation: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+                  kv_format: KVFormat | vq.VQFormat | str, cache_dtype=jnp.bfloat16,
+                  implementation: str | None = None,
+                  codebooks: vq.VQCodebooks | None = None) -> tuple[np.ndarray, np.ndarray]:
   """Prefill + ``N`` decode steps over a ``kv_format`` cache, teacher-forced or greedy per row.
 
   Step ``i`` scores the logits that predict token ``i`` after the prompt,
@@ -165,14 +174,17 @@ def forced_decode(model, prompt_tokens, prompt_lengths, targets, teacher, *,
     prompt_lengths: ``[B]`` int in ``[1, T]``.
     targets: ``[B, N]`` int: the true continuation (ignored on free-running rows).
     teacher: ``[B]`` bool: row is teacher-forced.
-    kv_format: cache format (preset name or `KVFormat`).
+    kv_format: cache format (preset name, `KVFormat` or `jaxkv.VQFormat`).
     cache_dtype: full-precision K/V dtype of the cache.
     implementation: `jaxkv.decode_attention` implementation.
+    codebooks: a VQ format's `jaxkv.VQCodebooks` (required there).
   Returns:
     ``(logprobs [B, N, V] float32, argmax tokens [B, N] int32)``.
   """
-  if isinstance(kv_format, str):
-    kv_format = KVFormat.preset(kv_format)
+  kv_format = as_format(kv_format)
+  if isinstance(kv_format, vq.VQFormat) and codebooks is None:
+    raise ValueError(f"kv_format={kv_format} is a VQ format: pass codebooks= (jaxkv.vq.fit on "
+                     "jaxkv.vq.calibration_kv(model, tokens))")
   prompt_tokens = np.asarray(prompt_tokens, np.int32)
   targets = np.asarray(targets, np.int32)
   if prompt_tokens.ndim != 2 or targets.ndim != 2 or targets.shape[0] != prompt_tokens.shape[0]:
@@ -188,7 +200,7 @@ def forced_decode(model, prompt_tokens, prompt_lengths, targets, teacher, *,
   logprobs, preds = _forced_program(graphdef, state, jnp.asarray(prompt_tokens),
                                     jnp.asarray(prompt_lengths, jnp.int32),
                                     jnp.asarray(targets), jnp.asarray(teacher, bool),
-                                    static=static)
+                                    codebooks, static=static)
   return np.asarray(logprobs).swapaxes(0, 1), np.asarray(preds).T
 
 
@@ -287,9 +299,19 @@ def build_suite(tokens: Sequence[int], question_prompts: Sequence[Sequence[int]]
                context)
 
 
-def evaluate(model, tokenizer, formats: dict[str, KVFormat] | None = None, *,
+def _format_fields(fmt) -> dict:
+  """A result row's description of a format: its bits and groups (VQ: every field)."""
+  if isinstance(fmt, vq.VQFormat):
+    return dataclasses.asdict(fmt)
+  return dict(k_bits=fmt.k_bits, v_bits=fmt.v_bits, k_axis=fmt.k_axis,
+              token_group=fmt.token_group, channel_group=fmt.channel_group,
+              residual=fmt.residual)
+
+
+def evaluate(model, tokenizer, formats: dict[str, KVFormat | vq.VQFormat] | None = None, *,
              contexts: Sequence[int] = (1024, 2048), sequences: int = 2, steps: int = 128,
              questions: int = 2, cache_dtype=jnp.bfloat16, implementation: str | None = None,
+             codebooks: dict[str, vq.VQCodebooks] | None = None, calibration: int = 2048,
              log: Callable[[str], None] | None = print) -> dict:
   """Perplexity, KL vs bf16, greedy agreement and bytes per token of each format.
 
@@ -297,24 +319,44 @@ def evaluate(model, tokenizer, formats: dict[str, KVFormat] | None = None, *,
     model: a model meeting the `jaxkv.generate` contract.
     tokenizer: ``encode(text) -> ids`` and ``encode_chat(messages) -> ids``
       (`models.tokenizer.Tokenizer`).
-    formats: name -> format; the first is the reference (bf16). Default:
-      `default_formats`.
+    formats: name -> format (`KVFormat`, `jaxkv.VQFormat` or a preset name);
+      the first is the reference (bf16). Default: `default_formats`.
     contexts: perplexity contexts in tokens (prompt + ``steps`` scored tokens).
     sequences: text windows per context.
     steps: scored tokens per perplexity row and generated tokens per greedy row.
     questions: document-question prompts for greedy agreement (0 = none).
     cache_dtype: full-precision K/V dtype of every cache.
     implementation: `jaxkv.decode_attention` implementation.
+    codebooks: name -> `jaxkv.VQCodebooks` for VQ formats; a VQ format not
+      in it gets codebooks fitted (`jaxkv.vq.fit`, seed 0) on the model's
+      K/V of ``calibration`` text tokens right after the perplexity windows.
+    calibration: calibration tokens for those fits.
     log: progress lines (None = quiet).
   Returns:
     JSON-ready dict: settings and one row per format.
   """
   config = model.config
-  formats = default_formats(config.head_dim) if formats is None else dict(formats)
+  formats = default_formats(config.head_dim) if formats is None else {
+      name: as_format(fmt) for name, fmt in formats.items()}
   text_ids = tokenizer.encode(reference_text())
   qa = [tokenizer.encode_chat(question_messages(d, q))
         for d, q in document_question_prompts(questions)] if questions else []
   suite = build_suite(text_ids, qa, contexts=contexts, sequences=sequences, steps=steps)
+  codebooks = dict(codebooks or {})
+  to_fit = [n for n, f in formats.items() if isinstance(f, vq.VQFormat) and n not in codebooks]
+  if to_fit:
+    start = sequences * max(contexts, default=0)  # disjoint from every perplexity window
+    calib = np.asarray(text_ids[start:start + calibration], np.int32)
+    if calib.size < calibration:
+      raise ValueError(f"calibration={calibration}: the perplexity windows take the first "
+                       f"{start} text tokens and calibration the next {calibration}, but the "
+                       f"text has {len(text_ids)}")
+    k_calib, v_calib = vq.calibration_kv(model, calib[None])
+    for name in to_fit:
+      codebooks[name] = vq.fit(k_calib, v_calib, formats[name], seed=0)
+    if log is not None:
+      log(f"fitted codebooks of {', '.join(to_fit)} on text tokens [{start}, "
+          f"{start + calibration})")
   ref_bytes = bytes_per_token(PRESETS["bf16"], config)
   rows, ref = [], None
   greedy_rows = ~suite.teacher
@@ -322,13 +364,12 @@ def evaluate(model, tokenizer, formats: dict[str, KVFormat] | None = None, *,
     t0 = time.perf_counter()
     logprobs, preds = forced_decode(model, suite.prompt_tokens, suite.prompt_lengths,
                                     suite.targets, suite.teacher, kv_format=fmt,
-                                    cache_dtype=cache_dtype, implementation=implementation)
+                                    cache_dtype=cache_dtype, implementation=implementation,
+                                    codebooks=codebooks.get(name))
     seconds = time.perf_counter() - t0
     if ref is None:
       ref = logprobs, preds
-    row = dict(format=name, k_bits=fmt.k_bits, v_bits=fmt.v_bits, k_axis=fmt.k_axis,
-               token_group=fmt.token_group, channel_group=fmt.channel_group,
-               residual=fmt.residual, bytes_per_token=bytes_per_token(fmt, config),
+    row = dict(format=name, **_format_fields(fmt), bytes_per_token=bytes_per_token(fmt, config),
                bytes_vs_bf16=bytes_per_token(fmt, config) / ref_bytes, seconds=seconds,
                perplexity={}, kl_vs_bf16={})
     for ctx in contexts:

@@ -88,7 +88,13 @@ class KVFormat:
     try:
       return PRESETS[name]
     except KeyError:
-      raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}") from None
+      pass
+    from jaxkv.vq import VQ_PRESETS  # pylint: disable=import-outside-toplevel  (no jax at import)
+    if name in VQ_PRESETS:
+      raise ValueError(f"{name!r} is a VQ preset, not a KVFormat: it needs learned codebooks "
+                       f"(jaxkv.VQFormat.preset({name!r}); jaxkv.generate(..., codebooks=), "
+                       "model.init_cache(..., codebooks=), jaxkv.VQCache)")
+    raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
 
   @property
   def is_quantized(self) -> bool:

@@ -18,7 +18,8 @@ Codebooks (`fit`): k-means per (layer, kv head, sub-space, stage) over
 calibration K/V: k-means++ initialisation, then a fixed number of Lloyd
 iterations (an empty cluster keeps its centroid), all jitted and
 deterministic for a seed. `VQCodebooks.save`/`load` round-trip bit-exactly
-(``.npz``).
+(``.npz``). `calibration_kv` gets a model's own K/V of some tokens to fit on:
+``vq.fit(*vq.calibration_kv(model, tokens, lengths), "cq2")``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from pallas_kernels._triton import is_pow2 as _is_pow2
 from pallas_kernels.vq_attention import VQSideSpec
@@ -474,3 +476,38 @@ def fit(k_samples, v_samples, fmt: VQFormat | str, *, seed: int = 0, iters: int 
           f"(|values| up to {float(jnp.max(jnp.abs(k_samples if side == 'k' else v_samples))):.3g}); "
           f"use a format with a wider codebook dtype or rescale the data")
   return books
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward_kv(graphdef, state, tokens):
+  return nnx.merge(graphdef, state).forward_kv(tokens)[1:]
+
+
+def calibration_kv(model, tokens, lengths=None) -> tuple[jax.Array, jax.Array]:
+  """Every layer's K/V of the real tokens of right-padded prompts: what `fit` learns from.
+
+  One jitted full-precision causal forward (``model.forward_kv``,
+  `models.llama.Llama.forward_kv`): the K/V each layer would append to its
+  cache (keys after RoPE, in the model dtype).
+
+  Args:
+    model: an NNX model with ``forward_kv(tokens [B, T]) -> (logits, k, v)``,
+      ``k``/``v`` ``[L, B, T, Hkv, D]``.
+    tokens: ``[B, T]`` int token ids, row ``b`` right-padded after
+      ``lengths[b]`` real tokens.
+    lengths: ``[B]`` ints in ``[1, T]``; None = every token is real.
+  Returns:
+    ``(k, v)``, each ``[L, N, Hkv, D]`` with ``N = sum(lengths)`` (row-major).
+  """
+  tokens = np.asarray(tokens, np.int32)
+  if tokens.ndim != 2:
+    raise ValueError(f"tokens.shape={tokens.shape} must be [B, T]")
+  b, t = tokens.shape
+  lengths = np.full((b,), t) if lengths is None else np.asarray(lengths)
+  if lengths.shape != (b,) or not np.issubdtype(lengths.dtype, np.integer) \
+      or lengths.min(initial=1) < 1 or lengths.max(initial=t) > t:
+    raise ValueError(f"lengths={lengths.tolist()} must be {b} ints in [1, T={t}]")
+  graphdef, state = nnx.split(model)
+  k, v = _forward_kv(graphdef, state, jnp.asarray(tokens))
+  real = np.arange(t)[None, :] < lengths[:, None]                        # [B, T]
+  return k[:, real], v[:, real]

@@ -8,7 +8,8 @@ load without permuting weights (`from_pretrained`).
 Three entry points:
 
 * ``model(tokens)``: full causal forward, ``[B, T]`` -> float32 logits
-  ``[B, T, vocab]``; no cache. The reference for everything else.
+  ``[B, T, vocab]``; no cache. The reference for everything else
+  (``model.forward_kv(tokens)`` also returns every layer's K/V).
 * ``model.prefill(tokens, prompt_lengths, cache, chunk_size=None)``: appends
   right-padded prompts (row ``b`` holds ``prompt_lengths[b]`` real tokens
   first) to a `jaxkv.ModelCache` that may already hold tokens (multi-turn),
@@ -606,18 +607,37 @@ class Llama(nnx.Module):
     Returns:
       float32 logits ``[B, T, vocab]``.
     """
+    return self.forward_kv(tokens, positions, attention_impl=attention_impl)[0]
+
+  def forward_kv(self, tokens: jax.Array, positions: jax.Array | None = None, *,
+                 attention_impl: str | None = None):
+    """The full causal forward (``model(tokens)``) and the K/V every layer computes.
+
+    The K/V are what `prefill` would append to a cache (keys after RoPE, in
+    the model dtype): calibration data for VQ codebooks
+    (`jaxkv.vq.calibration_kv`). Under `jit` the unused outputs cost nothing.
+
+    Returns:
+      ``(logits [B, T, vocab] float32, k, v)``, ``k``/``v``
+      ``[num_layers, B, T, num_kv_heads, head_dim]``.
+    """
     tokens = check_token_ids("tokens", tokens, self.config.vocab_size)
     b, t = tokens.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
 
-    def attend(q, k, v, cache):
-      return causal_attention(q, k, v, implementation=attention_impl), cache
+    def body(layer, index, carry):
+      x, ks, vs = carry
 
-    def body(layer, index, x):
-      return layer(x, positions, attend)[0]
+      def attend(q, k, v, cache):
+        ks.append(k)
+        vs.append(v)
+        return causal_attention(q, k, v, implementation=attention_impl), cache
 
-    return self._logits(self._run_layers(body, self._embed(tokens)))
+      return layer(x, positions, attend)[0], ks, vs
+
+    x, ks, vs = self._run_layers(body, (self._embed(tokens), [], []))
+    return self._logits(x), jnp.stack(ks), jnp.stack(vs)
 
   def prefill(self, tokens: jax.Array, prompt_lengths: jax.Array, cache: "jaxkv.ModelCache",
               chunk_size: int | None = None, *, attention_impl: str | None = None,

@@ -118,3 +118,20 @@ def test_evaluate_rows(model):
   assert low["kl_vs_bf16"]["224"] > 0.0  # 96 of 208 prompt tokens quantized
   assert low["bytes_vs_bf16"] == pytest.approx(24 / 128)  # 24 B/head vs 128 B at D=32
   assert 1.0 < ref["perplexity"]["224"] < 10 * CFG.vocab_size
+
+
+def test_evaluate_vq_format(model):
+  """A VQ format gets codebooks fitted on the text right after the perplexity windows;
+  `forced_decode` refuses a VQ format without codebooks."""
+  formats = {"bf16": fidelity.default_formats(32)["bf16"], "cq2": "cq2"}
+  logs = []
+  result = fidelity.evaluate(model, _CharTokenizer(), formats, contexts=(160,), sequences=1,
+                             steps=8, questions=0, cache_dtype=jnp.float32, calibration=256,
+                             log=logs.append)
+  assert logs[0] == "fitted codebooks of cq2 on text tokens [160, 416)"
+  row = result["rows"][1]
+  assert row["k_vector"] == 4 and row["kl_vs_bf16"]["160"] > 0.0  # 128 of 152 tokens coded
+  assert row["bytes_vs_bf16"] == pytest.approx((8 + 8 + 2 * 32 * 256 * 2 / 8192) / 128)
+  with pytest.raises(ValueError, match="is a VQ format: pass codebooks="):
+    fidelity.forced_decode(model, np.ones((1, 4)), [4], np.ones((1, 2)), [True],
+                           kv_format="cq2")

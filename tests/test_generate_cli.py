@@ -121,6 +121,17 @@ def test_demo_command(monkeypatch, capsys):
   assert "bf16" in lines and "kivi4" in lines and "decode tok/s" in out
 
 
+def test_demo_command_vq(monkeypatch, capsys):
+  """A VQ preset in the demo: codebooks fitted on the prompts, a row like the others."""
+  monkeypatch.setattr("models.gguf.find_smollm2", lambda: None)
+  rc = cli.main(["--prompt-len", "256", "--new-tokens", "2", "--formats", "cq4", "--batch", "1"])
+  out = capsys.readouterr().out
+  assert rc == 0
+  assert "fitting cq4 codebooks on the prompt's K/V: 256 tokens x 2 layers" in out
+  assert "cq4" in [ln.split()[0] for ln in out.splitlines() if ln.strip()]
+  assert "VQ formats: codes plus every layer's codebooks" in out
+
+
 def test_formats_command(capsys):
   assert cli.main(["formats"]) == 0
   assert "kivi2" in capsys.readouterr().out
@@ -210,3 +221,29 @@ def test_demo_real_model_path(tiny_gguf, capsys):
   assert "Q0:" in out and "[kivi2]" in out and "A0:" in out
   lines = [ln.split()[0] for ln in out.splitlines() if ln.strip()]
   assert "bf16" in lines and "kivi2" in lines
+
+
+def test_generate_command_vq(checkpoint, tmp_path, capsys):
+  """``--kv cq2`` fits codebooks on the prompt's K/V (``--save-codebooks`` writes them);
+  ``--codebooks`` loads them (format taken from the file) and decodes the same tokens."""
+  ids = ",".join(str(3 + (7 * i) % 61) for i in range(260))  # >= 256 tokens: one per entry
+  path = str(tmp_path / "books.npz")
+  common = ["generate", "--model", checkpoint, "--prompt-ids", ids, "--max-new-tokens", "4",
+            "--no-stop", "--no-progress"]
+  assert cli.main(common + ["--kv", "cq2", "--save-codebooks", path]) == 0
+  fitted, err = capsys.readouterr()
+  assert "fitting cq2 codebooks on the prompt's K/V: 260 tokens" in err
+  assert "KV cache cq2" in err and os.path.isfile(path)
+  assert cli.main(common + ["--codebooks", path]) == 0
+  loaded, err = capsys.readouterr()
+  assert "fitting" not in err and "KV cache cq2" in err
+  assert loaded == fitted
+  short = ["generate", "--model", checkpoint, "--prompt-ids", "5,6,7", "--no-progress"]
+  for extra, message in (
+      (["--kv", "cq4"], "cq4 fits its codebooks on the prompt's K/V and needs at least 256 "
+                        "prompt tokens (one per codebook entry), got 3"),
+      (["--kv", "cq4", "--codebooks", path], "were learned for cq2, not --kv cq4"),
+      (["--kv", "kivi4", "--codebooks", path], "are for VQ formats (cq4, cq2), got --kv kivi4"),
+      (["--codebooks", str(tmp_path / "none.npz")], "none.npz': no such file")):
+    assert cli.main(short + extra) == 2
+    assert message in capsys.readouterr().err

@@ -25,7 +25,7 @@ from flax import nnx
 import jaxkv
 from jaxkv import VQCache, VQModelCache, vq
 from models import llama
-from tests.model_fixtures import SMALL, full_f32_matmuls  # noqa: F401  (autouse fixture)
+from tests.model_fixtures import SMALL, full_f32_matmuls, rel_err  # noqa: F401  (autouse fixture)
 from tests.test_model_cache import _fresh_cache_sized_buffers, _pointers, _stacked_shapes
 
 CFG = SMALL  # 2 layers, 4 query / 2 kv heads, head_dim 32
@@ -40,11 +40,6 @@ GENERAL = vq.VQFormat(k_vector=2, v_vector=4, k_stages=2, v_index_bits=5, token_
 @pytest.fixture(scope="module")
 def model():
   return llama.random_model(CFG, seed=51, dtype=jnp.float32)
-
-
-def rel_err(got, want) -> float:
-  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  return float(np.abs(got - want).max() / np.abs(want).max())
 
 
 def random_books(fmt: vq.VQFormat, seed: int) -> vq.VQCodebooks:
@@ -62,20 +57,7 @@ def random_books(fmt: vq.VQFormat, seed: int) -> vq.VQCodebooks:
 @functools.partial(jax.jit, static_argnums=0)
 def _forward_kv(graphdef, state, tokens):
   """Full causal forward without a cache: logits ``[B, T, V]``, K/V ``[L, B, T, Hkv, D]``."""
-  m = nnx.merge(graphdef, state)
-  b, t = tokens.shape
-  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  ks, vs = [], []
-
-  def attend(q, k, v, cache):
-    ks.append(k)
-    vs.append(v)
-    return llama.causal_attention(q, k, v), cache
-
-  x = m._embed(tokens)  # pylint: disable=protected-access
-  for layer in m.layers:
-    x, _ = layer(x, positions, attend)
-  return m._logits(x), jnp.stack(ks), jnp.stack(vs)  # pylint: disable=protected-access
+  return nnx.merge(graphdef, state).forward_kv(tokens)
 
 
 def exact_books(model, fmt: vq.VQFormat, seqs) -> vq.VQCodebooks:
@@ -86,18 +68,15 @@ def exact_books(model, fmt: vq.VQFormat, seqs) -> vq.VQCodebooks:
   tokens computed another way (chunked, decoded) differ by float rounding only,
   far less than the gaps between entries, so they pick the same entry.
   """
-  t = max(len(s) for s in seqs)
-  tokens = np.zeros((len(seqs), t), np.int32)
-  real = np.zeros((len(seqs), t), bool)
+  tokens = np.zeros((len(seqs), max(len(s) for s in seqs)), np.int32)
   for i, s in enumerate(seqs):
-    tokens[i, :len(s)], real[i, :len(s)] = s, True
-  graphdef, state = nnx.split(model)
-  _, ks, vs = _forward_kv(graphdef, state, jnp.asarray(tokens))
+    tokens[i, :len(s)] = s
+  ks, vs = vq.calibration_kv(model, tokens, [len(s) for s in seqs])  # [L, N, H, D]
   sides = {}
   for side, x in (("k", ks), ("v", vs)):
     spec = fmt.spec(side)
-    assert spec.stages == 1 and real.sum() <= spec.entries
-    x = np.asarray(x)[:, real]                                            # [L, N, H, D]
+    assert spec.stages == 1 and x.shape[1] <= spec.entries
+    x = np.asarray(x)
     layers, n, h, d = x.shape
     sub = x.reshape(layers, n, h, d // spec.vector, spec.vector).transpose(0, 2, 3, 1, 4)
     pad = np.repeat(sub[:, :, :, :1], spec.entries - n, axis=3)           # repeats: same value
@@ -474,3 +453,30 @@ def test_errors(model):
   # The cache owns a copy: donating it never deletes the caller's codebooks.
   assert cache.k.codebook is not books.k
   assert cache.codebooks.fmt == FAST and cache.codebooks.num_layers == CFG.num_layers
+
+
+# ------------------------------------------ calibration K/V, cache bytes, presets
+def test_calibration_kv_and_cache_nbytes(model):
+  """`vq.calibration_kv` == the full forward's K/V of the real tokens, in row order;
+  `cache_nbytes` of a VQ format == the bytes of every array of the cache it allocates
+  (codes, residual rows, flags, every layer's codebooks)."""
+  rng = np.random.default_rng(41)
+  tokens, lengths = rng.integers(0, CFG.vocab_size, (2, 24)), np.array([24, 9])
+  k, v = vq.calibration_kv(model, tokens, lengths)
+  assert k.shape == v.shape == (CFG.num_layers, 33, CFG.num_kv_heads, CFG.head_dim)
+  graphdef, state = nnx.split(model)
+  _, k_full, v_full = _forward_kv(graphdef, state, jnp.asarray(tokens, jnp.int32))
+  for got, full in ((k, k_full), (v, v_full)):
+    want = np.concatenate([np.asarray(full)[:, 0], np.asarray(full)[:, 1, :9]], axis=1)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-6)
+  with pytest.raises(ValueError, match=r"lengths=\[24, 0\] must be 2 ints in \[1, T=24\]"):
+    vq.calibration_kv(model, tokens, [24, 0])
+  for fmt in (FAST, GENERAL, "cq2"):
+    books = random_books(vq.as_vq_format(fmt), 43)
+    cache = model.init_cache(fmt, 3, 100, jnp.bfloat16, codebooks=books)
+    leaves = jax.tree_util.tree_leaves(cache)
+    assert any(x is cache.k.codebook for x in leaves)
+    assert jaxkv.decoding.cache_nbytes(model, fmt, 3, 100, jnp.bfloat16) == \
+        sum(x.nbytes for x in leaves)
+  with pytest.raises(ValueError, match=r"'cq2' is a VQ preset, not a KVFormat"):
+    jaxkv.KVFormat.preset("cq2")
