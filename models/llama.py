@@ -607,7 +607,7 @@ class Llama(nnx.Module):
     Returns:
       float32 logits ``[B, T, vocab]``.
     """
-    return self.forward_kv(tokens, positions, attention_impl=attention_impl)[0]
+    return self._forward(tokens, positions, attention_impl, keep_kv=False)[0]
 
   def forward_kv(self, tokens: jax.Array, positions: jax.Array | None = None, *,
                  attention_impl: str | None = None):
@@ -621,6 +621,11 @@ class Llama(nnx.Module):
       ``(logits [B, T, vocab] float32, k, v)``, ``k``/``v``
       ``[num_layers, B, T, num_kv_heads, head_dim]``.
     """
+    return self._forward(tokens, positions, attention_impl, keep_kv=True)
+
+  def _forward(self, tokens, positions, attention_impl, *, keep_kv: bool):
+    """`__call__` / `forward_kv` (``keep_kv=False``: no layer's K/V is kept, so an
+    eager forward holds one layer's at a time)."""
     tokens = check_token_ids("tokens", tokens, self.config.vocab_size)
     b, t = tokens.shape
     if positions is None:
@@ -630,14 +635,16 @@ class Llama(nnx.Module):
       x, ks, vs = carry
 
       def attend(q, k, v, cache):
-        ks.append(k)
-        vs.append(v)
+        if keep_kv:
+          ks.append(k)
+          vs.append(v)
         return causal_attention(q, k, v, implementation=attention_impl), cache
 
       return layer(x, positions, attend)[0], ks, vs
 
     x, ks, vs = self._run_layers(body, (self._embed(tokens), [], []))
-    return self._logits(x), jnp.stack(ks), jnp.stack(vs)
+    logits = self._logits(x)
+    return (logits, jnp.stack(ks), jnp.stack(vs)) if keep_kv else (logits,)
 
   def prefill(self, tokens: jax.Array, prompt_lengths: jax.Array, cache: "jaxkv.ModelCache",
               chunk_size: int | None = None, *, attention_impl: str | None = None,
