@@ -68,8 +68,8 @@ from flax import nnx  # noqa: E402
 import jaxkv  # noqa: E402
 from jaxkv import decoding  # noqa: E402
 from jaxkv import timing  # noqa: E402
-from jaxkv.decoding import cache_nbytes, decode_step  # noqa: E402
-from jaxkv.formats import KVFormat  # noqa: E402
+from jaxkv import vq_attention  # noqa: E402,F401  (jaxkv.vq_attention.resolve)
+from jaxkv.decoding import as_format, cache_nbytes, decode_step  # noqa: E402
 from models import llama  # noqa: E402
 import pallas_kernels as pk  # noqa: E402
 
@@ -115,7 +115,11 @@ def cache_read_bytes(cache: jaxkv.ModelCache, context: int, view: str = "target"
   fmt = cache.fmt
   dtype_bytes = jnp.dtype(cache.dtype).itemsize
   packed = fmt.packed_len(context)
-  per_token = fmt.bytes_per_token(cache.kv_heads, cache.head_dim, dtype_bytes, view=view)
+  if isinstance(fmt, jaxkv.VQFormat):  # codes, and each layer's codebooks once
+    per_token = fmt.bytes_per_token(cache.kv_heads, cache.head_dim,
+                                    context=max(1, packed * cache.batch))
+  else:
+    per_token = fmt.bytes_per_token(cache.kv_heads, cache.head_dim, dtype_bytes, view=view)
   residual = 2 * cache.kv_heads * fmt.residual * cache.head_dim * dtype_bytes
   return int(cache.num_layers * cache.batch * (per_token * packed + residual))
 
@@ -155,12 +159,35 @@ def _prefill(graphdef, state, tokens, lengths, cache, *, chunk_size=None, mesh=N
   return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
 
-def fill_cache(model, fmt, batch: int, context: int, capacity: int, seed: int):
-  """A `ModelCache` holding ``context`` random tokens per sequence."""
+def init_cache(model, fmt, batch: int, capacity: int):
+  """``model.init_cache`` (on ``MESH`` when set); a VQ format gets random N(0, 1)
+  codebooks (timing only: the entries do not matter to the kernels' speed)."""
+  extra = {}
+  if isinstance(fmt, jaxkv.VQFormat):
+    c = model.config
+    keys = jax.random.split(jax.random.key(7), 2)
+    extra["codebooks"] = jaxkv.VQCodebooks(fmt=fmt, **{
+        side: jax.random.normal(key, (c.num_layers, *fmt.codebook_shape(
+            side, c.num_kv_heads, c.head_dim)), jnp.float32).astype(fmt.codebook_dtype)
+        for side, key in zip("kv", keys)})
   if MESH is None:
-    cache = model.init_cache(fmt, batch, capacity)
-  else:
-    cache = jaxkv.sharding.init_sharded(lambda: model.init_cache(fmt, batch, capacity), MESH)
+    return model.init_cache(fmt, batch, capacity, **extra)
+  return jaxkv.sharding.init_sharded(lambda: model.init_cache(fmt, batch, capacity, **extra),
+                                     MESH)
+
+
+def attention_implementation(model, cache, implementation) -> str:
+  """The implementation `decode_attention` picks for a decode step over ``cache``."""
+  q = jnp.zeros((cache.batch, 1, model.config.num_heads, cache.head_dim), cache.dtype)
+  view = cache.layer_view(0)
+  if isinstance(cache.fmt, jaxkv.VQFormat):
+    return jaxkv.vq_attention.resolve(q, view.materialize(), implementation)
+  return jaxkv.attention.resolve_implementation(q, view, implementation)
+
+
+def fill_cache(model, fmt, batch: int, context: int, capacity: int, seed: int):
+  """A `ModelCache` (`VQModelCache`) holding ``context`` random tokens per sequence."""
+  cache = init_cache(model, fmt, batch, capacity)
   key = jax.random.key(seed)
   chunk = max(128, min(context, (FILL_TOKENS // batch) // 128 * 128))
   done = 0
@@ -382,7 +409,7 @@ class Runner:
 
   def decode_case(self, fmt_name: str, context: int, batch: int) -> dict:
     a = self.args
-    fmt = KVFormat.preset(fmt_name)
+    fmt = as_format(fmt_name)
     capacity = self._capacity(context)
     row = dict(format=fmt_name, context=context, batch=batch, capacity=capacity,
                cache_bytes=cache_nbytes(self.model, fmt, batch, capacity))
@@ -391,11 +418,9 @@ class Runner:
     row["fill_s"] = time.perf_counter() - t0
     row["cache_read_bytes"] = cache_read_bytes(cache, context)
     if jax.default_backend() == "gpu":
-      view = cache.layer_view(0)
-      q = jnp.zeros((batch, 1, self.model.config.num_heads, cache.head_dim), cache.dtype)
-      row["attention_implementation"] = jaxkv.attention.resolve_implementation(
-          q, view, a.implementation)
-      if row["attention_implementation"] == "triton":
+      row["attention_implementation"] = attention_implementation(self.model, cache,
+                                                                 a.implementation)
+      if row["attention_implementation"] == "triton" and not isinstance(fmt, jaxkv.VQFormat):
         row["attention_config"] = attention_config(self.model.config.num_heads, cache)
     row["weight_bytes"] = self.weight_bytes
     w_split, c_split = self.splits(batch)
@@ -456,7 +481,7 @@ class Runner:
   def max_batch(self, fmt_name: str, context: int) -> int:
     """Largest batch whose cache fits in free device memory (estimate, per device)."""
     a = self.args
-    fmt = KVFormat.preset(fmt_name)
+    fmt = as_format(fmt_name)
     data = 1 if MESH is None else MESH.shape["data"]
     # Bytes one sequence puts on each device (its data shard holds it whole, heads split).
     per_seq = cache_nbytes(self.model, fmt, 1, self._capacity(context)) \
@@ -498,18 +523,14 @@ class Runner:
     raise RuntimeError(f"RESOURCE_EXHAUSTED: out of memory at batches {tries}")
 
   def prefill_case(self, fmt_name: str, prompt_len: int, chunk_size, repeats: int = 2) -> dict:
-    fmt = KVFormat.preset(fmt_name)
+    fmt = as_format(fmt_name)
     vocab = self.model.config.vocab_size
     tokens = jnp.asarray(np.random.default_rng(prompt_len).integers(0, vocab, (1, prompt_len)),
                          jnp.int32)
     lengths = jnp.full((1,), prompt_len, jnp.int32)
     times, compile_s = [], None
     for i in range(repeats + 1):
-      if MESH is None:
-        cache = self.model.init_cache(fmt, 1, prompt_len + 128)
-      else:
-        cache = jaxkv.sharding.init_sharded(
-            lambda: self.model.init_cache(fmt, 1, prompt_len + 128), MESH)
+      cache = init_cache(self.model, fmt, 1, prompt_len + 128)
       jax.block_until_ready(cache)
       t0 = time.perf_counter()
       out, cache = _prefill(self.graphdef, self.state, tokens, lengths, cache,
@@ -560,7 +581,7 @@ def _ratio(rows, key, fmt, base="bf16", **where):
 def summarize(latency, batch_rows) -> dict:
   """Speedups vs the bf16 cache: B=1 at 128K (latency) and max batch (tokens/s)."""
   s = {}
-  for f in FORMATS[1:]:
+  for f in _formats(latency + batch_rows)[1:]:
     r = _ratio(latency, "median_us", "bf16", base=f, context=131072, batch=1)  # bf16 / fmt
     if r is not None:
       s[f"b1_128k_{f}_speedup_vs_bf16"] = r
@@ -583,7 +604,7 @@ def plot(latency, batch_rows, prefix: str, model_name: str) -> list[str]:
   files = []
   if latency:
     fig, ax = plt.subplots(figsize=(6, 4))
-    for i, f in enumerate(FORMATS):
+    for i, f in enumerate(_formats(latency)):
       pts = sorted((r["context"], r["median_us"], r["floor_us"]) for r in latency
                    if r["format"] == f and r["batch"] == 1)
       if pts:
@@ -615,6 +636,11 @@ def plot(latency, batch_rows, prefix: str, model_name: str) -> list[str]:
   return files
 
 
+def _formats(rows) -> list[str]:
+  """`FORMATS` then any other format of ``rows`` (VQ presets), in order."""
+  return list(dict.fromkeys([*FORMATS, *(r["format"] for r in rows)]))
+
+
 def _ctx(c: int) -> str:
   return f"{c // 1024}K" if c % 1024 == 0 else str(c)
 
@@ -624,7 +650,7 @@ def print_table(latency, batch_rows, prefill_rows, profiles, summary, skipped, e
         f"(HBM read {bw / 1e9:.0f} GB/s) ==")
   contexts = sorted({r["context"] for r in latency})
   print(f"{'format':<8}" + "".join(f"{_ctx(c):>22}" for c in contexts))
-  for f in FORMATS:
+  for f in _formats(latency):
     cells = []
     for c in contexts:
       r = [x for x in latency if x["format"] == f and x["context"] == c]
