@@ -327,8 +327,9 @@ def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None
   from jaxkv.model_cache import LayerView  # pylint: disable=import-outside-toplevel
   from jaxkv.vq_cache import VQCache  # pylint: disable=import-outside-toplevel
   from jaxkv.vq_model_cache import VQModelCache  # pylint: disable=import-outside-toplevel
-  vq_cache = isinstance(cache, VQCache) or (isinstance(cache, LayerView)
-                                            and isinstance(cache.stacked, VQModelCache))
+  # a VQ cache, or a layer view of one
+  vq_cache = isinstance(cache.stacked if isinstance(cache, LayerView) else cache,
+                        (VQCache, VQModelCache))
   if vq_cache and view != "target":
     raise ValueError(f"view={view!r}: a VQ cache has only the 'target' view")
   if vq_cache:  # vector-quantized cache (issue 15): its own kernels
@@ -342,7 +343,6 @@ def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None
     raise ValueError(f"view='draft' needs a hierarchical format (KVFormat.preset('quantspec')), "
                      f"got {cache.fmt}")
   impl = resolve_implementation(q, cache, implementation, config)
-  from jaxkv.model_cache import LayerView  # pylint: disable=import-outside-toplevel
   if impl == "mosaic":  # resolved on the layer's shapes, before any unwrapping
     config = config if _is_mosaic_config(config) else _mosaic_default(cache)
   layer = None

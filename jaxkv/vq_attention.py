@@ -139,9 +139,8 @@ def vq_decode_attention(q: jax.Array, cache: VQCache, *, scale=None,
       layer = view.index
     out = mosaic_vq_attention.mosaic_vq_decode_attention(
         q, k_codes, cache.k_codebook, v_codes, cache.v_codebook, k_res, v_res, cache.lengths,
-        k_spec=cache.fmt.spec("k"),
-        v_spec=cache.fmt.spec("v"), token_group=cache.fmt.token_group, scale=scale,
-        config=config, layer=layer)
+        k_spec=cache.fmt.spec("k"), v_spec=cache.fmt.spec("v"),
+        token_group=cache.fmt.token_group, scale=scale, config=config, layer=layer)
   elif impl == "triton":
     out = vq_kernel.vq_decode_attention(
         q, cache.k_codes, cache.k_codebook, cache.v_codes, cache.v_codebook, cache.k_residual,

@@ -285,8 +285,11 @@ def stacked_rows(arrays, layer, batch: int):
   ``[L * B, H, ...]`` (merging the two leading axes is free: no copy) and
   ``row0 [1]`` int32, the row of sequence 0 of that layer; the kernels read
   sequence ``b`` at row ``row0 + b``. ``layer`` (int or traced) is clamped
-  to ``[0, L)`` like `lax.dynamic_index_in_dim`.
+  to ``[0, L)`` like `lax.dynamic_index_in_dim`. ``layer=None``: one layer's
+  ``[B, H, ...]`` arrays, returned as they are with ``row0 = 0``.
   """
+  if layer is None:
+    return list(arrays), jnp.zeros((1,), jnp.int32)
   num_layers = next(x for x in arrays if x is not None).shape[0]
   flat = [None if x is None else x.reshape(num_layers * batch, *x.shape[2:]) for x in arrays]
   row0 = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1) * batch
@@ -435,12 +438,9 @@ def mosaic_decode_attention(
   Returns ``[B, S, Hq, D]`` in q's dtype.
   """
   batch, num_queries, q_heads, head_dim = q.shape
-  if layer is None:
-    row0 = jnp.zeros((1,), jnp.int32)
-  else:
-    (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_residual, v_residual), row0 = \
-        stacked_rows((k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_residual,
-                      v_residual), layer, batch)
+  (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_residual, v_residual), row0 = \
+      stacked_rows((k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_residual,
+                    v_residual), layer, batch)
   kv_heads, capacity = k_codes.shape[1], k_codes.shape[2]
   dtype = k_residual.dtype
   group_q = q_heads // kv_heads
@@ -511,7 +511,8 @@ def mosaic_decode_attention(
     q_smem, kdq_smem, vdq_smem, o_smem, lm_smem, barrier = refs[11:]
     b, cb, h, j, length, packed, row_limit = _program_start(
         lengths_gmem, row0_gmem, q_gmem, q_smem, barrier, token_group=token_group,
-        residual=residual, num_queries=num_queries, q_rows=q_rows, rows=_M, row_layout=plgpu.Layout.WGMMA.reduce(1))
+        residual=residual, num_queries=num_queries, q_rows=q_rows, rows=_M,
+        row_layout=plgpu.Layout.WGMMA.reduce(1))
 
     acc0 = plgpu.layout_cast(jnp.zeros((_M, head_dim), jnp.float32), plgpu.Layout.WGMMA)
     m0 = plgpu.layout_cast(jnp.full((_M,), -jnp.inf, jnp.float32),
@@ -765,12 +766,10 @@ def partials_type(batch: int, kv_heads: int, parts: int, head_dim: int, n_pv: in
 
 
 def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v_side,
-                   token_group, residual, num_queries, q_rows, config, dtype, vq=None,
-                   row0=None):
+                   token_group, residual, num_queries, q_rows, config, dtype, row0, vq=None):
   """The v2 kernel; returns partials ``o [B,H,J+1,D,N_pv], l, m [B,H,J+1,N]``.
 
-  ``row0``: ``[1]`` int32, the cache arrays' row of sequence 0 (`stacked_rows`;
-  None: 0).
+  ``row0``: ``[1]`` int32, the cache arrays' row of sequence 0 (`stacked_rows`).
 
   ``qh`` is what the packed programs multiply K by (channels permuted with
   `register_k` or ``vq``), ``q_res`` what the residual program does (channel
@@ -790,8 +789,6 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
   """
   batch, kv_heads, n_rows, head_dim = qh.shape
   n_pv = max(n_rows, 16)
-  if row0 is None:
-    row0 = jnp.zeros((1,), jnp.int32)
   bk = config.block_k
   num_splits = config.num_splits
   grid_j = num_splits + 1

@@ -149,13 +149,11 @@ def _two_wg_smem(head_dim: int, n_pv: int, n_rows: int, book_elems: int, stages:
 
 def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, lengths, books, *,
                  token_group, residual, num_queries, q_rows, num_splits, stages, dtype,
-                 early_v=True, lazy_max=True, row0=None):
+                 row0, early_v=True, lazy_max=True):
   """Partials ``o [B,H,2(J+1),D,N_pv], l, m [B,H,2(J+1),N]`` (``J = num_splits``).
 
   ``row0``: ``[1]`` int32, the cache arrays' row of sequence 0
-  (`mosaic_attention.stacked_rows`; None: 0)."""
-  if row0 is None:
-    row0 = jnp.zeros((1,), jnp.int32)
+  (`mosaic_attention.stacked_rows`)."""
   plgpu = ma.plgpu
   batch, kv_heads, n_rows, head_dim = q_perm.shape
   n_pv = max(n_rows, 16)
@@ -371,10 +369,8 @@ def mosaic_vq_decode_attention(
   Returns ``[B, S, Hq, D]`` in q's dtype. ValueError when `supports` refuses.
   """
   batch, num_queries, q_heads, head_dim = q.shape
-  row0 = None
-  if layer is not None:
-    (k_codes, v_codes, k_residual, v_residual), row0 = ma.stacked_rows(
-        (k_codes, v_codes, k_residual, v_residual), layer, batch)
+  (k_codes, v_codes, k_residual, v_residual), row0 = ma.stacked_rows(
+      (k_codes, v_codes, k_residual, v_residual), layer, batch)
   kv_heads, capacity = k_codes.shape[1], k_codes.shape[2]
   residual = k_residual.shape[2]
   dtype = k_residual.dtype
