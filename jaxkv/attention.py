@@ -196,23 +196,35 @@ _SUPPORTED = {"triton": _triton_supported, "mosaic": _mosaic_supported}
 # Measured on H100 and H200 (jax 0.11.2, bench/results/mosaic-NOTES.md,
 # 2026-11-26): with 2-bit K and V (kivi2) the Mosaic kernel is 5-8 % faster
 # than Triton's on both GPUs and the Llama-3.1-8B decode step with it 3-4 %
-# faster (H100, B=1, 32K and 128K); for kivi4 the two are within 1-5 % (Triton
-# ahead at B=8) and 8-bit sides are 0.6-0.8x on Mosaic. So Mosaic goes first
-# where both sides have at most 2 bits, Triton elsewhere.
+# faster (H100, B=1, 32K and 128K); kivi4 in a bfloat16 cache at head_dim 128
+# (the register V operand) 7-15 % faster; 8-bit sides are 0.6-0.8x on Mosaic.
 PALLAS_ORDER = ("triton", "mosaic")
-PALLAS_ORDER_2BIT = ("mosaic", "triton")
+PALLAS_ORDER_MOSAIC = ("mosaic", "triton")
 
 
-def pallas_order(fmt) -> tuple[str, ...]:
-  """The Pallas families `decode_attention` tries, in order, for a `KVFormat`."""
-  low = fmt.k_bits <= 2 and fmt.v_bits <= 2 and not fmt.hierarchical
-  return PALLAS_ORDER_2BIT if low else PALLAS_ORDER
+def pallas_order(fmt, dtype=None, head_dim: int | None = None) -> tuple[str, ...]:
+  """The Pallas families `decode_attention` tries, in order, for a `KVFormat`
+  (and the cache's ``dtype`` and ``head_dim`` when given).
+
+  Mosaic first where it was measured faster on an H100 (2026-11-26,
+  `bench/results/mosaic-NOTES.md`): K and V of at most 2 bits (kivi2), and 4-bit
+  K with 4-bit V in a bfloat16 cache at head_dim 128 (kivi4: V is the value
+  MMA's register operand there, 27 / 74 / 149 us against Triton's 29 / 85 /
+  160 at (1, 32K) / (1, 128K) / (8, 32K)). Triton first elsewhere.
+  """
+  if not fmt.hierarchical and fmt.k_bits <= 2 and fmt.v_bits <= 2:
+    return PALLAS_ORDER_MOSAIC
+  bf16 = dtype is None or jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
+  if (not fmt.hierarchical and fmt.k_bits == 4 and fmt.v_bits == 4 and bf16
+      and head_dim in (None, 128)):
+    return PALLAS_ORDER_MOSAIC
+  return PALLAS_ORDER
 
 
 def _best_pallas(q, cache) -> tuple[str | None, str]:
   """The first family of `pallas_order` that serves the input on this device."""
   reasons = []
-  for impl in pallas_order(cache.fmt):
+  for impl in pallas_order(cache.fmt, cache.dtype, cache.head_dim):
     ok, why = _SUPPORTED[impl](q, cache)
     if ok:
       return impl, ""

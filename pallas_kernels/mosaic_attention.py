@@ -109,6 +109,13 @@ class MosaicAttentionConfig:
       the packed programs' outputs come out in the permuted channel order and
       the combine kernel (`combine_t`) reads their rows in that order. On by
       default (measured with ``register_k``).
+    register_vt: (with ``register_v``; 4-bit V, D = 128) V codes become the
+      *register* A operand of the value MMA (``O^T += V^T P^T``) through
+      ``ldmatrix.trans`` (`mosaic_dequant.dequant_codes_t`): no V tile is stored
+      to shared memory, and the packed programs need no V value buffer; their
+      outputs come out in `mosaic_dequant.vt_permutation` order.
+    vt_swizzle: (with ``register_vt``) the V code tiles are TMA-swizzled (64 B),
+      so the ``ldmatrix`` rows are free of bank conflicts.
     early_v: (with ``register_v`` or a VQ cache) build the step's V tile while
       the score MMA runs (between its issue and its wait) instead of after the
       softmax, off the step's serial chain.
@@ -128,6 +135,8 @@ class MosaicAttentionConfig:
   fold_scales: bool = True
   register_k: bool = True
   register_v: bool = True
+  register_vt: bool = True
+  vt_swizzle: bool = True
   early_v: bool = True
   lazy_max: bool = True
 
@@ -151,22 +160,26 @@ class MosaicAttentionConfig:
     where fixed per-step costs dominate; 4 pipeline stages unless both sides
     are 8-bit (int8 lost 10-25 % with 4, kivi4/k8v4 gained 2-5 %).
 
-    Programs: 4-bit K and V in 64-token blocks fit 3 per SM (168 registers,
-    62.5 KB shared memory, ncu on an H200), the other formats 2. The packed
-    programs per (batch, kv head) are ``per_sm * num_sms // (batch * kv_heads)``,
-    less one for the residual program when that count is large (a single
-    sequence). Measured on an H200 (2026-11-26; kernel us, the rule's pick in
-    brackets): kivi4 at (1, 131072, 32, 8) [48] 87.8 vs 96.7 (32),
-    125.8 (33), 99.5 (64); at (8, 32768, 32, 8) [6] 176 vs 204 (5), 248 (4);
+    Programs: 4-bit K and V in 64-token blocks fit 4 per SM with the register
+    V operand (`register_vt`; the packed programs keep no V tile in shared
+    memory), 8-bit K with 4-bit V 3, the other formats 2. The packed programs
+    per (batch, kv head)
+    are ``per_sm * num_sms // (batch * kv_heads)``, less one for the residual
+    program when that count is large (a single sequence). Measured (kernel
+    us, the rule's pick in brackets): H100 2026-11-26, kivi4 at (1, 131072,
+    32, 8) [64] 73.7 vs 78.0 (48), 91.4 (32); at (8, 32768, 32, 8) [8] 149.4
+    vs 178.0 (6), 210.8 (4); H200 2026-11-26 (before the register V operand):
     kivi2 [32] 74.9 vs 76.4 (33), 98.7 (48); [4] 152 vs 202 (3); k8v4 [32]
-    106 vs 131 (48). The placement of programs on SMs makes these counts
+    106 vs 131 (48); k8v4 on the H100 with the register V operand [48] 90.2
+    vs 89.5 (32), [6] 177.6 vs 232.4 (4) at (8, 32768). The placement
+    of programs on SMs makes these counts
     jumpy; `jaxkv.autotune` searches around them.
     """
     del unused
     fits_128 = token_group % 128 == 0 and residual % 128 == 0
     block_k = 128 if min(k_bits, v_bits) <= 2 and fits_128 else 64
     blocks = max(1, tokens // block_k)
-    per_sm = 3 if (k_bits, v_bits, block_k) == (4, 4, 64) else 2
+    per_sm = {(4, 4, 64): 4, (8, 4, 64): 3}.get((k_bits, v_bits, block_k), 2)
     splits = one_wave_splits(per_sm * num_sms, batch * kv_heads, blocks)
     stages = 3 if (k_bits >= 8 and v_bits >= 8) or block_k == 128 else 4
     return cls(block_k=block_k, num_splits=splits, max_concurrent_steps=stages)
@@ -487,8 +500,11 @@ def mosaic_decode_attention(
     # One combine kernel reads the O^T partials as they are: with register_v
     # the packed programs' rows are in the MMA's V column order (channel c at
     # row argsort(perm)[c]), the residual program's in channel order.
-    packed_rows = (np.argsort(mosaic_dequant.code_permutation(head_dim, v_side.bits))
-                   if _register_v(config, v_side, head_dim, dtype) else None)
+    packed_rows = None
+    if _register_vt(config, v_side, head_dim, dtype):
+      packed_rows = np.argsort(mosaic_dequant.vt_permutation(head_dim))
+    elif _register_v(config, v_side, head_dim, dtype):
+      packed_rows = np.argsort(mosaic_dequant.code_permutation(head_dim, v_side.bits))
     return unpack_out(combine_t.combine_t(o_part, l_part, m_part, rows=_triton.next_pow2(q_rows),
                                           packed_rows=packed_rows, out_dtype=q.dtype))
 
@@ -755,6 +771,12 @@ def _register_v(config: MosaicAttentionConfig, v_side: SideSpec, head_dim: int, 
           and _dequant_codes_fit(config, v_side, head_dim, dtype))
 
 
+def _register_vt(config: MosaicAttentionConfig, v_side: SideSpec, head_dim: int, dtype) -> bool:
+  """Whether V is the value MMA's register operand (`MosaicAttentionConfig.register_vt`)."""
+  return (config.register_vt and v_side.bits == 4 and head_dim == 128
+          and _register_v(config, v_side, head_dim, dtype))
+
+
 def partials_type(batch: int, kv_heads: int, parts: int, head_dim: int, n_pv: int,
                   n_rows: int) -> list:
   """Output types of the tokens-on-M kernels: ``o^T [B, H, parts, D, N_pv]``,
@@ -801,7 +823,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
   v_tf = _tiled(n_pv, 16)
 
   if vq is not None:
-    register_k = register_v = fold_k = fold_v = False
+    register_k = register_v = register_vt = fold_k = fold_v = False
     k_specs = [plgpu.BlockSpec((bk, k_in[0].shape[-1]), lambda i: (i, 0))]
     v_specs = [plgpu.BlockSpec((bk, v_in[0].shape[-1]), lambda i: (i, 0))]
     (k_vec, k_entries, k_book), (v_vec, v_entries, v_book) = vq
@@ -809,10 +831,12 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
   else:
     register_k = _register_k(config, k_side, head_dim, dtype)
     register_v = _register_v(config, v_side, head_dim, dtype)
+    register_vt = _register_vt(config, v_side, head_dim, dtype)
     k_specs = _side_specs(k_side, k_in[0].shape[-1], head_dim, bk, q_tf,
                           plain_codes=register_k)
+    # register_vt reads rows with ldmatrix: plain or TMA-swizzled (64 B) tiles
     v_specs = _side_specs(v_side, v_in[0].shape[-1], head_dim, bk, v_tf,
-                          plain_codes=register_v)
+                          plain_codes=register_v and not (register_vt and config.vt_swizzle))
     fold_k = config.fold_scales and k_side.bits < 16 and k_side.axis == "token"
     fold_v = config.fold_scales and v_side.bits < 16
     books = []
@@ -833,6 +857,9 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     early_v = config.early_v and packed_v and (vq is not None or register_v)
 
     def v_values():  # the step's V tile in registers (register_v / VQ paths)
+      if register_vt:  # [D, bk]: the value MMA's A operand itself
+        return mosaic_dequant.dequant_codes_t(v_tiles[0], head_dim,
+                                              swizzle=64 if config.vt_swizzle else 0)
       if vq is not None:
         return mosaic_dequant.gather_codebook(v_tiles[0], book_smems[1], head_dim, v_vec,
                                               v_entries)
@@ -854,11 +881,14 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
         for c0, x in _dequant_planes(*k_tiles, k_side, head_dim, dtype, affine=not fold_k):
           q_plane = q_smem.at[:, pl.ds(c0, kw)]
           plgpu.wgmma(acc_ref, x, _t(q_plane))
-      if early_v:  # while the MMA runs (the last step's value MMA has finished)
+      vt = None
+      if early_v and register_vt:  # while the MMA runs: the value MMA's registers
+        vt = v_values()
+      elif early_v:  # while the MMA runs (the last step's value MMA has finished)
         vdq_smem[...] = v_values()
-      return acc_ref[...]
+      return acc_ref[...], vt
 
-    s = pl.run_scoped(scores, plgpu.ACC((bk, n_rows), f32))   # [bk, N]
+    s, vt = pl.run_scoped(scores, plgpu.ACC((bk, n_rows), f32))   # [bk, N]
     if packed_k and fold_k:
       ksc, kzr = _token_affine(k_tiles[1], k_tiles[2])
       s = (s * lax.broadcast_in_dim(ksc, s.shape, [0])
@@ -877,20 +907,22 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     else:
       z_i = z_i * alpha_b
     pt_smem[...] = mosaic_dequant.widen_columns(p.astype(dtype), n_pv)
-    if packed_v:
+    if packed_v and register_vt:  # exact codes, [D, bk] in registers, `vt_permutation` rows
+      v_op = vt if early_v else v_values()
+    elif packed_v:
       if vq is not None or register_v:  # register_v: exact codes, `code_permutation` order
         if not early_v:
           vdq_smem[...] = v_values()
       else:
         for c0, x in _dequant_planes(*v_tiles, v_side, head_dim, dtype, affine=not fold_v):
           vdq_smem[:, pl.ds(c0, x.shape[1])] = x
-      v_tile = vdq_smem
+      v_op = _t(vdq_smem)
     else:
-      v_tile = v_tiles
+      v_op = _t(v_tiles)
     plgpu.commit_smem()
 
     def pv(acc_ref):
-      plgpu.wgmma(acc_ref, _t(v_tile), pt_smem)
+      plgpu.wgmma(acc_ref, v_op, pt_smem)
 
     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
     return acc, m_new, l_i, z_i
@@ -905,7 +937,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     kres_gmem, vres_gmem = refs[6:8]
     book_gmems, refs = refs[8:8 + len(books)], refs[8 + len(books):]
     o_gmem, l_gmem, m_gmem = refs[:3]
-    q_smem, vdq_smem, pt_smem, flag_smem, barrier = refs[3:]
+    q_smem, pt_smem, flag_smem, barrier = refs[3:]
     # Query rows are the columns of the [bk, N] score tiles here.
     b, cb, h, j, length, packed, row_limit = _program_start(
         lengths_gmem, row0_gmem, q_gmem, q_smem, barrier, token_group=token_group,
@@ -933,9 +965,16 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
 
       pl.run_scoped(write, plgpu.SMEM((head_dim, n_pv), f32), plgpu.SMEM((2, n_rows), f32))
 
+    # The V value tile ([bk, D], dtype) is scoped per branch: the packed
+    # programs need none with register_vt or a 16-bit V side.
+    vdq_type = plgpu.SMEM((bk, head_dim), dtype, transforms=v_tf)
+    packed_vdq = vq is not None or (v_side.bits < 16 and not register_vt)
+
     @pl.when(j < num_splits)
     def _packed():
-      def run(*book_smems):
+      def run(*scoped):
+        book_smems = scoped[:len(books)]
+        vdq_smem = scoped[len(books)] if packed_vdq else None
         for g, sm in zip(book_gmems, book_smems):  # a VQ head's codebooks, once
           plgpu.copy_gmem_to_smem(g.at[h], sm, barrier)
           plgpu.barrier_wait(barrier)
@@ -954,10 +993,9 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
                           max_concurrent_steps=config.max_concurrent_steps,
                           init_carry=(acc0, m0, l0, l0))
 
-      if books:
-        finish(pl.run_scoped(run, *[plgpu.SMEM(book.shape[1:], dtype) for book in books]))
-      else:
-        finish(run())
+      scoped = [plgpu.SMEM(book.shape[1:], dtype) for book in books]
+      scoped += [vdq_type] if packed_vdq else []
+      finish(pl.run_scoped(run, *scoped) if scoped else run())
 
     @pl.when(j == num_splits)
     def _residual():
@@ -966,9 +1004,9 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
         plgpu.copy_gmem_to_smem(qres_gmem.at[b, h], q_smem, barrier)
         plgpu.barrier_wait(barrier)
 
-      # The residual K tile lives in this branch's scope only (the packed
+      # The residual K and V tiles live in this branch's scope only (the packed
       # programs' pipeline buffers take the same shared memory).
-      def attend_residual(kres_smem):
+      def attend_residual(kres_smem, vdq_smem):
         carry = (acc0, m0, l0, l0)
         for r0 in range(0, residual, bk):
           plgpu.copy_gmem_to_smem(kres_gmem.at[cb, h, pl.ds(r0, bk)], kres_smem, barrier)
@@ -981,17 +1019,17 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
                          row_limit=row_limit, q_sum=q_sum, flag_smem=flag_smem)
         return carry
 
-      finish(pl.run_scoped(attend_residual, plgpu.SMEM((bk, head_dim), dtype, transforms=q_tf)))
+      finish(pl.run_scoped(attend_residual, plgpu.SMEM((bk, head_dim), dtype, transforms=q_tf),
+                           vdq_type))
 
   k_in = list(k_in) + [k_in[0]] * (3 - len(k_in))  # unused slots repeat the codes
   v_in = list(v_in) + [v_in[0]] * (3 - len(v_in))
   scratch = [
       plgpu.SMEM((n_rows, head_dim), dtype, transforms=q_tf),     # q
-      plgpu.SMEM((bk, head_dim), dtype, transforms=v_tf),         # V tile (values)
       plgpu.SMEM((bk, n_pv), dtype, transforms=v_tf),             # P^T
       plgpu.SMEM((1,), jnp.int32),                                # lazy-max flag
       plgpu.Barrier(),
-      # the residual K tile and o^T, l, m are scoped (see the kernel)
+      # the V value tile, the residual K tile and o^T, l, m are scoped (see the kernel)
   ]
   return plgpu.kernel(
       kernel,

@@ -215,6 +215,106 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
                            return_type=body_type)(body_fn)(*refs)
 
 
+# ldmatrix .trans of four 8x8 b16 matrices: thread i gets, per matrix, b16
+# elements (row 2 (i % 4), col i / 4) and (row 2 (i % 4) + 1, col i / 4).
+_LDMATRIX_T = "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];"
+
+
+def vt_permutation(head_dim: int = 128) -> np.ndarray:
+  """``perm[row]``: the channel that row ``row`` of `dequant_codes_t`'s ``[D, rows]``
+  operand holds (4-bit codes, D = 128).
+
+  Row ``64 m + 16 warp + l + 8 half`` (``l = lane // 4``) holds pair ``k = 2 m
+  + half`` of the 16-bit unit at bytes ``B, B + 1`` (``B = 16 warp + 2 l``) of
+  each token row: channels ``B``, ``D/2 + B``, ``B + 1``, ``D/2 + B + 1`` (planar
+  nibbles: a byte's low nibble is channel ``b``, its high nibble ``D/2 + b``).
+  """
+  if head_dim != 128:
+    raise ValueError(f"head_dim={head_dim} must be 128 (four warps x 16 code bytes)")
+  width = head_dim // 2
+  perm = np.empty(head_dim, np.int64)
+  for warp, l, m, half in itertools.product(range(4), range(8), range(2), range(2)):
+    byte = 16 * warp + 2 * l
+    perm[64 * m + 16 * warp + l + 8 * half] = (byte, width + byte, byte + 1,
+                                               width + byte + 1)[2 * m + half]
+  return perm
+
+
+def registers_t_reference(codes: np.ndarray) -> np.ndarray:
+  """``[D, rows]`` float values `dequant_codes_t` holds for ``codes [rows, D/2]``:
+  the code of channel ``vt_permutation()[row]`` at each token (column)."""
+  codes = np.asarray(codes)
+  channels = np.concatenate([codes & 15, codes >> 4], axis=-1).astype(np.float32)  # planar
+  return channels[:, vt_permutation(codes.shape[-1] * 2)].T
+
+
+def dequant_codes_t(codes_smem, head_dim: int = 128, *, swizzle: int = 0):
+  """``[D, rows]`` bfloat16 codes (WGMMA layout) of a ``[rows, D/2]`` uint8 smem tile
+  of 4-bit codes: the *transposed* tile, as the register A operand of
+  ``O^T += V^T P^T`` (tokens on the MMA's K axis), with no shared-memory store.
+
+  One ``ldmatrix.x4.trans`` per 32 tokens: warp ``w`` reads the 16 code bytes
+  ``[16 w, 16 w + 16)`` of each token row as eight 16-bit units, and thread
+  ``lane`` receives unit ``lane // 4`` of tokens ``8 j + 2 (lane % 4) + {0, 1}``
+  in one register: exactly the ``(row, column pair)`` of WGMMA_LAYOUT's register
+  ``j``, the unit's four channels being the thread's four rows
+  (`vt_permutation`). Each pair is then ``lop3`` + ``sub`` as in `dequant_codes`.
+  Codes only (no affine): the per-token V scale and zero are folded into P.
+
+  ``swizzle``: 0 for an untiled, unswizzled tile; 64 for the tile TMA writes
+  with ``TilingTransform((8, 64)), SwizzleTransform(64)`` (16-byte chunk ``c``
+  of row ``r`` stored at chunk ``c ^ ((r >> 1) & 3)``: no bank conflicts).
+  """
+  if head_dim != 128:
+    raise ValueError(f"head_dim={head_dim} must be 128")
+  width = head_dim // 2
+  rows = codes_smem.shape[0]
+  if (rows not in (_ROWS, 2 * _ROWS) or tuple(codes_smem.shape[1:]) != (width,)
+      or codes_smem.dtype != jnp.uint8):
+    raise ValueError(f"codes_smem must be uint8 [64 | 128, {width}], got "
+                     f"{codes_smem.dtype} {tuple(codes_smem.shape)}")
+  if swizzle not in (0, 64):
+    raise ValueError(f"swizzle={swizzle} must be 0 or 64")
+  want_regs = (head_dim // _ROWS, rows // 8, 1, 1, 2) + (1,) * 4
+  if fa.WGMMA_LAYOUT.registers_shape((head_dim, rows)) != want_regs:
+    raise NotImplementedError("WGMMA_LAYOUT's register tiling changed; dequant_codes_t assumes "
+                              f"{want_regs}")
+  asm = _ASM.format(mask=_MASK[4])
+  body_type = plgpu.ShapeDtypeStruct((head_dim, rows), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
+  transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64)) if swizzle else ()
+
+  def body_fn(_, ref):
+    i32 = ir.IntegerType.get_signless(32)
+    c = lambda v: mgpu_utils.c(v, i32)  # noqa: E731
+    bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
+    tid = arith.remui(mgpu_utils.thread_idx(), c(128))
+    warp = arith.shrui(tid, c(5))
+    lane = arith.andi(tid, c(31))
+    base = llvm.ptrtoint(i32, mgpu_utils.memref_ptr(ref))
+    regs = np.empty(want_regs, dtype=object)
+    quad_ty = llvm.StructType.get_literal([i32] * 4)
+    for t0 in range(0, rows, 32):
+      tok = arith.addi(lane, c(t0))          # the row this thread addresses
+      chunk = warp
+      if swizzle:
+        chunk = arith.xori(warp, arith.andi(arith.shrui(tok, c(1)), c(3)))
+      addr = arith.addi(base, arith.addi(arith.muli(tok, c(width)), arith.muli(chunk, c(16))))
+      got = llvm.inline_asm(quad_ty, [addr], _LDMATRIX_T, "=r,=r,=r,=r,r",
+                            has_side_effects=True)
+      for mat in range(4):
+        word = llvm.extractvalue(i32, got, [mat])
+        j = t0 // 8 + mat
+        for k in range(4):
+          m, half = divmod(k, 2)
+          shifted = arith.shrui(word, c(4 * k)) if k else word
+          pair = llvm.inline_asm(i32, [shifted], asm, "=r,r")
+          regs[(m, j, 0, 0, half) + (0,) * (regs.ndim - 5)] = mgpu_utils.bitcast(pair, bf16x2)
+    return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+  return plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms),),
+                           return_type=body_type)(body_fn)(codes_smem)
+
+
 def vq_permutation(head_dim: int) -> np.ndarray:
   """``perm[col]``: the channel MMA column ``col`` holds after `gather_codebook`.
 
@@ -552,7 +652,42 @@ def probe_scores(codes: jax.Array, q: jax.Array, *, bits: int = 4) -> jax.Array:
       compiler_params=_params(), kernel_name=f"jaxkv_probe_scores_{bits}")(codes, q_perm)
 
 
-__all__ = ["code_permutation", "dequant_codes", "gather_codebook", "gather_reference",
-           "probe_dequant", "probe_gather", "probe_scores",
-           "registers_reference", "vq_book_rows", "vq_permutation", "warpgroup_any",
-           "widen_columns"]
+@functools.partial(jax.jit, static_argnames=("swizzle",))
+def probe_pv(codes: jax.Array, p_t: jax.Array, *, swizzle: int = 0) -> jax.Array:
+  """``O^T [D, N] = codes^T @ p_t`` through `dequant_codes_t` as the wgmma A operand
+  (a probe); ``codes [64 | 128, D/2]`` uint8 4-bit, ``p_t [rows, N]`` bf16, N a
+  multiple of 16. Rows come out in `vt_permutation` order."""
+  rows, width = codes.shape
+  head_dim = width * 2
+  n = p_t.shape[1]
+  if rows not in (_ROWS, 2 * _ROWS) or n % 16 or p_t.shape[0] != rows:
+    raise ValueError(f"codes {codes.shape} must be [64 | 128, D/2] and p_t {p_t.shape} "
+                     "[rows, N % 16 == 0]")
+  p_transforms = (plgpu.TilingTransform((8, n)), plgpu.SwizzleTransform(2 * n))
+  c_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64)) if swizzle else ()
+
+  def kernel(codes_gmem, p_gmem, out_gmem, codes_smem, p_smem, out_smem, barrier):
+    plgpu.copy_gmem_to_smem(codes_gmem, codes_smem, barrier)
+    plgpu.barrier_wait(barrier)
+    plgpu.copy_gmem_to_smem(p_gmem, p_smem, barrier)
+    plgpu.barrier_wait(barrier)
+    a = dequant_codes_t(codes_smem, head_dim, swizzle=swizzle)
+
+    def mma(acc_ref):
+      plgpu.wgmma(acc_ref, a, p_smem)
+      return acc_ref[...]
+
+    _write_out(pl.run_scoped(mma, plgpu.ACC((head_dim, n), jnp.float32)), out_smem, out_gmem)
+
+  return plgpu.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct((head_dim, n), jnp.float32),
+      scratch_types=[plgpu.SMEM((rows, width), jnp.uint8, transforms=c_transforms),
+                     plgpu.SMEM((rows, n), jnp.bfloat16, transforms=p_transforms),
+                     plgpu.SMEM((head_dim, n), jnp.float32), plgpu.Barrier()],
+      compiler_params=_params(), kernel_name=f"jaxkv_probe_pv_sw{swizzle}")(codes, p_t)
+
+
+__all__ = ["code_permutation", "dequant_codes", "dequant_codes_t", "gather_codebook",
+           "gather_reference", "probe_dequant", "probe_gather", "probe_pv", "probe_scores",
+           "registers_reference", "registers_t_reference", "vq_book_rows", "vq_permutation",
+           "vt_permutation", "warpgroup_any", "widen_columns"]

@@ -121,7 +121,10 @@ def test_mosaic_attention(name, b, hkv, group, d, s, lengths, capacity, dtype):
   # does not apply).
   configs.append(ma.MosaicAttentionConfig(block_k=64, num_splits=3, register_k=True))
   configs.append(ma.MosaicAttentionConfig(block_k=64, num_splits=3, register_k=True,
-                                          register_v=True))
+                                          register_v=True, register_vt=False))
+  # 4-bit V as the value MMA's register operand (ldmatrix), unswizzled tiles too.
+  configs.append(ma.MosaicAttentionConfig(block_k=64, num_splits=3, register_vt=True,
+                                          vt_swizzle=False))
   # The exact per-step max (no lazy reference), V built after the softmax.
   configs.append(ma.MosaicAttentionConfig(block_k=64, num_splits=3, lazy_max=False,
                                           early_v=False))
@@ -214,12 +217,13 @@ def test_default_config_per_format(name, block_k, stages):
 
 
 @pytest.mark.parametrize("name,batch,tokens,splits", [
-    ("kivi4", 1, 131072, 48), ("kivi4", 8, 32768, 6), ("kivi2", 1, 131072, 32),
-    ("kivi2", 8, 32768, 4), ("k8v4", 1, 131072, 32), ("kivi4", 1, 2048, 8)])
+    ("kivi4", 1, 131072, 64), ("kivi4", 8, 32768, 8), ("kivi2", 1, 131072, 32),
+    ("kivi2", 8, 32768, 4), ("k8v4", 1, 131072, 48), ("k8v4", 8, 32768, 6),
+    ("kivi4", 1, 2048, 8)])
 def test_default_splits_follow_the_documented_rule(name, batch, tokens, splits):
-  """One wave at 3 programs per SM for 4-bit K/V in 64-token blocks, else 2 (132 SMs, 8 kv
-  heads); a long single sequence leaves a slot for the residual program; never fewer than
-  4 blocks per split."""
+  """One wave at 4 programs per SM for 4-bit K/V in 64-token blocks, 3 for k8v4, else 2
+  (132 SMs, 8 kv heads); a long single sequence leaves a slot for the residual program;
+  never fewer than 4 blocks per split."""
   fmt = _fmt(name)
   config = ma.MosaicAttentionConfig.default(
       batch=batch, tokens=tokens, kv_heads=8, k_bits=fmt.k_bits, v_bits=fmt.v_bits,
@@ -228,21 +232,25 @@ def test_default_splits_follow_the_documented_rule(name, batch, tokens, splits):
   assert tokens // config.block_k >= 4 * config.num_splits
 
 
-@pytest.mark.parametrize("name,first", [("kivi2", "mosaic"), ("kivi4", "triton"),
-                                        ("int8", "triton"), ("k8v4", "triton"),
-                                        ("quantspec", "triton"), ("bf16", "triton")])
-def test_pallas_order_per_format(name, first):
-  """Mosaic first only where both sides have at most 2 bits (measured faster there)."""
+@pytest.mark.parametrize("name,dtype,head_dim,first", [
+    ("kivi2", jnp.bfloat16, 128, "mosaic"), ("kivi2", jnp.float16, 64, "mosaic"),
+    ("kivi4", jnp.bfloat16, 128, "mosaic"), ("kivi4", jnp.float16, 128, "triton"),
+    ("kivi4", jnp.bfloat16, 64, "triton"), ("int8", jnp.bfloat16, 128, "triton"),
+    ("k8v4", jnp.bfloat16, 128, "triton"), ("quantspec", jnp.bfloat16, 128, "triton"),
+    ("bf16", jnp.bfloat16, 128, "triton")])
+def test_pallas_order_per_format(name, dtype, head_dim, first):
+  """Mosaic first where it was measured faster: both sides at most 2 bits, and
+  4-bit K and V in a bfloat16 cache at head_dim 128 (the register V operand)."""
   from jaxkv.attention import pallas_order
-  order = pallas_order(PRESETS[name])
+  order = pallas_order(PRESETS[name], dtype, head_dim)
   assert order[0] == first and set(order) == {"mosaic", "triton"}
 
 
 def test_default_dispatch_follows_pallas_order():
-  """On a Hopper GPU a kivi2 cache runs Mosaic by default, kivi4 Triton; elsewhere
-  the reference (no GPU) or Triton."""
+  """On a Hopper GPU kivi2 and (bfloat16, D 128) kivi4 caches run Mosaic by
+  default, k8v4 Triton; elsewhere the reference (no GPU) or Triton."""
   from jaxkv.attention import resolve_implementation
-  for name, want in (("kivi2", "mosaic"), ("kivi4", "triton")):
+  for name, want in (("kivi2", "mosaic"), ("kivi4", "mosaic"), ("k8v4", "triton")):
     cache = jaxkv.KVCache.init(name, 1, 2, 128, 512, jnp.bfloat16)
     q = jnp.ones((1, 1, 8, 128), jnp.bfloat16)
     got = resolve_implementation(q, cache, None)

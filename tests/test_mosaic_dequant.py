@@ -122,3 +122,35 @@ def test_dequant_as_wgmma_operand(head_dim, n, bits, rows):
                             axis=1).astype(np.float64)                   # [rows, D] planar
   want = channels @ np.asarray(q, np.float64).T
   np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+# ------------------------------------------------ transposed 4-bit V (ldmatrix)
+def test_vt_permutation_is_a_bijection_and_reference_reads_nibbles():
+  perm = md.vt_permutation(128)
+  np.testing.assert_array_equal(np.sort(perm), np.arange(128))
+  codes = np.asarray(_codes(64, 5))
+  ref = md.registers_t_reference(codes)                                   # [D, rows]
+  for row in (0, 7, 8, 63, 64, 100, 127):
+    ch = perm[row]
+    want = codes[:, ch] & 15 if ch < 64 else codes[:, ch - 64] >> 4
+    np.testing.assert_array_equal(ref[row], want)
+  with pytest.raises(ValueError, match="head_dim=64"):
+    md.vt_permutation(64)
+
+
+@pytest.mark.parametrize("rows,n,swizzle", [(64, 16, 0), (64, 16, 64), (128, 16, 64),
+                                            (64, 32, 64), (128, 32, 0)])
+def test_transposed_codes_as_wgmma_operand(rows, n, swizzle):
+  """``dequant_codes_t`` registers as the A operand of ``O^T = V^T P^T``: equals the
+  float64 product of the codes with P, rows in `vt_permutation` order."""
+  codes = _codes(64, rows + n + swizzle, rows)
+  p_t = jax.random.uniform(jax.random.PRNGKey(rows + n), (rows, n), jnp.float32).astype(
+      jnp.bfloat16)
+  if not ON_HOPPER:
+    jax.jit(md.probe_pv, static_argnames="swizzle").trace(codes, p_t, swizzle=swizzle).lower(
+        lowering_platforms=("cuda",))
+    return
+  got = np.asarray(md.probe_pv(codes, p_t, swizzle=swizzle), np.float64)
+  want = md.registers_t_reference(np.asarray(codes)).astype(np.float64) @ np.asarray(
+      p_t, np.float64)
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())

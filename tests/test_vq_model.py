@@ -293,7 +293,8 @@ def test_exact_codebooks_chunked_and_multi_turn_equal_full_forward(model):
     cache = model.init_cache(FAST, b, 80, codebooks=books)
     logits, cache = prefill(state, jnp.asarray(turn1, jnp.int32), jnp.asarray(len1), cache, size)
     for i in range(b):
-      assert rel_err(logits[i], full[i][len1[i] - 1]) < 1e-5, (size, i)
+      err = rel_err(logits[i], full[i][len1[i] - 1])
+      assert err < 1e-5, (size, i, err)
     caches[size] = cache
   for size in (16, 7):
     for got, want in zip((caches[size].k.codes, caches[size].v.codes),
