@@ -14,11 +14,6 @@ mkdir -p "$out"
 export PYTHONPATH=".:.whl/site" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi -L | tee "$out/gpu.txt"
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$out/gpu.txt"
-# Not here: tests/test_vq_model.py. Its exact-codebook cases compare a float32
-# model on a VQ cache with the full-precision forward at 1e-5; on an H100
-# (2026-11-26) two of them failed, as expected where the GPU runs the float32
-# chunk / decode kernels with TF32-or-bf16 MMAs (cause not isolated: no device
-# time was left). The VQ kernels are tested compiled above.
 par=()
 if python3 -c "import xdist" 2>/dev/null; then par=(-n 8); fi
 JAXKV_TEST_GPU=1 timeout "$ttest" python3 -m pytest -q -p no:cacheprovider "${par[@]}" \
@@ -26,7 +21,7 @@ JAXKV_TEST_GPU=1 timeout "$ttest" python3 -m pytest -q -p no:cacheprovider "${pa
   tests/test_layer_view.py tests/test_quant.py tests/test_unpack_asm.py \
   tests/test_autotune.py tests/test_cache.py tests/test_model_cache.py tests/test_vq_attention.py \
   tests/test_quantspec.py tests/test_chunked_prefill.py tests/test_mosaic_dequant.py tests/test_combine_t.py \
-  tests/test_mosaic_vq_attention.py 2>&1 \
+  tests/test_mosaic_vq_attention.py tests/test_vq_model.py 2>&1 \
   | tee "$out/gpu_tests.log" | tail -25
 echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$out/gpu_tests.log"
 # Several GPUs: the sharded checks (tests/sharding_checks.py) on all of them.

@@ -547,18 +547,21 @@ def stage_residual(residual, new, res_len, num_new, min_len: int) -> jax.Array:
     ``[B, H, S, D]``; rows past ``res_len + num_new`` are zero.
   """
   r, t = residual.shape[2], new.shape[1]
-  stage_len = max(min_len, r + t)  # the residual slice never clamps
-
-  def one(residual, new, rlen, n):  # [H, R, D], [T, H, D] -> [H, S, D]
-    new = jnp.swapaxes(new, 0, 1)
-    h, _, d = residual.shape
-    pad = jnp.zeros((h, stage_len, d), residual.dtype)
-    old = pad.at[:, :r].set(residual)
-    shifted = jax.lax.dynamic_update_slice(pad, new, (0, rlen, 0))
-    pos = jnp.arange(stage_len)[None, :, None]
-    return jnp.where(pos < rlen, old, jnp.where(pos < rlen + n, shifted, 0))
-
-  return jax.vmap(one)(residual, new, res_len, num_new)
+  stage_len = max(min_len, r + t)
+  # Row p is residual row p (p < res_len) or new token p - res_len: two
+  # gathers with in-range (clipped) indices and a select. (A vmapped
+  # dynamic_update_slice of the new rows here was miscompiled by XLA on an
+  # H100, jax 0.11.2, inside the whole append: wrong flushed codes for some
+  # heads; bench/results/e2e-NOTES.md, 2026-11-26.)
+  pos = jnp.arange(stage_len)[None, :]                                     # [1, S]
+  res_idx = jnp.minimum(pos, r - 1)                                        # [1, S]
+  new_idx = jnp.clip(pos - res_len[:, None], 0, t - 1)                     # [B, S]
+  old = jnp.take(residual, res_idx[0], axis=2)                             # [B, H, S, D]
+  fresh = jnp.take_along_axis(jnp.swapaxes(new, 1, 2), new_idx[:, None, :, None],
+                              axis=2)                                      # [B, H, S, D]
+  rlen, n = res_len[:, None, None, None], num_new[:, None, None, None]
+  p = pos[:, None, :, None]
+  return jnp.where(p < rlen, old, jnp.where(p < rlen + n, fresh.astype(residual.dtype), 0))
 
 
 def shift_residual(staged, flushed, keep, r: int) -> jax.Array:

@@ -109,12 +109,12 @@ class MosaicAttentionConfig:
       the packed programs' outputs come out in the permuted channel order and
       the combine kernel (`combine_t`) reads their rows in that order. On by
       default (measured with ``register_k``).
-    register_vt: (with ``register_v``; 4-bit V, D = 128) V codes become the
+    register_vt: (with ``register_v``; 4/2-bit V, D = 128) V codes become the
       *register* A operand of the value MMA (``O^T += V^T P^T``) through
       ``ldmatrix.trans`` (`mosaic_dequant.dequant_codes_t`): no V tile is stored
       to shared memory, and the packed programs need no V value buffer; their
       outputs come out in `mosaic_dequant.vt_permutation` order.
-    vt_swizzle: (with ``register_vt``) the V code tiles are TMA-swizzled (64 B),
+    vt_swizzle: (with ``register_vt``) the V code tiles are TMA-swizzled (by their row width),
       so the ``ldmatrix`` rows are free of bank conflicts.
     early_v: (with ``register_v`` or a VQ cache) build the step's V tile while
       the score MMA runs (between its issue and its wait) instead of after the
@@ -502,7 +502,7 @@ def mosaic_decode_attention(
     # row argsort(perm)[c]), the residual program's in channel order.
     packed_rows = None
     if _register_vt(config, v_side, head_dim, dtype):
-      packed_rows = np.argsort(mosaic_dequant.vt_permutation(head_dim))
+      packed_rows = np.argsort(mosaic_dequant.vt_permutation(head_dim, v_side.bits))
     elif _register_v(config, v_side, head_dim, dtype):
       packed_rows = np.argsort(mosaic_dequant.code_permutation(head_dim, v_side.bits))
     return unpack_out(combine_t.combine_t(o_part, l_part, m_part, rows=_triton.next_pow2(q_rows),
@@ -773,7 +773,7 @@ def _register_v(config: MosaicAttentionConfig, v_side: SideSpec, head_dim: int, 
 
 def _register_vt(config: MosaicAttentionConfig, v_side: SideSpec, head_dim: int, dtype) -> bool:
   """Whether V is the value MMA's register operand (`MosaicAttentionConfig.register_vt`)."""
-  return (config.register_vt and v_side.bits == 4 and head_dim == 128
+  return (config.register_vt and v_side.bits in (4, 2) and head_dim == 128
           and _register_v(config, v_side, head_dim, dtype))
 
 
@@ -858,8 +858,9 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
 
     def v_values():  # the step's V tile in registers (register_v / VQ paths)
       if register_vt:  # [D, bk]: the value MMA's A operand itself
-        return mosaic_dequant.dequant_codes_t(v_tiles[0], head_dim,
-                                              swizzle=64 if config.vt_swizzle else 0)
+        width = head_dim * v_side.bits // 8
+        return mosaic_dequant.dequant_codes_t(v_tiles[0], head_dim, v_side.bits,
+                                              swizzle=width if config.vt_swizzle else 0)
       if vq is not None:
         return mosaic_dequant.gather_codebook(v_tiles[0], book_smems[1], head_dim, v_vec,
                                               v_entries)

@@ -220,68 +220,88 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
 _LDMATRIX_T = "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];"
 
 
-def vt_permutation(head_dim: int = 128) -> np.ndarray:
+def vt_permutation(head_dim: int = 128, bits: int = 4) -> np.ndarray:
   """``perm[row]``: the channel that row ``row`` of `dequant_codes_t`'s ``[D, rows]``
-  operand holds (4-bit codes, D = 128).
+  operand holds (D = 128; planar codes: bits ``[b p, b (p + 1))`` of byte ``j``
+  of a token row are channel ``p W + j``, ``W = D b / 8``).
 
-  Row ``64 m + 16 warp + l + 8 half`` (``l = lane // 4``) holds pair ``k = 2 m
-  + half`` of the 16-bit unit at bytes ``B, B + 1`` (``B = 16 warp + 2 l``) of
-  each token row: channels ``B``, ``D/2 + B``, ``B + 1``, ``D/2 + B + 1`` (planar
-  nibbles: a byte's low nibble is channel ``b``, its high nibble ``D/2 + b``).
+  Row ``64 m + 16 warp + l + 8 half`` (``l = lane // 4``) holds pair ``k = 2 m +
+  half`` of the thread's 16-bit unit (bytes ``B``, ``B + 1`` of each token row):
+  4-bit: ``B = 16 warp + 2 l``, channels ``B``, ``W + B``, ``B + 1``, ``W + B + 1``;
+  2-bit: ``B = 16 (warp % 2) + 2 l``, planes ``2 (warp // 2) + {0, 1}``, pair
+  ``k`` = byte ``B + k // 2``, plane ``2 (warp // 2) + k % 2``.
   """
   if head_dim != 128:
     raise ValueError(f"head_dim={head_dim} must be 128 (four warps x 16 code bytes)")
-  width = head_dim // 2
+  if bits not in (4, 2):
+    raise ValueError(f"bits={bits} must be 4 or 2")
+  width = head_dim * bits // 8
   perm = np.empty(head_dim, np.int64)
   for warp, l, m, half in itertools.product(range(4), range(8), range(2), range(2)):
-    byte = 16 * warp + 2 * l
-    perm[64 * m + 16 * warp + l + 8 * half] = (byte, width + byte, byte + 1,
-                                               width + byte + 1)[2 * m + half]
+    k = 2 * m + half
+    if bits == 4:
+      byte = 16 * warp + 2 * l
+      ch = (byte, width + byte, byte + 1, width + byte + 1)[k]
+    else:
+      byte = 16 * (warp % 2) + 2 * l + k // 2
+      ch = (2 * (warp // 2) + k % 2) * width + byte
+    perm[64 * m + 16 * warp + l + 8 * half] = ch
   return perm
 
 
-def registers_t_reference(codes: np.ndarray) -> np.ndarray:
-  """``[D, rows]`` float values `dequant_codes_t` holds for ``codes [rows, D/2]``:
+def registers_t_reference(codes: np.ndarray, bits: int = 4) -> np.ndarray:
+  """``[D, rows]`` float values `dequant_codes_t` holds for ``codes [rows, D bits/8]``:
   the code of channel ``vt_permutation()[row]`` at each token (column)."""
   codes = np.asarray(codes)
-  channels = np.concatenate([codes & 15, codes >> 4], axis=-1).astype(np.float32)  # planar
-  return channels[:, vt_permutation(codes.shape[-1] * 2)].T
+  mask = (1 << bits) - 1
+  channels = np.concatenate([(codes >> (bits * p)) & mask for p in range(8 // bits)],
+                            axis=-1).astype(np.float32)                  # [rows, D] planar
+  return channels[:, vt_permutation(codes.shape[-1] * 8 // bits, bits)].T
 
 
-def dequant_codes_t(codes_smem, head_dim: int = 128, *, swizzle: int = 0):
-  """``[D, rows]`` bfloat16 codes (WGMMA layout) of a ``[rows, D/2]`` uint8 smem tile
-  of 4-bit codes: the *transposed* tile, as the register A operand of
+def dequant_codes_t(codes_smem, head_dim: int = 128, bits: int = 4, *, swizzle: int = 0):
+  """``[D, rows]`` bfloat16 codes (WGMMA layout) of a ``[rows, D bits/8]`` uint8 smem
+  tile of 4/2-bit codes: the *transposed* tile, as the register A operand of
   ``O^T += V^T P^T`` (tokens on the MMA's K axis), with no shared-memory store.
 
-  One ``ldmatrix.x4.trans`` per 32 tokens: warp ``w`` reads the 16 code bytes
-  ``[16 w, 16 w + 16)`` of each token row as eight 16-bit units, and thread
-  ``lane`` receives unit ``lane // 4`` of tokens ``8 j + 2 (lane % 4) + {0, 1}``
-  in one register: exactly the ``(row, column pair)`` of WGMMA_LAYOUT's register
-  ``j``, the unit's four channels being the thread's four rows
-  (`vt_permutation`). Each pair is then ``lop3`` + ``sub`` as in `dequant_codes`.
-  Codes only (no affine): the per-token V scale and zero are folded into P.
+  One ``ldmatrix.x4.trans`` per 32 tokens: a warp reads 16 code bytes of each
+  token row as eight 16-bit units (4-bit: warp ``w`` bytes ``[16 w, 16 w + 16)``;
+  2-bit: bytes ``[16 (w % 2), ...)``, warps 2-3 taking the upper two planes),
+  and thread ``lane`` receives unit ``lane // 4`` of tokens ``8 j + 2 (lane % 4)
+  + {0, 1}`` in one register: exactly the ``(row, column pair)`` of
+  WGMMA_LAYOUT's register ``j``, four of the unit's channels being the
+  thread's four rows (`vt_permutation`). Each pair is then ``lop3`` + ``sub``
+  as in `dequant_codes`. Codes only (no affine): the per-token V scale and
+  zero are folded into P.
 
-  ``swizzle``: 0 for an untiled, unswizzled tile; 64 for the tile TMA writes
-  with ``TilingTransform((8, 64)), SwizzleTransform(64)`` (16-byte chunk ``c``
-  of row ``r`` stored at chunk ``c ^ ((r >> 1) & 3)``: no bank conflicts).
+  ``swizzle``: 0 for an untiled, unswizzled tile; else the tile TMA writes with
+  ``TilingTransform((8, W)), SwizzleTransform(W)`` for its row width ``W`` (64
+  or 32 bytes; 16-byte chunk ``c`` of row ``r`` stored at chunk ``c ^ ((r >> 1)
+  & 3)``, resp. ``c ^ ((r >> 2) & 1)``): the ``ldmatrix`` rows then hit distinct banks.
   """
   if head_dim != 128:
     raise ValueError(f"head_dim={head_dim} must be 128")
-  width = head_dim // 2
+  if bits not in (4, 2):
+    raise ValueError(f"bits={bits} must be 4 or 2")
+  width = head_dim * bits // 8
   rows = codes_smem.shape[0]
   if (rows not in (_ROWS, 2 * _ROWS) or tuple(codes_smem.shape[1:]) != (width,)
       or codes_smem.dtype != jnp.uint8):
     raise ValueError(f"codes_smem must be uint8 [64 | 128, {width}], got "
                      f"{codes_smem.dtype} {tuple(codes_smem.shape)}")
-  if swizzle not in (0, 64):
-    raise ValueError(f"swizzle={swizzle} must be 0 or 64")
+  if swizzle not in (0, width):
+    raise ValueError(f"swizzle={swizzle} must be 0 or {width} (the row width)")
   want_regs = (head_dim // _ROWS, rows // 8, 1, 1, 2) + (1,) * 4
   if fa.WGMMA_LAYOUT.registers_shape((head_dim, rows)) != want_regs:
     raise NotImplementedError("WGMMA_LAYOUT's register tiling changed; dequant_codes_t assumes "
                               f"{want_regs}")
-  asm = _ASM.format(mask=_MASK[4])
+  asm = _ASM.format(mask=_MASK[bits])
+  # Pair k of a (pre-shifted) word: its bit offset.
+  shifts = [4 * k for k in range(4)] if bits == 4 else [8 * (k // 2) + 2 * (k % 2)
+                                                        for k in range(4)]
   body_type = plgpu.ShapeDtypeStruct((head_dim, rows), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
-  transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64)) if swizzle else ()
+  transforms = ((plgpu.TilingTransform((8, width)), plgpu.SwizzleTransform(width))
+                if swizzle else ())
 
   def body_fn(_, ref):
     i32 = ir.IntegerType.get_signless(32)
@@ -291,22 +311,29 @@ def dequant_codes_t(codes_smem, head_dim: int = 128, *, swizzle: int = 0):
     warp = arith.shrui(tid, c(5))
     lane = arith.andi(tid, c(31))
     base = llvm.ptrtoint(i32, mgpu_utils.memref_ptr(ref))
+    chunk = warp if bits == 4 else arith.andi(warp, c(1))
+    # 2-bit: warps 2-3 move planes 2-3 of each byte down to planes 0-1 first
+    plane_shift = None if bits == 4 else arith.muli(arith.shrui(warp, c(1)), c(4))
     regs = np.empty(want_regs, dtype=object)
     quad_ty = llvm.StructType.get_literal([i32] * 4)
     for t0 in range(0, rows, 32):
       tok = arith.addi(lane, c(t0))          # the row this thread addresses
-      chunk = warp
-      if swizzle:
-        chunk = arith.xori(warp, arith.andi(arith.shrui(tok, c(1)), c(3)))
-      addr = arith.addi(base, arith.addi(arith.muli(tok, c(width)), arith.muli(chunk, c(16))))
+      phys = chunk
+      if swizzle == 64:
+        phys = arith.xori(chunk, arith.andi(arith.shrui(tok, c(1)), c(3)))
+      elif swizzle == 32:
+        phys = arith.xori(chunk, arith.andi(arith.shrui(tok, c(2)), c(1)))
+      addr = arith.addi(base, arith.addi(arith.muli(tok, c(width)), arith.muli(phys, c(16))))
       got = llvm.inline_asm(quad_ty, [addr], _LDMATRIX_T, "=r,=r,=r,=r,r",
                             has_side_effects=True)
       for mat in range(4):
         word = llvm.extractvalue(i32, got, [mat])
+        if plane_shift is not None:
+          word = arith.shrui(word, plane_shift)
         j = t0 // 8 + mat
         for k in range(4):
           m, half = divmod(k, 2)
-          shifted = arith.shrui(word, c(4 * k)) if k else word
+          shifted = arith.shrui(word, c(shifts[k])) if shifts[k] else word
           pair = llvm.inline_asm(i32, [shifted], asm, "=r,r")
           regs[(m, j, 0, 0, half) + (0,) * (regs.ndim - 5)] = mgpu_utils.bitcast(pair, bf16x2)
     return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
@@ -652,26 +679,28 @@ def probe_scores(codes: jax.Array, q: jax.Array, *, bits: int = 4) -> jax.Array:
       compiler_params=_params(), kernel_name=f"jaxkv_probe_scores_{bits}")(codes, q_perm)
 
 
-@functools.partial(jax.jit, static_argnames=("swizzle",))
-def probe_pv(codes: jax.Array, p_t: jax.Array, *, swizzle: int = 0) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("bits", "swizzle"))
+def probe_pv(codes: jax.Array, p_t: jax.Array, *, bits: int = 4, swizzle: int = 0) -> jax.Array:
   """``O^T [D, N] = codes^T @ p_t`` through `dequant_codes_t` as the wgmma A operand
-  (a probe); ``codes [64 | 128, D/2]`` uint8 4-bit, ``p_t [rows, N]`` bf16, N a
-  multiple of 16. Rows come out in `vt_permutation` order."""
+  (a probe); ``codes [64 | 128, D bits/8]`` uint8, ``p_t [rows, N]`` bf16, N a
+  multiple of 16; ``swizzle`` 0 or the row width. Rows come out in
+  `vt_permutation` order."""
   rows, width = codes.shape
-  head_dim = width * 2
+  head_dim = width * 8 // bits
   n = p_t.shape[1]
   if rows not in (_ROWS, 2 * _ROWS) or n % 16 or p_t.shape[0] != rows:
     raise ValueError(f"codes {codes.shape} must be [64 | 128, D/2] and p_t {p_t.shape} "
                      "[rows, N % 16 == 0]")
   p_transforms = (plgpu.TilingTransform((8, n)), plgpu.SwizzleTransform(2 * n))
-  c_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64)) if swizzle else ()
+  c_transforms = ((plgpu.TilingTransform((8, width)), plgpu.SwizzleTransform(width))
+                  if swizzle else ())
 
   def kernel(codes_gmem, p_gmem, out_gmem, codes_smem, p_smem, out_smem, barrier):
     plgpu.copy_gmem_to_smem(codes_gmem, codes_smem, barrier)
     plgpu.barrier_wait(barrier)
     plgpu.copy_gmem_to_smem(p_gmem, p_smem, barrier)
     plgpu.barrier_wait(barrier)
-    a = dequant_codes_t(codes_smem, head_dim, swizzle=swizzle)
+    a = dequant_codes_t(codes_smem, head_dim, bits, swizzle=swizzle)
 
     def mma(acc_ref):
       plgpu.wgmma(acc_ref, a, p_smem)
@@ -684,7 +713,7 @@ def probe_pv(codes: jax.Array, p_t: jax.Array, *, swizzle: int = 0) -> jax.Array
       scratch_types=[plgpu.SMEM((rows, width), jnp.uint8, transforms=c_transforms),
                      plgpu.SMEM((rows, n), jnp.bfloat16, transforms=p_transforms),
                      plgpu.SMEM((head_dim, n), jnp.float32), plgpu.Barrier()],
-      compiler_params=_params(), kernel_name=f"jaxkv_probe_pv_sw{swizzle}")(codes, p_t)
+      compiler_params=_params(), kernel_name=f"jaxkv_probe_pv_{bits}_sw{swizzle}")(codes, p_t)
 
 
 __all__ = ["code_permutation", "dequant_codes", "dequant_codes_t", "gather_codebook",

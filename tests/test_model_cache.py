@@ -16,6 +16,7 @@ from flax import nnx
 
 import jaxkv
 from jaxkv import KVCache, ModelCache
+from jaxkv.formats import PRESETS
 from models import llama
 from pallas_kernels import residual_write
 
@@ -272,3 +273,35 @@ def test_pack_kernel_skipping_idle_sequences_changes_no_bit(preset):
     caches = [_append_all_layers(c, k, v, jnp.asarray(n, jnp.int32)) for c in caches]
   np.testing.assert_array_equal(np.asarray(caches[1].lengths), total)
   assert _leaves_equal(caches[0], caches[1])
+
+
+def test_jitted_chunk_appends_across_flushes_equal_one_append():
+  """Chunks of 8 into G = R = 16 (each flush stages residual rows + new rows), jitted:
+  the layer equals one append of the whole history, bit for bit. On an H100 (jax
+  0.11.2) a vmapped dynamic_update_slice in `stage_residual` was miscompiled inside
+  this step (wrong flushed codes of some heads; compiled on the GPU by
+  bench/gpu_tests.sh)."""
+  fmt = dataclasses.replace(PRESETS["kivi4"], token_group=16, residual=16)
+  b, h, d, total, chunk = 2, 2, 32, 40, 8
+  lengths = np.array([total, 23])
+  kv = np.random.default_rng(31).standard_normal((2, b, total, h, d)).astype(np.float32)
+
+  @jax.jit
+  def step(cache, k, v, n_real):
+    plan = cache.plan_append(n_real)
+    return cache.append_layer_with_history(0, k, v, plan)[0].commit(plan)
+
+  def run(size):
+    cache = ModelCache.init(fmt, 2, b, h, d, 64, jnp.float32)
+    for j in range(0, total, size):
+      n_real = jnp.asarray(np.clip(lengths - j, 0, size), jnp.int32)
+      part = [np.zeros((b, size, h, d), np.float32) for _ in range(2)]
+      for p, x in zip(part, kv):
+        p[:, :min(size, total - j)] = x[:, j:j + size]
+      cache = step(cache, jnp.asarray(part[0]), jnp.asarray(part[1]), n_real)
+    return cache
+
+  got, want = run(chunk), run(total)
+  np.testing.assert_array_equal(np.asarray(got.packed_lens), [32, 16])
+  for a, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(w))

@@ -125,32 +125,35 @@ def test_dequant_as_wgmma_operand(head_dim, n, bits, rows):
 
 
 # ------------------------------------------------ transposed 4-bit V (ldmatrix)
-def test_vt_permutation_is_a_bijection_and_reference_reads_nibbles():
-  perm = md.vt_permutation(128)
-  np.testing.assert_array_equal(np.sort(perm), np.arange(128))
-  codes = np.asarray(_codes(64, 5))
-  ref = md.registers_t_reference(codes)                                   # [D, rows]
-  for row in (0, 7, 8, 63, 64, 100, 127):
-    ch = perm[row]
-    want = codes[:, ch] & 15 if ch < 64 else codes[:, ch - 64] >> 4
-    np.testing.assert_array_equal(ref[row], want)
+def test_vt_permutation_is_a_bijection_and_reference_reads_planes():
+  for bits, width in ((4, 64), (2, 32)):
+    perm = md.vt_permutation(128, bits)
+    np.testing.assert_array_equal(np.sort(perm), np.arange(128))
+    codes = np.asarray(_codes(width, 5 + bits))
+    ref = md.registers_t_reference(codes, bits)                           # [D, rows]
+    for row in (0, 7, 8, 63, 64, 100, 127):
+      plane, byte = divmod(perm[row], width)
+      np.testing.assert_array_equal(ref[row], (codes[:, byte] >> (bits * plane)) & (2**bits - 1))
   with pytest.raises(ValueError, match="head_dim=64"):
     md.vt_permutation(64)
+  with pytest.raises(ValueError, match="bits=8"):
+    md.vt_permutation(128, 8)
 
 
-@pytest.mark.parametrize("rows,n,swizzle", [(64, 16, 0), (64, 16, 64), (128, 16, 64),
-                                            (64, 32, 64), (128, 32, 0)])
-def test_transposed_codes_as_wgmma_operand(rows, n, swizzle):
+@pytest.mark.parametrize("bits,rows,n,swizzle", [
+    (4, 64, 16, 0), (4, 64, 16, 64), (4, 128, 16, 64), (4, 64, 32, 64), (4, 128, 32, 0),
+    (2, 64, 16, 0), (2, 128, 16, 32), (2, 64, 32, 32)])
+def test_transposed_codes_as_wgmma_operand(bits, rows, n, swizzle):
   """``dequant_codes_t`` registers as the A operand of ``O^T = V^T P^T``: equals the
   float64 product of the codes with P, rows in `vt_permutation` order."""
-  codes = _codes(64, rows + n + swizzle, rows)
+  codes = _codes(128 * bits // 8, bits + rows + n + swizzle, rows)
   p_t = jax.random.uniform(jax.random.PRNGKey(rows + n), (rows, n), jnp.float32).astype(
       jnp.bfloat16)
   if not ON_HOPPER:
-    jax.jit(md.probe_pv, static_argnames="swizzle").trace(codes, p_t, swizzle=swizzle).lower(
-        lowering_platforms=("cuda",))
+    jax.jit(md.probe_pv, static_argnames=("bits", "swizzle")).trace(
+        codes, p_t, bits=bits, swizzle=swizzle).lower(lowering_platforms=("cuda",))
     return
-  got = np.asarray(md.probe_pv(codes, p_t, swizzle=swizzle), np.float64)
-  want = md.registers_t_reference(np.asarray(codes)).astype(np.float64) @ np.asarray(
+  got = np.asarray(md.probe_pv(codes, p_t, bits=bits, swizzle=swizzle), np.float64)
+  want = md.registers_t_reference(np.asarray(codes), bits).astype(np.float64) @ np.asarray(
       p_t, np.float64)
   np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())

@@ -353,8 +353,10 @@ def test_generate_and_decode_steps_with_exact_codebooks_equal_float_cache(model)
   greedy tokens of the float32 ("bf16") cache when the codebooks hold the model's K/V;
   the jitted step is traced once and updates the cache in place."""
   rng = np.random.default_rng(23)
-  b, t, new = 2, 30, 6
-  prompts, lengths = rng.integers(0, CFG.vocab_size, (b, t)), np.array([30, 19])
+  # B = 3: no attention temporary [B, Hkv, G, R, D] shares the HLO shape of the
+  # stacked residual [L, B, Hkv, R, D] (the cache-sized-buffer check goes by shape).
+  b, t, new = 3, 30, 6
+  prompts, lengths = rng.integers(0, CFG.vocab_size, (b, t)), np.array([30, 19, 25])
   want, want_n = jaxkv.generate(model, prompts, lengths, kv_format="bf16", max_new_tokens=new,
                                 cache_dtype=jnp.float32)
   seqs = [list(prompts[i, :lengths[i]]) + list(np.asarray(want[i])) for i in range(b)]
