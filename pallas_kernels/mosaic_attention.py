@@ -157,8 +157,13 @@ class MosaicAttentionConfig:
 
     From the A/Bs on H100 and H200 (`bench/results/mosaic-NOTES.md`): sides
     of 2 bits take 128-token blocks (kivi2 52 -> 36 us at (1, 32768, 32, 8)),
-    where fixed per-step costs dominate; 4 pipeline stages unless both sides
-    are 8-bit (int8 lost 10-25 % with 4, kivi4/k8v4 gained 2-5 %).
+    where fixed per-step costs dominate, and 2 pipeline stages (H100: 61.0
+    vs 65.8 us with 3 at (1, 131072), equal at (8, 32768)); 4-bit K and V
+    take 128-token blocks where each split still gets >= 8 of them (H100,
+    register V operand: 69.5 vs 73.5 us at (1, 131072), 133.9 vs 148.7 at
+    (8, 32768); 29.1 vs 26.7 at (1, 32768), 4 blocks per split, so 64
+    there); 4 stages unless both sides are 8-bit (int8 lost 10-25 % with 4,
+    kivi4/k8v4 gained 2-5 %).
 
     Programs: 4-bit K and V in 64-token blocks fit 4 per SM with the register
     V operand (`register_vt`; the packed programs keep no V tile in shared
@@ -177,11 +182,17 @@ class MosaicAttentionConfig:
     """
     del unused
     fits_128 = token_group % 128 == 0 and residual % 128 == 0
+    per_sm = {(4, 4): 4, (8, 4): 3}.get((k_bits, v_bits), 2)
+    slots, heads = per_sm * num_sms, batch * kv_heads
     block_k = 128 if min(k_bits, v_bits) <= 2 and fits_128 else 64
-    blocks = max(1, tokens // block_k)
-    per_sm = {(4, 4, 64): 4, (8, 4, 64): 3}.get((k_bits, v_bits, block_k), 2)
-    splits = one_wave_splits(per_sm * num_sms, batch * kv_heads, blocks)
-    stages = 3 if (k_bits >= 8 and v_bits >= 8) or block_k == 128 else 4
+    if (k_bits, v_bits) == (4, 4) and fits_128:
+      # 128-token blocks where every split still gets >= 8 of them
+      wide = one_wave_splits(slots, heads, max(1, tokens // 128))
+      block_k = 128 if tokens // 128 >= 8 * wide else 64
+    splits = one_wave_splits(slots, heads, max(1, tokens // block_k))
+    stages = 3 if k_bits >= 8 and v_bits >= 8 else 4
+    if min(k_bits, v_bits) <= 2 and block_k == 128:
+      stages = 2
     return cls(block_k=block_k, num_splits=splits, max_concurrent_steps=stages)
 
 

@@ -200,13 +200,14 @@ def test_side_spec_of_formats():
     SideSpec(3)
 
 
-@pytest.mark.parametrize("name,block_k,stages", [
-    ("kivi2", 128, 3), ("kivi4", 64, 4), ("k8v4", 64, 4), ("int8", 64, 3), ("kivi2-r2g", 64, 4),
+@pytest.mark.parametrize("name,tokens,block_k,stages", [
+    ("kivi2", 32768, 128, 2), ("kivi4", 32768, 64, 4), ("kivi4", 131072, 128, 4),
+    ("k8v4", 32768, 64, 4), ("int8", 32768, 64, 3), ("kivi2-r2g", 32768, 64, 4),
 ])
-def test_default_config_per_format(name, block_k, stages):
+def test_default_config_per_format(name, tokens, block_k, stages):
   fmt = _fmt(name)
   config = ma.MosaicAttentionConfig.default(
-      batch=1, tokens=32768, kv_heads=8, k_bits=fmt.k_bits, v_bits=fmt.v_bits,
+      batch=1, tokens=tokens, kv_heads=8, k_bits=fmt.k_bits, v_bits=fmt.v_bits,
       token_group=fmt.token_group, residual=fmt.residual)
   assert (config.block_k, config.max_concurrent_steps) == (block_k, stages)
   # The default always fits the format (dispatch checks supports() with it).
