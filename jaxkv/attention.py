@@ -196,8 +196,9 @@ _SUPPORTED = {"triton": _triton_supported, "mosaic": _mosaic_supported}
 # Measured on H100 and H200 (jax 0.11.2, bench/results/mosaic-NOTES.md,
 # 2026-11-26): with 2-bit K and V (kivi2) the Mosaic kernel is 5-8 % faster
 # than Triton's on both GPUs and the Llama-3.1-8B decode step with it 3-4 %
-# faster (H100, B=1, 32K and 128K); kivi4 in a bfloat16 cache at head_dim 128
-# (the register V operand) 7-15 % faster; 8-bit sides are 0.6-0.8x on Mosaic.
+# faster (H100, B=1, 32K and 128K). With the register V operand (same day,
+# H100) kivi2 takes 13-21 % and kivi4 (bfloat16, head_dim 128) 7-17 % less
+# kernel time than Triton; 8-bit K sides are slower on Mosaic.
 PALLAS_ORDER = ("triton", "mosaic")
 PALLAS_ORDER_MOSAIC = ("mosaic", "triton")
 
@@ -209,8 +210,8 @@ def pallas_order(fmt, dtype=None, head_dim: int | None = None) -> tuple[str, ...
   Mosaic first where it was measured faster on an H100 (2026-11-26,
   `bench/results/mosaic-NOTES.md`): K and V of at most 2 bits (kivi2), and 4-bit
   K with 4-bit V in a bfloat16 cache at head_dim 128 (kivi4: V is the value
-  MMA's register operand there, 27 / 74 / 149 us against Triton's 29 / 85 /
-  160 at (1, 32K) / (1, 128K) / (8, 32K)). Triton first elsewhere.
+  MMA's register operand there, 26.7 / 69.5 / 133.9 us against Triton's 28.8
+  / 83.6 / 157.9 at (1, 32K) / (1, 128K) / (8, 32K)). Triton first elsewhere.
   """
   if not fmt.hierarchical and fmt.k_bits <= 2 and fmt.v_bits <= 2:
     return PALLAS_ORDER_MOSAIC

@@ -114,8 +114,9 @@ class MosaicAttentionConfig:
       ``ldmatrix.trans`` (`mosaic_dequant.dequant_codes_t`): no V tile is stored
       to shared memory, and the packed programs need no V value buffer; their
       outputs come out in `mosaic_dequant.vt_permutation` order.
-    vt_swizzle: (with ``register_vt``) the V code tiles are TMA-swizzled (by their row width),
-      so the ``ldmatrix`` rows are free of bank conflicts.
+    vt_swizzle: (with ``register_vt``) the V code tiles are TMA-swizzled by
+      their row width, so the ``ldmatrix`` rows are free of bank conflicts
+      (unswizzled: 6-21 % slower, H100).
     early_v: (with ``register_v`` or a VQ cache) build the step's V tile while
       the score MMA runs (between its issue and its wait) instead of after the
       softmax, off the step's serial chain.
@@ -165,20 +166,20 @@ class MosaicAttentionConfig:
     there); 4 stages unless both sides are 8-bit (int8 lost 10-25 % with 4,
     kivi4/k8v4 gained 2-5 %).
 
-    Programs: 4-bit K and V in 64-token blocks fit 4 per SM with the register
-    V operand (`register_vt`; the packed programs keep no V tile in shared
-    memory), 8-bit K with 4-bit V 3, the other formats 2. The packed programs
-    per (batch, kv head)
-    are ``per_sm * num_sms // (batch * kv_heads)``, less one for the residual
-    program when that count is large (a single sequence). Measured (kernel
+    Programs: 4-bit K and V fit 4 per SM with the register V operand
+    (`register_vt`; the packed programs keep no V tile in shared memory),
+    8-bit K with 4-bit V 3, the other formats 2. The packed programs per
+    (batch, kv head) are ``per_sm * num_sms // (batch * kv_heads)``, less one
+    for the residual program when that count is large (a single sequence),
+    at most 64 and at least 4 blocks each (`one_wave_splits`). Measured (kernel
     us, the rule's pick in brackets): H100 2026-11-26, kivi4 at (1, 131072,
     32, 8) [64] 73.7 vs 78.0 (48), 91.4 (32); at (8, 32768, 32, 8) [8] 149.4
     vs 178.0 (6), 210.8 (4); H200 2026-11-26 (before the register V operand):
     kivi2 [32] 74.9 vs 76.4 (33), 98.7 (48); [4] 152 vs 202 (3); k8v4 [32]
     106 vs 131 (48); k8v4 on the H100 with the register V operand [48] 90.2
-    vs 89.5 (32), [6] 177.6 vs 232.4 (4) at (8, 32768). The placement
-    of programs on SMs makes these counts
-    jumpy; `jaxkv.autotune` searches around them.
+    vs 89.5 (32), [6] 177.6 vs 232.4 (4) at (8, 32768). The placement of
+    programs on SMs makes these counts jumpy; `jaxkv.autotune` searches
+    around them.
     """
     del unused
     fits_128 = token_group % 128 == 0 and residual % 128 == 0
@@ -845,7 +846,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     register_vt = _register_vt(config, v_side, head_dim, dtype)
     k_specs = _side_specs(k_side, k_in[0].shape[-1], head_dim, bk, q_tf,
                           plain_codes=register_k)
-    # register_vt reads rows with ldmatrix: plain or TMA-swizzled (64 B) tiles
+    # register_vt reads rows with ldmatrix: TMA-swizzled (by row width) or plain tiles
     v_specs = _side_specs(v_side, v_in[0].shape[-1], head_dim, bk, v_tf,
                           plain_codes=register_v and not (register_vt and config.vt_swizzle))
     fold_k = config.fold_scales and k_side.bits < 16 and k_side.axis == "token"

@@ -2,6 +2,9 @@
 
 - `dequant_codes`: 4/2-bit codes -> bfloat16 registers, one shared load per row
   (below);
+- `dequant_codes_t`: the transposed tile (``[D, tokens]``, the value MMA's A
+  operand) through ``ldmatrix.trans`` of swizzled code tiles
+  (`vt_permutation`, oracle `registers_t_reference`);
 - `gather_codebook`: VQ codes -> their centroids from a shared-memory codebook,
   one conflict-free ``ld.shared`` per code (`vq_book_rows`, `vq_permutation`,
   oracle `gather_reference`);
@@ -108,6 +111,22 @@ def registers_reference(codes: np.ndarray, bits: int = 4, scale=None, zero=None)
   return channels[..., code_permutation(width * 8 // bits, bits)].astype(np.float32)
 
 
+def _code_tile(codes_smem, head_dim: int, bits: int, head_dims) -> tuple[int, int]:
+  """``(width, rows)`` of a ``[64 | 128, D*bits/8]`` uint8 code tile; ValueError
+  naming what does not fit (``head_dims``: the head sizes the caller serves)."""
+  if head_dim not in head_dims:
+    raise ValueError(f"head_dim={head_dim} must be one of {head_dims}")
+  if bits not in _MASK:
+    raise ValueError(f"bits={bits} must be 4 or 2")
+  width = head_dim * bits // 8
+  rows = codes_smem.shape[0]
+  if (rows not in (_ROWS, 2 * _ROWS) or tuple(codes_smem.shape[1:]) != (width,)
+      or codes_smem.dtype != jnp.uint8):
+    raise ValueError(f"codes_smem must be uint8 [64 | 128, {width}], got "
+                     f"{codes_smem.dtype} {tuple(codes_smem.shape)}")
+  return width, rows
+
+
 def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zero_smem=None):
   """``[rows, D]`` bfloat16 codes (WGMMA layout) of a ``[rows, D*bits/8]`` uint8 smem tile.
 
@@ -124,16 +143,7 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
   thread reads the scale/zero of its own columns with one 8-byte load per
   four channels, so no permuted copy of the rows is needed.
   """
-  if head_dim not in (64, 128):
-    raise ValueError(f"head_dim={head_dim} must be 64 or 128")
-  if bits not in _MASK:
-    raise ValueError(f"bits={bits} must be 4 or 2")
-  width = head_dim * bits // 8
-  rows = codes_smem.shape[0]
-  if (rows not in (_ROWS, 2 * _ROWS) or tuple(codes_smem.shape[1:]) != (width,)
-      or codes_smem.dtype != jnp.uint8):
-    raise ValueError(f"codes_smem must be uint8 [64 | 128, {width}], got "
-                     f"{codes_smem.dtype} {tuple(codes_smem.shape)}")
+  width, rows = _code_tile(codes_smem, head_dim, bits, (64, 128))
   affine = scale_smem is not None
   if affine != (zero_smem is not None):
     raise ValueError("pass both scale_smem and zero_smem, or neither")
@@ -279,16 +289,7 @@ def dequant_codes_t(codes_smem, head_dim: int = 128, bits: int = 4, *, swizzle: 
   or 32 bytes; 16-byte chunk ``c`` of row ``r`` stored at chunk ``c ^ ((r >> 1)
   & 3)``, resp. ``c ^ ((r >> 2) & 1)``): the ``ldmatrix`` rows then hit distinct banks.
   """
-  if head_dim != 128:
-    raise ValueError(f"head_dim={head_dim} must be 128")
-  if bits not in (4, 2):
-    raise ValueError(f"bits={bits} must be 4 or 2")
-  width = head_dim * bits // 8
-  rows = codes_smem.shape[0]
-  if (rows not in (_ROWS, 2 * _ROWS) or tuple(codes_smem.shape[1:]) != (width,)
-      or codes_smem.dtype != jnp.uint8):
-    raise ValueError(f"codes_smem must be uint8 [64 | 128, {width}], got "
-                     f"{codes_smem.dtype} {tuple(codes_smem.shape)}")
+  width, rows = _code_tile(codes_smem, head_dim, bits, (128,))
   if swizzle not in (0, width):
     raise ValueError(f"swizzle={swizzle} must be 0 or {width} (the row width)")
   want_regs = (head_dim // _ROWS, rows // 8, 1, 1, 2) + (1,) * 4
