@@ -186,8 +186,9 @@ class MosaicAttentionConfig:
     per_sm = {(4, 4): 4, (8, 4): 3}.get((k_bits, v_bits), 2)
     slots, heads = per_sm * num_sms, batch * kv_heads
     block_k = 128 if min(k_bits, v_bits) <= 2 and fits_128 else 64
-    if (k_bits, v_bits) == (4, 4) and fits_128:
-      # 128-token blocks where every split still gets >= 8 of them
+    if (k_bits, v_bits) == (4, 4) and fits_128 and heads <= 64:
+      # 128-token blocks where every split still gets >= 8 of them (measured up
+      # to 64 (sequence, kv head) pairs; above, 64 until measured)
       wide = one_wave_splits(slots, heads, max(1, tokens // 128))
       block_k = 128 if tokens // 128 >= 8 * wide else 64
     splits = one_wave_splits(slots, heads, max(1, tokens // block_k))
