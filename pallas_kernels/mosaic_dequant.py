@@ -564,6 +564,13 @@ def warpgroup_any(flags, flag_smem) -> None:
   body(flags, flag_smem)
 
 
+def _copy_in(pairs, barrier) -> None:
+  """TMA-copies each ``(gmem, smem)`` pair and waits for it (the probes' start)."""
+  for g, sm in pairs:
+    plgpu.copy_gmem_to_smem(g, sm, barrier)
+    plgpu.barrier_wait(barrier)
+
+
 def _write_out(value, out_smem, out_gmem):
   """Stores a register array through shared memory to its HBM output (the probes' end)."""
   out_smem[...] = value
@@ -597,15 +604,12 @@ def probe_dequant(codes: jax.Array, scale: jax.Array | None = None, zero: jax.Ar
   def kernel(codes_gmem, *refs):
     if rows_in:
       s_gmem, z_gmem, out_gmem, codes_smem, s_smem, z_smem, out_smem, barrier = refs
-      for g, sm in ((s_gmem, s_smem), (z_gmem, z_smem)):
-        plgpu.copy_gmem_to_smem(g, sm, barrier)
-        plgpu.barrier_wait(barrier)
+      _copy_in(((s_gmem, s_smem), (z_gmem, z_smem)), barrier)
       extra = (s_smem, z_smem)
     else:
       out_gmem, codes_smem, out_smem, barrier = refs
       extra = ()
-    plgpu.copy_gmem_to_smem(codes_gmem, codes_smem, barrier)
-    plgpu.barrier_wait(barrier)
+    _copy_in(((codes_gmem, codes_smem),), barrier)
     _write_out(dequant_codes(codes_smem, head_dim, bits, *extra), out_smem, out_gmem)
 
   rows_smem = [plgpu.SMEM((1, head_dim), x.dtype) for x in rows_in]
@@ -629,9 +633,7 @@ def probe_gather(codes: jax.Array, codebook: jax.Array) -> jax.Array:
   flat = vq_book_rows(codebook)
 
   def kernel(codes_gmem, book_gmem, out_gmem, codes_smem, book_smem, out_smem, barrier):
-    for g, sm in ((codes_gmem, codes_smem), (book_gmem, book_smem)):
-      plgpu.copy_gmem_to_smem(g, sm, barrier)
-      plgpu.barrier_wait(barrier)
+    _copy_in(((codes_gmem, codes_smem), (book_gmem, book_smem)), barrier)
     _write_out(gather_codebook(codes_smem, book_smem, head_dim, vec, entries), out_smem,
                out_gmem)
 
@@ -660,10 +662,7 @@ def probe_scores(codes: jax.Array, q: jax.Array, *, bits: int = 4) -> jax.Array:
   q_transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
 
   def kernel(codes_gmem, q_gmem, out_gmem, codes_smem, q_smem, out_smem, barrier):
-    plgpu.copy_gmem_to_smem(codes_gmem, codes_smem, barrier)
-    plgpu.barrier_wait(barrier)
-    plgpu.copy_gmem_to_smem(q_gmem, q_smem, barrier)
-    plgpu.barrier_wait(barrier)
+    _copy_in(((codes_gmem, codes_smem), (q_gmem, q_smem)), barrier)
     a = dequant_codes(codes_smem, head_dim, bits)
 
     def mma(acc_ref):
@@ -690,17 +689,14 @@ def probe_pv(codes: jax.Array, p_t: jax.Array, *, bits: int = 4, swizzle: int = 
   head_dim = width * 8 // bits
   n = p_t.shape[1]
   if rows not in (_ROWS, 2 * _ROWS) or n % 16 or p_t.shape[0] != rows:
-    raise ValueError(f"codes {codes.shape} must be [64 | 128, D/2] and p_t {p_t.shape} "
+    raise ValueError(f"codes {codes.shape} must be [64 | 128, D bits/8] and p_t {p_t.shape} "
                      "[rows, N % 16 == 0]")
   p_transforms = (plgpu.TilingTransform((8, n)), plgpu.SwizzleTransform(2 * n))
   c_transforms = ((plgpu.TilingTransform((8, width)), plgpu.SwizzleTransform(width))
                   if swizzle else ())
 
   def kernel(codes_gmem, p_gmem, out_gmem, codes_smem, p_smem, out_smem, barrier):
-    plgpu.copy_gmem_to_smem(codes_gmem, codes_smem, barrier)
-    plgpu.barrier_wait(barrier)
-    plgpu.copy_gmem_to_smem(p_gmem, p_smem, barrier)
-    plgpu.barrier_wait(barrier)
+    _copy_in(((codes_gmem, codes_smem), (p_gmem, p_smem)), barrier)
     a = dequant_codes_t(codes_smem, head_dim, bits, swizzle=swizzle)
 
     def mma(acc_ref):
