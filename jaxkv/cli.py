@@ -176,8 +176,8 @@ def _fit_codebooks(model, fmt, name: str, tokens, lengths, *, seed: int, hint: s
 
 def _vq_note(names) -> str:
   """The demo's footnote on VQ rows (empty without one)."""
-  from jaxkv.vq import VQ_PRESETS  # pylint: disable=import-outside-toplevel
-  if not any(n in VQ_PRESETS for n in names):
+  from jaxkv.vq import is_vq_format  # pylint: disable=import-outside-toplevel
+  if not any(is_vq_format(n) for n in names):
     return ""
   return (" VQ formats: codes plus every layer's codebooks amortized over 8192 tokens; "
           "codebooks fitted on these prompts' own K/V.")

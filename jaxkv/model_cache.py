@@ -142,7 +142,7 @@ class ModelCache:
     if isinstance(num_layers, bool) or not isinstance(num_layers, (int, np.integer)) \
         or num_layers < 1:
       raise ValueError(f"num_layers={num_layers!r} must be an int >= 1")
-    if isinstance(fmt, vq.VQFormat) or (isinstance(fmt, str) and fmt in vq.VQ_PRESETS):
+    if vq.is_vq_format(fmt):
       raise ValueError(f"fmt={fmt!r} is a VQ format: use jaxkv.VQModelCache.init(..., "
                        "codebooks=) (or model.init_cache(fmt, ..., codebooks=))")
     one = jax.eval_shape(lambda: KVCache.init(fmt, batch, kv_heads, head_dim, capacity, dtype,

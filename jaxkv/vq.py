@@ -177,6 +177,11 @@ VQ_PRESETS: dict[str, VQFormat] = {
 """Named VQ formats (VQ-LLM's CQ-4 and CQ-2; R = G = 128 as KIVI)."""
 
 
+def is_vq_format(fmt) -> bool:
+  """Whether ``fmt`` is a `VQFormat` or the name of a VQ preset."""
+  return isinstance(fmt, VQFormat) or (isinstance(fmt, str) and fmt in VQ_PRESETS)
+
+
 def as_vq_format(fmt) -> VQFormat:
   """A `VQFormat` from itself or a `VQ_PRESETS` name; TypeError otherwise."""
   if isinstance(fmt, str):

@@ -222,9 +222,4 @@ class VQModelCache(ModelCache):
     return jnp.stack([p[0] for p in pairs]), jnp.stack([p[1] for p in pairs])
 
 
-def is_vq_format(fmt) -> bool:
-  """Whether ``fmt`` is a `jaxkv.VQFormat` or the name of a VQ preset."""
-  return isinstance(fmt, vq.VQFormat) or (isinstance(fmt, str) and fmt in vq.VQ_PRESETS)
-
-
-__all__ = ["VQCodes", "VQModelCache", "is_vq_format", "stacked_codebooks"]
+__all__ = ["VQCodes", "VQModelCache", "stacked_codebooks"]

@@ -586,7 +586,7 @@ class Llama(nnx.Module):
     """
     c = self.config
     dtype = self.dtype if dtype is None else dtype
-    if jaxkv.vq_model_cache.is_vq_format(kv_format):
+    if jaxkv.vq.is_vq_format(kv_format):
       return jaxkv.VQModelCache.init(kv_format, c.num_layers, batch, c.num_kv_heads, c.head_dim,
                                      capacity, dtype, codebooks=codebooks, **kwargs)
     if codebooks is not None:
