@@ -161,6 +161,8 @@ def view_rows(name, q, shape, variants, cudnn, calls):
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--shapes", default="2,4,5")
+  p.add_argument("--custom", default="",
+                 help="extra shapes 'B,T,Hq,Hkv,D,q_len;...' timed after --shapes")
   p.add_argument("--formats", default="kivi4,kivi2,int8,k8v4")
   p.add_argument("--variants", default="noprefetch:prefetch=False")
   p.add_argument("--mosaic", default="",
@@ -174,8 +176,10 @@ def main(argv=None) -> int:
   variants = parse_variants(args.variants)
   baseline = load_baseline(args.baseline) if args.baseline else None
   rows = []
-  for si in (int(i) for i in args.shapes.split(",")):
-    b, t, hq, hkv, d, s = shape = A.SHAPES[si]
+  shapes = [A.SHAPES[int(i)] for i in filter(None, args.shapes.split(","))]
+  shapes += [tuple(int(x) for x in c.split(",")) for c in filter(None, args.custom.split(";"))]
+  for shape in shapes:
+    b, t, hq, hkv, d, s = shape
     q = jax.random.normal(jax.random.PRNGKey(0), (b, s, hq, d), jnp.bfloat16)
     lengths = jnp.full((b,), t, jnp.int32)
     k = jax.random.normal(jax.random.PRNGKey(1), (b, t, hkv, d), jnp.bfloat16)

@@ -203,12 +203,6 @@ PALLAS_ORDER = ("triton", "mosaic")
 PALLAS_ORDER_MOSAIC = ("mosaic", "triton")
 
 
-# kivi4 goes to Mosaic only up to this many (sequence, kv head) pairs: the
-# largest measured there (8 x 8 at (8, 32K)). At the 32K max batch (49 x 8)
-# the Llama-3.1-8B step on Mosaic took 40.9 ms against 35.7 ms on Triton in
-# an earlier run (H100, `bench/results/e2e-NOTES.md`, 2026-11-26): Triton there
-# until a same-process A/B says otherwise.
-MOSAIC_KIVI4_MAX_HEADS = 64
 
 
 def pallas_order(fmt, dtype=None, head_dim: int | None = None,
@@ -219,16 +213,17 @@ def pallas_order(fmt, dtype=None, head_dim: int | None = None,
 
   Mosaic first where it was measured faster on an H100 (2026-11-26,
   `bench/results/mosaic-NOTES.md`): K and V of at most 2 bits (kivi2), and 4-bit
-  K with 4-bit V in a bfloat16 cache at head_dim 128 up to
-  `MOSAIC_KIVI4_MAX_HEADS` (kivi4: V is the value MMA's register operand
-  there, 26.7 / 69.5 / 133.9 us against Triton's 28.8 / 83.6 / 157.9 at (1,
-  32K) / (1, 128K) / (8, 32K)). Triton first elsewhere.
+  K with 4-bit V in a bfloat16 cache at head_dim 128 (kivi4: V is the value
+  MMA's register operand there, 26.7 / 69.5 / 133.9 / 669 us against Triton's
+  28.8 / 83.6 / 157.9 / 844 at (1, 32K) / (1, 128K) / (8, 32K) / (48, 32K)).
+  Triton first elsewhere. ``heads`` (batch x kv heads) does not change the
+  order today; it is accepted for rules that depend on it.
   """
   if not fmt.hierarchical and fmt.k_bits <= 2 and fmt.v_bits <= 2:
     return PALLAS_ORDER_MOSAIC
   bf16 = dtype is None or jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
   if (not fmt.hierarchical and fmt.k_bits == 4 and fmt.v_bits == 4 and bf16
-      and head_dim in (None, 128) and (heads is None or heads <= MOSAIC_KIVI4_MAX_HEADS)):
+      and head_dim in (None, 128)):
     return PALLAS_ORDER_MOSAIC
   return PALLAS_ORDER
 

@@ -186,9 +186,8 @@ class MosaicAttentionConfig:
     per_sm = {(4, 4): 4, (8, 4): 3}.get((k_bits, v_bits), 2)
     slots, heads = per_sm * num_sms, batch * kv_heads
     block_k = 128 if min(k_bits, v_bits) <= 2 and fits_128 else 64
-    if (k_bits, v_bits) == (4, 4) and fits_128 and heads <= 64:
-      # 128-token blocks where every split still gets >= 8 of them (measured up
-      # to 64 (sequence, kv head) pairs; above, 64 until measured)
+    if (k_bits, v_bits) == (4, 4) and fits_128:
+      # 128-token blocks where every split still gets >= 8 of them
       wide = one_wave_splits(slots, heads, max(1, tokens // 128))
       block_k = 128 if tokens // 128 >= 8 * wide else 64
     splits = one_wave_splits(slots, heads, max(1, tokens // block_k))
@@ -199,12 +198,24 @@ class MosaicAttentionConfig:
 
 
 def one_wave_splits(slots: int, heads: int, blocks: int) -> int:
-  """Packed programs per (batch, kv head) for one wave of ``slots`` resident
-  programs over ``heads = B * Hkv``: ``slots // heads``, less one for the
-  residual program when that is more than 16, at most ``blocks // 4`` (>= 4
-  blocks per split) and 64."""
-  programs = max(1, slots // max(1, heads))
+  """Packed programs per (batch, kv head) for ``slots`` resident programs over
+  ``heads = B * Hkv``: one wave, ``slots // heads`` (less one for the residual
+  program when that is more than 16), unless that leaves more than a tenth of
+  the slots idle in its last wave (``heads`` above half the slots): then at
+  least two waves (the smallest count with ``heads * splits >= 2 * slots``).
+  At most ``blocks // 4`` (>= 4 blocks per split) and 64.
+
+  H100, kivi4 (128-token blocks), kernel us: at (48, 32768, 32, 8) 1 split
+  (0.73 waves) 744.7, 2 676.6, 3 670.7, 4 669.2, 8 669.4; at (16, 32768) 1
+  432.7, 2 245.4, 3 (0.73 waves) 263.8, 4 (one wave) 236.5, 8 236.0
+  (`attention-ab-large-batch*-20261126-*`)."""
+  heads = max(1, heads)
+  programs = max(1, slots // heads)
   want = programs - 1 if programs > 16 else programs
+  total = heads * want
+  waves = -(-total // slots)
+  if total < 2 * slots and total * 10 < waves * slots * 9:
+    want = -(-2 * slots // heads)
   return max(1, min(want, blocks // 4, 64))
 
 
