@@ -133,6 +133,10 @@ def test_mosaic_attention(name, b, hkv, group, d, s, lengths, capacity, dtype):
       and fmt.residual % 128 == 0 and capacity % 128 == 0):
     configs.append(ma.MosaicAttentionConfig(block_k=128, num_splits=2, register_k=True,
                                             register_v=True))
+    # 128-token tiles attended as two 64-token sub-blocks (ignored where V is
+    # not a register operand), with V built early and late.
+    configs += [ma.MosaicAttentionConfig(block_k=128, num_splits=2, sub_block=64, early_v=e)
+                for e in (True, False)]
   if not ON_HOPPER:
     for config in configs:
       lowered = jax.jit(_call, static_argnums=2).trace(q, cache, config).lower(
@@ -189,6 +193,10 @@ def test_config_validation():
     ma.MosaicAttentionConfig(block_k=32)
   with pytest.raises(ValueError, match="num_splits"):
     ma.MosaicAttentionConfig(num_splits=0)
+  with pytest.raises(ValueError, match="sub_block=32"):
+    ma.MosaicAttentionConfig(block_k=128, sub_block=32)
+  with pytest.raises(ValueError, match="sub_block=128"):
+    ma.MosaicAttentionConfig(block_k=64, sub_block=128)
 
 
 def test_side_spec_of_formats():
@@ -220,11 +228,13 @@ def test_default_config_per_format(name, tokens, block_k, stages):
 @pytest.mark.parametrize("name,batch,tokens,splits", [
     ("kivi4", 1, 131072, 64), ("kivi4", 8, 32768, 8), ("kivi2", 1, 131072, 32),
     ("kivi2", 8, 32768, 4), ("k8v4", 1, 131072, 48), ("k8v4", 8, 32768, 6),
-    ("kivi4", 1, 2048, 8)])
+    ("kivi4", 1, 2048, 8), ("kivi4", 16, 32768, 4), ("kivi4", 48, 32768, 3),
+    ("kivi4", 24, 32768, 6), ("kivi2", 96, 32768, 1), ("kivi2", 40, 32768, 2)])
 def test_default_splits_follow_the_documented_rule(name, batch, tokens, splits):
   """One wave at 4 programs per SM for 4-bit K/V in 64-token blocks, 3 for k8v4, else 2
   (132 SMs, 8 kv heads); a long single sequence leaves a slot for the residual program;
-  never fewer than 4 blocks per split."""
+  at least two waves where one would leave more than a tenth of the slots idle (large
+  batches); never fewer than 4 blocks per split."""
   fmt = _fmt(name)
   config = ma.MosaicAttentionConfig.default(
       batch=batch, tokens=tokens, kv_heads=8, k_bits=fmt.k_bits, v_bits=fmt.v_bits,

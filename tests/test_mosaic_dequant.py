@@ -157,3 +157,44 @@ def test_transposed_codes_as_wgmma_operand(bits, rows, n, swizzle):
   want = md.registers_t_reference(np.asarray(codes), bits).astype(np.float64) @ np.asarray(
       p_t, np.float64)
   np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("tile_rows,row0,rows", [(128, 64, 64), (256, 128, 128), (256, 192, 64)])
+def test_row_window_of_a_larger_tile(bits, tile_rows, row0, rows):
+  """``row0``/``rows``: a sub-block of a pipeline step's tile gives the registers
+  of those rows alone, for both the K operand (`dequant_codes`, with the
+  per-channel affine) and the transposed V operand (`dequant_codes_t`, swizzled)."""
+  width = 128 * bits // 8
+  codes = _codes(width, 7 * bits + tile_rows + row0, tile_rows)
+  key = jax.random.PRNGKey(row0 + rows)
+  scale = jax.random.uniform(key, (1, 128), jnp.float32, 0.01, 0.1).astype(jnp.bfloat16)
+  zero = jax.random.normal(jax.random.fold_in(key, 1), (1, 128), jnp.float32).astype(
+      jnp.bfloat16)
+  p_t = jax.random.uniform(jax.random.fold_in(key, 2), (rows, 16), jnp.float32).astype(
+      jnp.bfloat16)
+  window = np.asarray(codes)[row0:row0 + rows]
+  if not ON_HOPPER:
+    jax.jit(md.probe_dequant, static_argnames=("bits", "row0", "rows")).trace(
+        codes, scale, zero, bits=bits, row0=row0, rows=rows).lower(lowering_platforms=("cuda",))
+    jax.jit(md.probe_pv, static_argnames=("bits", "swizzle", "row0")).trace(
+        codes, p_t, bits=bits, swizzle=width, row0=row0).lower(lowering_platforms=("cuda",))
+    return
+  got = np.asarray(md.probe_dequant(codes, scale, zero, bits=bits, row0=row0, rows=rows),
+                   np.float32)
+  want = md.registers_reference(window, bits, np.asarray(scale, np.float64),
+                                np.asarray(zero, np.float64))
+  np.testing.assert_array_equal(got, want)
+  got = np.asarray(md.probe_pv(codes, p_t, bits=bits, swizzle=width, row0=row0), np.float64)
+  want = md.registers_t_reference(window, bits).astype(np.float64) @ np.asarray(p_t, np.float64)
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_row_window_checked():
+  codes = _codes(64, 3, 128)
+  with pytest.raises(ValueError, match="row0=32"):
+    jax.jit(md.probe_dequant, static_argnames=("bits", "row0", "rows")).trace(
+        codes, bits=4, row0=32, rows=64).lower(lowering_platforms=("cuda",))
+  with pytest.raises(ValueError, match="row0=64"):
+    jax.jit(md.probe_dequant, static_argnames=("bits", "row0", "rows")).trace(
+        codes, bits=4, row0=64, rows=128).lower(lowering_platforms=("cuda",))
