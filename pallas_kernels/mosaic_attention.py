@@ -124,14 +124,6 @@ class MosaicAttentionConfig:
       when a score exceeds it by more than ``LAZY_MARGIN`` (so ``p <= e^8``):
       one ``bar.red.or`` per step decides, and the exact cross-warp column max
       and the rescale run only then (`new_max`).
-    sub_block: tokens per online-softmax step inside one pipeline step (64,
-      or 0 for ``block_k``): a 128-token TMA tile attended as two 64-token
-      halves, so the registers of one half's K and V operands are live at a
-      time (H100: 229 registers per thread at 128 against ~120 at 64, which
-      decides 2 vs 4 programs per SM), and the residual program's tiles are
-      64 tokens (its shared memory sets the kernel's). Only where both K and
-      V take the register paths (``register_k`` and ``register_vt``); ignored
-      elsewhere.
 
   Search space (`jaxkv.autotune`): block_k in {64, 128}, num_splits around
   the heuristic (x1/2, x1, x2), max_concurrent_steps in {2, 3, 4}.
@@ -148,13 +140,10 @@ class MosaicAttentionConfig:
   vt_swizzle: bool = True
   early_v: bool = True
   lazy_max: bool = True
-  sub_block: int = 0
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
       raise ValueError(f"block_k={self.block_k} must be 64 or 128")
-    if self.sub_block not in (0, 64, self.block_k):
-      raise ValueError(f"sub_block={self.sub_block} must be 0, 64 or block_k={self.block_k}")
     if self.num_splits < 1:
       raise ValueError(f"num_splits={self.num_splits} must be >= 1")
     if not 1 <= self.max_concurrent_steps <= 8:
@@ -177,9 +166,13 @@ class MosaicAttentionConfig:
     there); 4 stages unless both sides are 8-bit (int8 lost 10-25 % with 4,
     kivi4/k8v4 gained 2-5 %).
 
-    Programs: 4-bit K and V fit 4 per SM with the register V operand
-    (`register_vt`; the packed programs keep no V tile in shared memory),
-    8-bit K with 4-bit V 3, the other formats 2. The packed programs per
+    Programs: the split counts assume 4 per SM for 4-bit K and V, 3 for
+    8-bit K with 4-bit V, 2 otherwise. Nsight Compute (H100, (1, 131072),
+    2026-11-26) finds kivi4 at 4 per SM in 64-token blocks (120 registers,
+    44 KB) but 2 in 128-token blocks (229 registers, 79 KB: the residual
+    program's two [128, D] tiles), kivi2 at 3 (168 registers, 75 KB); the
+    counts stay because they were measured best (attending a 128-token tile
+    as two 64-token halves took 144 registers and ran 20-50 % slower). The packed programs per
     (batch, kv head) are ``per_sm * num_sms // (batch * kv_heads)``, less one
     for the residual program when that count is large (a single sequence),
     at most 64 and at least 4 blocks each (`one_wave_splits`). Measured (kernel
@@ -205,7 +198,11 @@ class MosaicAttentionConfig:
     stages = 3 if k_bits >= 8 and v_bits >= 8 else 4
     if min(k_bits, v_bits) <= 2 and block_k == 128:
       stages = 2
-    return cls(block_k=block_k, num_splits=splits, max_concurrent_steps=stages)
+    # 2-bit V built after the softmax once several sequences share the GPU
+    # (H100, kernel us: (8, 32768) 114.4 vs 123.9 early, (96, 32768) 1208 vs
+    # 1295; at (1, 131072) 57.4 vs 56.5)
+    early_v = not (v_bits <= 2 and heads >= 64)
+    return cls(block_k=block_k, num_splits=splits, max_concurrent_steps=stages, early_v=early_v)
 
 
 def one_wave_splits(slots: int, heads: int, blocks: int) -> int:
@@ -876,14 +873,10 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     fold_v = config.fold_scales and v_side.bits < 16
     books = []
   nk, nv = len(k_specs), len(v_specs)
-  # Tokens per online-softmax step: a sub-block of the pipeline's tile where
-  # both operands are register paths that read a row window (`sub_block`).
-  sub = config.sub_block if config.sub_block and register_k and register_vt else bk
 
   def attend(q_smem, k_tiles, v_tiles, pt_smem, vdq_smem, carry, *, token0, valid_below,
-             row_limit, q_sum, book_smems=None, flag_smem=None, row0=0):
-    """One online-softmax step over ``sub`` tokens (tokens on M): rows ``[row0,
-    row0 + sub)`` of the tiles (``row0`` nonzero only on the register paths).
+             row_limit, q_sum, book_smems=None, flag_smem=None):
+    """One online-softmax step over ``bk`` tokens (tokens on M).
 
     Folded scales (``config.fold_scales``): a per-token K side is applied to the
     scores (``S^T = (C q^T) * s_t + z_t * sum(q)``), the V side to ``P`` (``O^T +=
@@ -896,11 +889,10 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     early_v = config.early_v and packed_v and (vq is not None or register_v)
 
     def v_values():  # the step's V tile in registers (register_v / VQ paths)
-      if register_vt:  # [D, sub]: the value MMA's A operand itself
+      if register_vt:  # [D, bk]: the value MMA's A operand itself
         width = head_dim * v_side.bits // 8
         return mosaic_dequant.dequant_codes_t(v_tiles[0], head_dim, v_side.bits,
-                                              swizzle=width if config.vt_swizzle else 0,
-                                              row0=row0, rows=sub)
+                                              swizzle=width if config.vt_swizzle else 0)
       if vq is not None:
         return mosaic_dequant.gather_codebook(v_tiles[0], book_smems[1], head_dim, v_vec,
                                               v_entries)
@@ -916,7 +908,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       elif register_k:
         # code * scale + zero in registers; the scale/zero rows stay in channel order
         x = mosaic_dequant.dequant_codes(k_tiles[0], head_dim, k_side.bits, k_tiles[1],
-                                         k_tiles[2], row0=row0, rows=sub)
+                                         k_tiles[2])
         plgpu.wgmma(acc_ref, x, _t(q_smem))
       else:
         for c0, x in _dequant_planes(*k_tiles, k_side, head_dim, dtype, affine=not fold_k):
@@ -929,7 +921,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
         vdq_smem[...] = v_values()
       return acc_ref[...], vt
 
-    s, vt = pl.run_scoped(scores, plgpu.ACC((sub, n_rows), f32))  # [sub, N]
+    s, vt = pl.run_scoped(scores, plgpu.ACC((bk, n_rows), f32))   # [bk, N]
     if packed_k and fold_k:
       ksc, kzr = _token_affine(k_tiles[1], k_tiles[2])
       s = (s * lax.broadcast_in_dim(ksc, s.shape, [0])
@@ -942,8 +934,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     acc = acc * mosaic_dequant.widen_columns(
         lax.broadcast_in_dim(alpha, (head_dim, n_rows), [1]), n_pv, 1.0)
     if packed_v and fold_v:
-      vsc, vzr = _token_affine(*(t if sub == bk else t.at[pl.ds(row0, sub)]
-                                 for t in v_tiles[1:3]))
+      vsc, vzr = _token_affine(v_tiles[1], v_tiles[2])
       z_i = z_i * alpha_b + p * lax.broadcast_in_dim(vzr, p.shape, [0])
       p = p * lax.broadcast_in_dim(vsc, p.shape, [0])
     else:
@@ -988,7 +979,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
 
     acc0 = plgpu.layout_cast(jnp.zeros((head_dim, n_pv), f32), plgpu.Layout.WGMMA)
     m0 = plgpu.layout_cast(jnp.full((n_rows,), -jnp.inf, f32), plgpu.Layout.WGMMA.reduce(0))
-    l0 = plgpu.layout_cast(jnp.zeros((sub, n_rows), f32), plgpu.Layout.WGMMA)
+    l0 = plgpu.layout_cast(jnp.zeros((bk, n_rows), f32), plgpu.Layout.WGMMA)
     q_sum = (_load(qsum_gmem.at[b, h], layout=plgpu.Layout.WGMMA.reduce(0),
                    optimized=False)
              if fold_k else None)
@@ -1009,7 +1000,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
 
     # The V value tile ([bk, D], dtype) is scoped per branch: the packed
     # programs need none with register_vt or a 16-bit V side.
-    vdq_type = plgpu.SMEM((sub, head_dim), dtype, transforms=v_tf)
+    vdq_type = plgpu.SMEM((bk, head_dim), dtype, transforms=v_tf)
     packed_vdq = vq is not None or (v_side.bits < 16 and not register_vt)
 
     @pl.when(j < num_splits)
@@ -1025,11 +1016,9 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
           kt, vt = tiles[:nk], tiles[nk:]
           k_tiles = kt[0] if vq is None and k_side.bits == 16 else tuple(kt)
           v_tiles = vt[0] if vq is None and v_side.bits == 16 else tuple(vt)
-          for r0 in range(0, bk, sub):  # sub-blocks of the step's tiles
-            carry = attend(q_smem, k_tiles, v_tiles, pt_smem, vdq_smem, carry,
-                           token0=token0 + r0, valid_below=packed, row_limit=row_limit,
-                           q_sum=q_sum, book_smems=book_smems, flag_smem=flag_smem, row0=r0)
-          return carry
+          return attend(q_smem, k_tiles, v_tiles, pt_smem, vdq_smem, carry, token0=token0,
+                        valid_below=packed, row_limit=row_limit, q_sum=q_sum,
+                        book_smems=book_smems, flag_smem=flag_smem)
 
         gm = [r.at[cb, h] for r in k_refs[:nk]] + [r.at[cb, h] for r in v_refs[:nv]]
         return _run_split(step, k_specs + v_specs, gm, packed=packed, j=j,
@@ -1052,10 +1041,10 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       # programs' pipeline buffers take the same shared memory).
       def attend_residual(kres_smem, vdq_smem):
         carry = (acc0, m0, l0, l0)
-        for r0 in range(0, residual, sub):
-          plgpu.copy_gmem_to_smem(kres_gmem.at[cb, h, pl.ds(r0, sub)], kres_smem, barrier)
+        for r0 in range(0, residual, bk):
+          plgpu.copy_gmem_to_smem(kres_gmem.at[cb, h, pl.ds(r0, bk)], kres_smem, barrier)
           plgpu.barrier_wait(barrier)
-          plgpu.copy_gmem_to_smem(vres_gmem.at[cb, h, pl.ds(r0, sub)], vdq_smem, barrier)
+          plgpu.copy_gmem_to_smem(vres_gmem.at[cb, h, pl.ds(r0, bk)], vdq_smem, barrier)
           plgpu.barrier_wait(barrier)
           # Residual row r holds token packed + r.
           carry = attend(q_smem, kres_smem, vdq_smem, pt_smem, vdq_smem, carry,
@@ -1063,14 +1052,14 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
                          row_limit=row_limit, q_sum=q_sum, flag_smem=flag_smem)
         return carry
 
-      finish(pl.run_scoped(attend_residual, plgpu.SMEM((sub, head_dim), dtype, transforms=q_tf),
+      finish(pl.run_scoped(attend_residual, plgpu.SMEM((bk, head_dim), dtype, transforms=q_tf),
                            vdq_type))
 
   k_in = list(k_in) + [k_in[0]] * (3 - len(k_in))  # unused slots repeat the codes
   v_in = list(v_in) + [v_in[0]] * (3 - len(v_in))
   scratch = [
       plgpu.SMEM((n_rows, head_dim), dtype, transforms=q_tf),     # q
-      plgpu.SMEM((sub, n_pv), dtype, transforms=v_tf),            # P^T
+      plgpu.SMEM((bk, n_pv), dtype, transforms=v_tf),             # P^T
       plgpu.SMEM((1,), jnp.int32),                                # lazy-max flag
       plgpu.Barrier(),
       # the V value tile, the residual K tile and o^T, l, m are scoped (see the kernel)

@@ -111,36 +111,26 @@ def registers_reference(codes: np.ndarray, bits: int = 4, scale=None, zero=None)
   return channels[..., code_permutation(width * 8 // bits, bits)].astype(np.float32)
 
 
-def _code_tile(codes_smem, head_dim: int, bits: int, head_dims, row0: int = 0,
-               rows: int | None = None) -> tuple[int, int]:
-  """``(width, rows)`` of a ``[64 | 128, D*bits/8]`` uint8 code tile (rows
-  ``[row0, row0 + rows)`` of a tile of up to 256 rows when given); ValueError
+def _code_tile(codes_smem, head_dim: int, bits: int, head_dims) -> tuple[int, int]:
+  """``(width, rows)`` of a ``[64 | 128, D*bits/8]`` uint8 code tile; ValueError
   naming what does not fit (``head_dims``: the head sizes the caller serves)."""
   if head_dim not in head_dims:
     raise ValueError(f"head_dim={head_dim} must be one of {head_dims}")
   if bits not in _MASK:
     raise ValueError(f"bits={bits} must be 4 or 2")
   width = head_dim * bits // 8
-  tile_rows = codes_smem.shape[0]
-  rows = tile_rows if rows is None else rows
-  if (rows not in (_ROWS, 2 * _ROWS) or tile_rows % _ROWS or tile_rows > 4 * _ROWS
-      or tuple(codes_smem.shape[1:]) != (width,) or codes_smem.dtype != jnp.uint8):
-    raise ValueError(f"codes_smem must be uint8 [64 | 128 | 192 | 256, {width}] read 64 or 128 "
-                     f"rows at a time, got {codes_smem.dtype} {tuple(codes_smem.shape)}, "
-                     f"rows={rows}")
-  if row0 % _ROWS or row0 < 0 or row0 + rows > tile_rows:
-    raise ValueError(f"row0={row0} must be a multiple of {_ROWS} with row0 + rows <= "
-                     f"{tile_rows} (rows={rows})")
+  rows = codes_smem.shape[0]
+  if (rows not in (_ROWS, 2 * _ROWS) or tuple(codes_smem.shape[1:]) != (width,)
+      or codes_smem.dtype != jnp.uint8):
+    raise ValueError(f"codes_smem must be uint8 [64 | 128, {width}], got "
+                     f"{codes_smem.dtype} {tuple(codes_smem.shape)}")
   return width, rows
 
 
-def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zero_smem=None,
-                  *, row0: int = 0, rows: int | None = None):
+def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zero_smem=None):
   """``[rows, D]`` bfloat16 codes (WGMMA layout) of a ``[rows, D*bits/8]`` uint8 smem tile.
 
-  ``rows`` is 64 or 128 (two warpgroup row tiles): the whole tile, or the
-  ``rows`` rows from ``row0`` (a multiple of 64) of a larger tile (a pipeline
-  step's tile read one sub-block at a time).
+  ``rows`` is 64 or 128 (two warpgroup row tiles).
 
   ``codes_smem`` must be untiled and unswizzled (row stride ``D*bits/8``
   bytes); a warp's 8 rows x 4 threads then read contiguous bytes, so the
@@ -153,7 +143,7 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
   thread reads the scale/zero of its own columns with one 8-byte load per
   four channels, so no permuted copy of the rows is needed.
   """
-  width, rows = _code_tile(codes_smem, head_dim, bits, (64, 128), row0, rows)
+  width, rows = _code_tile(codes_smem, head_dim, bits, (64, 128))
   affine = scale_smem is not None
   if affine != (zero_smem is not None):
     raise ValueError("pass both scale_smem and zero_smem, or neither")
@@ -186,8 +176,8 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
     tid = arith.remui(mgpu_utils.thread_idx(), mgpu_utils.c(128, i32))
     warp = arith.shrui(tid, mgpu_utils.c(5, i32))
     lane = arith.andi(tid, mgpu_utils.c(31, i32))
-    row_t = arith.addi(arith.muli(warp, mgpu_utils.c(16, i32)),
-                       arith.shrui(lane, mgpu_utils.c(2, i32)))
+    row0 = arith.addi(arith.muli(warp, mgpu_utils.c(16, i32)),
+                      arith.shrui(lane, mgpu_utils.c(2, i32)))
     col = arith.muli(arith.andi(lane, mgpu_utils.c(3, i32)), mgpu_utils.c(span, i32))
     col = arith.index_cast(index, col)
     regs = np.empty(want_regs, dtype=object)
@@ -213,8 +203,7 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
             affine_pairs[name, w, plane + planes * off] = llvm.inline_asm(
                 i32, [lo, hi], asm_pair, "=r,r,r")
     for m, half in itertools.product(range(rows // _ROWS), range(2)):
-      row = arith.index_cast(index, arith.addi(row_t, mgpu_utils.c(row0 + _ROWS * m + 8 * half,
-                                                                   i32)))
+      row = arith.index_cast(index, arith.addi(row0, mgpu_utils.c(_ROWS * m + 8 * half, i32)))
       raw = vector.load(ir.VectorType.get((span,), ir.IntegerType.get_signless(8)), ref,
                         [row, col])
       packed = vector.bitcast(ir.VectorType.get((words,), i32), raw)
@@ -280,8 +269,7 @@ def registers_t_reference(codes: np.ndarray, bits: int = 4) -> np.ndarray:
   return channels[:, vt_permutation(codes.shape[-1] * 8 // bits, bits)].T
 
 
-def dequant_codes_t(codes_smem, head_dim: int = 128, bits: int = 4, *, swizzle: int = 0,
-                    row0: int = 0, rows: int | None = None):
+def dequant_codes_t(codes_smem, head_dim: int = 128, bits: int = 4, *, swizzle: int = 0):
   """``[D, rows]`` bfloat16 codes (WGMMA layout) of a ``[rows, D bits/8]`` uint8 smem
   tile of 4/2-bit codes: the *transposed* tile, as the register A operand of
   ``O^T += V^T P^T`` (tokens on the MMA's K axis), with no shared-memory store.
@@ -300,11 +288,8 @@ def dequant_codes_t(codes_smem, head_dim: int = 128, bits: int = 4, *, swizzle: 
   ``TilingTransform((8, W)), SwizzleTransform(W)`` for its row width ``W`` (64
   or 32 bytes; 16-byte chunk ``c`` of row ``r`` stored at chunk ``c ^ ((r >> 1)
   & 3)``, resp. ``c ^ ((r >> 2) & 1)``): the ``ldmatrix`` rows then hit distinct banks.
-
-  ``row0``, ``rows``: tokens ``[row0, row0 + rows)`` of a larger tile (``row0`` a
-  multiple of 64), as `dequant_codes`.
   """
-  width, rows = _code_tile(codes_smem, head_dim, bits, (128,), row0, rows)
+  width, rows = _code_tile(codes_smem, head_dim, bits, (128,))
   if swizzle not in (0, width):
     raise ValueError(f"swizzle={swizzle} must be 0 or {width} (the row width)")
   want_regs = (head_dim // _ROWS, rows // 8, 1, 1, 2) + (1,) * 4
@@ -333,7 +318,7 @@ def dequant_codes_t(codes_smem, head_dim: int = 128, bits: int = 4, *, swizzle: 
     regs = np.empty(want_regs, dtype=object)
     quad_ty = llvm.StructType.get_literal([i32] * 4)
     for t0 in range(0, rows, 32):
-      tok = arith.addi(lane, c(row0 + t0))   # the row this thread addresses
+      tok = arith.addi(lane, c(t0))          # the row this thread addresses
       phys = chunk
       if swizzle == 64:
         phys = arith.xori(chunk, arith.andi(arith.shrui(tok, c(1)), c(3)))
@@ -598,17 +583,15 @@ def _params():
   return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "row0", "rows"))
+@functools.partial(jax.jit, static_argnames=("bits",))
 def probe_dequant(codes: jax.Array, scale: jax.Array | None = None, zero: jax.Array | None = None,
-                  *, bits: int = 4, row0: int = 0, rows: int | None = None) -> jax.Array:
-  """``[T, D*bits/8]`` uint8 -> the ``[rows, D]`` bf16 registers of `dequant_codes`
-  of tile rows ``[row0, row0 + rows)`` (all ``T`` by default; a probe).
+                  *, bits: int = 4) -> jax.Array:
+  """``[64, D*bits/8]`` uint8 -> the ``[64, D]`` bf16 registers of `dequant_codes` (a probe).
 
   With ``scale`` and ``zero`` (bf16 ``[1, D]``, channel order) the registers
   hold ``code * scale + zero``.
   """
-  tile_rows, width = codes.shape
-  rows = tile_rows if rows is None else rows
+  rows, width = codes.shape
   head_dim = width * 8 // bits
   if (scale is None) != (zero is None):
     raise ValueError("pass both scale_smem and zero_smem rows (scale, zero), or neither")
@@ -627,13 +610,12 @@ def probe_dequant(codes: jax.Array, scale: jax.Array | None = None, zero: jax.Ar
       out_gmem, codes_smem, out_smem, barrier = refs
       extra = ()
     _copy_in(((codes_gmem, codes_smem),), barrier)
-    _write_out(dequant_codes(codes_smem, head_dim, bits, *extra, row0=row0, rows=rows),
-               out_smem, out_gmem)
+    _write_out(dequant_codes(codes_smem, head_dim, bits, *extra), out_smem, out_gmem)
 
   rows_smem = [plgpu.SMEM((1, head_dim), x.dtype) for x in rows_in]
   return plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((rows, head_dim), jnp.bfloat16),
-      scratch_types=[plgpu.SMEM((tile_rows, width), jnp.uint8), *rows_smem,
+      scratch_types=[plgpu.SMEM((rows, width), jnp.uint8), *rows_smem,
                      plgpu.SMEM((rows, head_dim), jnp.bfloat16), plgpu.Barrier()],
       compiler_params=_params(),
       kernel_name=f"jaxkv_probe_dequant_{bits}{'_affine' if rows_in else ''}")(codes, *rows_in)
@@ -697,26 +679,25 @@ def probe_scores(codes: jax.Array, q: jax.Array, *, bits: int = 4) -> jax.Array:
       compiler_params=_params(), kernel_name=f"jaxkv_probe_scores_{bits}")(codes, q_perm)
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "swizzle", "row0"))
-def probe_pv(codes: jax.Array, p_t: jax.Array, *, bits: int = 4, swizzle: int = 0,
-             row0: int = 0) -> jax.Array:
-  """``O^T [D, N] = codes[row0 : row0 + rows]^T @ p_t`` through `dequant_codes_t`
-  as the wgmma A operand (a probe); ``codes [T, D bits/8]`` uint8 (T up to 256),
-  ``p_t [rows, N]`` bf16 (rows 64 or 128), N a multiple of 16; ``swizzle`` 0 or
-  the row width. Rows come out in `vt_permutation` order."""
-  tile_rows, width = codes.shape
+@functools.partial(jax.jit, static_argnames=("bits", "swizzle"))
+def probe_pv(codes: jax.Array, p_t: jax.Array, *, bits: int = 4, swizzle: int = 0) -> jax.Array:
+  """``O^T [D, N] = codes^T @ p_t`` through `dequant_codes_t` as the wgmma A operand
+  (a probe); ``codes [64 | 128, D bits/8]`` uint8, ``p_t [rows, N]`` bf16, N a
+  multiple of 16; ``swizzle`` 0 or the row width. Rows come out in
+  `vt_permutation` order."""
+  rows, width = codes.shape
   head_dim = width * 8 // bits
-  rows, n = p_t.shape
-  if rows not in (_ROWS, 2 * _ROWS) or n % 16 or row0 + rows > tile_rows:
-    raise ValueError(f"codes {codes.shape} must be [T, D bits/8] and p_t {p_t.shape} "
-                     f"[64 | 128, N % 16 == 0] with row0={row0} + rows <= T")
+  n = p_t.shape[1]
+  if rows not in (_ROWS, 2 * _ROWS) or n % 16 or p_t.shape[0] != rows:
+    raise ValueError(f"codes {codes.shape} must be [64 | 128, D bits/8] and p_t {p_t.shape} "
+                     "[rows, N % 16 == 0]")
   p_transforms = (plgpu.TilingTransform((8, n)), plgpu.SwizzleTransform(2 * n))
   c_transforms = ((plgpu.TilingTransform((8, width)), plgpu.SwizzleTransform(width))
                   if swizzle else ())
 
   def kernel(codes_gmem, p_gmem, out_gmem, codes_smem, p_smem, out_smem, barrier):
     _copy_in(((codes_gmem, codes_smem), (p_gmem, p_smem)), barrier)
-    a = dequant_codes_t(codes_smem, head_dim, bits, swizzle=swizzle, row0=row0, rows=rows)
+    a = dequant_codes_t(codes_smem, head_dim, bits, swizzle=swizzle)
 
     def mma(acc_ref):
       plgpu.wgmma(acc_ref, a, p_smem)
@@ -726,10 +707,10 @@ def probe_pv(codes: jax.Array, p_t: jax.Array, *, bits: int = 4, swizzle: int = 
 
   return plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((head_dim, n), jnp.float32),
-      scratch_types=[plgpu.SMEM((tile_rows, width), jnp.uint8, transforms=c_transforms),
+      scratch_types=[plgpu.SMEM((rows, width), jnp.uint8, transforms=c_transforms),
                      plgpu.SMEM((rows, n), jnp.bfloat16, transforms=p_transforms),
                      plgpu.SMEM((head_dim, n), jnp.float32), plgpu.Barrier()],
-      compiler_params=_params(), kernel_name=f"jaxkv_probe_pv_{bits}_sw{swizzle}_r{row0}")(codes, p_t)
+      compiler_params=_params(), kernel_name=f"jaxkv_probe_pv_{bits}_sw{swizzle}")(codes, p_t)
 
 
 __all__ = ["code_permutation", "dequant_codes", "dequant_codes_t", "gather_codebook",

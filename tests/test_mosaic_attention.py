@@ -133,10 +133,6 @@ def test_mosaic_attention(name, b, hkv, group, d, s, lengths, capacity, dtype):
       and fmt.residual % 128 == 0 and capacity % 128 == 0):
     configs.append(ma.MosaicAttentionConfig(block_k=128, num_splits=2, register_k=True,
                                             register_v=True))
-    # 128-token tiles attended as two 64-token sub-blocks (ignored where V is
-    # not a register operand), with V built early and late.
-    configs += [ma.MosaicAttentionConfig(block_k=128, num_splits=2, sub_block=64, early_v=e)
-                for e in (True, False)]
   if not ON_HOPPER:
     for config in configs:
       lowered = jax.jit(_call, static_argnums=2).trace(q, cache, config).lower(
@@ -193,10 +189,6 @@ def test_config_validation():
     ma.MosaicAttentionConfig(block_k=32)
   with pytest.raises(ValueError, match="num_splits"):
     ma.MosaicAttentionConfig(num_splits=0)
-  with pytest.raises(ValueError, match="sub_block=32"):
-    ma.MosaicAttentionConfig(block_k=128, sub_block=32)
-  with pytest.raises(ValueError, match="sub_block=128"):
-    ma.MosaicAttentionConfig(block_k=64, sub_block=128)
 
 
 def test_side_spec_of_formats():
@@ -241,6 +233,8 @@ def test_default_splits_follow_the_documented_rule(name, batch, tokens, splits):
       token_group=fmt.token_group, residual=fmt.residual)
   assert config.num_splits == splits
   assert tokens // config.block_k >= 4 * config.num_splits
+  # 2-bit V is built after the softmax from 64 (sequence, kv head) pairs on
+  assert config.early_v == (fmt.v_bits > 2 or batch * 8 < 64)
 
 
 @pytest.mark.parametrize("name,dtype,head_dim,first", [
