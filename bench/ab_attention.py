@@ -142,7 +142,8 @@ def vq_rows(name, q, shape, mosaic_variants, cudnn, calls):
 
 
 def view_rows(name, q, shape, variants, cudnn, calls):
-  """Triton variants of one hierarchical view on a cache filled with random K/V."""
+  """Triton variants of one hierarchical view on a cache filled with random K/V (and
+  the Mosaic kernel with its default config for the draft view, ``mosaic``)."""
   b, t, hq, hkv, d, _ = shape
   view = name.split(":")[1]
   cache = A.filled_cache(name, jax.random.PRNGKey(4), b, t, hkv, d)
@@ -150,8 +151,12 @@ def view_rows(name, q, shape, variants, cudnn, calls):
                                  num_queries=q.shape[1], capacity=cache.storage_len, view=view)
   configs = {"default": default}
   configs.update({k_: replace_config(default, kv) for k_, kv in variants.items()})
+  if view == "draft":
+    configs["mosaic"] = "mosaic"
 
   def call(q, cache, *, config):
+    if config == "mosaic":
+      return A.jaxkv.decode_attention(q, cache, implementation="mosaic", view=view)
     return pk.pallas_decode_attention(q, cache, config=config, view=view)
 
   copies = A.rotating_copies((q, cache), A.nbytes(*jax.tree.leaves(cache)))

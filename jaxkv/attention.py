@@ -157,16 +157,24 @@ def _check_q_cache(q, cache: KVCache):
     raise TypeError(f"q.dtype={q.dtype} must be floating")
 
 
-def _triton_supported(q, cache) -> tuple[bool, str]:
+def _triton_supported(q, cache, view: str = "target") -> tuple[bool, str]:
+  del view  # the Triton family reads both views of every format it takes
   import pallas_kernels  # pylint: disable=import-outside-toplevel
   return pallas_kernels.supports(cache.fmt, head_dim=cache.head_dim,
                                  num_q_heads=q.shape[2], kv_heads=cache.kv_heads,
                                  num_queries=q.shape[1])
 
 
-def _mosaic_specs(cache):
+def _mosaic_specs(cache, view: str = "target"):
+  """The Mosaic kernel's K and V `SideSpec`: the storage's, or for the draft
+  view of a hierarchical cache its upper plane, a plain 4-bit side with the
+  stored scale and zero (the first half of each code row)."""
   from pallas_kernels.side_spec import SideSpec  # pylint: disable=import-outside-toplevel
-  return SideSpec.of(cache.fmt, "k", cache.head_dim), SideSpec.of(cache.fmt, "v", cache.head_dim)
+  k_side = SideSpec.of(cache.fmt, "k", cache.head_dim)
+  v_side = SideSpec.of(cache.fmt, "v", cache.head_dim)
+  if cache.fmt.hierarchical and view == "draft":
+    k_side, v_side = (dataclasses.replace(x, bits=4) for x in (k_side, v_side))
+  return k_side, v_side
 
 
 def is_hopper() -> bool:
@@ -175,14 +183,15 @@ def is_hopper() -> bool:
   return dev.platform == "gpu" and getattr(dev, "compute_capability", "") == "9.0"
 
 
-def _mosaic_supported(q, cache, config=None) -> tuple[bool, str]:
-  if cache.fmt.hierarchical:
-    return False, "the Mosaic GPU kernels do not read hierarchical (quantspec) caches"
+def _mosaic_supported(q, cache, config=None, view: str = "target") -> tuple[bool, str]:
+  if cache.fmt.hierarchical and view != "draft":
+    return False, ("the Mosaic GPU kernels read only the draft view of hierarchical "
+                   "(quantspec) caches")
   if not is_hopper():
     return False, "the Mosaic GPU kernels need a Hopper (sm_90) GPU"
   from pallas_kernels import mosaic_attention  # pylint: disable=import-outside-toplevel
-  k_side, v_side = _mosaic_specs(cache)
-  block_k = (config if config is not None else _mosaic_default(cache)).block_k
+  k_side, v_side = _mosaic_specs(cache, view)
+  block_k = (config if config is not None else _mosaic_default(cache, view)).block_k
   return mosaic_attention.supports(
       k_side, v_side, head_dim=cache.head_dim, q_rows=q.shape[2] // cache.kv_heads * q.shape[1],
       dtype=cache.dtype, token_group=cache.fmt.token_group, residual=cache.fmt.residual,
@@ -206,41 +215,46 @@ PALLAS_ORDER_MOSAIC = ("mosaic", "triton")
 
 
 def pallas_order(fmt, dtype=None, head_dim: int | None = None,
-                 heads: int | None = None) -> tuple[str, ...]:
+                 heads: int | None = None, view: str = "target") -> tuple[str, ...]:
   """The Pallas families `decode_attention` tries, in order, for a `KVFormat`
   (and the cache's ``dtype``, ``head_dim`` and ``heads`` = batch x kv heads
-  when given).
+  when given) read in ``view``.
 
   Mosaic first where it was measured faster on an H100 (2026-11-26,
   `bench/results/mosaic-NOTES.md`): K and V of at most 2 bits (kivi2), and 4-bit
   K with 4-bit V in a bfloat16 cache at head_dim 128 (kivi4: V is the value
   MMA's register operand there, 26.7 / 69.5 / 133.9 / 669 us against Triton's
   28.8 / 83.6 / 157.9 / 844 at (1, 32K) / (1, 128K) / (8, 32K) / (48, 32K)).
+  The draft view of a hierarchical cache is a 4-bit K and V read (its upper
+  plane) and follows the kivi4 rule; its target view is Triton only.
   Triton first elsewhere. ``heads`` (batch x kv heads) does not change the
   order today; it is accepted for rules that depend on it.
   """
-  if not fmt.hierarchical and fmt.k_bits <= 2 and fmt.v_bits <= 2:
+  k_bits, v_bits = (4, 4) if fmt.hierarchical and view == "draft" else (fmt.k_bits, fmt.v_bits)
+  plain = not fmt.hierarchical or view == "draft"
+  if plain and k_bits <= 2 and v_bits <= 2:
     return PALLAS_ORDER_MOSAIC
   bf16 = dtype is None or jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
-  if (not fmt.hierarchical and fmt.k_bits == 4 and fmt.v_bits == 4 and bf16
-      and head_dim in (None, 128)):
+  if plain and k_bits == 4 and v_bits == 4 and bf16 and head_dim in (None, 128):
     return PALLAS_ORDER_MOSAIC
   return PALLAS_ORDER
 
 
-def _best_pallas(q, cache) -> tuple[str | None, str]:
+def _best_pallas(q, cache, view: str = "target") -> tuple[str | None, str]:
   """The first family of `pallas_order` that serves the input on this device."""
   reasons = []
-  for impl in pallas_order(cache.fmt, cache.dtype, cache.head_dim, q.shape[0] * cache.kv_heads):
-    ok, why = _SUPPORTED[impl](q, cache)
+  for impl in pallas_order(cache.fmt, cache.dtype, cache.head_dim, q.shape[0] * cache.kv_heads,
+                           view):
+    ok, why = _SUPPORTED[impl](q, cache, view=view)
     if ok:
       return impl, ""
     reasons.append(f"{impl}: {why}")
   return None, "; ".join(reasons)
 
 
-def resolve_implementation(q, cache, implementation, config=None) -> str:
-  """Which implementation `decode_attention` runs: "reference", "triton" or "mosaic".
+def resolve_implementation(q, cache, implementation, config=None, view: str = "target") -> str:
+  """Which implementation `decode_attention` runs: "reference", "triton" or "mosaic"
+  (for ``view`` of the cache).
 
   ``None``: on a GPU the first Pallas family of `pallas_order` that serves
   the input, the reference elsewhere. ``"pallas"``: the best
@@ -254,7 +268,7 @@ def resolve_implementation(q, cache, implementation, config=None) -> str:
         implementation = ("mosaic",) if _is_mosaic_config(config) else ("triton",)
         implementation += ("reference",)
       else:
-        impl, _ = _best_pallas(q, cache)
+        impl, _ = _best_pallas(q, cache, view)
         return impl or "reference"
     else:
       return "reference"
@@ -271,11 +285,11 @@ def resolve_implementation(q, cache, implementation, config=None) -> str:
         ok, why = _triton_supported(q, cache)
         best = "triton" if ok else None
       else:
-        best, why = _best_pallas(q, cache)
+        best, why = _best_pallas(q, cache, view)
       if best:
         return best
     else:
-      ok, why = _SUPPORTED[impl](q, cache, *(() if impl == "triton" else (config,)))
+      ok, why = _SUPPORTED[impl](q, cache, *(() if impl == "triton" else (config,)), view=view)
       if ok:
         return impl
     reasons.append(f"{impl}: {why}")
@@ -288,27 +302,32 @@ def _is_mosaic_config(config) -> bool:
   return isinstance(config, mosaic_attention.MosaicAttentionConfig)
 
 
-def _mosaic_default(cache):
-  """The heuristic Mosaic config for a cache (supports() is checked against it)."""
+def _mosaic_default(cache, view: str = "target"):
+  """The heuristic Mosaic config for a cache read in ``view`` (supports() is
+  checked against it)."""
   from pallas_kernels import mosaic_attention  # pylint: disable=import-outside-toplevel
   fmt = cache.fmt
+  k_side, v_side = _mosaic_specs(cache, view)
   return mosaic_attention.MosaicAttentionConfig.default(
       batch=cache.batch, tokens=cache.storage_len, kv_heads=cache.kv_heads,
-      num_sms=getattr(jax.devices()[0], "core_count", 132), k_bits=fmt.k_bits,
-      v_bits=fmt.v_bits, token_group=fmt.token_group, residual=fmt.residual)
+      num_sms=getattr(jax.devices()[0], "core_count", 132), k_bits=k_side.bits,
+      v_bits=v_side.bits, token_group=fmt.token_group, residual=fmt.residual)
 
 
-def _mosaic_attention(q, cache, *, scale, config, layer=None):
+def _mosaic_attention(q, cache, *, scale, config, layer=None, view: str = "target",
+                      return_lse: bool = False):
   """The Mosaic kernel over a `KVCache`, or over layer ``layer`` of a
-  `ModelCache`'s stacked arrays (read in place)."""
+  `ModelCache`'s stacked arrays (read in place); ``view="draft"`` of a
+  hierarchical cache reads the upper plane of each code row in place."""
   from pallas_kernels import mosaic_attention  # pylint: disable=import-outside-toplevel
-  k_side, v_side = _mosaic_specs(cache)
+  k_side, v_side = _mosaic_specs(cache, view)
   sm_scale = cache.head_dim ** -0.5 if scale is None else scale
   return mosaic_attention.mosaic_decode_attention(
       q, cache.k.codes, cache.k.scale, cache.k.zero, cache.v.codes, cache.v.scale,
       cache.v.zero, cache.k_residual, cache.v_residual, cache.lengths,
       k_side=k_side, v_side=v_side, token_group=cache.fmt.token_group,
-      residual=cache.fmt.residual, sm_scale=sm_scale, config=config, layer=layer)
+      residual=cache.fmt.residual, sm_scale=sm_scale, config=config, layer=layer,
+      return_lse=return_lse)
 
 
 def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None,
@@ -361,9 +380,9 @@ def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None
   if view == "draft" and not cache.fmt.hierarchical:
     raise ValueError(f"view='draft' needs a hierarchical format (KVFormat.preset('quantspec')), "
                      f"got {cache.fmt}")
-  impl = resolve_implementation(q, cache, implementation, config)
+  impl = resolve_implementation(q, cache, implementation, config, view)
   if impl == "mosaic":  # resolved on the layer's shapes, before any unwrapping
-    config = config if _is_mosaic_config(config) else _mosaic_default(cache)
+    config = config if _is_mosaic_config(config) else _mosaic_default(cache, view)
   layer = None
   if isinstance(cache, LayerView):
     if impl in ("triton", "mosaic"):  # the kernels read the layer of the stacked arrays in place
@@ -372,7 +391,7 @@ def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None
     else:
       cache = cache.materialize()
   if impl == "mosaic":
-    out = _mosaic_attention(q, cache, scale=scale, config=config, layer=layer)
+    out = _mosaic_attention(q, cache, scale=scale, config=config, layer=layer, view=view)
   elif impl == "triton":
     import pallas_kernels  # pylint: disable=import-outside-toplevel
     if config is not None and _is_mosaic_config(config):

@@ -72,10 +72,13 @@ def staged_attention(q: jax.Array, cache, k_stage: jax.Array, v_stage: jax.Array
     view: committed tokens read as ``cache.dequantize(view)``.
     scale: softmax scale, default ``D ** -0.5``.
     implementation: ``"reference"`` (dequantize the committed tokens, dense
-      attention over them and the staged rows), ``"triton"`` (the Triton
-      kernel over the committed tokens, returning its log-sum-exp, merged with
-      dense attention over the few staged rows; interpret mode off GPU), or
-      None: Triton on a GPU when it serves the cache, the reference elsewhere.
+      attention over them and the staged rows), ``"triton"`` or ``"mosaic"``
+      (that Pallas kernel over the committed tokens, returning its
+      log-sum-exp, merged with dense attention over the few staged rows;
+      Triton in interpret mode off GPU; Mosaic on Hopper, where it reads the
+      draft view of hierarchical caches), ``"pallas"`` (the first of
+      `jaxkv.attention.pallas_order` that serves the input), or None:
+      ``"pallas"`` on a GPU, the reference elsewhere.
   Returns:
     ``[B, S, Hq, D]`` in q's dtype; query i sees tokens ``[0, L + staged - S + i]``.
   """
@@ -85,14 +88,15 @@ def staged_attention(q: jax.Array, cache, k_stage: jax.Array, v_stage: jax.Array
   if getattr(q, "ndim", None) != 4 or q.shape[2] % k_stage.shape[2]:
     raise ValueError(f"q.shape={getattr(q, 'shape', None)} must be [B, S, Hq, D] with Hq a "
                      f"multiple of the {k_stage.shape[2]} kv heads")
-  impl = _staged_implementation(q, cache, implementation)
+  impl = _staged_implementation(q, cache, implementation, view)
   if impl == "reference":
     if isinstance(cache, LayerView):
       cache = cache.materialize()
     k_hist, v_hist = cache.dequantize(view)
     k, v = assemble(k_hist, v_hist, cache.lengths, k_stage, v_stage, staged)
     return reference_attention(q, k, v, cache.lengths + staged, scale=scale)
-  return _staged_attention_kernel(q, cache, k_stage, v_stage, staged, view=view, scale=scale)
+  return _staged_attention_kernel(q, cache, k_stage, v_stage, staged, view=view, scale=scale,
+                                  mosaic=impl == "mosaic")
 
 
 def _fold_queries(q: jax.Array, kv_heads: int) -> jax.Array:
@@ -103,36 +107,40 @@ def _fold_queries(q: jax.Array, kv_heads: int) -> jax.Array:
   return q.reshape(b, s, kv_heads, g, d).transpose(0, 2, 1, 3, 4).reshape(b, 1, -1, d)
 
 
-def _staged_implementation(q, cache, implementation) -> str:
+def _staged_implementation(q, cache, implementation, view: str = "target") -> str:
   from jaxkv.attention import resolve_implementation  # pylint: disable=import-outside-toplevel
   on_gpu = jax.default_backend() == "gpu"
   if implementation is None:
-    implementation = ("triton", "reference") if on_gpu else "reference"
+    implementation = ("pallas", "reference") if on_gpu else "reference"
   names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
-  if "mosaic" in names:
-    raise ValueError(f"implementation={implementation!r}: staged attention needs the Triton "
-                     "kernel's log-sum-exp output; use 'triton' or 'reference'")
-  # "pallas" means the Pallas family that returns a log-sum-exp: Triton.
-  names = tuple("triton" if n == "pallas" else n for n in names)
-  return resolve_implementation(_fold_queries(q, cache.kv_heads), cache, names)
+  return resolve_implementation(_fold_queries(q, cache.kv_heads), cache, names, view=view)
 
 
-def _staged_attention_kernel(q, cache, k_stage, v_stage, staged, *, view, scale):
-  """The Triton kernel over the committed tokens, merged (log-sum-exp) with the staged rows."""
+def _staged_attention_kernel(q, cache, k_stage, v_stage, staged, *, view, scale,
+                             mosaic: bool = False):
+  """A Pallas kernel (Triton, or Mosaic with ``mosaic``) over the committed
+  tokens, merged (log-sum-exp) with the staged rows."""
   import pallas_kernels  # pylint: disable=import-outside-toplevel
+  from jaxkv import attention  # pylint: disable=import-outside-toplevel
   from jaxkv.attention import _poison  # pylint: disable=import-outside-toplevel
   from jaxkv.model_cache import LayerView  # pylint: disable=import-outside-toplevel
   b, s, hq, d = q.shape
   hkv = cache.kv_heads
   g = hq // hkv
   scale = d ** -0.5 if scale is None else scale
+  q_fold = _fold_queries(q, hkv)
+  config = attention._mosaic_default(cache, view) if mosaic else None  # on the layer's shapes
   layer = None
   if isinstance(cache, LayerView):  # read the layer of the stacked arrays in place
     layer = cache.index
     cache = dataclasses.replace(cache.stacked, lengths=cache.lengths, overflow=cache.overflow)
-  o_c, lse_c = pallas_kernels.pallas_decode_attention(
-      _fold_queries(q, hkv), cache, scale=scale, interpret=jax.default_backend() != "gpu",
-      layer=layer, view=view, return_lse=True)
+  if mosaic:
+    o_c, lse_c = attention._mosaic_attention(q_fold, cache, scale=scale, config=config,
+                                             layer=layer, view=view, return_lse=True)
+  else:
+    o_c, lse_c = pallas_kernels.pallas_decode_attention(
+        q_fold, cache, scale=scale, interpret=jax.default_backend() != "gpu",
+        layer=layer, view=view, return_lse=True)
   o_c = o_c.astype(jnp.float32).reshape(b, hkv, s, g, d).transpose(0, 2, 1, 3, 4)  # [B,S,H,G,D]
   lse_c = lse_c.reshape(b, hkv, s, g).transpose(0, 2, 1, 3)                       # [B,S,H,G]
   # The staged rows: query i sees rows [0, staged - S + i].

@@ -227,6 +227,18 @@ def one_wave_splits(slots: int, heads: int, blocks: int) -> int:
   return max(1, min(want, blocks // 4, 64))
 
 
+def _code_width(side: SideSpec, head_dim: int, codes) -> int:
+  """Bytes of a token row a side's code tiles read: ``D bits / 8`` (a 16-bit
+  side: D values). ``codes`` may hold wider rows (``[..., C, W]``, W larger):
+  the tiles then take each row's first bytes, e.g. the upper plane of a
+  hierarchical cache, read in place."""
+  width = head_dim if side.bits == 16 else head_dim * side.bits // 8
+  if codes.shape[-1] < width:
+    raise ValueError(f"{side.bits}-bit codes of head_dim {head_dim} need rows of >= {width} "
+                     f"bytes, got {codes.shape}")
+  return width
+
+
 def _swizzle(width_bytes: int) -> int:
   for s in (128, 64, 32):
     if width_bytes % s == 0:
@@ -450,7 +462,8 @@ def _attend_block(q_smem, kdq_smem, vdq_smem, carry, *, token0, valid_below, row
 
 
 @functools.partial(
-    jax.jit, static_argnames=("k_side", "v_side", "token_group", "residual", "config"))
+    jax.jit, static_argnames=("k_side", "v_side", "token_group", "residual", "config",
+                              "return_lse"))
 def mosaic_decode_attention(
     q: jax.Array,           # [B, S, Hq, D]
     k_codes: jax.Array,     # [B, H, C, D*kb/8] uint8 | [B, H, C, D]
@@ -470,17 +483,24 @@ def mosaic_decode_attention(
     sm_scale: float | jax.Array,
     config: MosaicAttentionConfig,
     layer: jax.Array | int | None = None,
-) -> jax.Array:
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Decode attention of S new queries over a packed cache (Hopper kernel).
 
   Same arguments and result as `dequant_attention.dequant_decode_attention`
-  (raw cache arrays); ``k_side``/``v_side`` describe the storage;
+  (raw cache arrays); ``k_side``/``v_side`` describe the storage (code rows
+  may be wider than ``D bits / 8`` bytes: each row's first ``D bits / 8`` are
+  read in place, e.g. the upper 4-bit plane of a hierarchical cache's
+  ``[..., D]`` rows for its draft view);
   ``sm_scale`` may be a traced scalar (it scales q before the kernel).
   ``layer``: with every cache array stacked on a leading layer axis
   (``[L, B, H, ...]``, a `jaxkv.ModelCache`), the (possibly traced) layer to
   attend over, read in place (`stacked_rows`): slicing it out first would
   copy the layer's whole storage on every call.
-  Returns ``[B, S, Hq, D]`` in q's dtype.
+  ``return_lse``: also return each query's log-sum-exp of its scaled scores
+  (``[B, S, Hq]`` float32, ``-inf`` where no key is visible), merged from the
+  programs' partial statistics, as the Triton family's ``return_lse``.
+  Returns ``[B, S, Hq, D]`` in q's dtype (and the log-sum-exp).
   """
   batch, num_queries, q_heads, head_dim = q.shape
   (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_residual, v_residual), row0 = \
@@ -513,8 +533,13 @@ def mosaic_decode_attention(
   v_scale, v_zero = squeeze_token(v_scale, v_side), squeeze_token(v_zero, v_side)
   lengths = lengths.astype(jnp.int32)
 
-  def unpack_out(out):  # [B, H, rows, D] -> [B, S, Hq, D]
-    return unpack_rows(out, num_queries, q_heads).astype(q.dtype)
+  def unpack_out(out, l_part, m_part):  # [B, H, rows, D] -> [B, S, Hq, D]
+    out = unpack_rows(out, num_queries, q_heads).astype(q.dtype)
+    if not return_lse:
+      return out
+    lse = partials_lse(l_part[..., :q_rows], m_part[..., :q_rows])   # [B, H, rows]
+    lse = lse.reshape(batch, kv_heads, group_q, num_queries).transpose(0, 3, 1, 2)
+    return out, lse.reshape(batch, num_queries, q_heads)
 
   if config.tokens_m:
     def arrays_of(codes, scale, zero, side):
@@ -538,10 +563,15 @@ def mosaic_decode_attention(
     elif _register_v(config, v_side, head_dim, dtype):
       packed_rows = np.argsort(mosaic_dequant.code_permutation(head_dim, v_side.bits))
     return unpack_out(combine_t.combine_t(o_part, l_part, m_part, rows=_triton.next_pow2(q_rows),
-                                          packed_rows=packed_rows, out_dtype=q.dtype))
+                                          packed_rows=packed_rows, out_dtype=q.dtype),
+                      l_part, m_part)
 
   k_w = k_codes.shape[-1]
   v_w = v_codes.shape[-1]
+  for side, w in ((k_side, k_w), (v_side, v_w)):
+    if w != _code_width(side, head_dim, k_codes if side is k_side else v_codes):
+      raise ValueError(f"tokens_m=False reads whole code rows: rows of {w} bytes for "
+                       f"{side.bits}-bit codes of head_dim {head_dim} need tokens_m=True")
   # The dequantized tiles are written one plane (a block of D*bits/8 channels)
   # at a time, so their swizzle tile must not be wider than the narrowest plane.
   plane_width = min([head_dim] + [head_dim * s.bits // 8 for s in (k_side, v_side)
@@ -638,7 +668,17 @@ def mosaic_decode_attention(
       compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=_SEMANTICS),
       kernel_name=f"jaxkv_mosaic_dequant_attention_k{k_side.bits}v{v_side.bits}",
   )(lengths, row0, qh, *k_in, *v_in, k_residual, v_residual)
-  return unpack_out(_combine(o_part, l_part, m_part))
+  return unpack_out(_combine(o_part, l_part, m_part), l_part, m_part)
+
+
+def partials_lse(l, m):
+  """Log-sum-exp over the split axis of partial statistics ``l, m [B, H, J, M]``
+  (``sum_j l_j exp(m_j)`` in log space): ``[B, H, M]`` float32, ``-inf`` where
+  every ``l`` is zero, NaN where one is NaN."""
+  m_max = jnp.max(m, axis=2, keepdims=True)
+  m_max = jnp.where(jnp.isfinite(m_max), m_max, 0.0)
+  den = jnp.sum(l * jnp.exp(m - m_max), axis=2)
+  return jnp.where(den == 0, -jnp.inf, m_max[:, :, 0] + jnp.log(den))
 
 
 def _combine(o, l, m):
@@ -864,10 +904,12 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     register_k = _register_k(config, k_side, head_dim, dtype)
     register_v = _register_v(config, v_side, head_dim, dtype)
     register_vt = _register_vt(config, v_side, head_dim, dtype)
-    k_specs = _side_specs(k_side, k_in[0].shape[-1], head_dim, bk, q_tf,
+    # Code tiles are D bits/8 bytes of each row: the whole row, or its first
+    # half for a hierarchical cache's draft view (the upper 4-bit plane).
+    k_specs = _side_specs(k_side, _code_width(k_side, head_dim, k_in[0]), head_dim, bk, q_tf,
                           plain_codes=register_k)
     # register_vt reads rows with ldmatrix: TMA-swizzled (by row width) or plain tiles
-    v_specs = _side_specs(v_side, v_in[0].shape[-1], head_dim, bk, v_tf,
+    v_specs = _side_specs(v_side, _code_width(v_side, head_dim, v_in[0]), head_dim, bk, v_tf,
                           plain_codes=register_v and not (register_vt and config.vt_swizzle))
     fold_k = config.fold_scales and k_side.bits < 16 and k_side.axis == "token"
     fold_v = config.fold_scales and v_side.bits < 16

@@ -268,3 +268,86 @@ def test_default_dispatch_follows_pallas_order():
       assert got == "triton"
     else:
       assert got == "reference"
+
+
+def _np_lse(q, k, lengths, scale):
+  """float64 log-sum-exp of each query's scaled scores over its visible keys: ``[B, S, Hq]``."""
+  q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+  b, s, hq, _ = q.shape
+  g = hq // k.shape[2]
+  out = np.full((b, s, hq), -np.inf)
+  for bi, si, h in np.ndindex(b, s, hq):
+    last = int(lengths[bi]) - s + si
+    if last >= 0:
+      x = k[bi, :last + 1, h // g] @ q[bi, si, h] * scale
+      out[bi, si, h] = x.max() + np.log(np.exp(x - x.max()).sum())
+  return out
+
+
+@pytest.mark.parametrize("b,hkv,group,d,s,lengths,capacity", [
+    (2, 2, 4, 128, 1, (700, 300), 1024),   # packed + residual; a residual-only sequence
+    (1, 2, 4, 128, 5, (900,), 1024),       # q_len 5 (a verification-sized query)
+    (1, 1, 8, 64, 1, (600,), 768),         # head_dim 64 (V through the value tile)
+])
+def test_mosaic_draft_view_of_quantspec(b, hkv, group, d, s, lengths, capacity):
+  """The draft view of a hierarchical cache on Mosaic (the upper plane of each
+  code row read in place, as a plain 4-bit side) against float64 attention over
+  ``cache.dequantize("draft")``, with the log-sum-exp the staged attention of
+  speculative decoding merges; and the staged path through it."""
+  from jaxkv import attention
+  from jaxkv.staged_cache import staged_attention, write_staged
+  fmt = PRESETS["quantspec"]
+  key = _key("draft", b, hkv, group, d, s, lengths)
+  cache = _cache(fmt, b, hkv, d, lengths, capacity, jnp.bfloat16, key)
+  q = jax.random.normal(jax.random.fold_in(key, 1), (b, s, hkv * group, d)).astype(jnp.bfloat16)
+  scale = d ** -0.5
+  configs = [attention._mosaic_default(cache, "draft"),
+             ma.MosaicAttentionConfig(block_k=64, num_splits=3)]
+
+  def call(q, cache, config):
+    return attention._mosaic_attention(q, cache, scale=None, config=config, view="draft",
+                                       return_lse=True)
+
+  staging = 6
+  stage_k, stage_v = (jax.random.normal(jax.random.fold_in(key, i), (b, s + 1, hkv, d))
+                      .astype(jnp.bfloat16) for i in (2, 3))
+  zero = jnp.zeros((b,), jnp.int32)
+  stage_k = write_staged(jnp.zeros((b, staging, hkv, d), jnp.bfloat16), stage_k, zero)
+  stage_v = write_staged(jnp.zeros((b, staging, hkv, d), jnp.bfloat16), stage_v, zero)
+  staged = jnp.full((b,), s + 1, jnp.int32)
+
+  def staged_call(q, cache):
+    return staged_attention(q, cache, stage_k, stage_v, staged, view="draft",
+                            implementation="mosaic")
+
+  if not ON_HOPPER:
+    for config in configs:
+      text = jax.jit(call, static_argnums=2).trace(q, cache, config).lower(
+          lowering_platforms=("cuda",)).as_text()
+      assert "mosaic_gpu" in text
+    with pytest.raises(ValueError, match="Hopper"):
+      staged_call(q, cache)
+    return
+  kd, vd = cache.dequantize("draft")
+  ref = np_attention(np.asarray(q, np.float64), np.asarray(kd), np.asarray(vd), lengths)
+  lse_ref = _np_lse(q, kd, lengths, scale)
+  for config in configs:
+    out, lse = jax.jit(call, static_argnums=2)(q, cache, config)
+    err = np.abs(np.asarray(out, np.float64) - ref).max() / np.abs(ref).max()
+    assert err < _TOL[jnp.bfloat16], f"{config=}: max rel err {err:.2e}"
+    np.testing.assert_allclose(np.asarray(lse, np.float64), lse_ref, rtol=0, atol=5e-2,
+                               err_msg=f"{config=}")
+  # Dispatch reads the draft view on Mosaic; the target view stays on Triton.
+  assert attention.resolve_implementation(q, cache, None, view="draft") == "mosaic"
+  assert attention.resolve_implementation(q, cache, None, view="target") == "triton"
+  got = jaxkv.decode_attention(q, cache, view="draft")
+  err = np.abs(np.asarray(got, np.float64) - ref).max() / np.abs(ref).max()
+  assert err < _TOL[jnp.bfloat16], f"dispatch: max rel err {err:.2e}"
+  # Staged: the committed tokens on Mosaic merged with the staged rows.
+  from jaxkv.staged_cache import assemble
+  k_all, v_all = assemble(kd, vd, cache.lengths, stage_k, stage_v, staged)
+  want = np_attention(np.asarray(q, np.float64), np.asarray(k_all), np.asarray(v_all),
+                      np.asarray(lengths) + s + 1)
+  got = np.asarray(jax.jit(staged_call)(q, cache), np.float64)
+  err = np.abs(got - want).max() / np.abs(want).max()
+  assert err < _TOL[jnp.bfloat16], f"staged: max rel err {err:.2e}"
