@@ -187,6 +187,10 @@ def _mosaic_supported(q, cache, config=None, view: str = "target") -> tuple[bool
   if cache.fmt.hierarchical and view != "draft":
     return False, ("the Mosaic GPU kernels read only the draft view of hierarchical "
                    "(quantspec) caches")
+  if cache.fmt.hierarchical and cache.head_dim != 128:
+    # D = 64 failed its compiled test on an H100 (2026-11-26), not yet understood
+    return False, (f"the Mosaic draft view of hierarchical caches needs head_dim 128, got "
+                   f"{cache.head_dim}")
   if not is_hopper():
     return False, "the Mosaic GPU kernels need a Hopper (sm_90) GPU"
   from pallas_kernels import mosaic_attention  # pylint: disable=import-outside-toplevel
@@ -225,17 +229,19 @@ def pallas_order(fmt, dtype=None, head_dim: int | None = None,
   K with 4-bit V in a bfloat16 cache at head_dim 128 (kivi4: V is the value
   MMA's register operand there, 26.7 / 69.5 / 133.9 / 669 us against Triton's
   28.8 / 83.6 / 157.9 / 844 at (1, 32K) / (1, 128K) / (8, 32K) / (48, 32K)).
-  The draft view of a hierarchical cache is a 4-bit K and V read (its upper
-  plane) and follows the kivi4 rule; its target view is Triton only.
-  Triton first elsewhere. ``heads`` (batch x kv heads) does not change the
-  order today; it is accepted for rules that depend on it.
+  Triton first elsewhere, hierarchical caches included: their draft view
+  (the upper plane, a 4-bit read) runs on both families at the same speed
+  (H100, 32.6 / 87.8 / 165.6 us on Mosaic against 32.9 / 89.9 / 165.3 on
+  Triton at the shapes above), their target view on Triton only. ``heads``
+  (batch x kv heads) and ``view`` do not change the order today; they are
+  accepted for rules that depend on them.
   """
-  k_bits, v_bits = (4, 4) if fmt.hierarchical and view == "draft" else (fmt.k_bits, fmt.v_bits)
-  plain = not fmt.hierarchical or view == "draft"
-  if plain and k_bits <= 2 and v_bits <= 2:
+  del view
+  if not fmt.hierarchical and fmt.k_bits <= 2 and fmt.v_bits <= 2:
     return PALLAS_ORDER_MOSAIC
   bf16 = dtype is None or jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
-  if plain and k_bits == 4 and v_bits == 4 and bf16 and head_dim in (None, 128):
+  if (not fmt.hierarchical and fmt.k_bits == 4 and fmt.v_bits == 4 and bf16
+      and head_dim in (None, 128)):
     return PALLAS_ORDER_MOSAIC
   return PALLAS_ORDER
 
