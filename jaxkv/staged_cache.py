@@ -76,9 +76,10 @@ def staged_attention(q: jax.Array, cache, k_stage: jax.Array, v_stage: jax.Array
       (that Pallas kernel over the committed tokens, returning its
       log-sum-exp, merged with dense attention over the few staged rows;
       Triton in interpret mode off GPU; Mosaic on Hopper, where it reads the
-      draft view of hierarchical caches), ``"pallas"`` (the first of
-      `jaxkv.attention.pallas_order` that serves the input), or None:
-      ``"pallas"`` on a GPU, the reference elsewhere.
+      draft view of hierarchical caches at head_dim 128), ``"pallas"`` (the
+      first of `jaxkv.attention.pallas_order` that serves the input), or
+      None: Triton on a GPU when it serves the cache, the reference
+      elsewhere.
   Returns:
     ``[B, S, Hq, D]`` in q's dtype; query i sees tokens ``[0, L + staged - S + i]``.
   """
@@ -110,8 +111,8 @@ def _fold_queries(q: jax.Array, kv_heads: int) -> jax.Array:
 def _staged_implementation(q, cache, implementation, view: str = "target") -> str:
   from jaxkv.attention import resolve_implementation  # pylint: disable=import-outside-toplevel
   on_gpu = jax.default_backend() == "gpu"
-  if implementation is None:
-    implementation = ("pallas", "reference") if on_gpu else "reference"
+  if implementation is None:  # Triton: the only family timed in speculative rounds
+    implementation = ("triton", "reference") if on_gpu else "reference"
   names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
   return resolve_implementation(_fold_queries(q, cache.kv_heads), cache, names, view=view)
 
