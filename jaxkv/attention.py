@@ -216,8 +216,6 @@ PALLAS_ORDER = ("triton", "mosaic")
 PALLAS_ORDER_MOSAIC = ("mosaic", "triton")
 
 
-
-
 def pallas_order(fmt, dtype=None, head_dim: int | None = None,
                  heads: int | None = None, view: str = "target") -> tuple[str, ...]:
   """The Pallas families `decode_attention` tries, in order, for a `KVFormat`

@@ -172,10 +172,11 @@ class MosaicAttentionConfig:
     44 KB) but 2 in 128-token blocks (229 registers, 79 KB: the residual
     program's two [128, D] tiles), kivi2 at 3 (168 registers, 75 KB); the
     counts stay because they were measured best (attending a 128-token tile
-    as two 64-token halves took 144 registers and ran 20-50 % slower). The packed programs per
-    (batch, kv head) are ``per_sm * num_sms // (batch * kv_heads)``, less one
-    for the residual program when that count is large (a single sequence),
-    at most 64 and at least 4 blocks each (`one_wave_splits`). Measured (kernel
+    as two 64-token halves took 144 registers and ran 20-50 % slower). The
+    packed programs per (batch, kv head) are ``per_sm * num_sms // (batch *
+    kv_heads)``, less one for the residual program when that count is large
+    (a single sequence), at most 64 and at least 4 blocks each, and at least
+    two waves where one would leave slots idle (`one_wave_splits`). Measured (kernel
     us, the rule's pick in brackets): H100 2026-11-26, kivi4 at (1, 131072,
     32, 8) [64] 73.7 vs 78.0 (48), 91.4 (32); at (8, 32768, 32, 8) [8] 149.4
     vs 178.0 (6), 210.8 (4); H200 2026-11-26 (before the register V operand):
@@ -568,8 +569,9 @@ def mosaic_decode_attention(
 
   k_w = k_codes.shape[-1]
   v_w = v_codes.shape[-1]
-  for side, w in ((k_side, k_w), (v_side, v_w)):
-    if w != _code_width(side, head_dim, k_codes if side is k_side else v_codes):
+  for side, codes in ((k_side, k_codes), (v_side, v_codes)):
+    w = codes.shape[-1]
+    if w != _code_width(side, head_dim, codes):
       raise ValueError(f"tokens_m=False reads whole code rows: rows of {w} bytes for "
                        f"{side.bits}-bit codes of head_dim {head_dim} need tokens_m=True")
   # The dequantized tiles are written one plane (a block of D*bits/8 channels)

@@ -285,7 +285,7 @@ def _np_lse(q, k, lengths, scale):
 
 
 @pytest.mark.parametrize("b,hkv,group,d,s,lengths,capacity", [
-    (2, 2, 4, 128, 1, (700, 300), 1024),   # packed + residual; a residual-only sequence
+    (2, 2, 4, 128, 1, (700, 300), 1024),   # packed groups + residual; one packed group
     (1, 2, 4, 128, 5, (900,), 1024),       # q_len 5 (a verification-sized query)
 ])
 def test_mosaic_draft_view_of_quantspec(b, hkv, group, d, s, lengths, capacity):
