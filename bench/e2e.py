@@ -862,7 +862,8 @@ def main(argv=None) -> int:
   p.add_argument("--quick", action="store_true", help="target-relevant cases only")
   p.add_argument("--config", default="llama-3.1-8b", help="models.llama.CONFIGS name")
   p.add_argument("--formats", default=None, help="comma-separated presets")
-  p.add_argument("--contexts", default=None, help="comma-separated B=1 contexts")
+  p.add_argument("--contexts", default=None,
+                 help="comma-separated B=1 contexts ('' or 0: none; default: 4K..128K)")
   p.add_argument("--batch-context", type=int, default=BATCH_CONTEXT)
   p.add_argument("--prefill-lens", default=None,
                  help=f"comma-separated prompt lengths (default {PREFILL_LENS}); '' = none")
@@ -903,9 +904,12 @@ def main(argv=None) -> int:
   args.alt_implementations = [x for x in args.implementations.split(",") if x.strip()]
   formats = (args.formats.split(",") if args.formats
              else list(QUICK_FORMATS if args.quick else FORMATS))
-  contexts = ([int(c) for c in args.contexts.split(",")] if args.contexts
+  # No flag: the default contexts; "--contexts ''" or "--contexts 0": no B=1
+  # decode cases (as "--prefill-lens ''" means no prefill cases).
+  contexts = ([int(c) for c in args.contexts.split(",") if c.strip()]
+              if args.contexts is not None
               else list(QUICK_CONTEXTS if args.quick else CONTEXTS))
-  contexts = [c for c in contexts if c > 0]  # "--contexts 0": no B=1 decode cases
+  contexts = [c for c in contexts if c > 0]
   args.context_list = contexts
   lens = PREFILL_LENS if args.prefill_lens is None else args.prefill_lens
   prefill_lens = [int(x) for x in lens.split(",") if x.strip()]
