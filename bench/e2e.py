@@ -449,7 +449,7 @@ class Runner:
       row["alt_loops"][f"{a.implementation} (again)"] = again
     # Profiled: the longest B=1 context, and each max-batch child's case.
     if a.profile and a.profile_steps and (
-        a.batch_only or (batch == 1 and context == max(self.args.context_list))):
+        a.batch_only or (batch == 1 and context == max(self.args.context_list, default=None))):
       prof, loop_prof, cache = profile_decode(
           self.split, cache, tokens, os.path.join(a.profile, f"{fmt_name}-{context}-b{batch}"),
           a.profile_steps, a.loop_steps, implementation=a.implementation)

@@ -191,6 +191,8 @@ def _mosaic_supported(q, cache, config=None, view: str = "target") -> tuple[bool
     # D = 64 failed its compiled test on an H100 (2026-11-26), not yet understood
     return False, (f"the Mosaic draft view of hierarchical caches needs head_dim 128, got "
                    f"{cache.head_dim}")
+  if cache.fmt.hierarchical and config is not None and not config.tokens_m:
+    return False, "the Mosaic draft view needs tokens_m=True (v1 reads whole code rows)"
   if not is_hopper():
     return False, "the Mosaic GPU kernels need a Hopper (sm_90) GPU"
   from pallas_kernels import mosaic_attention  # pylint: disable=import-outside-toplevel

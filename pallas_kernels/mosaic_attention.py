@@ -206,13 +206,14 @@ class MosaicAttentionConfig:
     return cls(block_k=block_k, num_splits=splits, max_concurrent_steps=stages, early_v=early_v)
 
 
-def one_wave_splits(slots: int, heads: int, blocks: int) -> int:
+def one_wave_splits(slots: int, heads: int, blocks: int, fill_waves: bool = True) -> int:
   """Packed programs per (batch, kv head) for ``slots`` resident programs over
   ``heads = B * Hkv``: one wave, ``slots // heads`` (less one for the residual
-  program when that is more than 16), unless that leaves more than a tenth of
-  the slots idle in its last wave (``heads`` above half the slots): then at
-  least two waves (the smallest count with ``heads * splits >= 2 * slots``).
-  At most ``blocks // 4`` (>= 4 blocks per split) and 64.
+  program when that is more than 16). With ``fill_waves``, when those
+  programs number fewer than two waves and fill under 90 % of the slots of
+  the waves they take (e.g. 392 programs in one wave of 528, or 640 in two),
+  at least two waves instead: the smallest count with ``heads * splits >= 2
+  * slots``. At most ``blocks // 4`` (>= 4 blocks per split) and 64.
 
   H100, kivi4 (128-token blocks), kernel us: at (48, 32768, 32, 8) 1 split
   (0.73 waves) 744.7, 2 676.6, 3 670.7, 4 669.2, 8 669.4; at (16, 32768) 1
@@ -223,7 +224,7 @@ def one_wave_splits(slots: int, heads: int, blocks: int) -> int:
   want = programs - 1 if programs > 16 else programs
   total = heads * want
   waves = -(-total // slots)
-  if total < 2 * slots and total * 10 < waves * slots * 9:
+  if fill_waves and total < 2 * slots and total * 10 < waves * slots * 9:
     want = -(-2 * slots // heads)
   return max(1, min(want, blocks // 4, 64))
 
@@ -234,9 +235,9 @@ def _code_width(side: SideSpec, head_dim: int, codes) -> int:
   the tiles then take each row's first bytes, e.g. the upper plane of a
   hierarchical cache, read in place."""
   width = head_dim if side.bits == 16 else head_dim * side.bits // 8
-  if codes.shape[-1] < width:
-    raise ValueError(f"{side.bits}-bit codes of head_dim {head_dim} need rows of >= {width} "
-                     f"bytes, got {codes.shape}")
+  if codes.shape[-1] not in (width, 2 * width) or (side.bits == 16 and codes.shape[-1] != width):
+    raise ValueError(f"{side.bits}-bit codes of head_dim {head_dim} need rows of {width} "
+                     f"bytes (or {2 * width}: two planes, the first read), got {codes.shape}")
   return width
 
 

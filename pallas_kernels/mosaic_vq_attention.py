@@ -97,7 +97,9 @@ def default_config(*, batch: int, tokens: int, kv_heads: int, num_sms: int = 132
   when that is many, at least 4 blocks per split. ``two_warpgroups``: 128-token
   blocks (the two-warpgroup kernel), else 64; ``stages`` pipeline stages."""
   block_k = 128 if two_warpgroups else 64
-  splits = ma.one_wave_splits(num_sms, batch * kv_heads, max(1, tokens // block_k))
+  # one wave as measured for VQ (the two-wave rule of the dequant kernel was not)
+  splits = ma.one_wave_splits(num_sms, batch * kv_heads, max(1, tokens // block_k),
+                              fill_waves=False)
   return ma.MosaicAttentionConfig(block_k=block_k, num_splits=splits,
                                   max_concurrent_steps=stages)
 

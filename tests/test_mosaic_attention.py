@@ -363,3 +363,30 @@ def test_mosaic_draft_view_refusals():
     assert not ok and why in msg, msg
     with pytest.raises(ValueError, match=why):
       jaxkv.decode_attention(q, cache, view=view, implementation="mosaic")
+
+
+def test_partials_lse_merges_splits_like_float64():
+  """`partials_lse`: log(sum_j l_j exp(m_j)) over the split axis; -inf where every
+  part is empty (l = 0, m = -inf), NaN where a part's l is NaN."""
+  rng = np.random.default_rng(7)
+  l = rng.uniform(0.5, 40.0, (2, 3, 5, 4))
+  m = rng.normal(0.0, 6.0, (2, 3, 5, 4))
+  l[0, 0, 1], m[0, 0, 1] = 0.0, -np.inf          # an empty split
+  l[0, 1], m[0, 1] = 0.0, -np.inf                # a head with no visible key at all
+  l[1, 2, 3, 2] = np.nan                         # a poisoned part
+  got = np.asarray(ma.partials_lse(jnp.asarray(l, jnp.float32), jnp.asarray(m, jnp.float32)),
+                   np.float64)
+  with np.errstate(divide="ignore", invalid="ignore"):
+    want = np.log(np.sum(l * np.exp(m), axis=2))
+  np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], rtol=1e-5)
+  assert np.all(got[0, 1] == -np.inf)
+  assert np.isnan(got[1, 2, 2]) and np.isfinite(got[1, 2, [0, 1, 3]]).all()
+
+
+def test_mosaic_draft_view_refuses_v1():
+  from jaxkv import attention
+  cache = jaxkv.KVCache.init("quantspec", 1, 2, 128, 512, jnp.bfloat16)
+  q = jnp.ones((1, 1, 8, 128), jnp.bfloat16)
+  ok, why = attention._mosaic_supported(q, cache, ma.MosaicAttentionConfig(tokens_m=False),
+                                        view="draft")
+  assert not ok and "tokens_m" in why

@@ -193,7 +193,7 @@ def test_mosaic_vq_refuses_many_rows():
 
 
 @pytest.mark.parametrize("batch,tokens,kv_heads,two", list(itertools.product(
-    (1, 8, 64), (4096, 131072), (1, 8), (False, True))))
+    (1, 6, 8, 9, 20, 64), (4096, 131072), (1, 8), (False, True))))
 def test_default_config_fills_one_wave(batch, tokens, kv_heads, two):
   config = mv.default_config(batch=batch, tokens=tokens, kv_heads=kv_heads, num_sms=132,
                              two_warpgroups=two, stages=3)
