@@ -301,7 +301,8 @@ def test_mosaic_draft_view_of_quantspec(b, hkv, group, d, s, lengths, capacity):
   q = jax.random.normal(jax.random.fold_in(key, 1), (b, s, hkv * group, d)).astype(jnp.bfloat16)
   scale = d ** -0.5
   configs = [attention._mosaic_default(cache, "draft"),
-             ma.MosaicAttentionConfig(block_k=64, num_splits=3)]
+             ma.MosaicAttentionConfig(block_k=64, num_splits=3),
+             ma.MosaicAttentionConfig(block_k=128, num_splits=2)]  # long contexts' blocks
 
   def call(q, cache, config):
     return attention._mosaic_attention(q, cache, scale=None, config=config, view="draft",
@@ -390,3 +391,28 @@ def test_mosaic_draft_view_refuses_v1():
   ok, why = attention._mosaic_supported(q, cache, ma.MosaicAttentionConfig(tokens_m=False),
                                         view="draft")
   assert not ok and "tokens_m" in why
+
+
+@pytest.mark.parametrize("name,s,lengths", [("kivi4", 1, (700, 0)), ("kivi2", 3, (1000, 129))])
+def test_mosaic_log_sum_exp(name, s, lengths):
+  """``return_lse`` of plain formats: the float64 log-sum-exp of each query's scaled
+  scores over ``cache.dequantize()``; -inf for an empty sequence."""
+  from jaxkv import attention
+  fmt = PRESETS[name]
+  key = _key("lse", name, s, lengths)
+  cache = _cache(fmt, 2, 2, 128, lengths, 1024, jnp.bfloat16, key)
+  q = jax.random.normal(jax.random.fold_in(key, 1), (2, s, 8, 128)).astype(jnp.bfloat16)
+  config = attention._mosaic_default(cache)
+
+  def call(q, cache):
+    return attention._mosaic_attention(q, cache, scale=None, config=config, return_lse=True)
+
+  if not ON_HOPPER:
+    text = jax.jit(call).trace(q, cache).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    return
+  _, lse = jax.jit(call)(q, cache)
+  want = _np_lse(q, cache.dequantize()[0], lengths, 128 ** -0.5)
+  got = np.asarray(lse, np.float64)
+  assert np.array_equal(np.isinf(got), np.isinf(want))
+  np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], rtol=0, atol=5e-2)
