@@ -227,8 +227,8 @@ def pallas_order(fmt, dtype=None, head_dim: int | None = None,
   Mosaic first where it was measured faster on an H100 (2026-11-26,
   `bench/results/mosaic-NOTES.md`): K and V of at most 2 bits (kivi2), and 4-bit
   K with 4-bit V in a bfloat16 cache at head_dim 128 (kivi4: V is the value
-  MMA's register operand there, 26.7 / 69.5 / 133.9 / 669 us against Triton's
-  28.8 / 83.6 / 157.9 / 844 at (1, 32K) / (1, 128K) / (8, 32K) / (48, 32K)).
+  MMA's register operand there, 26.7 / 69.5 / 133.9 / 679 us against Triton's
+  28.8 / 83.6 / 157.9 / 850 at (1, 32K) / (1, 128K) / (8, 32K) / (48, 32K)).
   Triton first elsewhere, hierarchical caches included: their draft view
   (the upper plane, a 4-bit read) runs on both families at the same speed
   (H100, 32.6 / 87.8 / 165.6 us on Mosaic against 32.9 / 89.9 / 165.3 on
