@@ -176,8 +176,8 @@ class MosaicAttentionConfig:
     packed programs per (batch, kv head) are ``per_sm * num_sms // (batch *
     kv_heads)``, less one for the residual program when that count is large
     (a single sequence), at most 64 and at least 4 blocks each, and at least
-    two waves where one would leave slots idle (`one_wave_splits`). Measured (kernel
-    us, the rule's pick in brackets): H100 2026-11-26, kivi4 at (1, 131072,
+    two waves where one would leave slots idle (`one_wave_splits`). Measured
+    (kernel us, the rule's pick in brackets): H100 2026-11-26, kivi4 at (1, 131072,
     32, 8) [64] 73.7 vs 78.0 (48), 91.4 (32); at (8, 32768, 32, 8) [8] 149.4
     vs 178.0 (6), 210.8 (4); H200 2026-11-26 (before the register V operand):
     kivi2 [32] 74.9 vs 76.4 (33), 98.7 (48); [4] 152 vs 202 (3); k8v4 [32]
@@ -235,7 +235,7 @@ def _code_width(side: SideSpec, head_dim: int, codes) -> int:
   the tiles then take each row's first bytes, e.g. the upper plane of a
   hierarchical cache, read in place."""
   width = head_dim if side.bits == 16 else head_dim * side.bits // 8
-  if codes.shape[-1] not in (width, 2 * width) or (side.bits == 16 and codes.shape[-1] != width):
+  if codes.shape[-1] not in ((width,) if side.bits == 16 else (width, 2 * width)):
     raise ValueError(f"{side.bits}-bit codes of head_dim {head_dim} need rows of {width} "
                      f"bytes (or {2 * width}: two planes, the first read), got {codes.shape}")
   return width
@@ -674,21 +674,26 @@ def mosaic_decode_attention(
   return unpack_out(_combine(o_part, l_part, m_part), l_part, m_part)
 
 
+def _split_weights(m):
+  """``(m_max [B, H, 1, M], exp(m - m_max) [B, H, J, M])`` over the split axis of
+  ``m [B, H, J, M]``; an all ``-inf`` column (no visible key) takes ``m_max = 0``."""
+  m_max = jnp.max(m, axis=2, keepdims=True)
+  m_max = jnp.where(jnp.isfinite(m_max), m_max, 0.0)
+  return m_max, jnp.exp(m - m_max)
+
+
 def partials_lse(l, m):
   """Log-sum-exp over the split axis of partial statistics ``l, m [B, H, J, M]``
   (``sum_j l_j exp(m_j)`` in log space): ``[B, H, M]`` float32, ``-inf`` where
   every ``l`` is zero, NaN where one is NaN."""
-  m_max = jnp.max(m, axis=2, keepdims=True)
-  m_max = jnp.where(jnp.isfinite(m_max), m_max, 0.0)
-  den = jnp.sum(l * jnp.exp(m - m_max), axis=2)
+  m_max, w = _split_weights(m)
+  den = jnp.sum(l * w, axis=2)
   return jnp.where(den == 0, -jnp.inf, m_max[:, :, 0] + jnp.log(den))
 
 
 def _combine(o, l, m):
   """Log-sum-exp merge over the split axis: ``o [B,H,J,M,D], l/m [B,H,J,M]``."""
-  m_max = jnp.max(m, axis=2, keepdims=True)
-  m_max = jnp.where(jnp.isfinite(m_max), m_max, 0.0)
-  w = jnp.exp(m - m_max)                                 # [B, H, J, M]
+  _, w = _split_weights(m)                               # [B, H, J, M]
   num = jnp.sum(w[..., None] * o, axis=2)
   den = jnp.sum(w * l, axis=2)
   return jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
