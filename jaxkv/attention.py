@@ -216,32 +216,40 @@ _SUPPORTED = {"triton": _triton_supported, "mosaic": _mosaic_supported}
 # kernel time than Triton; 8-bit K sides are slower on Mosaic.
 PALLAS_ORDER = ("triton", "mosaic")
 PALLAS_ORDER_MOSAIC = ("mosaic", "triton")
+# kivi4 caches this short (capacity, tokens) with >= 32 (sequence, kv head)
+# pairs go to Triton first (`pallas_order`).
+MOSAIC_KIVI4_MIN_TOKENS = 8192
 
 
 def pallas_order(fmt, dtype=None, head_dim: int | None = None,
-                 heads: int | None = None, view: str = "target") -> tuple[str, ...]:
+                 heads: int | None = None, view: str = "target",
+                 tokens: int | None = None) -> tuple[str, ...]:
   """The Pallas families `decode_attention` tries, in order, for a `KVFormat`
-  (and the cache's ``dtype``, ``head_dim`` and ``heads`` = batch x kv heads
-  when given) read in ``view``.
+  (and the cache's ``dtype``, ``head_dim``, ``heads`` = batch x kv heads and
+  ``tokens`` = its capacity when given) read in ``view``.
 
   Mosaic first where it was measured faster on an H100 (2026-11-26,
   `bench/results/mosaic-NOTES.md`): K and V of at most 2 bits (kivi2), and 4-bit
   K with 4-bit V in a bfloat16 cache at head_dim 128 (kivi4: V is the value
   MMA's register operand there, 26.7 / 69.5 / 133.9 / 679 us against Triton's
-  28.8 / 83.6 / 157.9 / 850 at (1, 32K) / (1, 128K) / (8, 32K) / (48, 32K)).
-  Triton first elsewhere, hierarchical caches included: their draft view
-  (the upper plane, a 4-bit read) runs on both families at the same speed
-  (H100, 32.6 / 87.8 / 165.6 us on Mosaic against 32.9 / 89.9 / 165.3 on
-  Triton at the shapes above), their target view on Triton only. ``heads``
-  (batch x kv heads) and ``view`` do not change the order today; they are
-  accepted for rules that depend on them.
+  28.8 / 83.6 / 157.9 / 850 at (1, 32K) / (1, 128K) / (8, 32K) / (48, 32K)),
+  except kivi4 caches of at most `MOSAIC_KIVI4_MIN_TOKENS` tokens shared by 32
+  or more (sequence, kv head) pairs, where Triton was as fast or faster
+  (34.1 / 84.7 / 163.2 us on Mosaic against 30.6 / 85.1 / 160.3 at (32, 8K,
+  8, 1) / (128, 8K, 8, 1) / (64, 4K, 32, 8)). Triton first elsewhere,
+  hierarchical caches included: their draft view (the upper plane, a 4-bit
+  read) runs on both families at the same speed (H100, 32.6 / 87.8 / 165.6 us
+  on Mosaic against 32.9 / 89.9 / 165.3 on Triton at the shapes above), their
+  target view on Triton only. ``view`` does not change the order today.
   """
   del view
   if not fmt.hierarchical and fmt.k_bits <= 2 and fmt.v_bits <= 2:
     return PALLAS_ORDER_MOSAIC
   bf16 = dtype is None or jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
+  short_and_wide = (tokens is not None and tokens <= MOSAIC_KIVI4_MIN_TOKENS
+                    and heads is not None and heads >= 32)
   if (not fmt.hierarchical and fmt.k_bits == 4 and fmt.v_bits == 4 and bf16
-      and head_dim in (None, 128)):
+      and head_dim in (None, 128) and not short_and_wide):
     return PALLAS_ORDER_MOSAIC
   return PALLAS_ORDER
 
@@ -250,7 +258,7 @@ def _best_pallas(q, cache, view: str = "target") -> tuple[str | None, str]:
   """The first family of `pallas_order` that serves the input on this device."""
   reasons = []
   for impl in pallas_order(cache.fmt, cache.dtype, cache.head_dim, q.shape[0] * cache.kv_heads,
-                           view):
+                           view, tokens=getattr(cache, "capacity", None)):
     ok, why = _SUPPORTED[impl](q, cache, view=view)
     if ok:
       return impl, ""

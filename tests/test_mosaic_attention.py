@@ -254,6 +254,26 @@ def test_pallas_order_per_format(name, dtype, head_dim, first):
     assert pallas_order(PRESETS[name], dtype, head_dim, heads=heads) == order
 
 
+def test_pallas_order_short_kivi4_caches_at_batch():
+  """kivi4 caches of at most 8192 tokens shared by >= 32 (sequence, kv head)
+  pairs go to Triton first (measured as fast or faster there); longer caches
+  or fewer pairs stay on Mosaic, and kivi2 is not affected."""
+  from jaxkv.attention import MOSAIC_KIVI4_MIN_TOKENS, pallas_order
+  kivi4, kivi2 = PRESETS["kivi4"], PRESETS["kivi2"]
+  short = MOSAIC_KIVI4_MIN_TOKENS
+  assert pallas_order(kivi4, jnp.bfloat16, 128, heads=32, tokens=short)[0] == "triton"
+  assert pallas_order(kivi4, jnp.bfloat16, 128, heads=512, tokens=4096)[0] == "triton"
+  assert pallas_order(kivi4, jnp.bfloat16, 128, heads=8, tokens=short)[0] == "mosaic"
+  assert pallas_order(kivi4, jnp.bfloat16, 128, heads=32, tokens=short + 128)[0] == "mosaic"
+  assert pallas_order(kivi2, jnp.bfloat16, 128, heads=512, tokens=4096)[0] == "mosaic"
+  if ON_HOPPER:  # through the dispatcher: capacity and batch x kv heads from the call
+    from jaxkv.attention import resolve_implementation
+    for batch, capacity, want in ((32, 4096, "triton"), (1, 4096, "mosaic"), (32, 16384, "mosaic")):
+      cache = jaxkv.KVCache.init("kivi4", batch, 1, 128, capacity, jnp.bfloat16)
+      q = jnp.ones((batch, 1, 8, 128), jnp.bfloat16)
+      assert resolve_implementation(q, cache, None) == want
+
+
 def test_default_dispatch_follows_pallas_order():
   """On a Hopper GPU kivi2 and (bfloat16, D 128) kivi4 caches run Mosaic by
   default, k8v4 Triton; elsewhere the reference (no GPU) or Triton."""
