@@ -94,6 +94,9 @@ def main(argv=None) -> int:
   calib = tokens[-args.calib:][None]  # the end of the text: disjoint from the windows
   w = args.prompt + args.steps if args.calib_window is None else args.calib_window
   if w:  # rows of w tokens: keys at positions 0..w-1, the positions the windows use
+    if args.calib < w:
+      raise ValueError(f"--calib {args.calib} is shorter than one calibration row "
+                       f"(--calib-window {w})")
     calib = calib[:, : args.calib // w * w].reshape(-1, w)
   print(f"loaded {os.path.basename(path)} in {time.perf_counter() - t0:.0f}s; "
         f"{len(tokens)} text tokens", flush=True)
