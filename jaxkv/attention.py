@@ -258,7 +258,7 @@ def _best_pallas(q, cache, view: str = "target") -> tuple[str | None, str]:
   """The first family of `pallas_order` that serves the input on this device."""
   reasons = []
   for impl in pallas_order(cache.fmt, cache.dtype, cache.head_dim, q.shape[0] * cache.kv_heads,
-                           view, tokens=getattr(cache, "capacity", None)):
+                           view, tokens=cache.capacity):
     ok, why = _SUPPORTED[impl](q, cache, view=view)
     if ok:
       return impl, ""
