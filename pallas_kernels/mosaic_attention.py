@@ -124,6 +124,11 @@ class MosaicAttentionConfig:
       when a score exceeds it by more than ``LAZY_MARGIN`` (so ``p <= e^8``):
       one ``bar.red.or`` per step decides, and the exact cross-warp column max
       and the rescale run only then (`new_max`).
+    subnormal_codes: (with ``register_k`` / ``register_vt``) codes become bf16
+      subnormals ``c * 2**-133`` with one ``and`` per pair (no ``sub``); K's
+      scale/zero rows and q, and V's ``P`` and the value product, carry the
+      powers of two back exactly (`mosaic_dequant.K_SHIFT`, ``P_SHIFT``), so
+      the scores and outputs equal the exact-code path's.
 
   Search space (`jaxkv.autotune`): block_k in {64, 128}, num_splits around
   the heuristic (x1/2, x1, x2), max_concurrent_steps in {2, 3, 4}.
@@ -140,6 +145,7 @@ class MosaicAttentionConfig:
   vt_swizzle: bool = True
   early_v: bool = True
   lazy_max: bool = True
+  subnormal_codes: bool = True
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -551,6 +557,8 @@ def mosaic_decode_attention(
       # The MMA's K columns are a fixed permutation of the channels: permute
       # q once instead of any code (the kernel reads each column's scale/zero).
       qh = qh[..., mosaic_dequant.code_permutation(head_dim, k_side.bits)]
+      if config.subnormal_codes:  # the K registers are (c s + z) 2**-K_SHIFT
+        qh = qh * jnp.asarray(2.0 ** mosaic_dequant.K_SHIFT, qh.dtype)
     o_part, l_part, m_part = _tokens_m_call(
         qh, q_res, arrays_of(k_codes, k_scale, k_zero, k_side),
         arrays_of(v_codes, v_scale, v_zero, v_side), k_residual, v_residual, lengths,
@@ -922,6 +930,8 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     fold_k = config.fold_scales and k_side.bits < 16 and k_side.axis == "token"
     fold_v = config.fold_scales and v_side.bits < 16
     books = []
+  sub_k = register_k and config.subnormal_codes    # q arrives times 2**K_SHIFT
+  sub_v = register_vt and config.subnormal_codes   # P times 2**P_SHIFT, O^T times 2**-53
   nk, nv = len(k_specs), len(v_specs)
 
   def attend(q_smem, k_tiles, v_tiles, pt_smem, vdq_smem, carry, *, token0, valid_below,
@@ -942,7 +952,8 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       if register_vt:  # [D, bk]: the value MMA's A operand itself
         width = head_dim * v_side.bits // 8
         return mosaic_dequant.dequant_codes_t(v_tiles[0], head_dim, v_side.bits,
-                                              swizzle=width if config.vt_swizzle else 0)
+                                              swizzle=width if config.vt_swizzle else 0,
+                                              subnormal=sub_v)
       if vq is not None:
         return mosaic_dequant.gather_codebook(v_tiles[0], book_smems[1], head_dim, v_vec,
                                               v_entries)
@@ -958,7 +969,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       elif register_k:
         # code * scale + zero in registers; the scale/zero rows stay in channel order
         x = mosaic_dequant.dequant_codes(k_tiles[0], head_dim, k_side.bits, k_tiles[1],
-                                         k_tiles[2])
+                                         k_tiles[2], subnormal=sub_k)
         plgpu.wgmma(acc_ref, x, _t(q_smem))
       else:
         for c0, x in _dequant_planes(*k_tiles, k_side, head_dim, dtype, affine=not fold_k):
@@ -986,6 +997,8 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     if packed_v and fold_v:
       vsc, vzr = _token_affine(v_tiles[1], v_tiles[2])
       z_i = z_i * alpha_b + p * lax.broadcast_in_dim(vzr, p.shape, [0])
+      if sub_v:  # subnormal V codes: P carries 2**P_SHIFT
+        vsc = vsc * (2.0 ** mosaic_dequant.P_SHIFT)
       p = p * lax.broadcast_in_dim(vsc, p.shape, [0])
     else:
       z_i = z_i * alpha_b
@@ -1034,8 +1047,10 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
                    optimized=False)
              if fold_k else None)
 
-    def finish(carry):
+    def finish(carry, acc_shift=0):
       acc, m_i, l_i, z_i = carry
+      if acc_shift:  # the subnormal V path's product, back to scale
+        acc = acc * (2.0 ** acc_shift)
       if fold_v:  # + sum_t p_t * zero_t on every channel
         acc = acc + mosaic_dequant.widen_columns(
             lax.broadcast_in_dim(z_i.sum(axis=0), (head_dim, n_rows), [1]), n_pv)
@@ -1078,7 +1093,8 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
 
       scoped = [plgpu.SMEM(book.shape[1:], dtype) for book in books]
       scoped += [vdq_type] if packed_vdq else []
-      finish(pl.run_scoped(run, *scoped) if scoped else run())
+      finish(pl.run_scoped(run, *scoped) if scoped else run(),
+             acc_shift=mosaic_dequant.SUBNORMAL_EXP - mosaic_dequant.P_SHIFT if sub_v else 0)
 
     @pl.when(j == num_splits)
     def _residual():

@@ -74,6 +74,40 @@ _ASM_AFFINE = ("{{\n.reg .b32 t, m;\nmov.b32 m, 0x43004300;\n"
                "lop3.b32 t, $1, {mask}, m, 0xEA;\nsub.rn.bf16x2 t, t, m;\n"
                "fma.rn.bf16x2 $0, t, $2, $3;\n}}")
 
+# Subnormal codes (``subnormal=True``): a code ``c`` in the mantissa of a
+# bfloat16 whose exponent field is zero *is* the subnormal ``c * 2**-133``, so
+# one ``and`` makes the value (no magic number to subtract, no ``sub`` per
+# pair). The MMAs are linear: the other operand carries the power of two
+# back. Hopper's ``fma.rn.bf16x2`` and bf16 ``wgmma`` take subnormal inputs
+# exactly (checked by the compiled probes in `tests/test_mosaic_dequant.py`).
+SUBNORMAL_EXP = 133
+# With an affine (K): registers = (code * scale + zero) * 2**-K_SHIFT, one
+# rounding, from scale * 2**(133 - K_SHIFT) and zero * 2**-K_SHIFT (exact
+# power-of-two products, once per group); the caller multiplies q by
+# 2**K_SHIFT. Exact while scale < 2**59, |q| < 2**64 and |code * scale + zero|
+# >= 2**-62 (below that the result is a bfloat16 subnormal: absolute error
+# <= 2**-71).
+K_SHIFT = 64
+# Without an affine (V, scales folded into P): the value MMA takes P times
+# 2**P_SHIFT and its product comes out times 2**(P_SHIFT - SUBNORMAL_EXP)
+# (= 2**-53: f32 products of |O| >= 2**-73 stay normal); exact while
+# ``p * scale < 2**47`` (``p <= e**8`` with the lazy max: V scales < 2**35).
+P_SHIFT = 80
+_ASM_SUB = "and.b32 $0, $1, {mask};"
+_ASM_SUB_AFFINE = ("{{\n.reg .b32 t;\nand.b32 t, $1, {mask};\n"
+                   "fma.rn.bf16x2 $0, t, $2, $3;\n}}")
+# x * factor (a bf16 power of two in both halves) + (-0.0): exact.
+_ASM_POW2 = ("{{\n.reg .b32 f, z;\nmov.b32 f, {factor};\nmov.b32 z, 0x80008000;\n"
+             "fma.rn.bf16x2 $0, $1, f, z;\n}}")
+
+
+def _bf16_pow2_pair(exp: int) -> str:
+  """``2**exp`` in both halves of a bf16x2 register, as PTX hex."""
+  if not -126 <= exp <= 127:
+    raise ValueError(f"2**{exp} is not a normal bfloat16")
+  half = (exp + 127) << 7
+  return f"0x{half:04X}{half:04X}"
+
 
 def code_permutation(head_dim: int, bits: int = 4) -> np.ndarray:
   """``perm[col]``: the channel that MMA column ``col`` holds after `dequant_codes`."""
@@ -127,7 +161,8 @@ def _code_tile(codes_smem, head_dim: int, bits: int, head_dims) -> tuple[int, in
   return width, rows
 
 
-def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zero_smem=None):
+def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zero_smem=None,
+                  *, subnormal: bool = False):
   """``[rows, D]`` bfloat16 codes (WGMMA layout) of a ``[rows, D*bits/8]`` uint8 smem tile.
 
   ``rows`` is 64 or 128 (two warpgroup row tiles).
@@ -142,6 +177,11 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
   column's channel, one ``fma.rn.bf16x2`` per pair (a single rounding); each
   thread reads the scale/zero of its own columns with one 8-byte load per
   four channels, so no permuted copy of the rows is needed.
+
+  ``subnormal``: one ``and`` per pair instead of ``lop3`` + ``sub``; the
+  registers hold ``code * 2**-SUBNORMAL_EXP`` (no affine) or ``(code * scale
+  + zero) * 2**-K_SHIFT`` (with one: the rows are scaled by exact powers of
+  two once per call); see `K_SHIFT` for the range.
   """
   width, rows = _code_tile(codes_smem, head_dim, bits, (64, 128))
   affine = scale_smem is not None
@@ -158,7 +198,12 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
   span = width // 4
   words = span // 4
   pairs = 16 // bits
-  asm = (_ASM_AFFINE if affine else _ASM).format(mask=_MASK[bits])
+  if subnormal:
+    asm = (_ASM_SUB_AFFINE if affine else _ASM_SUB).format(mask=_MASK[bits])
+  else:
+    asm = (_ASM_AFFINE if affine else _ASM).format(mask=_MASK[bits])
+  prescale = {"s": _ASM_POW2.format(factor=_bf16_pow2_pair(SUBNORMAL_EXP - K_SHIFT)),
+              "z": _ASM_POW2.format(factor=_bf16_pow2_pair(-K_SHIFT))}
   # Register (m, j, 0, 0, half, 0...) = columns 8 j + 2 (lane % 4) + {0, 1} of
   # row 64 m + 16 warp + lane // 4 + 8 half: WGMMA_LAYOUT's tiling as of jax
   # 0.10-0.11.
@@ -200,8 +245,10 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
           lo, hi = (vector.extract(quad, [], [e]) for e in range(2))
           for off in (0, 1):  # channels (base + off, base + off + 2) as one bf16 pair
             asm_pair = (_PAIR_F16 if rows_f16 else _PAIR_BF16)[off]
-            affine_pairs[name, w, plane + planes * off] = llvm.inline_asm(
-                i32, [lo, hi], asm_pair, "=r,r,r")
+            pair = llvm.inline_asm(i32, [lo, hi], asm_pair, "=r,r,r")
+            if subnormal:
+              pair = llvm.inline_asm(i32, [pair], prescale[name], "=r,r")
+            affine_pairs[name, w, plane + planes * off] = pair
     for m, half in itertools.product(range(rows // _ROWS), range(2)):
       row = arith.index_cast(index, arith.addi(row0, mgpu_utils.c(_ROWS * m + 8 * half, i32)))
       raw = vector.load(ir.VectorType.get((span,), ir.IntegerType.get_signless(8)), ref,
@@ -269,7 +316,8 @@ def registers_t_reference(codes: np.ndarray, bits: int = 4) -> np.ndarray:
   return channels[:, vt_permutation(codes.shape[-1] * 8 // bits, bits)].T
 
 
-def dequant_codes_t(codes_smem, head_dim: int = 128, bits: int = 4, *, swizzle: int = 0):
+def dequant_codes_t(codes_smem, head_dim: int = 128, bits: int = 4, *, swizzle: int = 0,
+                    subnormal: bool = False):
   """``[D, rows]`` bfloat16 codes (WGMMA layout) of a ``[rows, D bits/8]`` uint8 smem
   tile of 4/2-bit codes: the *transposed* tile, as the register A operand of
   ``O^T += V^T P^T`` (tokens on the MMA's K axis), with no shared-memory store.
@@ -288,6 +336,9 @@ def dequant_codes_t(codes_smem, head_dim: int = 128, bits: int = 4, *, swizzle: 
   ``TilingTransform((8, W)), SwizzleTransform(W)`` for its row width ``W`` (64
   or 32 bytes; 16-byte chunk ``c`` of row ``r`` stored at chunk ``c ^ ((r >> 1)
   & 3)``, resp. ``c ^ ((r >> 2) & 1)``): the ``ldmatrix`` rows then hit distinct banks.
+
+  ``subnormal``: registers hold ``code * 2**-SUBNORMAL_EXP`` (one ``and`` per
+  pair); the caller scales ``P`` up and the product back down.
   """
   width, rows = _code_tile(codes_smem, head_dim, bits, (128,))
   if swizzle not in (0, width):
@@ -296,7 +347,7 @@ def dequant_codes_t(codes_smem, head_dim: int = 128, bits: int = 4, *, swizzle: 
   if fa.WGMMA_LAYOUT.registers_shape((head_dim, rows)) != want_regs:
     raise NotImplementedError("WGMMA_LAYOUT's register tiling changed; dequant_codes_t assumes "
                               f"{want_regs}")
-  asm = _ASM.format(mask=_MASK[bits])
+  asm = (_ASM_SUB if subnormal else _ASM).format(mask=_MASK[bits])
   # Pair k of a (pre-shifted) word: its bit offset.
   shifts = [4 * k for k in range(4)] if bits == 4 else [8 * (k // 2) + 2 * (k % 2)
                                                         for k in range(4)]
@@ -583,9 +634,9 @@ def _params():
   return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
 
 
-@functools.partial(jax.jit, static_argnames=("bits",))
+@functools.partial(jax.jit, static_argnames=("bits", "subnormal"))
 def probe_dequant(codes: jax.Array, scale: jax.Array | None = None, zero: jax.Array | None = None,
-                  *, bits: int = 4) -> jax.Array:
+                  *, bits: int = 4, subnormal: bool = False) -> jax.Array:
   """``[64, D*bits/8]`` uint8 -> the ``[64, D]`` bf16 registers of `dequant_codes` (a probe).
 
   With ``scale`` and ``zero`` (bf16 ``[1, D]``, channel order) the registers
@@ -610,7 +661,8 @@ def probe_dequant(codes: jax.Array, scale: jax.Array | None = None, zero: jax.Ar
       out_gmem, codes_smem, out_smem, barrier = refs
       extra = ()
     _copy_in(((codes_gmem, codes_smem),), barrier)
-    _write_out(dequant_codes(codes_smem, head_dim, bits, *extra), out_smem, out_gmem)
+    _write_out(dequant_codes(codes_smem, head_dim, bits, *extra, subnormal=subnormal), out_smem,
+               out_gmem)
 
   rows_smem = [plgpu.SMEM((1, head_dim), x.dtype) for x in rows_in]
   return plgpu.kernel(
@@ -618,7 +670,8 @@ def probe_dequant(codes: jax.Array, scale: jax.Array | None = None, zero: jax.Ar
       scratch_types=[plgpu.SMEM((rows, width), jnp.uint8), *rows_smem,
                      plgpu.SMEM((rows, head_dim), jnp.bfloat16), plgpu.Barrier()],
       compiler_params=_params(),
-      kernel_name=f"jaxkv_probe_dequant_{bits}{'_affine' if rows_in else ''}")(codes, *rows_in)
+      kernel_name=f"jaxkv_probe_dequant_{bits}{'_affine' if rows_in else ''}"
+                  f"{'_sub' if subnormal else ''}")(codes, *rows_in)
 
 
 @jax.jit
@@ -644,12 +697,17 @@ def probe_gather(codes: jax.Array, codebook: jax.Array) -> jax.Array:
       compiler_params=_params(), kernel_name=f"jaxkv_probe_gather_v{vec}")(codes, flat)
 
 
-@functools.partial(jax.jit, static_argnames=("bits",))
-def probe_scores(codes: jax.Array, q: jax.Array, *, bits: int = 4) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("bits", "subnormal"))
+def probe_scores(codes: jax.Array, q: jax.Array, scale: jax.Array | None = None,
+                 zero: jax.Array | None = None, *, bits: int = 4,
+                 subnormal: bool = False) -> jax.Array:
   """``S^T [64, N] = codes @ q^T`` through `dequant_codes` as the wgmma A operand (a probe).
 
   ``q [N, D]`` bf16 in channel order, N a multiple of 8; its columns are
   permuted by `code_permutation` here, so the result is in channel terms.
+  With ``scale``/``zero`` (``[1, D]`` bf16 rows) the A operand is ``code *
+  scale + zero``; with ``subnormal`` (affine only) q is multiplied by
+  ``2**K_SHIFT`` as the attention kernel does.
   """
   rows, width = codes.shape
   head_dim = width * 8 // bits
@@ -657,13 +715,25 @@ def probe_scores(codes: jax.Array, q: jax.Array, *, bits: int = 4) -> jax.Array:
   if rows not in (_ROWS, 2 * _ROWS) or n % 8 or q.shape[1] != head_dim:
     raise ValueError(f"codes {codes.shape} must be [64, D*bits/8] and q {q.shape} "
                      "[N % 8 == 0, D]")
+  rows_in = () if scale is None else (scale, zero)
+  if subnormal and not rows_in:
+    raise ValueError("probe_scores(subnormal=True) needs scale and zero rows")
   q_perm = q[:, code_permutation(head_dim, bits)]             # [N, D] in MMA column order
+  if subnormal:
+    q_perm = q_perm * jnp.asarray(2.0 ** K_SHIFT, q.dtype)
   swizzle = 128 if head_dim * 2 % 128 == 0 else 64
   q_transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
 
-  def kernel(codes_gmem, q_gmem, out_gmem, codes_smem, q_smem, out_smem, barrier):
+  def kernel(codes_gmem, q_gmem, *refs):
+    if rows_in:
+      s_gmem, z_gmem, out_gmem, codes_smem, q_smem, s_smem, z_smem, out_smem, barrier = refs
+      _copy_in(((s_gmem, s_smem), (z_gmem, z_smem)), barrier)
+      extra = (s_smem, z_smem)
+    else:
+      out_gmem, codes_smem, q_smem, out_smem, barrier = refs
+      extra = ()
     _copy_in(((codes_gmem, codes_smem), (q_gmem, q_smem)), barrier)
-    a = dequant_codes(codes_smem, head_dim, bits)
+    a = dequant_codes(codes_smem, head_dim, bits, *extra, subnormal=subnormal)
 
     def mma(acc_ref):
       plgpu.wgmma(acc_ref, a, q_smem.transpose((1, 0)))
@@ -675,16 +745,22 @@ def probe_scores(codes: jax.Array, q: jax.Array, *, bits: int = 4) -> jax.Array:
       kernel, out_type=jax.ShapeDtypeStruct((rows, n), jnp.float32),
       scratch_types=[plgpu.SMEM((rows, width), jnp.uint8),
                      plgpu.SMEM((n, head_dim), jnp.bfloat16, transforms=q_transforms),
+                     *[plgpu.SMEM((1, head_dim), x.dtype) for x in rows_in],
                      plgpu.SMEM((rows, n), jnp.float32), plgpu.Barrier()],
-      compiler_params=_params(), kernel_name=f"jaxkv_probe_scores_{bits}")(codes, q_perm)
+      compiler_params=_params(),
+      kernel_name=f"jaxkv_probe_scores_{bits}{'_affine' if rows_in else ''}"
+                  f"{'_sub' if subnormal else ''}")(codes, q_perm, *rows_in)
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "swizzle"))
-def probe_pv(codes: jax.Array, p_t: jax.Array, *, bits: int = 4, swizzle: int = 0) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("bits", "swizzle", "subnormal"))
+def probe_pv(codes: jax.Array, p_t: jax.Array, *, bits: int = 4, swizzle: int = 0,
+             subnormal: bool = False) -> jax.Array:
   """``O^T [D, N] = codes^T @ p_t`` through `dequant_codes_t` as the wgmma A operand
   (a probe); ``codes [64 | 128, D bits/8]`` uint8, ``p_t [rows, N]`` bf16, N a
   multiple of 16; ``swizzle`` 0 or the row width. Rows come out in
-  `vt_permutation` order."""
+  `vt_permutation` order. ``subnormal``: subnormal codes, ``p_t`` times
+  ``2**P_SHIFT`` and the product times ``2**(SUBNORMAL_EXP - P_SHIFT)``, as
+  the attention kernel does."""
   rows, width = codes.shape
   head_dim = width * 8 // bits
   n = p_t.shape[1]
@@ -697,23 +773,28 @@ def probe_pv(codes: jax.Array, p_t: jax.Array, *, bits: int = 4, swizzle: int = 
 
   def kernel(codes_gmem, p_gmem, out_gmem, codes_smem, p_smem, out_smem, barrier):
     _copy_in(((codes_gmem, codes_smem), (p_gmem, p_smem)), barrier)
-    a = dequant_codes_t(codes_smem, head_dim, bits, swizzle=swizzle)
+    a = dequant_codes_t(codes_smem, head_dim, bits, swizzle=swizzle, subnormal=subnormal)
 
     def mma(acc_ref):
       plgpu.wgmma(acc_ref, a, p_smem)
       return acc_ref[...]
 
-    _write_out(pl.run_scoped(mma, plgpu.ACC((head_dim, n), jnp.float32)), out_smem, out_gmem)
+    out = pl.run_scoped(mma, plgpu.ACC((head_dim, n), jnp.float32))
+    if subnormal:
+      out = out * (2.0 ** (SUBNORMAL_EXP - P_SHIFT))
+    _write_out(out, out_smem, out_gmem)
 
   return plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((head_dim, n), jnp.float32),
       scratch_types=[plgpu.SMEM((rows, width), jnp.uint8, transforms=c_transforms),
                      plgpu.SMEM((rows, n), jnp.bfloat16, transforms=p_transforms),
                      plgpu.SMEM((head_dim, n), jnp.float32), plgpu.Barrier()],
-      compiler_params=_params(), kernel_name=f"jaxkv_probe_pv_{bits}_sw{swizzle}")(codes, p_t)
+      compiler_params=_params(),
+      kernel_name=f"jaxkv_probe_pv_{bits}_sw{swizzle}{'_sub' if subnormal else ''}")(
+          codes, p_t * jnp.asarray(2.0 ** P_SHIFT, p_t.dtype) if subnormal else p_t)
 
 
-__all__ = ["code_permutation", "dequant_codes", "dequant_codes_t", "gather_codebook",
+__all__ = ["K_SHIFT", "P_SHIFT", "SUBNORMAL_EXP", "code_permutation", "dequant_codes", "dequant_codes_t", "gather_codebook",
            "gather_reference", "probe_dequant", "probe_gather", "probe_pv", "probe_scores",
            "registers_reference", "registers_t_reference", "vq_book_rows", "vq_permutation",
            "vt_permutation", "warpgroup_any", "widen_columns"]

@@ -133,6 +133,11 @@ def test_mosaic_attention(name, b, hkv, group, d, s, lengths, capacity, dtype):
       and fmt.residual % 128 == 0 and capacity % 128 == 0):
     configs.append(ma.MosaicAttentionConfig(block_k=128, num_splits=2, register_k=True,
                                             register_v=True))
+  # Codes as exact integers (magic-number subtraction) instead of bf16 subnormals
+  # (the default): the two must agree bit for bit (`mosaic_dequant.K_SHIFT`,
+  # ``P_SHIFT``).
+  twins = (configs[-1], dataclasses.replace(configs[-1], subnormal_codes=False))
+  configs.append(twins[1])
   if not ON_HOPPER:
     for config in configs:
       lowered = jax.jit(_call, static_argnums=2).trace(q, cache, config).lower(
@@ -141,11 +146,14 @@ def test_mosaic_attention(name, b, hkv, group, d, s, lengths, capacity, dtype):
     return
   kd, vd = cache.dequantize()
   ref = np_attention(np.asarray(q, np.float64), np.asarray(kd), np.asarray(vd), lengths)
+  outs = {}
   for config in configs:
     out = np.asarray(jax.jit(_call, static_argnums=2)(q, cache, config), np.float64)
     err = np.abs(out - ref).max() / np.abs(ref).max()
     assert np.isfinite(out).all(), f"{config=}"
     assert err < _TOL[dtype], f"{config=}: max rel err {err:.2e}"
+    outs[config] = out
+  np.testing.assert_array_equal(outs[twins[0]], outs[twins[1]])
   # And through the public entry point with the default config.
   got = jaxkv.decode_attention(q, cache, implementation="mosaic")
   err2 = np.abs(np.asarray(got, np.float64) - ref).max() / np.abs(ref).max()

@@ -157,3 +157,78 @@ def test_transposed_codes_as_wgmma_operand(bits, rows, n, swizzle):
   want = md.registers_t_reference(np.asarray(codes), bits).astype(np.float64) @ np.asarray(
       p_t, np.float64)
   np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+# ------------------------------------------------ subnormal codes (and only)
+@pytest.mark.parametrize("head_dim,bits,rows", [(64, 4, 64), (128, 4, 128), (128, 2, 128),
+                                                (64, 2, 64)])
+def test_subnormal_registers(head_dim, bits, rows):
+  """``subnormal=True``: the registers are the codes times 2**-133 (bf16 subnormals),
+  and with an affine ``(code * scale + zero) * 2**-K_SHIFT`` with one rounding."""
+  codes = _codes(head_dim * bits // 8, 3 * head_dim + bits + rows, rows)
+  rng = np.random.default_rng(rows + bits)
+  scale = jnp.asarray(rng.uniform(0.01, 0.5, (1, head_dim)), jnp.bfloat16)
+  zero = jnp.asarray(rng.normal(0.0, 2.0, (1, head_dim)), jnp.bfloat16)
+  probe = jax.jit(md.probe_dequant, static_argnames=("bits", "subnormal"))
+  if not ON_HOPPER:
+    for extra in ((), (scale, zero)):
+      probe.trace(codes, *extra, bits=bits, subnormal=True).lower(lowering_platforms=("cuda",))
+    return
+  c = np.asarray(codes)
+  got = np.asarray(probe(codes, bits=bits, subnormal=True), np.float64)
+  np.testing.assert_array_equal(got * 2.0 ** md.SUBNORMAL_EXP, md.registers_reference(c, bits))
+  got = np.asarray(probe(codes, scale, zero, bits=bits, subnormal=True), np.float64)
+  want = md.registers_reference(c, bits, np.asarray(scale, np.float64),
+                                np.asarray(zero, np.float64))
+  tiny = np.abs(want) < 2.0 ** -62   # bf16 subnormal after the shift: not exact
+  np.testing.assert_array_equal(np.where(tiny, 0, got * 2.0 ** md.K_SHIFT),
+                                np.where(tiny, 0, want))
+
+
+@pytest.mark.parametrize("head_dim,n,bits,rows", [(64, 8, 4, 64), (128, 8, 4, 128),
+                                                  (128, 16, 2, 128)])
+def test_subnormal_scores_equal_the_plain_path(head_dim, n, bits, rows):
+  """Scores from subnormal K registers (q times 2**K_SHIFT) equal the exact-code path's
+  bit for bit, and the float64 product of the dequantized tile with q."""
+  codes = _codes(head_dim * bits // 8, 5 * head_dim + n + bits, rows)
+  rng = np.random.default_rng(n + rows)
+  scale = jnp.asarray(rng.uniform(0.01, 0.5, (1, head_dim)), jnp.bfloat16)
+  zero = jnp.asarray(rng.normal(0.0, 2.0, (1, head_dim)), jnp.bfloat16)
+  q = jax.random.normal(jax.random.PRNGKey(n + 1), (n, head_dim), jnp.float32).astype(
+      jnp.bfloat16)
+  probe = jax.jit(md.probe_scores, static_argnames=("bits", "subnormal"))
+  if not ON_HOPPER:
+    probe.trace(codes, q, scale, zero, bits=bits, subnormal=True).lower(
+        lowering_platforms=("cuda",))
+    return
+  got = np.asarray(probe(codes, q, scale, zero, bits=bits, subnormal=True), np.float64)
+  plain = np.asarray(probe(codes, q, scale, zero, bits=bits), np.float64)
+  np.testing.assert_array_equal(got, plain)
+  x = md.registers_reference(np.asarray(codes), bits, np.asarray(scale, np.float64),
+                             np.asarray(zero, np.float64))          # [rows, D] MMA columns
+  q_perm = np.asarray(q, np.float64)[:, md.code_permutation(head_dim, bits)]
+  want = x @ q_perm.T
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("bits,rows,n,swizzle", [(4, 128, 16, 64), (2, 128, 16, 32),
+                                                 (4, 64, 32, 0)])
+def test_subnormal_transposed_codes_equal_the_plain_path(bits, rows, n, swizzle):
+  """``dequant_codes_t(subnormal=True)`` with P scaled by 2**P_SHIFT gives the same
+  ``O^T`` as the exact-code path, and the float64 product."""
+  codes = _codes(128 * bits // 8, 11 * bits + rows + n, rows)
+  # probabilities times V scales, some large and some tiny
+  p_t = (jax.random.uniform(jax.random.PRNGKey(rows), (rows, n), jnp.float32)
+         * jnp.exp2(jax.random.randint(jax.random.PRNGKey(n), (rows, 1), -20, 20))
+         ).astype(jnp.bfloat16)
+  probe = jax.jit(md.probe_pv, static_argnames=("bits", "swizzle", "subnormal"))
+  if not ON_HOPPER:
+    probe.trace(codes, p_t, bits=bits, swizzle=swizzle, subnormal=True).lower(
+        lowering_platforms=("cuda",))
+    return
+  got = np.asarray(probe(codes, p_t, bits=bits, swizzle=swizzle, subnormal=True), np.float64)
+  plain = np.asarray(probe(codes, p_t, bits=bits, swizzle=swizzle), np.float64)
+  np.testing.assert_array_equal(got, plain)
+  want = md.registers_t_reference(np.asarray(codes), bits).astype(np.float64) @ np.asarray(
+      p_t, np.float64)
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
