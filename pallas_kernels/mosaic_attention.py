@@ -124,11 +124,11 @@ class MosaicAttentionConfig:
       when a score exceeds it by more than ``LAZY_MARGIN`` (so ``p <= e^8``):
       one ``bar.red.or`` per step decides, and the exact cross-warp column max
       and the rescale run only then (`new_max`).
-    subnormal_codes: (with ``register_k`` / ``register_vt``) codes become bf16
-      subnormals ``c * 2**-133`` with one ``and`` per pair (no ``sub``); K's
-      scale/zero rows and q, and V's ``P`` and the value product, carry the
-      powers of two back exactly (`mosaic_dequant.K_SHIFT`, ``P_SHIFT``), so
-      the scores and outputs equal the exact-code path's.
+    subnormal_k, subnormal_v: (with ``register_k`` / ``register_vt``) codes
+      become bf16 subnormals ``c * 2**-133`` with one ``and`` per pair (no
+      ``sub``); K's scale/zero rows and q, and V's ``P`` and the value
+      product, carry the powers of two back (`mosaic_dequant.K_SHIFT`,
+      ``P_SHIFT``).
 
   Search space (`jaxkv.autotune`): block_k in {64, 128}, num_splits around
   the heuristic (x1/2, x1, x2), max_concurrent_steps in {2, 3, 4}.
@@ -145,7 +145,8 @@ class MosaicAttentionConfig:
   vt_swizzle: bool = True
   early_v: bool = True
   lazy_max: bool = True
-  subnormal_codes: bool = True
+  subnormal_k: bool = True
+  subnormal_v: bool = True
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -209,7 +210,12 @@ class MosaicAttentionConfig:
     # (H100, kernel us: (8, 32768) 114.4 vs 123.9 early, (96, 32768) 1208 vs
     # 1295; at (1, 131072) 57.4 vs 56.5)
     early_v = not (v_bits <= 2 and heads >= 64)
-    return cls(block_k=block_k, num_splits=splits, max_concurrent_steps=stages, early_v=early_v)
+    # Subnormal codes for 4-bit K and V (H100, kernel us, kivi4: 68.4 vs 70.4 at
+    # (1, 131072), 132.3 vs 134.8 at (8, 32768), 1291 vs 1342 at (96, 32768));
+    # kivi2 lost with them on either side (1304 vs 1226 at (96, 32768)).
+    subnormal = (k_bits, v_bits) == (4, 4)
+    return cls(block_k=block_k, num_splits=splits, max_concurrent_steps=stages, early_v=early_v,
+               subnormal_k=subnormal, subnormal_v=subnormal)
 
 
 def one_wave_splits(slots: int, heads: int, blocks: int, fill_waves: bool = True) -> int:
@@ -557,7 +563,7 @@ def mosaic_decode_attention(
       # The MMA's K columns are a fixed permutation of the channels: permute
       # q once instead of any code (the kernel reads each column's scale/zero).
       qh = qh[..., mosaic_dequant.code_permutation(head_dim, k_side.bits)]
-      if config.subnormal_codes:  # the K registers are (c s + z) 2**-K_SHIFT
+      if config.subnormal_k:  # the K registers are (c s + z) 2**-K_SHIFT
         qh = qh * jnp.asarray(2.0 ** mosaic_dequant.K_SHIFT, qh.dtype)
     o_part, l_part, m_part = _tokens_m_call(
         qh, q_res, arrays_of(k_codes, k_scale, k_zero, k_side),
@@ -930,8 +936,8 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     fold_k = config.fold_scales and k_side.bits < 16 and k_side.axis == "token"
     fold_v = config.fold_scales and v_side.bits < 16
     books = []
-  sub_k = register_k and config.subnormal_codes    # q arrives times 2**K_SHIFT
-  sub_v = register_vt and config.subnormal_codes   # P times 2**P_SHIFT, O^T times 2**-53
+  sub_k = register_k and config.subnormal_k    # q arrives times 2**K_SHIFT
+  sub_v = register_vt and config.subnormal_v   # P times 2**P_SHIFT, O^T times 2**-53
   nk, nv = len(k_specs), len(v_specs)
 
   def attend(q_smem, k_tiles, v_tiles, pt_smem, vdq_smem, carry, *, token0, valid_below,

@@ -134,9 +134,11 @@ def test_mosaic_attention(name, b, hkv, group, d, s, lengths, capacity, dtype):
     configs.append(ma.MosaicAttentionConfig(block_k=128, num_splits=2, register_k=True,
                                             register_v=True))
   # Codes as exact integers (magic-number subtraction) instead of bf16 subnormals
-  # (the default): the two must agree bit for bit (`mosaic_dequant.K_SHIFT`,
-  # ``P_SHIFT``).
-  twins = (configs[-1], dataclasses.replace(configs[-1], subnormal_codes=False))
+  # (`mosaic_dequant.K_SHIFT`, ``P_SHIFT``): the scores agree bit for bit, the
+  # value MMA's f32 sums by a few units in the last place (H100), so the two
+  # outputs are within one rounding to q's dtype of each other.
+  twins = (configs[-1], dataclasses.replace(configs[-1], subnormal_k=False,
+                                                subnormal_v=False))
   configs.append(twins[1])
   if not ON_HOPPER:
     for config in configs:
@@ -153,11 +155,39 @@ def test_mosaic_attention(name, b, hkv, group, d, s, lengths, capacity, dtype):
     assert np.isfinite(out).all(), f"{config=}"
     assert err < _TOL[dtype], f"{config=}: max rel err {err:.2e}"
     outs[config] = out
-  np.testing.assert_array_equal(outs[twins[0]], outs[twins[1]])
+  a, b = outs[twins[0]], outs[twins[1]]
+  ulp = 2.0 ** -(7 if dtype == jnp.bfloat16 else 10)  # one unit, relative
+  np.testing.assert_array_less(np.abs(a - b), ulp * np.maximum(np.abs(a), np.abs(b)) + 1e-30)
   # And through the public entry point with the default config.
   got = jaxkv.decode_attention(q, cache, implementation="mosaic")
   err2 = np.abs(np.asarray(got, np.float64) - ref).max() / np.abs(ref).max()
   assert err2 < _TOL[dtype], f"default config: max rel err {err2:.2e}"
+
+
+@pytest.mark.parametrize("name,k_mag,v_mag", [("kivi4", 1e4, 1e-4), ("kivi4", 1e-4, 1e4),
+                                              ("kivi2", 3e3, 3e-3)])
+def test_mosaic_magnitudes(name, k_mag, v_mag):
+  """Large and tiny K and V through the default config (subnormal codes for kivi4:
+  the powers of two q, the K rows and P carry must not overflow or flush)."""
+  fmt, lengths = PRESETS[name], (900, 317)
+  key = _key(name, k_mag, v_mag)
+  k1, k2, k3 = jax.random.split(key, 3)
+  k = (jax.random.normal(k1, (2, 900, 2, 128)) * k_mag).astype(jnp.bfloat16)
+  v = (jax.random.normal(k2, (2, 900, 2, 128)) * v_mag + 0.5 * v_mag).astype(jnp.bfloat16)
+  cache = jaxkv.KVCache.init(fmt, 2, 2, 128, 1024, jnp.bfloat16, use_kernel=False)
+  cache = cache.prefill(k, v, jnp.asarray(lengths, jnp.int32))
+  q = (jax.random.normal(k3, (2, 1, 8, 128)) / k_mag).astype(jnp.bfloat16)  # scores ~ 1
+  if not ON_HOPPER:
+    config = ma.MosaicAttentionConfig(block_k=128, num_splits=2)
+    lowered = jax.jit(_call, static_argnums=2).trace(q, cache, config).lower(
+        lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+    return
+  kd, vd = cache.dequantize()
+  ref = np_attention(np.asarray(q, np.float64), np.asarray(kd), np.asarray(vd), lengths)
+  got = np.asarray(jaxkv.decode_attention(q, cache, implementation="mosaic"), np.float64)
+  err = np.abs(got - ref).max() / np.abs(ref).max()
+  assert np.isfinite(got).all() and err < _TOL[jnp.bfloat16], f"max rel err {err:.2e}"
 
 
 @pytest.mark.parametrize("name,d,why", [
