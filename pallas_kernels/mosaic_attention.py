@@ -171,7 +171,8 @@ class MosaicAttentionConfig:
     register V operand: 69.5 vs 73.5 us at (1, 131072), 133.9 vs 148.7 at
     (8, 32768); 29.1 vs 26.7 at (1, 32768), 4 blocks per split, so 64
     there); 4 stages unless both sides are 8-bit (int8 lost 10-25 % with 4,
-    kivi4/k8v4 gained 2-5 %).
+    kivi4/k8v4 gained 2-5 %), but 2 for kivi4 in 128-token blocks at <= 64
+    (sequence, kv head) pairs, with V built after the softmax.
 
     Programs: the split counts assume 4 per SM for 4-bit K and V, 3 for
     8-bit K with 4-bit V, 2 otherwise. Nsight Compute (H100, (1, 131072),
@@ -210,6 +211,11 @@ class MosaicAttentionConfig:
     # (H100, kernel us: (8, 32768) 114.4 vs 123.9 early, (96, 32768) 1208 vs
     # 1295; at (1, 131072) 57.4 vs 56.5)
     early_v = not (v_bits <= 2 and heads >= 64)
+    if (k_bits, v_bits) == (4, 4) and block_k == 128 and heads <= 64:
+      # 4-bit K and V in 128-token blocks at small batch: V after the softmax, 2
+      # stages (H100, kernel us: (1, 131072) 61.6 vs 63.0, (8, 32768) 120.1 vs
+      # 125.8; (96, 32768) 1282 vs 1272, so not there)
+      early_v, stages = False, 2
     # Subnormal codes for 4-bit K and V (H100, kernel us, kivi4: 68.4 vs 70.4 at
     # (1, 131072), 132.3 vs 134.8 at (8, 32768), 1291 vs 1342 at (96, 32768));
     # kivi2 lost with them on either side (1304 vs 1226 at (96, 32768)).

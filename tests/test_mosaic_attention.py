@@ -239,7 +239,7 @@ def test_side_spec_of_formats():
 
 
 @pytest.mark.parametrize("name,tokens,block_k,stages", [
-    ("kivi2", 32768, 128, 2), ("kivi4", 32768, 64, 4), ("kivi4", 131072, 128, 4),
+    ("kivi2", 32768, 128, 2), ("kivi4", 32768, 64, 4), ("kivi4", 131072, 128, 2),
     ("k8v4", 32768, 64, 4), ("int8", 32768, 64, 3), ("kivi2-r2g", 32768, 64, 4),
 ])
 def test_default_config_per_format(name, tokens, block_k, stages):
@@ -248,6 +248,9 @@ def test_default_config_per_format(name, tokens, block_k, stages):
       batch=1, tokens=tokens, kv_heads=8, k_bits=fmt.k_bits, v_bits=fmt.v_bits,
       token_group=fmt.token_group, residual=fmt.residual)
   assert (config.block_k, config.max_concurrent_steps) == (block_k, stages)
+  # 4-bit K and V: subnormal codes; in 128-token blocks at small batch V after the softmax
+  assert config.subnormal_k == config.subnormal_v == (name == "kivi4")
+  assert config.early_v == (name != "kivi4" or block_k == 64)
   # The default always fits the format (dispatch checks supports() with it).
   ok, why = ma.supports(SideSpec.of(fmt, "k", 128), SideSpec.of(fmt, "v", 128), head_dim=128,
                         q_rows=4, dtype=jnp.bfloat16, token_group=fmt.token_group,
@@ -271,8 +274,11 @@ def test_default_splits_follow_the_documented_rule(name, batch, tokens, splits):
       token_group=fmt.token_group, residual=fmt.residual)
   assert config.num_splits == splits
   assert tokens // config.block_k >= 4 * config.num_splits
-  # 2-bit V is built after the softmax from 64 (sequence, kv head) pairs on
-  assert config.early_v == (fmt.v_bits > 2 or batch * 8 < 64)
+  # 2-bit V is built after the softmax from 64 (sequence, kv head) pairs on, 4-bit V
+  # in 128-token blocks up to 64 pairs
+  late = (batch * 8 >= 64 if fmt.v_bits <= 2
+          else name == "kivi4" and config.block_k == 128 and batch * 8 <= 64)
+  assert config.early_v == (not late)
 
 
 @pytest.mark.parametrize("name,dtype,head_dim,first", [
