@@ -180,8 +180,8 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
 
   ``subnormal``: one ``and`` per pair instead of ``lop3`` + ``sub``; the
   registers hold ``code * 2**-SUBNORMAL_EXP`` (no affine) or ``(code * scale
-  + zero) * 2**-K_SHIFT`` (with one: the rows are scaled by exact powers of
-  two once per call); see `K_SHIFT` for the range.
+  + zero) * 2**-K_SHIFT`` (with one: each thread scales its scale/zero pairs by
+  exact powers of two once per tile); see `K_SHIFT` for the range.
   """
   width, rows = _code_tile(codes_smem, head_dim, bits, (64, 128))
   affine = scale_smem is not None

@@ -160,15 +160,17 @@ def test_transposed_codes_as_wgmma_operand(bits, rows, n, swizzle):
 
 
 # ------------------------------------------------ subnormal codes (and only)
-@pytest.mark.parametrize("head_dim,bits,rows", [(64, 4, 64), (128, 4, 128), (128, 2, 128),
-                                                (64, 2, 64)])
-def test_subnormal_registers(head_dim, bits, rows):
+@pytest.mark.parametrize("head_dim,bits,rows,rows_dtype", [
+    (64, 4, 64, jnp.bfloat16), (128, 4, 128, jnp.float16), (128, 2, 128, jnp.bfloat16),
+    (64, 2, 64, jnp.float16)])
+def test_subnormal_registers(head_dim, bits, rows, rows_dtype):
   """``subnormal=True``: the registers are the codes times 2**-133 (bf16 subnormals),
-  and with an affine ``(code * scale + zero) * 2**-K_SHIFT`` with one rounding."""
+  and with an affine ``(code * scale + zero) * 2**-K_SHIFT`` with one rounding
+  (float16 rows, as kivi caches store them, rounded to bfloat16 first)."""
   codes = _codes(head_dim * bits // 8, 3 * head_dim + bits + rows, rows)
   rng = np.random.default_rng(rows + bits)
-  scale = jnp.asarray(rng.uniform(0.01, 0.5, (1, head_dim)), jnp.bfloat16)
-  zero = jnp.asarray(rng.normal(0.0, 2.0, (1, head_dim)), jnp.bfloat16)
+  scale = jnp.asarray(rng.uniform(0.01, 0.5, (1, head_dim)), rows_dtype)
+  zero = jnp.asarray(rng.normal(0.0, 2.0, (1, head_dim)), rows_dtype)
   probe = jax.jit(md.probe_dequant, static_argnames=("bits", "subnormal"))
   if not ON_HOPPER:
     for extra in ((), (scale, zero)):
