@@ -569,8 +569,6 @@ def mosaic_decode_attention(
       # The MMA's K columns are a fixed permutation of the channels: permute
       # q once instead of any code (the kernel reads each column's scale/zero).
       qh = qh[..., mosaic_dequant.code_permutation(head_dim, k_side.bits)]
-      if config.subnormal_k:  # the K registers are (c s + z) 2**-K_SHIFT
-        qh = qh * jnp.asarray(2.0 ** mosaic_dequant.K_SHIFT, qh.dtype)
     o_part, l_part, m_part = _tokens_m_call(
         qh, q_res, arrays_of(k_codes, k_scale, k_zero, k_side),
         arrays_of(v_codes, v_scale, v_zero, v_side), k_residual, v_residual, lengths,
@@ -942,8 +940,10 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     fold_k = config.fold_scales and k_side.bits < 16 and k_side.axis == "token"
     fold_v = config.fold_scales and v_side.bits < 16
     books = []
-  sub_k = register_k and config.subnormal_k    # q arrives times 2**K_SHIFT
+  sub_k = register_k and config.subnormal_k    # q times 2**K_SHIFT (exact in bf16)
   sub_v = register_vt and config.subnormal_v   # P times 2**P_SHIFT, O^T times 2**-53
+  if sub_k:  # the K registers are (c s + z) 2**-K_SHIFT
+    qh = qh * jnp.asarray(2.0 ** mosaic_dequant.K_SHIFT, qh.dtype)
   nk, nv = len(k_specs), len(v_specs)
 
   def attend(q_smem, k_tiles, v_tiles, pt_smem, vdq_smem, carry, *, token0, valid_below,

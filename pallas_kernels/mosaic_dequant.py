@@ -200,10 +200,10 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
   pairs = 16 // bits
   if subnormal:
     asm = (_ASM_SUB_AFFINE if affine else _ASM_SUB).format(mask=_MASK[bits])
+    prescale = {"s": _ASM_POW2.format(factor=_bf16_pow2_pair(SUBNORMAL_EXP - K_SHIFT)),
+                "z": _ASM_POW2.format(factor=_bf16_pow2_pair(-K_SHIFT))}
   else:
     asm = (_ASM_AFFINE if affine else _ASM).format(mask=_MASK[bits])
-  prescale = {"s": _ASM_POW2.format(factor=_bf16_pow2_pair(SUBNORMAL_EXP - K_SHIFT)),
-              "z": _ASM_POW2.format(factor=_bf16_pow2_pair(-K_SHIFT))}
   # Register (m, j, 0, 0, half, 0...) = columns 8 j + 2 (lane % 4) + {0, 1} of
   # row 64 m + 16 warp + lane // 4 + 8 half: WGMMA_LAYOUT's tiling as of jax
   # 0.10-0.11.
