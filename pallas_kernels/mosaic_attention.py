@@ -129,6 +129,12 @@ class MosaicAttentionConfig:
       ``sub``); K's scale/zero rows and q, and V's ``P`` and the value
       product, carry the powers of two back (`mosaic_dequant.K_SHIFT`,
       ``P_SHIFT``).
+    byte_masks: (with subnormal codes) shift each code word by whole bytes only
+      and mask every code where it sits in its byte (one shift per two 4-bit
+      or four 2-bit pairs instead of one per pair): a code at bit ``b`` of its
+      byte is ``code * 2**(b - 133)``. K's scales carry ``2**-b`` (same
+      registers as without); V's rows with ``2**bits`` are divided back on the
+      value product in ``finish`` (`mosaic_dequant.scale_halves`).
 
   Search space (`jaxkv.autotune`): block_k in {64, 128}, num_splits around
   the heuristic (x1/2, x1, x2), max_concurrent_steps in {2, 3, 4}.
@@ -147,6 +153,7 @@ class MosaicAttentionConfig:
   lazy_max: bool = True
   subnormal_k: bool = True
   subnormal_v: bool = True
+  byte_masks: bool = True
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -217,9 +224,13 @@ class MosaicAttentionConfig:
       # 125.8; (96, 32768) 1282 vs 1272, so not there)
       early_v, stages = False, 2
     # Subnormal codes for 4-bit K and V (H100, kernel us, kivi4: 68.4 vs 70.4 at
-    # (1, 131072), 132.3 vs 134.8 at (8, 32768), 1291 vs 1342 at (96, 32768));
-    # kivi2 lost with them on either side (1304 vs 1226 at (96, 32768)).
-    subnormal = (k_bits, v_bits) == (4, 4)
+    # (1, 131072), 132.3 vs 134.8 at (8, 32768), 1291 vs 1342 at (96, 32768)),
+    # and with byte masks (one shift per word) for 2-bit too: whole call, H100,
+    # kivi2 55.0 vs 61.8 us at (1, 131072), 106.8 vs 121.1 at (8, 32768), 558.6
+    # vs 643.5 at (48, 32768); kivi4 64.5 vs 67.5, 120.4 vs 126.8, 670.8 vs 674.0
+    # (`attention-ab-byte-masks-20261126-*`). Without byte masks kivi2 lost
+    # with subnormal codes on either side (1304 vs 1226 at (96, 32768)).
+    subnormal = (k_bits, v_bits) in ((4, 4), (2, 2))
     return cls(block_k=block_k, num_splits=splits, max_concurrent_steps=stages, early_v=early_v,
                subnormal_k=subnormal, subnormal_v=subnormal)
 
@@ -942,6 +953,8 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     books = []
   sub_k = register_k and config.subnormal_k    # q times 2**K_SHIFT (exact in bf16)
   sub_v = register_vt and config.subnormal_v   # P times 2**P_SHIFT, O^T times 2**-53
+  bytes_k = sub_k and config.byte_masks        # codes masked in place in their bytes
+  bytes_v = sub_v and config.byte_masks        # (V rows with half = 1: times 2**bits)
   if sub_k:  # the K registers are (c s + z) 2**-K_SHIFT
     qh = qh * jnp.asarray(2.0 ** mosaic_dequant.K_SHIFT, qh.dtype)
   nk, nv = len(k_specs), len(v_specs)
@@ -965,7 +978,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
         width = head_dim * v_side.bits // 8
         return mosaic_dequant.dequant_codes_t(v_tiles[0], head_dim, v_side.bits,
                                               swizzle=width if config.vt_swizzle else 0,
-                                              subnormal=sub_v)
+                                              subnormal=sub_v, byte_masks=bytes_v)
       if vq is not None:
         return mosaic_dequant.gather_codebook(v_tiles[0], book_smems[1], head_dim, v_vec,
                                               v_entries)
@@ -981,7 +994,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       elif register_k:
         # code * scale + zero in registers; the scale/zero rows stay in channel order
         x = mosaic_dequant.dequant_codes(k_tiles[0], head_dim, k_side.bits, k_tiles[1],
-                                         k_tiles[2], subnormal=sub_k)
+                                         k_tiles[2], subnormal=sub_k, byte_masks=bytes_k)
         plgpu.wgmma(acc_ref, x, _t(q_smem))
       else:
         for c0, x in _dequant_planes(*k_tiles, k_side, head_dim, dtype, affine=not fold_k):
@@ -1061,7 +1074,10 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
 
     def finish(carry, acc_shift=0):
       acc, m_i, l_i, z_i = carry
-      if acc_shift:  # the subnormal V path's product, back to scale
+      if acc_shift and bytes_v:  # ... and the byte-masked rows' 2**bits
+        acc = mosaic_dequant.scale_halves(acc, 2.0 ** acc_shift,
+                                          2.0 ** (acc_shift - v_side.bits))
+      elif acc_shift:  # the subnormal V path's product, back to scale
         acc = acc * (2.0 ** acc_shift)
       if fold_v:  # + sum_t p_t * zero_t on every channel
         acc = acc + mosaic_dequant.widen_columns(

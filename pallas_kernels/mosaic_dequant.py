@@ -109,6 +109,22 @@ def _bf16_pow2_pair(exp: int) -> str:
   return f"0x{half:04X}{half:04X}"
 
 
+def _byte_mask(offset: int, bits: int, byte_masks: bool) -> tuple[int, str, int]:
+  """``(shift, mask, exponent)`` of the pair at bit ``offset`` of each 16-bit half.
+
+  Plain: shift by ``offset``, mask the low ``bits``: the value is ``code``.
+  ``byte_masks``: shift by whole bytes only and mask the code where it sits in
+  its byte: ``code * 2**(offset % 8)`` (as a bf16 subnormal, or the first
+  normal binade for bit 7: both are spaced 2**-133, so the value is exact).
+  """
+  base = _MASK[bits]
+  if not byte_masks:
+    return offset, base, 0
+  inner = offset % 8
+  lo = int(base[2:6], 16) << inner
+  return offset - inner, f"0x{lo:04X}{lo:04X}", inner
+
+
 def code_permutation(head_dim: int, bits: int = 4) -> np.ndarray:
   """``perm[col]``: the channel that MMA column ``col`` holds after `dequant_codes`."""
   if head_dim not in (64, 128):
@@ -162,7 +178,7 @@ def _code_tile(codes_smem, head_dim: int, bits: int, head_dims) -> tuple[int, in
 
 
 def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zero_smem=None,
-                  *, subnormal: bool = False):
+                  *, subnormal: bool = False, byte_masks: bool = False):
   """``[rows, D]`` bfloat16 codes (WGMMA layout) of a ``[rows, D*bits/8]`` uint8 smem tile.
 
   ``rows`` is 64 or 128 (two warpgroup row tiles).
@@ -182,11 +198,20 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
   registers hold ``code * 2**-SUBNORMAL_EXP`` (no affine) or ``(code * scale
   + zero) * 2**-K_SHIFT`` (with one: each thread scales its scale/zero pairs by
   exact powers of two once per tile); see `K_SHIFT` for the range.
+
+  ``byte_masks`` (with ``subnormal`` and an affine): each word is shifted by
+  whole bytes only (one shift per two 4-bit or four 2-bit pairs) and a code
+  masked where it sits in its byte is ``code * 2**(b - 133)`` for its bit
+  offset ``b``; the pair's scale is prescaled by ``2**-b`` more, so the
+  registers are the same values as without (`_byte_mask`).
   """
   width, rows = _code_tile(codes_smem, head_dim, bits, (64, 128))
   affine = scale_smem is not None
   if affine != (zero_smem is not None):
     raise ValueError("pass both scale_smem and zero_smem, or neither")
+  if byte_masks and not (subnormal and affine):
+    raise ValueError("byte_masks needs subnormal=True and the scale/zero rows (the "
+                     "pair's power of two goes into its scale)")
   rows_f16 = False
   if affine:
     for name, ref in (("scale_smem", scale_smem), ("zero_smem", zero_smem)):
@@ -198,12 +223,17 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
   span = width // 4
   words = span // 4
   pairs = 16 // bits
+  # Pair k of a word: (shift, mask, exponent of the power of two it carries).
+  pair_src = [_byte_mask(bits * k, bits, byte_masks) for k in range(pairs)]
   if subnormal:
-    asm = (_ASM_SUB_AFFINE if affine else _ASM_SUB).format(mask=_MASK[bits])
-    prescale = {"s": _ASM_POW2.format(factor=_bf16_pow2_pair(SUBNORMAL_EXP - K_SHIFT)),
-                "z": _ASM_POW2.format(factor=_bf16_pow2_pair(-K_SHIFT))}
+    asm = [(_ASM_SUB_AFFINE if affine else _ASM_SUB).format(mask=mask)
+           for _, mask, _ in pair_src]
+    prescale = {("s", k): _ASM_POW2.format(factor=_bf16_pow2_pair(SUBNORMAL_EXP - K_SHIFT - e))
+                for k, (_, _, e) in enumerate(pair_src)}
+    prescale.update({("z", k): _ASM_POW2.format(factor=_bf16_pow2_pair(-K_SHIFT))
+                     for k in range(pairs)})
   else:
-    asm = (_ASM_AFFINE if affine else _ASM).format(mask=_MASK[bits])
+    asm = [(_ASM_AFFINE if affine else _ASM).format(mask=mask) for _, mask, _ in pair_src]
   # Register (m, j, 0, 0, half, 0...) = columns 8 j + 2 (lane % 4) + {0, 1} of
   # row 64 m + 16 warp + lane // 4 + 8 half: WGMMA_LAYOUT's tiling as of jax
   # 0.10-0.11.
@@ -246,9 +276,10 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
           for off in (0, 1):  # channels (base + off, base + off + 2) as one bf16 pair
             asm_pair = (_PAIR_F16 if rows_f16 else _PAIR_BF16)[off]
             pair = llvm.inline_asm(i32, [lo, hi], asm_pair, "=r,r,r")
+            k = plane + planes * off
             if subnormal:
-              pair = llvm.inline_asm(i32, [pair], prescale[name], "=r,r")
-            affine_pairs[name, w, plane + planes * off] = pair
+              pair = llvm.inline_asm(i32, [pair], prescale[name, k], "=r,r")
+            affine_pairs[name, w, k] = pair
     for m, half in itertools.product(range(rows // _ROWS), range(2)):
       row = arith.index_cast(index, arith.addi(row0, mgpu_utils.c(_ROWS * m + 8 * half, i32)))
       raw = vector.load(ir.VectorType.get((span,), ir.IntegerType.get_signless(8)), ref,
@@ -256,13 +287,17 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
       packed = vector.bitcast(ir.VectorType.get((words,), i32), raw)
       for w in range(words):
         word = vector.extract(packed, [], [w])
+        shifted_by = {0: word}
         for k in range(pairs):
-          shifted = arith.shrui(word, mgpu_utils.c(bits * k, i32)) if k else word
+          shift = pair_src[k][0]
+          if shift not in shifted_by:
+            shifted_by[shift] = arith.shrui(word, mgpu_utils.c(shift, i32))
+          shifted = shifted_by[shift]
           if rows_refs:
             pair = llvm.inline_asm(i32, [shifted, affine_pairs["s", w, k],
-                                         affine_pairs["z", w, k]], asm, "=r,r,r,r")
+                                         affine_pairs["z", w, k]], asm[k], "=r,r,r,r")
           else:
-            pair = llvm.inline_asm(i32, [shifted], asm, "=r,r")
+            pair = llvm.inline_asm(i32, [shifted], asm[k], "=r,r")
           regs[(m, pairs * w + k, 0, 0, half) + (0,) * (regs.ndim - 5)] = (
               mgpu_utils.bitcast(pair, bf16x2))
     return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
@@ -306,18 +341,41 @@ def vt_permutation(head_dim: int = 128, bits: int = 4) -> np.ndarray:
   return perm
 
 
-def registers_t_reference(codes: np.ndarray, bits: int = 4) -> np.ndarray:
+def registers_t_reference(codes: np.ndarray, bits: int = 4, *,
+                          byte_masks: bool = False) -> np.ndarray:
   """``[D, rows]`` float values `dequant_codes_t` holds for ``codes [rows, D bits/8]``:
-  the code of channel ``vt_permutation()[row]`` at each token (column)."""
+  the code of channel ``vt_permutation()[row]`` at each token (column); with
+  ``byte_masks`` times `vt_row_factors` (in units of ``2**-SUBNORMAL_EXP``)."""
   codes = np.asarray(codes)
   mask = (1 << bits) - 1
   channels = np.concatenate([(codes >> (bits * p)) & mask for p in range(8 // bits)],
                             axis=-1).astype(np.float32)                  # [rows, D] planar
-  return channels[:, vt_permutation(codes.shape[-1] * 8 // bits, bits)].T
+  out = channels[:, vt_permutation(codes.shape[-1] * 8 // bits, bits)].T
+  if byte_masks:
+    out = out * vt_row_factors(codes.shape[-1] * 8 // bits, bits)[:, None]
+  return out
+
+
+def _vt_shifts(bits: int) -> list[int]:
+  """Bit offset of pair ``k`` (row group ``(m, half) = divmod(k, 2)``) in the
+  16-bit units `dequant_codes_t` reads (after the 2-bit plane shift)."""
+  return [4 * k for k in range(4)] if bits == 4 else [8 * (k // 2) + 2 * (k % 2)
+                                                      for k in range(4)]
+
+
+def vt_row_factors(head_dim: int = 128, bits: int = 4) -> np.ndarray:
+  """``[D]`` powers of two `dequant_codes_t(byte_masks=True)` leaves on its rows:
+  ``2**bits`` on the rows with ``half = 1`` (``row % 16 >= 8``), 1 elsewhere;
+  `scale_halves` takes them back off the value MMA's accumulator."""
+  exps = [_byte_mask(s, bits, True)[2] for s in _vt_shifts(bits)]
+  if exps != [0, bits, 0, bits]:
+    raise AssertionError(f"unexpected byte-mask exponents {exps}")
+  row = np.arange(head_dim)
+  return np.where(row % 16 >= 8, 2.0 ** bits, 1.0)
 
 
 def dequant_codes_t(codes_smem, head_dim: int = 128, bits: int = 4, *, swizzle: int = 0,
-                    subnormal: bool = False):
+                    subnormal: bool = False, byte_masks: bool = False):
   """``[D, rows]`` bfloat16 codes (WGMMA layout) of a ``[rows, D bits/8]`` uint8 smem
   tile of 4/2-bit codes: the *transposed* tile, as the register A operand of
   ``O^T += V^T P^T`` (tokens on the MMA's K axis), with no shared-memory store.
@@ -339,18 +397,24 @@ def dequant_codes_t(codes_smem, head_dim: int = 128, bits: int = 4, *, swizzle: 
 
   ``subnormal``: registers hold ``code * 2**-SUBNORMAL_EXP`` (one ``and`` per
   pair); the caller scales ``P`` up and the product back down.
+
+  ``byte_masks`` (with ``subnormal``): one shift by a whole byte per word, each
+  code masked where it sits in its byte; rows with ``half = 1`` then hold
+  ``2**bits`` times their codes (`vt_row_factors`), which the caller takes
+  off the product (`scale_halves`).
   """
   width, rows = _code_tile(codes_smem, head_dim, bits, (128,))
+  if byte_masks and not subnormal:
+    raise ValueError("byte_masks needs subnormal=True")
   if swizzle not in (0, width):
     raise ValueError(f"swizzle={swizzle} must be 0 or {width} (the row width)")
   want_regs = (head_dim // _ROWS, rows // 8, 1, 1, 2) + (1,) * 4
   if fa.WGMMA_LAYOUT.registers_shape((head_dim, rows)) != want_regs:
     raise NotImplementedError("WGMMA_LAYOUT's register tiling changed; dequant_codes_t assumes "
                               f"{want_regs}")
-  asm = (_ASM_SUB if subnormal else _ASM).format(mask=_MASK[bits])
-  # Pair k of a (pre-shifted) word: its bit offset.
-  shifts = [4 * k for k in range(4)] if bits == 4 else [8 * (k // 2) + 2 * (k % 2)
-                                                        for k in range(4)]
+  # Pair k of a (pre-shifted) word: (shift, mask, exponent).
+  pair_src = [_byte_mask(s, bits, byte_masks) for s in _vt_shifts(bits)]
+  asm = [(_ASM_SUB if subnormal else _ASM).format(mask=mask) for _, mask, _ in pair_src]
   body_type = plgpu.ShapeDtypeStruct((head_dim, rows), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
   transforms = ((plgpu.TilingTransform((8, width)), plgpu.SwizzleTransform(width))
                 if swizzle else ())
@@ -383,10 +447,13 @@ def dequant_codes_t(codes_smem, head_dim: int = 128, bits: int = 4, *, swizzle: 
         if plane_shift is not None:
           word = arith.shrui(word, plane_shift)
         j = t0 // 8 + mat
+        shifted_by = {0: word}
         for k in range(4):
           m, half = divmod(k, 2)
-          shifted = arith.shrui(word, c(shifts[k])) if shifts[k] else word
-          pair = llvm.inline_asm(i32, [shifted], asm, "=r,r")
+          shift = pair_src[k][0]
+          if shift not in shifted_by:
+            shifted_by[shift] = arith.shrui(word, c(shift))
+          pair = llvm.inline_asm(i32, [shifted_by[shift]], asm[k], "=r,r")
           regs[(m, j, 0, 0, half) + (0,) * (regs.ndim - 5)] = mgpu_utils.bitcast(pair, bf16x2)
     return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
@@ -588,6 +655,31 @@ def widen_columns(x, columns: int, fill: float = 0.0):
   return body(x)
 
 
+def scale_halves(x, lo: float, hi: float):
+  """``x`` (a float32 WGMMA-layout array) times ``lo`` on rows with ``row % 16 < 8``
+  and ``hi`` on the others: one multiply per register, the factor picked by the
+  register's row half at trace time (`dequant_codes_t`'s ``byte_masks``)."""
+  rows, cols = x.shape
+  regs_shape = fa.WGMMA_LAYOUT.registers_shape((rows, cols))
+  if regs_shape[2:5] != (1, 1, 2) or any(d != 1 for d in regs_shape[5:]):
+    raise NotImplementedError(f"WGMMA_LAYOUT's register tiling changed: {regs_shape}")
+
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WGMMA,),
+      return_type=plgpu.ShapeDtypeStruct((rows, cols), x.dtype, layout=plgpu.Layout.WGMMA))
+  def body(_, arr):
+    vec_ty = arr.registers.flat[0].type
+    elem = ir.VectorType(vec_ty).element_type
+    factors = [arith.constant(vec_ty, ir.DenseElementsAttr.get_splat(
+        vec_ty, ir.FloatAttr.get(elem, f))) for f in (lo, hi)]
+    regs = np.empty(regs_shape, dtype=object)
+    for idx in np.ndindex(regs_shape):
+      regs[idx] = arith.mulf(arr.registers[idx], factors[idx[4]])
+    return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+  return body(x)
+
+
 def warpgroup_any(flags, flag_smem) -> None:
   """OR of a WGMMA-layout int32 array over this warpgroup, into ``flag_smem[0]``.
 
@@ -634,9 +726,10 @@ def _params():
   return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "subnormal"))
+@functools.partial(jax.jit, static_argnames=("bits", "subnormal", "byte_masks"))
 def probe_dequant(codes: jax.Array, scale: jax.Array | None = None, zero: jax.Array | None = None,
-                  *, bits: int = 4, subnormal: bool = False) -> jax.Array:
+                  *, bits: int = 4, subnormal: bool = False,
+                  byte_masks: bool = False) -> jax.Array:
   """``[64, D*bits/8]`` uint8 -> the ``[64, D]`` bf16 registers of `dequant_codes` (a probe).
 
   With ``scale`` and ``zero`` (bf16 ``[1, D]``, channel order) the registers
@@ -661,8 +754,8 @@ def probe_dequant(codes: jax.Array, scale: jax.Array | None = None, zero: jax.Ar
       out_gmem, codes_smem, out_smem, barrier = refs
       extra = ()
     _copy_in(((codes_gmem, codes_smem),), barrier)
-    _write_out(dequant_codes(codes_smem, head_dim, bits, *extra, subnormal=subnormal), out_smem,
-               out_gmem)
+    _write_out(dequant_codes(codes_smem, head_dim, bits, *extra, subnormal=subnormal,
+                             byte_masks=byte_masks), out_smem, out_gmem)
 
   rows_smem = [plgpu.SMEM((1, head_dim), x.dtype) for x in rows_in]
   return plgpu.kernel(
@@ -671,7 +764,8 @@ def probe_dequant(codes: jax.Array, scale: jax.Array | None = None, zero: jax.Ar
                      plgpu.SMEM((rows, head_dim), jnp.bfloat16), plgpu.Barrier()],
       compiler_params=_params(),
       kernel_name=f"jaxkv_probe_dequant_{bits}{'_affine' if rows_in else ''}"
-                  f"{'_sub' if subnormal else ''}")(codes, *rows_in)
+                  f"{'_sub' if subnormal else ''}{'_bytes' if byte_masks else ''}")(
+                      codes, *rows_in)
 
 
 @jax.jit
@@ -752,15 +846,16 @@ def probe_scores(codes: jax.Array, q: jax.Array, scale: jax.Array | None = None,
                   f"{'_sub' if subnormal else ''}")(codes, q_perm, *rows_in)
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "swizzle", "subnormal"))
+@functools.partial(jax.jit, static_argnames=("bits", "swizzle", "subnormal", "byte_masks"))
 def probe_pv(codes: jax.Array, p_t: jax.Array, *, bits: int = 4, swizzle: int = 0,
-             subnormal: bool = False) -> jax.Array:
+             subnormal: bool = False, byte_masks: bool = False) -> jax.Array:
   """``O^T [D, N] = codes^T @ p_t`` through `dequant_codes_t` as the wgmma A operand
   (a probe); ``codes [64 | 128, D bits/8]`` uint8, ``p_t [rows, N]`` bf16, N a
   multiple of 16; ``swizzle`` 0 or the row width. Rows come out in
   `vt_permutation` order. ``subnormal``: subnormal codes, ``p_t`` times
   ``2**P_SHIFT`` and the product times ``2**(SUBNORMAL_EXP - P_SHIFT)``, as
-  the attention kernel does."""
+  the attention kernel does; ``byte_masks`` (with ``subnormal``) takes
+  `vt_row_factors` off the product with `scale_halves`, as the kernel does."""
   rows, width = codes.shape
   head_dim = width * 8 // bits
   n = p_t.shape[1]
@@ -773,14 +868,18 @@ def probe_pv(codes: jax.Array, p_t: jax.Array, *, bits: int = 4, swizzle: int = 
 
   def kernel(codes_gmem, p_gmem, out_gmem, codes_smem, p_smem, out_smem, barrier):
     _copy_in(((codes_gmem, codes_smem), (p_gmem, p_smem)), barrier)
-    a = dequant_codes_t(codes_smem, head_dim, bits, swizzle=swizzle, subnormal=subnormal)
+    a = dequant_codes_t(codes_smem, head_dim, bits, swizzle=swizzle, subnormal=subnormal,
+                        byte_masks=byte_masks)
 
     def mma(acc_ref):
       plgpu.wgmma(acc_ref, a, p_smem)
       return acc_ref[...]
 
     out = pl.run_scoped(mma, plgpu.ACC((head_dim, n), jnp.float32))
-    if subnormal:
+    if byte_masks:
+      shift = SUBNORMAL_EXP - P_SHIFT
+      out = scale_halves(out, 2.0 ** shift, 2.0 ** (shift - bits))
+    elif subnormal:
       out = out * (2.0 ** (SUBNORMAL_EXP - P_SHIFT))
     _write_out(out, out_smem, out_gmem)
 
@@ -790,11 +889,12 @@ def probe_pv(codes: jax.Array, p_t: jax.Array, *, bits: int = 4, swizzle: int = 
                      plgpu.SMEM((rows, n), jnp.bfloat16, transforms=p_transforms),
                      plgpu.SMEM((head_dim, n), jnp.float32), plgpu.Barrier()],
       compiler_params=_params(),
-      kernel_name=f"jaxkv_probe_pv_{bits}_sw{swizzle}{'_sub' if subnormal else ''}")(
+      kernel_name=f"jaxkv_probe_pv_{bits}_sw{swizzle}{'_sub' if subnormal else ''}"
+                  f"{'_bytes' if byte_masks else ''}")(
           codes, p_t * jnp.asarray(2.0 ** P_SHIFT, p_t.dtype) if subnormal else p_t)
 
 
 __all__ = ["K_SHIFT", "P_SHIFT", "SUBNORMAL_EXP", "code_permutation", "dequant_codes", "dequant_codes_t", "gather_codebook",
            "gather_reference", "probe_dequant", "probe_gather", "probe_pv", "probe_scores",
-           "registers_reference", "registers_t_reference", "vq_book_rows", "vq_permutation",
-           "vt_permutation", "warpgroup_any", "widen_columns"]
+           "registers_reference", "registers_t_reference", "scale_halves", "vq_book_rows",
+           "vq_permutation", "vt_permutation", "vt_row_factors", "warpgroup_any", "widen_columns"]

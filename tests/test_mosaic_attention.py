@@ -147,6 +147,10 @@ def test_mosaic_attention(name, b, hkv, group, d, s, lengths, capacity, dtype):
   twins = (configs[-1], dataclasses.replace(configs[-1], subnormal_k=False,
                                                 subnormal_v=False))
   configs.append(twins[1])
+  # Codes masked where they sit in their bytes (one shift per word): K's
+  # registers are the subnormal path's, V's product rows come back by powers of two.
+  byte_twin = dataclasses.replace(twins[0], byte_masks=True)
+  configs.append(byte_twin)
   if not ON_HOPPER:
     for config in configs:
       _assert_lowers(q, cache, config)
@@ -160,9 +164,11 @@ def test_mosaic_attention(name, b, hkv, group, d, s, lengths, capacity, dtype):
     assert np.isfinite(out).all(), f"{config=}"
     assert err < _TOL[dtype], f"{config=}: max rel err {err:.2e}"
     outs[config] = out
-  a, b = outs[twins[0]], outs[twins[1]]
   ulp = 2.0 ** -(7 if dtype == jnp.bfloat16 else 10)  # one unit, relative
-  np.testing.assert_array_less(np.abs(a - b), ulp * np.maximum(np.abs(a), np.abs(b)) + 1e-30)
+  for other in (twins[1], byte_twin):
+    a, b = outs[twins[0]], outs[other]
+    np.testing.assert_array_less(np.abs(a - b), ulp * np.maximum(np.abs(a), np.abs(b)) + 1e-30,
+                                 err_msg=f"{other=}")
   # And through the public entry point with the default config.
   got = jaxkv.decode_attention(q, cache, implementation="mosaic")
   err2 = np.abs(np.asarray(got, np.float64) - ref).max() / np.abs(ref).max()
@@ -185,7 +191,7 @@ def test_mosaic_magnitudes(name, k_mag, v_mag):
   config = ma.MosaicAttentionConfig.default(
       batch=2, tokens=1024, kv_heads=2, k_bits=fmt.k_bits, v_bits=fmt.v_bits,
       token_group=fmt.token_group, residual=fmt.residual)
-  assert config.subnormal_k == config.subnormal_v == (name == "kivi4")
+  assert config.subnormal_k == config.subnormal_v == (name in ("kivi4", "kivi2"))
   if not ON_HOPPER:
     _assert_lowers(q, cache, config)
     return
@@ -254,8 +260,8 @@ def test_default_config_per_format(name, tokens, block_k, stages):
       batch=1, tokens=tokens, kv_heads=8, k_bits=fmt.k_bits, v_bits=fmt.v_bits,
       token_group=fmt.token_group, residual=fmt.residual)
   assert (config.block_k, config.max_concurrent_steps) == (block_k, stages)
-  # 4-bit K and V: subnormal codes; in 128-token blocks at small batch V after the softmax
-  assert config.subnormal_k == config.subnormal_v == (name == "kivi4")
+  # 4-bit or 2-bit K and V: subnormal codes; kivi4 in 128-token blocks at small batch V after the softmax
+  assert config.subnormal_k == config.subnormal_v == (name in ("kivi4", "kivi2"))
   assert config.early_v == (name != "kivi4" or block_k == 64)
   # The default always fits the format (dispatch checks supports() with it).
   ok, why = ma.supports(SideSpec.of(fmt, "k", 128), SideSpec.of(fmt, "v", 128), head_dim=128,

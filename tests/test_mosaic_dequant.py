@@ -237,3 +237,74 @@ def test_subnormal_transposed_codes_equal_the_plain_path(bits, rows, n, swizzle)
   # meet the float64 oracle.
   np.testing.assert_allclose(plain, want, rtol=0, atol=1e-5 * np.abs(want).max())
   np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+# ------------------------------------------------ byte masks (subnormal codes, one shift a word)
+def test_byte_mask_pairs():
+  """Each pair's (shift, mask, exponent): whole-byte shifts, the code masked in place;
+  the mask picks the same bits as shift-then-mask, and the value is the code times
+  2**exponent (bf16 subnormals and the first normal binade share the spacing)."""
+  for bits in (4, 2):
+    low = (1 << bits) - 1
+    for offset in range(0, 16, bits):
+      shift, mask, e = md._byte_mask(offset, bits, True)
+      assert shift % 8 == 0 and e == offset - shift
+      assert int(mask, 16) == ((low << e) | (low << (16 + e)))
+      # every code value in place: the bf16 bit pattern's value in units of 2**-133
+      for code in range(1 << bits):
+        pattern = code << e
+        exp_field, mant = pattern >> 7, pattern & 127
+        value = mant if exp_field == 0 else (128 + mant) * 2 ** (exp_field - 1)
+        assert value == code * 2 ** e
+    assert md._byte_mask(12, bits, False) == (12, md._MASK[bits], 0)
+  np.testing.assert_array_equal(md.vt_row_factors(128, 4)[[0, 7, 8, 15, 16, 72]],
+                                [1, 1, 16, 16, 1, 16])
+
+
+@pytest.mark.parametrize("head_dim,bits,rows,rows_dtype", [
+    (64, 4, 64, jnp.bfloat16), (128, 4, 128, jnp.float16), (128, 2, 128, jnp.bfloat16),
+    (64, 2, 64, jnp.float16)])
+def test_byte_mask_registers_equal_subnormal(head_dim, bits, rows, rows_dtype):
+  """``byte_masks``: K registers (with the affine) are the subnormal path's, bit for bit."""
+  codes = _codes(head_dim * bits // 8, 7 * head_dim + bits + rows, rows)
+  rng = np.random.default_rng(rows + 3 * bits)
+  scale = jnp.asarray(rng.uniform(0.01, 0.5, (1, head_dim)), rows_dtype)
+  zero = jnp.asarray(rng.normal(0.0, 2.0, (1, head_dim)), rows_dtype)
+  probe = jax.jit(md.probe_dequant, static_argnames=("bits", "subnormal", "byte_masks"))
+  with pytest.raises(ValueError, match="byte_masks"):
+    probe.trace(codes, bits=bits, subnormal=True, byte_masks=True).lower(
+        lowering_platforms=("cuda",))
+  if not ON_HOPPER:
+    probe.trace(codes, scale, zero, bits=bits, subnormal=True, byte_masks=True).lower(
+        lowering_platforms=("cuda",))
+    return
+  got = np.asarray(probe(codes, scale, zero, bits=bits, subnormal=True, byte_masks=True),
+                   np.float64)
+  want = md.registers_reference(np.asarray(codes), bits, np.asarray(scale, np.float64),
+                                np.asarray(zero, np.float64))
+  tiny = np.abs(want) < 2.0 ** -62
+  np.testing.assert_array_equal(np.where(tiny, 0, got * 2.0 ** md.K_SHIFT),
+                                np.where(tiny, 0, want))
+  sub = np.asarray(probe(codes, scale, zero, bits=bits, subnormal=True), np.float64)
+  np.testing.assert_array_equal(got, sub)
+
+
+@pytest.mark.parametrize("bits,rows,n,swizzle", [(4, 128, 16, 64), (2, 128, 16, 32),
+                                                 (4, 64, 32, 0), (2, 64, 16, 0)])
+def test_byte_mask_transposed_codes(bits, rows, n, swizzle):
+  """``dequant_codes_t(byte_masks=True)``: the product with P, its rows' powers of two
+  taken off by `scale_halves`, meets the float64 product of the codes with P."""
+  codes = _codes(128 * bits // 8, 13 * bits + rows + n, rows)
+  p_t = (jax.random.uniform(jax.random.PRNGKey(rows + 5), (rows, n), jnp.float32)
+         * jnp.exp2(jax.random.randint(jax.random.PRNGKey(n + 5), (rows, 1), -20, 20))
+         ).astype(jnp.bfloat16)
+  probe = jax.jit(md.probe_pv, static_argnames=("bits", "swizzle", "subnormal", "byte_masks"))
+  if not ON_HOPPER:
+    probe.trace(codes, p_t, bits=bits, swizzle=swizzle, subnormal=True, byte_masks=True).lower(
+        lowering_platforms=("cuda",))
+    return
+  got = np.asarray(probe(codes, p_t, bits=bits, swizzle=swizzle, subnormal=True,
+                         byte_masks=True), np.float64)
+  want = md.registers_t_reference(np.asarray(codes), bits).astype(np.float64) @ np.asarray(
+      p_t, np.float64)
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
