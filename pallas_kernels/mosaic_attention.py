@@ -228,11 +228,11 @@ class MosaicAttentionConfig:
     # and with byte masks (one shift per word) for 2-bit too: whole call, H100,
     # kivi2 55.0 vs 61.8 us at (1, 131072), 106.8 vs 121.1 at (8, 32768), 558.6
     # vs 643.5 at (48, 32768); kivi4 64.5 vs 67.5, 120.4 vs 126.8, 670.8 vs 674.0
-    # (`attention-ab-byte-masks-20261126-*`). Without byte masks kivi2 lost
-    # with subnormal codes on either side (1304 vs 1226 at (96, 32768)).
-    subnormal = (k_bits, v_bits) in ((4, 4), (2, 2))
-    return cls(block_k=block_k, num_splits=splits, max_concurrent_steps=stages, early_v=early_v,
-               subnormal_k=subnormal, subnormal_v=subnormal)
+    # (`attention-ab-byte-masks-20261126-*`); k8v4's 4-bit V 1-2 % faster
+    # (`attention-ab-k8v4-byte-masks-20261126-*`). Without byte masks kivi2
+    # lost with subnormal codes on either side (1304 vs 1226 at (96, 32768)).
+    # So the fields' defaults (on) stand for every format.
+    return cls(block_k=block_k, num_splits=splits, max_concurrent_steps=stages, early_v=early_v)
 
 
 def one_wave_splits(slots: int, heads: int, blocks: int, fill_waves: bool = True) -> int:

@@ -191,7 +191,7 @@ def test_mosaic_magnitudes(name, k_mag, v_mag):
   config = ma.MosaicAttentionConfig.default(
       batch=2, tokens=1024, kv_heads=2, k_bits=fmt.k_bits, v_bits=fmt.v_bits,
       token_group=fmt.token_group, residual=fmt.residual)
-  assert config.subnormal_k == config.subnormal_v == (name in ("kivi4", "kivi2"))
+  assert config.subnormal_k and config.subnormal_v and config.byte_masks
   if not ON_HOPPER:
     _assert_lowers(q, cache, config)
     return
@@ -261,7 +261,7 @@ def test_default_config_per_format(name, tokens, block_k, stages):
       token_group=fmt.token_group, residual=fmt.residual)
   assert (config.block_k, config.max_concurrent_steps) == (block_k, stages)
   # 4-bit or 2-bit K and V: subnormal codes; kivi4 in 128-token blocks at small batch V after the softmax
-  assert config.subnormal_k == config.subnormal_v == (fmt.k_bits == fmt.v_bits <= 4)
+  assert config.subnormal_k and config.subnormal_v and config.byte_masks
   assert config.early_v == (name != "kivi4" or block_k == 64)
   # The default always fits the format (dispatch checks supports() with it).
   ok, why = ma.supports(SideSpec.of(fmt, "k", 128), SideSpec.of(fmt, "v", 128), head_dim=128,
