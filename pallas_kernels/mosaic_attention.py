@@ -135,6 +135,12 @@ class MosaicAttentionConfig:
       byte is ``code * 2**(b - 133)``. K's scales carry ``2**-b`` (same
       registers as without); V's rows with ``2**bits`` are divided back on the
       value product in ``finish`` (`mosaic_dequant.scale_halves`).
+    k_scale_in_q: (with byte-masked subnormal K registers, head_dim 128, N = 8
+      or 16 query rows) per-channel K scale and zero folded into the score
+      MMA's B operands each step (`mosaic_dequant.fold_k_operands`: ``q * s``
+      per column, ``q . z`` as an MMA of ones against per-thread partial sums),
+      so K's codes need no per-value ``fma`` and no scale-pair work; one more
+      fence + warpgroup barrier per step.
 
   Search space (`jaxkv.autotune`): block_k in {64, 128}, num_splits around
   the heuristic (x1/2, x1, x2), max_concurrent_steps in {2, 3, 4}.
@@ -154,6 +160,7 @@ class MosaicAttentionConfig:
   subnormal_k: bool = True
   subnormal_v: bool = True
   byte_masks: bool = True
+  k_scale_in_q: bool = False
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -955,12 +962,15 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
   sub_v = register_vt and config.subnormal_v   # P times 2**P_SHIFT, O^T times 2**-53
   bytes_k = sub_k and config.byte_masks        # codes masked in place in their bytes
   bytes_v = sub_v and config.byte_masks        # (V rows with half = 1: times 2**bits)
-  if sub_k:  # the K registers are (c s + z) 2**-K_SHIFT
+  # K's scale and zero in the score MMA's B operands (q stays unscaled)
+  fold_kq = (bytes_k and config.k_scale_in_q and head_dim == 128 and n_rows in (8, 16))
+  if sub_k and not fold_kq:  # the K registers are (c s + z) 2**-K_SHIFT
     qh = qh * jnp.asarray(2.0 ** mosaic_dequant.K_SHIFT, qh.dtype)
+  q_tiling = (q_tf[0].tiling[1], q_tf[1].swizzle)
   nk, nv = len(k_specs), len(v_specs)
 
   def attend(q_smem, k_tiles, v_tiles, pt_smem, vdq_smem, carry, *, token0, valid_below,
-             row_limit, q_sum, book_smems=None, flag_smem=None):
+             row_limit, q_sum, book_smems=None, flag_smem=None, fold_smems=None):
     """One online-softmax step over ``bk`` tokens (tokens on M).
 
     Folded scales (``config.fold_scales``): a per-token K side is applied to the
@@ -991,6 +1001,19 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
         x = mosaic_dequant.gather_codebook(k_tiles[0], book_smems[0], head_dim, k_vec,
                                            k_entries)
         plgpu.wgmma(acc_ref, x, _t(q_smem))
+      elif register_k and fold_smems is not None:
+        # codes only; q * scale and the zero term are the B operands (written here)
+        qsrc_smem, bias_smem = fold_smems
+        mosaic_dequant.fold_k_operands(qsrc_smem, k_tiles[1], k_tiles[2], q_smem, bias_smem,
+                                       bits=k_side.bits, q_tiling=q_tiling)
+        x = mosaic_dequant.dequant_codes(k_tiles[0], head_dim, k_side.bits, subnormal=True,
+                                         byte_masks=True)
+        plgpu.commit_smem()
+        plgpu.wgmma(acc_ref, x, _t(q_smem))
+        ones = plgpu.layout_cast(
+            jnp.full((bk, mosaic_dequant.FOLD_BIAS_COLUMNS), 1.0, jnp.bfloat16),
+            plgpu.Layout.WGMMA)
+        plgpu.wgmma(acc_ref, ones, _t(bias_smem))
       elif register_k:
         # code * scale + zero in registers; the scale/zero rows stay in channel order
         x = mosaic_dequant.dequant_codes(k_tiles[0], head_dim, k_side.bits, k_tiles[1],
@@ -1008,6 +1031,8 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       return acc_ref[...], vt
 
     s, vt = pl.run_scoped(scores, plgpu.ACC((bk, n_rows), f32))   # [bk, N]
+    if packed_k and fold_smems is not None:  # the folded MMAs' 2**-FOLD_SHIFT
+      s = s * (2.0 ** mosaic_dequant.FOLD_SHIFT)
     if packed_k and fold_k:
       ksc, kzr = _token_affine(k_tiles[1], k_tiles[2])
       s = (s * lax.broadcast_in_dim(ksc, s.shape, [0])
@@ -1058,7 +1083,8 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     kres_gmem, vres_gmem = refs[6:8]
     book_gmems, refs = refs[8:8 + len(books)], refs[8 + len(books):]
     o_gmem, l_gmem, m_gmem = refs[:3]
-    q_smem, pt_smem, flag_smem, barrier = refs[3:]
+    q_smem, pt_smem, flag_smem, barrier, *fold_smems = refs[3:]
+    fold_smems = tuple(fold_smems) if fold_kq else None
     # Query rows are the columns of the [bk, N] score tiles here.
     b, cb, h, j, length, packed, row_limit = _program_start(
         lengths_gmem, row0_gmem, q_gmem, q_smem, barrier, token_group=token_group,
@@ -1101,6 +1127,9 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       def run(*scoped):
         book_smems = scoped[:len(books)]
         vdq_smem = scoped[len(books)] if packed_vdq else None
+        if fold_kq:  # q (column order) kept apart: q_smem takes q * scale each step
+          plgpu.copy_gmem_to_smem(q_gmem.at[b, h], fold_smems[0], barrier)
+          plgpu.barrier_wait(barrier)
         for g, sm in zip(book_gmems, book_smems):  # a VQ head's codebooks, once
           plgpu.copy_gmem_to_smem(g.at[h], sm, barrier)
           plgpu.barrier_wait(barrier)
@@ -1110,6 +1139,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
           k_tiles = kt[0] if vq is None and k_side.bits == 16 else tuple(kt)
           v_tiles = vt[0] if vq is None and v_side.bits == 16 else tuple(vt)
           return attend(q_smem, k_tiles, v_tiles, pt_smem, vdq_smem, carry, token0=token0,
+                        fold_smems=fold_smems,
                         valid_below=packed, row_limit=row_limit, q_sum=q_sum,
                         book_smems=book_smems, flag_smem=flag_smem)
 
@@ -1156,6 +1186,10 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       plgpu.SMEM((bk, n_pv), dtype, transforms=v_tf),             # P^T
       plgpu.SMEM((1,), jnp.int32),                                # lazy-max flag
       plgpu.Barrier(),
+      *([plgpu.SMEM((n_rows, head_dim), dtype, transforms=q_tf),  # q kept apart (fold)
+         plgpu.SMEM((n_rows, mosaic_dequant.FOLD_BIAS_COLUMNS), jnp.bfloat16,
+                    transforms=_tiled(mosaic_dequant.FOLD_BIAS_COLUMNS, 16))]
+        if fold_kq else []),
       # the V value tile, the residual K tile and o^T, l, m are scoped (see the kernel)
   ]
   return plgpu.kernel(

@@ -202,16 +202,16 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
   ``byte_masks`` (with ``subnormal`` and an affine): each word is shifted by
   whole bytes only (one shift per two 4-bit or four 2-bit pairs) and a code
   masked where it sits in its byte is ``code * 2**(b - 133)`` for its bit
-  offset ``b``; the pair's scale is prescaled by ``2**-b`` more, so the
-  registers are the same values as without (`_byte_mask`).
+  offset ``b``; with an affine the pair's scale is prescaled by ``2**-b`` more,
+  so the registers are the same values as without (`_byte_mask`); without
+  one they hold ``code * 2**(b - 133)`` (`code_column_exponents`).
   """
   width, rows = _code_tile(codes_smem, head_dim, bits, (64, 128))
   affine = scale_smem is not None
   if affine != (zero_smem is not None):
     raise ValueError("pass both scale_smem and zero_smem, or neither")
-  if byte_masks and not (subnormal and affine):
-    raise ValueError("byte_masks needs subnormal=True and the scale/zero rows (the "
-                     "pair's power of two goes into its scale)")
+  if byte_masks and not subnormal:
+    raise ValueError("byte_masks needs subnormal=True")
   rows_f16 = False
   if affine:
     for name, ref in (("scale_smem", scale_smem), ("zero_smem", zero_smem)):
@@ -655,6 +655,172 @@ def widen_columns(x, columns: int, fill: float = 0.0):
   return body(x)
 
 
+def _tile_addr(base, row, col0, *, cols: int, tile_cols: int, swizzle: int):
+  """Shared address (i32) of elements ``[row, col0, col0 + 8)`` (one 16-byte chunk,
+  ``col0 % 8 == 0``) of a 16-bit ``[rows, cols]`` smem tile stored with
+  ``TilingTransform((8, tile_cols))`` and ``SwizzleTransform(swizzle)``
+  (``swizzle = 2 tile_cols`` bytes: 16-byte chunk ``c`` of tile row ``r`` at
+  chunk ``c ^ ((r swizzle >> 7) & (swizzle / 16 - 1))``: the address bits 4-6
+  XORed with bits 7-9, as TMA and ``wgmma`` swizzle)."""
+  i32 = ir.IntegerType.get_signless(32)
+  c = lambda v: mgpu_utils.c(v, i32)  # noqa: E731
+  if swizzle != 2 * tile_cols or swizzle not in (32, 64, 128) or cols % tile_cols:
+    raise ValueError(f"tile ({tile_cols} columns, swizzle {swizzle}) does not fit {cols}")
+  tiles_per_row = cols // tile_cols
+  r = arith.andi(row, c(7))
+  tile = arith.addi(arith.muli(arith.shrui(row, c(3)), c(tiles_per_row)),
+                    arith.divui(col0, c(tile_cols)))
+  chunk = arith.shrui(arith.remui(col0, c(tile_cols)), c(3))
+  rbits = arith.andi(arith.shrui(arith.muli(r, c(swizzle)), c(7)), c(swizzle // 16 - 1))
+  phys = arith.xori(chunk, rbits)
+  off = arith.addi(arith.muli(tile, c(8 * swizzle)),
+                   arith.addi(arith.muli(r, c(swizzle)), arith.muli(phys, c(16))))
+  return arith.addi(base, off)
+
+
+_LD_V4 = "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];"
+_LD_V2 = "ld.shared.v2.b32 {$0, $1}, [$2];"
+_ST_V4 = "st.shared.v4.b32 [$0], {$1, $2, $3, $4};"
+_ST_B16 = "st.shared.b16 [$0], $1;"
+# One 16-bit half (bit offset $2: 0 or 16) of $1 as float32: float16 / bfloat16.
+_HALF_F32 = {
+    "float16": "{\n.reg .b32 t;\n.reg .b16 h;\nshr.b32 t, $1, $2;\ncvt.u16.u32 h, t;\n"
+               "cvt.f32.f16 $0, h;\n}",
+    "bfloat16": "{\n.reg .b32 t;\nshr.b32 t, $1, $2;\nshl.b32 $0, t, 16;\n}",
+}
+FOLD_BIAS_COLUMNS = 32   # the zero term's MMA: K = 32 (hi and lo bf16 parts of 16 partials)
+FOLD_SHIFT = 64          # the folded scores come out times 2**-FOLD_SHIFT
+
+
+def fold_k_operands(q_smem, scale_smem, zero_smem, qs_smem, bias_smem, *, bits: int,
+                    q_tiling: tuple[int, int]) -> None:
+  """Per-channel K scale and zero folded into the score MMA's B operands (one tile).
+
+  With `dequant_codes(..., subnormal=True, byte_masks=True)` and no affine, K's
+  registers hold ``code * 2**(b - 133)`` (``b``: the column's bit offset in its
+  byte, `code_column_exponents`). Then ``S^T = (C s + z) q^T`` is
+  ``C (q s)^T + (q . z)`` per query row, and this writes both B operands:
+
+  - ``qs_smem [N, 128]`` (the layout of ``q_smem``, ``q_tiling = (tile columns,
+    swizzle)``): ``bf16(q * s * 2**(69 - b))`` per MMA column, so the code MMA
+    gives ``sum (q s c) * 2**-FOLD_SHIFT``;
+  - ``bias_smem [N, 32]`` (tiled ``(8, 32)``, swizzle 64): per query row ``n``
+    and 8-column chunk ``j``, ``p = 2**-FOLD_SHIFT sum_chunk q z`` as bfloat16
+    ``hi`` (column ``j``) and ``lo = bf16(p - hi)`` (column ``16 + j``), so an MMA
+    of ones ``[rows, 32]`` against it adds ``2**-FOLD_SHIFT q . z`` to every
+    token's score (the tensor core does the cross-thread sum).
+
+  ``q_smem`` holds q in the MMA's column order (`code_permutation`), unscaled;
+  ``scale_smem``/``zero_smem`` the group's ``[1, 128]`` rows in channel order
+  (float16 or bfloat16). Thread ``t`` takes (row, chunk) tasks ``t, t + 128,
+  ...`` of the ``N x 16`` (row ``id % N``, chunk ``id // N``): one 16-byte load of
+  q, four 8-byte loads of each row (the chunk's channels are four pairs
+  ``(x, x + 2)``), float32 products, one 16-byte store. The caller makes the
+  stores visible (``commit_smem``) before the MMAs.
+  """
+  n_rows, head_dim = q_smem.shape
+  if head_dim != 128 or n_rows % 8 or (n_rows * 16) % 128:
+    raise ValueError(f"fold_k_operands needs head_dim 128 and N * 16 a multiple of 128 "
+                     f"(q_smem {tuple(q_smem.shape)})")
+  if bits not in _MASK:
+    raise ValueError(f"bits={bits} must be 4 or 2")
+  if tuple(bias_smem.shape) != (n_rows, FOLD_BIAS_COLUMNS) or bias_smem.dtype != jnp.bfloat16:
+    raise ValueError(f"bias_smem must be bfloat16 [{n_rows}, {FOLD_BIAS_COLUMNS}], got "
+                     f"{bias_smem.dtype} {tuple(bias_smem.shape)}")
+  rows_dtype = jnp.dtype(scale_smem.dtype).name
+  if rows_dtype not in _HALF_F32 or zero_smem.dtype != scale_smem.dtype:
+    raise ValueError(f"scale/zero rows must be float16 or bfloat16 alike, got "
+                     f"{scale_smem.dtype}, {zero_smem.dtype}")
+  tile_cols, swizzle = q_tiling
+  width = head_dim * bits // 8
+  span = width // 4
+  pairs = 16 // bits
+  planes = 8 // bits
+  log_n = int(np.log2(n_rows))
+  if 1 << log_n != n_rows:
+    raise ValueError(f"N={n_rows} must be a power of two")
+
+  def body_fn(_, qref, sref, zref, qsref, bref):
+    i32 = ir.IntegerType.get_signless(32)
+    f32 = ir.F32Type.get()
+    c = lambda v: mgpu_utils.c(v, i32)  # noqa: E731
+    fc = lambda v: arith.constant(f32, ir.FloatAttr.get(f32, v))  # noqa: E731
+    ptr = lambda ref: llvm.ptrtoint(i32, mgpu_utils.memref_ptr(ref))  # noqa: E731
+    q_base, s_base, z_base, qs_base, b_base = map(ptr, (qref, sref, zref, qsref, bref))
+    tid = arith.remui(mgpu_utils.thread_idx(), c(128))
+    quad = llvm.StructType.get_literal([i32] * 4)
+    pair_ty = llvm.StructType.get_literal([i32] * 2)
+
+    def half_f32(word, shift, dtype):
+      return llvm.inline_asm(f32, [word, shift], _HALF_F32[dtype], "=f,r,r")
+
+    for it in range(n_rows * 16 // 128):
+      task = arith.addi(tid, c(128 * it))
+      n = arith.andi(task, c(n_rows - 1))
+      j = arith.shrui(task, c(log_n))                  # MMA columns [8 j, 8 j + 8)
+      w = arith.divui(j, c(pairs))
+      k = arith.remui(j, c(pairs))
+      plane = arith.remui(k, c(planes))
+      off16 = arith.muli(arith.divui(k, c(planes)), c(16))   # channel x + off: bit 16 off
+      # 2**(69 - b) with b = bits * plane (the code's bit offset in its byte)
+      factor = arith.bitcast(f32, arith.shli(
+          arith.subi(c(127 + SUBNORMAL_EXP - FOLD_SHIFT), arith.muli(plane, c(bits))), c(23)))
+      col0 = arith.muli(j, c(8))
+      q_addr = _tile_addr(q_base, n, col0, cols=head_dim, tile_cols=tile_cols, swizzle=swizzle)
+      qs_addr = _tile_addr(qs_base, n, col0, cols=head_dim, tile_cols=tile_cols,
+                           swizzle=swizzle)
+      qw = llvm.inline_asm(quad, [q_addr], _LD_V4, "=r,=r,=r,=r,r")
+      partial = fc(0.0)
+      out = []
+      for cc in range(4):
+        # channels base + off and base + off + 2 are columns 8 j + 2 cc + {0, 1}
+        base = arith.addi(arith.muli(plane, c(width)),
+                          arith.addi(c(cc * span), arith.muli(w, c(4))))
+        word_q = llvm.extractvalue(i32, qw, [cc])
+        qv = [half_f32(word_q, c(16 * e), "bfloat16") for e in (0, 1)]
+        rows = []
+        for rbase in (s_base, z_base):
+          got = llvm.inline_asm(pair_ty, [arith.addi(rbase, arith.muli(base, c(2)))], _LD_V2,
+                                "=r,=r,r")
+          rows.append([half_f32(llvm.extractvalue(i32, got, [e]), off16, rows_dtype)
+                       for e in (0, 1)])
+        sv, zv = rows
+        prod = [arith.mulf(arith.mulf(qv[e], sv[e]), factor) for e in (0, 1)]
+        out.append(llvm.inline_asm(i32, [prod[1], prod[0]], "cvt.rn.bf16x2.f32 $0, $1, $2;",
+                                   "=r,f,f"))
+        for e in (0, 1):
+          partial = arith.addf(partial, arith.mulf(qv[e], zv[e]))
+      llvm.inline_asm(ir.Type.parse("!llvm.void"), [qs_addr, *out], _ST_V4, "r,r,r,r,r",
+                      has_side_effects=True)
+      partial = arith.mulf(partial, fc(2.0 ** -FOLD_SHIFT))
+      hi = llvm.inline_asm(i32, [partial], "cvt.rn.bf16x2.f32 $0, $1, $1;", "=r,f")
+      hi_f = llvm.inline_asm(f32, [hi], "shl.b32 $0, $1, 16;", "=f,r")
+      lo = llvm.inline_asm(i32, [arith.subf(partial, hi_f)],
+                           "cvt.rn.bf16x2.f32 $0, $1, $1;", "=r,f")
+      for col, val in ((j, hi), (arith.addi(j, c(16)), lo)):
+        chunk0 = arith.muli(arith.shrui(col, c(3)), c(8))
+        addr = _tile_addr(b_base, n, chunk0, cols=FOLD_BIAS_COLUMNS, tile_cols=32, swizzle=64)
+        addr = arith.addi(addr, arith.muli(arith.andi(col, c(7)), c(2)))
+        llvm.inline_asm(ir.Type.parse("!llvm.void"), [addr, val],
+                        "{\n.reg .b16 h;\ncvt.u16.u32 h, $1;\nst.shared.b16 [$0], h;\n}",
+                        "r,r", has_side_effects=True)
+
+  tf = lambda tc, sw: (plgpu.TilingTransform((8, tc)), plgpu.SwizzleTransform(sw))  # noqa: E731
+  plgpu.inline_mgpu(arg_types=(plgpu.RefType(tf(tile_cols, swizzle)), plgpu.RefType(),
+                               plgpu.RefType(), plgpu.RefType(tf(tile_cols, swizzle)),
+                               plgpu.RefType(tf(32, 64))))(body_fn)(
+                                   q_smem, scale_smem, zero_smem, qs_smem, bias_smem)
+
+
+def code_column_exponents(head_dim: int, bits: int = 4) -> np.ndarray:
+  """``[D]``: the power of two ``b`` `dequant_codes(byte_masks=True)` leaves on each
+  MMA column (the code's bit offset in its byte; 0 without byte masks)."""
+  pairs = 16 // bits
+  cols = np.arange(head_dim)
+  k = (cols // 8) % pairs
+  return (bits * k) % 8
+
+
 def scale_halves(x, lo: float, hi: float):
   """``x`` (a float32 WGMMA-layout array) times ``lo`` on rows with ``row % 16 < 8``
   and ``hi`` on the others: one multiply per register, the factor picked by the
@@ -846,6 +1012,53 @@ def probe_scores(codes: jax.Array, q: jax.Array, scale: jax.Array | None = None,
                   f"{'_sub' if subnormal else ''}")(codes, q_perm, *rows_in)
 
 
+@functools.partial(jax.jit, static_argnames=("bits",))
+def probe_fold_scores(codes: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array, *,
+                      bits: int = 4) -> jax.Array:
+  """``S^T [rows, N]`` of ``(codes * scale + zero) @ q^T`` through the folded path (a
+  probe): `dequant_codes` (subnormal, byte masks, no affine) against the B
+  operands `fold_k_operands` writes, then ones against the zero term; times
+  ``2**FOLD_SHIFT``. ``q [N, 128]`` bf16 in channel order, N 8 or 16."""
+  rows, width = codes.shape
+  head_dim = width * 8 // bits
+  n = q.shape[0]
+  if rows not in (_ROWS, 2 * _ROWS) or n not in (8, 16) or q.shape[1] != head_dim:
+    raise ValueError(f"codes {codes.shape} must be [64 | 128, D*bits/8] and q {q.shape} "
+                     "[8 | 16, D]")
+  q_perm = q[:, code_permutation(head_dim, bits)]
+  q_tf = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  b_tf = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))
+
+  def kernel(codes_gmem, q_gmem, s_gmem, z_gmem, out_gmem, codes_smem, q_smem, qs_smem, s_smem,
+             z_smem, b_smem, out_smem, barrier):
+    _copy_in(((codes_gmem, codes_smem), (q_gmem, q_smem), (s_gmem, s_smem), (z_gmem, z_smem)),
+             barrier)
+    a = dequant_codes(codes_smem, head_dim, bits, subnormal=True, byte_masks=True)
+    fold_k_operands(q_smem, s_smem, z_smem, qs_smem, b_smem, bits=bits, q_tiling=(64, 128))
+    plgpu.commit_smem()
+    ones = plgpu.layout_cast(jnp.full((rows, FOLD_BIAS_COLUMNS), 1.0, jnp.bfloat16),
+                             plgpu.Layout.WGMMA)
+
+    def mma(acc_ref):
+      plgpu.wgmma(acc_ref, a, qs_smem.transpose((1, 0)))
+      plgpu.wgmma(acc_ref, ones, b_smem.transpose((1, 0)))
+      return acc_ref[...]
+
+    out = pl.run_scoped(mma, plgpu.ACC((rows, n), jnp.float32)) * (2.0 ** FOLD_SHIFT)
+    _write_out(out, out_smem, out_gmem)
+
+  return plgpu.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct((rows, n), jnp.float32),
+      scratch_types=[plgpu.SMEM((rows, width), jnp.uint8),
+                     plgpu.SMEM((n, head_dim), jnp.bfloat16, transforms=q_tf),
+                     plgpu.SMEM((n, head_dim), jnp.bfloat16, transforms=q_tf),
+                     plgpu.SMEM((1, head_dim), scale.dtype), plgpu.SMEM((1, head_dim), zero.dtype),
+                     plgpu.SMEM((n, FOLD_BIAS_COLUMNS), jnp.bfloat16, transforms=b_tf),
+                     plgpu.SMEM((rows, n), jnp.float32), plgpu.Barrier()],
+      compiler_params=_params(), kernel_name=f"jaxkv_probe_fold_scores_{bits}")(
+          codes, q_perm, scale, zero)
+
+
 @functools.partial(jax.jit, static_argnames=("bits", "swizzle", "subnormal", "byte_masks"))
 def probe_pv(codes: jax.Array, p_t: jax.Array, *, bits: int = 4, swizzle: int = 0,
              subnormal: bool = False, byte_masks: bool = False) -> jax.Array:
@@ -896,5 +1109,6 @@ def probe_pv(codes: jax.Array, p_t: jax.Array, *, bits: int = 4, swizzle: int = 
 
 __all__ = ["K_SHIFT", "P_SHIFT", "SUBNORMAL_EXP", "code_permutation", "dequant_codes", "dequant_codes_t", "gather_codebook",
            "gather_reference", "probe_dequant", "probe_gather", "probe_pv", "probe_scores",
-           "registers_reference", "registers_t_reference", "scale_halves", "vq_book_rows",
+           "registers_reference", "registers_t_reference", "scale_halves", "fold_k_operands",
+           "code_column_exponents", "probe_fold_scores", "FOLD_SHIFT", "FOLD_BIAS_COLUMNS", "vq_book_rows",
            "vq_permutation", "vt_permutation", "vt_row_factors", "warpgroup_any", "widen_columns"]

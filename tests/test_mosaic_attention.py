@@ -492,3 +492,31 @@ def test_mosaic_log_sum_exp(name, s, lengths):
   got = np.asarray(lse, np.float64)
   assert np.array_equal(np.isinf(got), np.isinf(want))
   np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], rtol=0, atol=5e-2)
+
+
+@pytest.mark.parametrize("name,b,hkv,group,s,lengths,capacity", [
+    ("kivi4", 2, 2, 4, 1, (700, 129), 1024),     # N = 8, two sequences
+    ("kivi4", 1, 2, 4, 4, (1000,), 1024),        # N = 16 (GQA 4 x q_len 4)
+    ("kivi2", 2, 1, 8, 1, (900, 300), 1024),     # 2-bit K
+    ("kivi4-grow", 1, 2, 4, 1, (1000,), 1024),   # the lazy max moves mid-split
+])
+def test_mosaic_k_scale_in_q(name, b, hkv, group, s, lengths, capacity):
+  """``k_scale_in_q``: the per-channel K scale folded into q's B operand and the zero
+  term as an MMA of ones give the float64 oracle's attention, at 64- and 128-token
+  blocks."""
+  fmt, d, dtype = _fmt(name), 128, jnp.bfloat16
+  key = _key(name, b, hkv, group, d, s, lengths)
+  cache = _cache(fmt, b, hkv, d, lengths, capacity, dtype, key, grow=name.endswith("-grow"))
+  q = jax.random.normal(jax.random.fold_in(key, 1), (b, s, hkv * group, d)).astype(dtype)
+  configs = [ma.MosaicAttentionConfig(block_k=bk, num_splits=3, k_scale_in_q=True)
+             for bk in (64, 128)]
+  if not ON_HOPPER:
+    for config in configs:
+      _assert_lowers(q, cache, config)
+    return
+  kd, vd = cache.dequantize()
+  ref = np_attention(np.asarray(q, np.float64), np.asarray(kd), np.asarray(vd), lengths)
+  for config in configs:
+    out = np.asarray(jax.jit(_call, static_argnums=2)(q, cache, config), np.float64)
+    err = np.abs(out - ref).max() / np.abs(ref).max()
+    assert np.isfinite(out).all() and err < _TOL[dtype], f"{config=}: max rel err {err:.2e}"

@@ -272,7 +272,7 @@ def test_byte_mask_registers_equal_subnormal(head_dim, bits, rows, rows_dtype):
   zero = jnp.asarray(rng.normal(0.0, 2.0, (1, head_dim)), rows_dtype)
   probe = jax.jit(md.probe_dequant, static_argnames=("bits", "subnormal", "byte_masks"))
   with pytest.raises(ValueError, match="byte_masks"):
-    probe.trace(codes, bits=bits, subnormal=True, byte_masks=True).lower(
+    probe.trace(codes, scale, zero, bits=bits, subnormal=False, byte_masks=True).lower(
         lowering_platforms=("cuda",))
   if not ON_HOPPER:
     probe.trace(codes, scale, zero, bits=bits, subnormal=True, byte_masks=True).lower(
@@ -308,3 +308,34 @@ def test_byte_mask_transposed_codes(bits, rows, n, swizzle):
   want = md.registers_t_reference(np.asarray(codes), bits).astype(np.float64) @ np.asarray(
       p_t, np.float64)
   np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+# ------------------------------------------------ K scale folded into q (fold_k_operands)
+@pytest.mark.parametrize("bits,rows,n,rows_dtype", [(4, 128, 8, jnp.float16),
+                                                     (4, 64, 16, jnp.bfloat16),
+                                                     (2, 128, 8, jnp.float16)])
+def test_fold_scores(bits, rows, n, rows_dtype):
+  """Scores with the K scale folded into q and the zero term as an MMA of ones meet
+  the float64 product of the dequantized tile (float16 rows rounded to bf16 as the
+  register path does) with q, within bf16 operand rounding."""
+  codes = _codes(128 * bits // 8, 17 * bits + rows + n, rows)
+  rng = np.random.default_rng(n + rows + bits)
+  scale = jnp.asarray(rng.uniform(0.01, 0.5, (1, 128)), rows_dtype)
+  zero = jnp.asarray(rng.normal(0.0, 2.0, (1, 128)), rows_dtype)
+  q = jax.random.normal(jax.random.PRNGKey(n + 7), (n, 128), jnp.float32).astype(jnp.bfloat16)
+  np.testing.assert_array_equal(md.code_column_exponents(128, 4)[[0, 7, 8, 15, 16, 24, 32]],
+                                [0, 0, 4, 4, 0, 4, 0])
+  probe = jax.jit(md.probe_fold_scores, static_argnames=("bits",))
+  if not ON_HOPPER:
+    probe.trace(codes, q, scale, zero, bits=bits).lower(lowering_platforms=("cuda",))
+    return
+  got = np.asarray(probe(codes, q, scale, zero, bits=bits), np.float64)
+  mask = (1 << bits) - 1
+  c = np.asarray(codes)
+  chans = np.concatenate([(c >> (bits * p)) & mask for p in range(8 // bits)], axis=-1)
+  k = chans * np.asarray(scale, np.float64) + np.asarray(zero, np.float64)   # [rows, D]
+  want = k @ np.asarray(q, np.float64).T
+  # each q*s product is rounded to bf16 once (relative 2**-9), the zero term kept to ~2**-16
+  tol = 2.0 ** -8 * (np.abs(chans * np.asarray(scale, np.float64)) @ np.abs(
+      np.asarray(q, np.float64)).T) + 1e-4 * np.abs(want).max()
+  assert np.all(np.abs(got - want) <= tol), np.abs(got - want).max()
