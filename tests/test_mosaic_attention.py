@@ -104,6 +104,26 @@ def _assert_lowers(q, cache, config):
   assert "mosaic_gpu" in lowered.as_text()
 
 
+def _checked_outputs(q, cache, lengths, configs, dtype):
+  """Off Hopper: each config lowers for CUDA (returns None). On Hopper: each
+  output is finite and within `_TOL` of the float64 oracle; returns ``{config:
+  output, "oracle": reference}``."""
+  if not ON_HOPPER:
+    for config in configs:
+      _assert_lowers(q, cache, config)
+    return None
+  kd, vd = cache.dequantize()
+  ref = np_attention(np.asarray(q, np.float64), np.asarray(kd), np.asarray(vd), lengths)
+  outs = {"oracle": ref}
+  for config in configs:
+    out = np.asarray(jax.jit(_call, static_argnums=2)(q, cache, config), np.float64)
+    err = np.abs(out - ref).max() / np.abs(ref).max()
+    assert np.isfinite(out).all(), f"{config=}"
+    assert err < _TOL[dtype], f"{config=}: max rel err {err:.2e}"
+    outs[config] = out
+  return outs
+
+
 @pytest.mark.parametrize(
     "name,b,hkv,group,d,s,lengths,capacity,dtype", CASES,
     ids=[f"{n}_{b=}_{hkv=}_{g=}_{d=}_{s=}_{jnp.dtype(dt).name}"
@@ -147,23 +167,16 @@ def test_mosaic_attention(name, b, hkv, group, d, s, lengths, capacity, dtype):
   twins = (configs[-1], dataclasses.replace(configs[-1], subnormal_k=False,
                                                 subnormal_v=False))
   configs.append(twins[1])
-  # Codes masked where they sit in their bytes (one shift per word): K's
-  # registers are the subnormal path's, V's product rows come back by powers of two.
-  byte_twin = dataclasses.replace(twins[0], byte_masks=True)
+  # Subnormal codes shifted to the bottom of their bytes (no byte masks: a shift
+  # per pair) against the default byte masks (one shift per word: K's registers
+  # the same, V's product rows brought back by powers of two).
+  assert twins[0].byte_masks
+  byte_twin = dataclasses.replace(twins[0], byte_masks=False)
   configs.append(byte_twin)
-  if not ON_HOPPER:
-    for config in configs:
-      _assert_lowers(q, cache, config)
+  outs = _checked_outputs(q, cache, lengths, configs, dtype)
+  if outs is None:
     return
-  kd, vd = cache.dequantize()
-  ref = np_attention(np.asarray(q, np.float64), np.asarray(kd), np.asarray(vd), lengths)
-  outs = {}
-  for config in configs:
-    out = np.asarray(jax.jit(_call, static_argnums=2)(q, cache, config), np.float64)
-    err = np.abs(out - ref).max() / np.abs(ref).max()
-    assert np.isfinite(out).all(), f"{config=}"
-    assert err < _TOL[dtype], f"{config=}: max rel err {err:.2e}"
-    outs[config] = out
+  ref = outs.pop("oracle")
   ulp = 2.0 ** -(7 if dtype == jnp.bfloat16 else 10)  # one unit, relative
   for other in (twins[1], byte_twin):
     a, b = outs[twins[0]], outs[other]
@@ -510,13 +523,4 @@ def test_mosaic_k_scale_in_q(name, b, hkv, group, s, lengths, capacity):
   q = jax.random.normal(jax.random.fold_in(key, 1), (b, s, hkv * group, d)).astype(dtype)
   configs = [ma.MosaicAttentionConfig(block_k=bk, num_splits=3, k_scale_in_q=True)
              for bk in (64, 128)]
-  if not ON_HOPPER:
-    for config in configs:
-      _assert_lowers(q, cache, config)
-    return
-  kd, vd = cache.dequantize()
-  ref = np_attention(np.asarray(q, np.float64), np.asarray(kd), np.asarray(vd), lengths)
-  for config in configs:
-    out = np.asarray(jax.jit(_call, static_argnums=2)(q, cache, config), np.float64)
-    err = np.abs(out - ref).max() / np.abs(ref).max()
-    assert np.isfinite(out).all() and err < _TOL[dtype], f"{config=}: max rel err {err:.2e}"
+  _checked_outputs(q, cache, lengths, configs, dtype)
