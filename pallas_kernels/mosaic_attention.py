@@ -140,7 +140,8 @@ class MosaicAttentionConfig:
       MMA's B operands each step (`mosaic_dequant.fold_k_operands`: ``q * s``
       per column, ``q . z`` as an MMA of ones against per-thread partial sums),
       so K's codes need no per-value ``fma`` and no scale-pair work; one more
-      fence + warpgroup barrier per step.
+      fence + warpgroup barrier per step. Off: correct on an H100 but 2-10 %
+      slower there (`attention-ab-k-scale-in-q-20261126-*`, mosaic-NOTES).
 
   Search space (`jaxkv.autotune`): block_k in {64, 128}, num_splits around
   the heuristic (x1/2, x1, x2), max_concurrent_steps in {2, 3, 4}.
