@@ -446,7 +446,7 @@ class Runner:
             self.split, cache, tokens, loop_steps=a.loop_steps, reps=a.reps, implementation=impl)
       again, tokens, cache = time_decode_loop(self.split, cache, tokens, loop_steps=a.loop_steps,
                                               reps=a.reps, implementation=a.implementation)
-      row["alt_loops"][f"{a.implementation} (again)"] = again
+      row["alt_loops"][f"{a.implementation or 'default'} (again)"] = again
     # Profiled: the longest B=1 context, and each max-batch child's case.
     if a.profile and a.profile_steps and (
         a.batch_only or (batch == 1 and context == max(self.args.context_list, default=None))):
