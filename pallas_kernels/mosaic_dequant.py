@@ -341,19 +341,14 @@ def vt_permutation(head_dim: int = 128, bits: int = 4) -> np.ndarray:
   return perm
 
 
-def registers_t_reference(codes: np.ndarray, bits: int = 4, *,
-                          byte_masks: bool = False) -> np.ndarray:
+def registers_t_reference(codes: np.ndarray, bits: int = 4) -> np.ndarray:
   """``[D, rows]`` float values `dequant_codes_t` holds for ``codes [rows, D bits/8]``:
-  the code of channel ``vt_permutation()[row]`` at each token (column); with
-  ``byte_masks`` times `vt_row_factors` (in units of ``2**-SUBNORMAL_EXP``)."""
+  the code of channel ``vt_permutation()[row]`` at each token (column)."""
   codes = np.asarray(codes)
   mask = (1 << bits) - 1
   channels = np.concatenate([(codes >> (bits * p)) & mask for p in range(8 // bits)],
                             axis=-1).astype(np.float32)                  # [rows, D] planar
-  out = channels[:, vt_permutation(codes.shape[-1] * 8 // bits, bits)].T
-  if byte_masks:
-    out = out * vt_row_factors(codes.shape[-1] * 8 // bits, bits)[:, None]
-  return out
+  return channels[:, vt_permutation(codes.shape[-1] * 8 // bits, bits)].T
 
 
 def _vt_shifts(bits: int) -> list[int]:
@@ -681,7 +676,6 @@ def _tile_addr(base, row, col0, *, cols: int, tile_cols: int, swizzle: int):
 _LD_V4 = "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];"
 _LD_V2 = "ld.shared.v2.b32 {$0, $1}, [$2];"
 _ST_V4 = "st.shared.v4.b32 [$0], {$1, $2, $3, $4};"
-_ST_B16 = "st.shared.b16 [$0], $1;"
 # One 16-bit half (bit offset $2: 0 or 16) of $1 as float32: float16 / bfloat16.
 _HALF_F32 = {
     "float16": "{\n.reg .b32 t;\n.reg .b16 h;\nshr.b32 t, $1, $2;\ncvt.u16.u32 h, t;\n"
