@@ -142,6 +142,11 @@ class MosaicAttentionConfig:
       so K's codes need no per-value ``fma`` and no scale-pair work; one more
       fence + warpgroup barrier per step. Off: correct on an H100 but 2-10 %
       slower there (`attention-ab-k-scale-in-q-20261126-*`, mosaic-NOTES).
+    shuffle_scales: (with register K and its affine) each K scale/zero pair is
+      converted by one of the 8 lanes of a warp that share its columns and
+      handed to the others by ``shfl.sync`` (`mosaic_dequant.dequant_codes`):
+      per thread and tile 4 pair conversions and 32 shuffles instead of 32
+      conversions. Same registers.
 
   Search space (`jaxkv.autotune`): block_k in {64, 128}, num_splits around
   the heuristic (x1/2, x1, x2), max_concurrent_steps in {2, 3, 4}.
@@ -162,6 +167,7 @@ class MosaicAttentionConfig:
   subnormal_v: bool = True
   byte_masks: bool = True
   k_scale_in_q: bool = False
+  shuffle_scales: bool = False
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -1018,7 +1024,8 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       elif register_k:
         # code * scale + zero in registers; the scale/zero rows stay in channel order
         x = mosaic_dequant.dequant_codes(k_tiles[0], head_dim, k_side.bits, k_tiles[1],
-                                         k_tiles[2], subnormal=sub_k, byte_masks=bytes_k)
+                                         k_tiles[2], subnormal=sub_k, byte_masks=bytes_k,
+                                         shuffle_scales=config.shuffle_scales)
         plgpu.wgmma(acc_ref, x, _t(q_smem))
       else:
         for c0, x in _dequant_planes(*k_tiles, k_side, head_dim, dtype, affine=not fold_k):

@@ -99,6 +99,10 @@ _ASM_SUB_AFFINE = ("{{\n.reg .b32 t;\nand.b32 t, $1, {mask};\n"
 # x * factor (a bf16 power of two in both halves) + (-0.0): exact.
 _ASM_POW2 = ("{{\n.reg .b32 f, z;\nmov.b32 f, {factor};\nmov.b32 z, 0x80008000;\n"
              "fma.rn.bf16x2 $0, $1, f, z;\n}}")
+# The same with the factor pair in a register ($2).
+_ASM_POW2_REG = "{\n.reg .b32 z;\nmov.b32 z, 0x80008000;\nfma.rn.bf16x2 $0, $1, $2, z;\n}"
+# Lane $2's value of $1 (the whole warp takes part).
+_ASM_SHFL = "shfl.sync.idx.b32 $0, $1, $2, 31, -1;"
 
 
 def _bf16_pow2_pair(exp: int) -> str:
@@ -178,7 +182,8 @@ def _code_tile(codes_smem, head_dim: int, bits: int, head_dims) -> tuple[int, in
 
 
 def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zero_smem=None,
-                  *, subnormal: bool = False, byte_masks: bool = False):
+                  *, subnormal: bool = False, byte_masks: bool = False,
+                  shuffle_scales: bool = False):
   """``[rows, D]`` bfloat16 codes (WGMMA layout) of a ``[rows, D*bits/8]`` uint8 smem tile.
 
   ``rows`` is 64 or 128 (two warpgroup row tiles).
@@ -205,6 +210,14 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
   offset ``b``; with an affine the pair's scale is prescaled by ``2**-b`` more,
   so the registers are the same values as without (`_byte_mask`); without
   one they hold ``code * 2**(b - 133)`` (`code_column_exponents`).
+
+  ``shuffle_scales`` (with an affine): the 8 lanes of a warp that hold the
+  same columns (``lane % 4`` alike) need the same scale/zero pairs, so each
+  converts (float16 -> bfloat16, prescale) only its share, one quad of four
+  channels per row instead of all of them, and gets the others with one
+  ``shfl.sync`` per pair: per thread and tile 2 loads, 4 conversions and 32
+  shuffles instead of 16 loads and 32 conversions. Same registers, bit for
+  bit.
   """
   width, rows = _code_tile(codes_smem, head_dim, bits, (64, 128))
   affine = scale_smem is not None
@@ -220,6 +233,8 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
         raise ValueError(f"{name} must be bfloat16 or float16 [1, {head_dim}] (both alike), "
                          f"got {ref.dtype} {tuple(ref.shape)}")
     rows_f16 = scale_smem.dtype == jnp.float16
+  elif shuffle_scales:
+    raise ValueError("shuffle_scales needs scale_smem and zero_smem")
   span = width // 4
   words = span // 4
   pairs = 16 // bits
@@ -257,7 +272,11 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
     col = arith.index_cast(index, col)
     regs = np.empty(want_regs, dtype=object)
     affine_pairs = {}
-    if rows_refs:
+    if rows_refs and shuffle_scales:
+      affine_pairs = _shuffled_affine_pairs(rows_refs, lane, bits=bits, width=width, span=span,
+                                            words=words, rows_f16=rows_f16,
+                                            subnormal=subnormal, byte_masks=byte_masks)
+    elif rows_refs:
       # Pair (w, k) of a thread holds channels base + k // (8 / bits) + {0, 2},
       # base = plane * width + c * span + 4 w with plane = k % (8 / bits): one
       # 8-byte load of channels [base, base + 4) serves four pairs.
@@ -305,6 +324,63 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
   refs = (codes_smem, scale_smem, zero_smem) if affine else (codes_smem,)
   return plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(refs),
                            return_type=body_type)(body_fn)(*refs)
+
+
+def _shuffled_affine_pairs(rows_refs, lane, *, bits: int, width: int, span: int, words: int,
+                           rows_f16: bool, subnormal: bool, byte_masks: bool) -> dict:
+  """`dequant_codes`' ``{(name, w, k): bf16x2 pair}`` of a thread, through warp shuffles.
+
+  A thread with ``c = lane % 4`` needs, per row (``s``, ``z``), the pairs of
+  the ``words * planes`` quads ``(w, plane)`` of channels ``c span + plane
+  width + 4 w + [0, 4)`` (pair ``k = plane + planes off`` of word ``w`` takes
+  channels ``+off`` and ``+off + 2``). The 8 lanes ``c + 4 r`` alike split the
+  quads: lane ``r`` converts quad ``r % quads`` of each row (two pairs), and
+  pair ``(w, k)`` comes from lane ``c + 4 (w planes + plane)``.
+  """
+  i32 = ir.IntegerType.get_signless(32)
+  index = ir.IndexType.get()
+  planes = 8 // bits
+  quads = words * planes                                     # per row: 4 or 8
+  if quads not in (4, 8):
+    raise ValueError(f"shuffle_scales: {quads} quads of channels per thread (need 4 or 8)")
+  cc = arith.andi(lane, mgpu_utils.c(3, i32))
+  mine = arith.andi(arith.shrui(lane, mgpu_utils.c(2, i32)), mgpu_utils.c(quads - 1, i32))
+  plane = arith.andi(mine, mgpu_utils.c(planes - 1, i32))    # planes is a power of two
+  w = arith.shrui(mine, mgpu_utils.c(planes.bit_length() - 1, i32))
+  base = arith.addi(arith.addi(arith.muli(cc, mgpu_utils.c(span, i32)),
+                               arith.muli(plane, mgpu_utils.c(width, i32))),
+                    arith.muli(w, mgpu_utils.c(4, i32)))
+  factors = {}
+  if subnormal:
+    # scale pairs: 2**(SUBNORMAL_EXP - K_SHIFT - e), e = bits * plane with byte
+    # masks (`_byte_mask`: the pair's bit offset inside its byte), else 0.
+    expo = mgpu_utils.c(SUBNORMAL_EXP - K_SHIFT + 127, i32)
+    if byte_masks:
+      expo = arith.subi(expo, arith.muli(plane, mgpu_utils.c(bits, i32)))
+    half = arith.shli(expo, mgpu_utils.c(7, i32))
+    factors["s"] = arith.ori(half, arith.shli(half, mgpu_utils.c(16, i32)))
+    factors["z"] = mgpu_utils.c(int(_bf16_pow2_pair(-K_SHIFT), 16), i32)
+  local = {}
+  for name, rref in zip(("s", "z"), rows_refs):
+    elem = ir.F16Type.get() if rows_f16 else ir.BF16Type.get()
+    quad = vector.load(ir.VectorType.get((4,), elem), rref,
+                       [arith.index_cast(index, mgpu_utils.c(0, i32)),
+                        arith.index_cast(index, base)])
+    quad = vector.bitcast(ir.VectorType.get((2,), i32), quad)
+    lo, hi = (vector.extract(quad, [], [e]) for e in range(2))
+    for off in (0, 1):
+      pair = llvm.inline_asm(i32, [lo, hi], (_PAIR_F16 if rows_f16 else _PAIR_BF16)[off],
+                             "=r,r,r")
+      if subnormal:
+        pair = llvm.inline_asm(i32, [pair, factors[name]], _ASM_POW2_REG, "=r,r,r")
+      local[name, off] = pair
+  out = {}
+  for name, w_, k in itertools.product(("s", "z"), range(words), range(2 * planes)):
+    owner = w_ * planes + k % planes
+    src = arith.addi(cc, mgpu_utils.c(4 * owner, i32))
+    out[name, w_, k] = llvm.inline_asm(i32, [local[name, k // planes], src], _ASM_SHFL,
+                                       "=r,r,r")
+  return out
 
 
 # ldmatrix .trans of four 8x8 b16 matrices: thread i gets, per matrix, b16
@@ -886,10 +962,10 @@ def _params():
   return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "subnormal", "byte_masks"))
+@functools.partial(jax.jit, static_argnames=("bits", "subnormal", "byte_masks", "shuffle_scales"))
 def probe_dequant(codes: jax.Array, scale: jax.Array | None = None, zero: jax.Array | None = None,
                   *, bits: int = 4, subnormal: bool = False,
-                  byte_masks: bool = False) -> jax.Array:
+                  byte_masks: bool = False, shuffle_scales: bool = False) -> jax.Array:
   """``[64, D*bits/8]`` uint8 -> the ``[64, D]`` bf16 registers of `dequant_codes` (a probe).
 
   With ``scale`` and ``zero`` (bf16 ``[1, D]``, channel order) the registers
@@ -915,7 +991,8 @@ def probe_dequant(codes: jax.Array, scale: jax.Array | None = None, zero: jax.Ar
       extra = ()
     _copy_in(((codes_gmem, codes_smem),), barrier)
     _write_out(dequant_codes(codes_smem, head_dim, bits, *extra, subnormal=subnormal,
-                             byte_masks=byte_masks), out_smem, out_gmem)
+                             byte_masks=byte_masks, shuffle_scales=shuffle_scales),
+               out_smem, out_gmem)
 
   rows_smem = [plgpu.SMEM((1, head_dim), x.dtype) for x in rows_in]
   return plgpu.kernel(
@@ -924,7 +1001,8 @@ def probe_dequant(codes: jax.Array, scale: jax.Array | None = None, zero: jax.Ar
                      plgpu.SMEM((rows, head_dim), jnp.bfloat16), plgpu.Barrier()],
       compiler_params=_params(),
       kernel_name=f"jaxkv_probe_dequant_{bits}{'_affine' if rows_in else ''}"
-                  f"{'_sub' if subnormal else ''}{'_bytes' if byte_masks else ''}")(
+                  f"{'_sub' if subnormal else ''}{'_bytes' if byte_masks else ''}"
+                  f"{'_shfl' if shuffle_scales else ''}")(
                       codes, *rows_in)
 
 

@@ -173,10 +173,15 @@ def test_mosaic_attention(name, b, hkv, group, d, s, lengths, capacity, dtype):
   assert twins[0].byte_masks
   byte_twin = dataclasses.replace(twins[0], byte_masks=False)
   configs.append(byte_twin)
+  # K scale/zero pairs shared by warp shuffles: the same K registers, so the
+  # same output bit for bit.
+  shuffle_twin = dataclasses.replace(twins[0], shuffle_scales=True)
+  configs.append(shuffle_twin)
   outs = _checked_outputs(q, cache, lengths, configs, dtype)
   if outs is None:
     return
   ref = outs.pop("oracle")
+  np.testing.assert_array_equal(outs[shuffle_twin], outs[twins[0]])
   ulp = 2.0 ** -(7 if dtype == jnp.bfloat16 else 10)  # one unit, relative
   for other in (twins[1], byte_twin):
     a, b = outs[twins[0]], outs[other]

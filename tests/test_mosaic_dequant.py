@@ -265,18 +265,24 @@ def test_byte_mask_pairs():
     (64, 4, 64, jnp.bfloat16), (128, 4, 128, jnp.float16), (128, 2, 128, jnp.bfloat16),
     (64, 2, 64, jnp.float16)])
 def test_byte_mask_registers_equal_subnormal(head_dim, bits, rows, rows_dtype):
-  """``byte_masks``: K registers (with the affine) are the subnormal path's, bit for bit."""
+  """``byte_masks``: K registers (with the affine) are the subnormal path's, bit for bit;
+  so are ``shuffle_scales``' on every path."""
   codes = _codes(head_dim * bits // 8, 7 * head_dim + bits + rows, rows)
   rng = np.random.default_rng(rows + 3 * bits)
   scale = jnp.asarray(rng.uniform(0.01, 0.5, (1, head_dim)), rows_dtype)
   zero = jnp.asarray(rng.normal(0.0, 2.0, (1, head_dim)), rows_dtype)
-  probe = jax.jit(md.probe_dequant, static_argnames=("bits", "subnormal", "byte_masks"))
+  probe = jax.jit(md.probe_dequant,
+                  static_argnames=("bits", "subnormal", "byte_masks", "shuffle_scales"))
   with pytest.raises(ValueError, match="byte_masks"):
     probe.trace(codes, scale, zero, bits=bits, subnormal=False, byte_masks=True).lower(
         lowering_platforms=("cuda",))
+  with pytest.raises(ValueError, match="shuffle_scales"):
+    probe.trace(codes, bits=bits, shuffle_scales=True).lower(lowering_platforms=("cuda",))
   if not ON_HOPPER:
-    probe.trace(codes, scale, zero, bits=bits, subnormal=True, byte_masks=True).lower(
-        lowering_platforms=("cuda",))
+    for kw in ({"subnormal": True, "byte_masks": True},
+               {"subnormal": True, "byte_masks": True, "shuffle_scales": True},
+               {"shuffle_scales": True}, {"shuffle_scales": True, "subnormal": True}):
+      probe.trace(codes, scale, zero, bits=bits, **kw).lower(lowering_platforms=("cuda",))
     return
   got = np.asarray(probe(codes, scale, zero, bits=bits, subnormal=True, byte_masks=True),
                    np.float64)
@@ -287,6 +293,15 @@ def test_byte_mask_registers_equal_subnormal(head_dim, bits, rows, rows_dtype):
                                 np.where(tiny, 0, want))
   sub = np.asarray(probe(codes, scale, zero, bits=bits, subnormal=True), np.float64)
   np.testing.assert_array_equal(got, sub)
+  # shuffle_scales: each lane converts its share of the scale/zero pairs and
+  # takes the rest from the lanes of the same columns: the same registers.
+  shf = probe(codes, scale, zero, bits=bits, subnormal=True, byte_masks=True,
+              shuffle_scales=True)
+  np.testing.assert_array_equal(np.asarray(shf, np.float64), got)
+  for kw in ({}, {"subnormal": True}):  # exact codes; subnormal without byte masks
+    np.testing.assert_array_equal(
+        np.asarray(probe(codes, scale, zero, bits=bits, shuffle_scales=True, **kw), np.float64),
+        np.asarray(probe(codes, scale, zero, bits=bits, **kw), np.float64), err_msg=f"{kw}")
 
 
 @pytest.mark.parametrize("bits,rows,n,swizzle", [(4, 128, 16, 64), (2, 128, 16, 32),
