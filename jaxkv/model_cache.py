@@ -313,19 +313,28 @@ class ModelCache:
     def keep(operands):
       return (*operands[:2], jnp.zeros_like(flushing))
 
-    out["k"], out["v"], cleared = jax.lax.cond(
-        jnp.any(flushing), write, keep, (self.k, self.v, self.k_residual, self.v_residual))
+    on_gpu = jax.default_backend() == "gpu"
+    kernel = ((self.use_kernel or on_gpu) and isinstance(index, (int, np.integer))
+              and residual_write.supported(self.k_residual.shape))
+    operands = (self.k, self.v, self.k_residual, self.v_residual)
+    if kernel:  # the cond's flags are `flushing` itself (keep runs only when none flushes)
+      out["k"], out["v"] = jax.lax.cond(jnp.any(flushing), lambda o: write(o)[:2],
+                                        lambda o: keep(o)[:2], operands)
+      cleared = flushing
+    else:
+      out["k"], out["v"], cleared = jax.lax.cond(jnp.any(flushing), write, keep, operands)
     # A flushed sequence's R rows become zeros, any other sequence gets its
     # new row at res_len (none if it did not fit): one Pallas launch for both
     # sides (on a GPU, or with use_kernel; a static layer index), else one XLA
-    # scatter per side (the kernel's reference).
+    # scatter per side (the kernel's reference). Either write must follow the
+    # cond's reads of the residual: the XLA one takes the cond's flags, the
+    # kernel its packed K codes as an input it only waits for (so no per-layer
+    # kernel turns the step-wide flags into the kernel's int vector).
     row = jnp.where(plan.num_new > 0, res_len, r)                       # [B]; r: none
     args = (self.k_residual, self.v_residual, *news, row, cleared)
-    on_gpu = jax.default_backend() == "gpu"
-    if ((self.use_kernel or on_gpu) and isinstance(index, (int, np.integer))
-        and residual_write.supported(self.k_residual.shape)):
+    if kernel:
       out["k_residual"], out["v_residual"] = residual_write.write_token_rows(
-          *args, layer=int(index), interpret=not on_gpu)
+          *args, layer=int(index), interpret=not on_gpu, after=(out["k"].codes,))
     else:
       out["k_residual"], out["v_residual"] = residual_write.write_token_rows_reference(
           *args, layer=index)

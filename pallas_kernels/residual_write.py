@@ -29,18 +29,25 @@ def supported(shape) -> bool:
   return _triton.is_pow2(shape[3]) and _triton.is_pow2(shape[4])
 
 
-def _kernel(row_ref, clear_ref, k_new_ref, v_new_ref, k_in, v_in, k_out, v_out, *,
-            rows: int):
+def token_codes(row, clear):
+  """``[B]`` rows and clear flags -> one int32 per sequence (``-1``: clear the
+  block, else the row), padded to the kernel's flags block (`_triton.flags_block`)."""
+  return _triton.flags_block(jnp.where(clear, -1, row.astype(jnp.int32)), fill=-2)
+
+
+def _kernel(code_ref, k_new_ref, v_new_ref, k_in, v_in, *refs, rows: int):
+  k_out, v_out = refs[-2:]  # refs[:-2]: inputs only ordering the call (`after`)
   del k_in, v_in  # aliased to k_out / v_out: the rows not written keep their bytes
   b = pl.program_id(0)  # read outside `pl.when` (interpret mode needs it there)
-  row, clear = row_ref[b], clear_ref[b]
+  code = code_ref[b]
+  row, clear = code, (code == -1).astype(jnp.int32)
 
   @pl.when(clear > 0)
   def _():
     k_out[...] = jnp.zeros(k_out.shape, k_out.dtype)
     v_out[...] = jnp.zeros(v_out.shape, v_out.dtype)
 
-  @pl.when((clear == 0) & (row < rows))
+  @pl.when((row >= 0) & (row < rows))
   def _():
     k_out[pl.ds(row, 1), :] = k_new_ref[...][None, :].astype(k_out.dtype)
     v_out[pl.ds(row, 1), :] = v_new_ref[...][None, :].astype(v_out.dtype)
@@ -48,7 +55,7 @@ def _kernel(row_ref, clear_ref, k_new_ref, v_new_ref, k_in, v_in, k_out, v_out, 
 
 @functools.partial(jax.jit, static_argnames=("layer", "interpret"))
 def write_token_rows(k_residual, v_residual, k_new, v_new, row, clear, *, layer: int,
-                     interpret: bool = False):
+                     interpret: bool = False, after=()):
   """Writes one token per sequence into layer ``layer`` of both residual blocks.
 
   Args:
@@ -60,6 +67,9 @@ def write_token_rows(k_residual, v_residual, k_new, v_new, row, clear, *, layer:
     clear: ``[B]`` bool: zero all ``R`` rows of the sequence's block instead.
     layer: static layer index.
     interpret: Pallas interpret mode (CPU).
+    after: arrays the call reads nothing from but must run after (a data
+      dependency for XLA, e.g. the output of an op that reads the residual
+      before this write; no copy is made).
   Returns:
     ``(k_residual, v_residual)``, equal to `write_token_rows_reference`.
   """
@@ -71,22 +81,25 @@ def write_token_rows(k_residual, v_residual, k_new, v_new, row, clear, *, layer:
     raise ValueError(f"layer={layer} must be in [0, {num_layers})")
   if not supported(k_residual.shape):
     raise ValueError(f"residual rows {r} and head_dim {d} must be powers of two")
-  row, flags = _triton.flags_block(row, fill=r)
-  clear, _ = _triton.flags_block(clear)
+  # One padded int32 per sequence: the 32 layers of a step compute the same
+  # one, which XLA shares (a pad kernel per layer otherwise).
+  code, flags = token_codes(row, clear)
+  after = tuple(after)
   token = pl.BlockSpec((None, None, d), lambda i, j: (i, j, 0))
   block = pl.BlockSpec((None, None, None, r, d), lambda i, j: (layer, i, j, 0, 0))
+  anywhere = [pl.BlockSpec(memory_space=pl.ANY)] * len(after)
   return pl.pallas_call(
       functools.partial(_kernel, rows=r),
       grid=(b, h),
-      in_specs=[flags, flags, token, token, block, block],
+      in_specs=[flags, token, token, block, block, *anywhere],
       out_specs=[block, block],
       out_shape=[jax.ShapeDtypeStruct(k_residual.shape, k_residual.dtype),
                  jax.ShapeDtypeStruct(v_residual.shape, v_residual.dtype)],
-      input_output_aliases={4: 0, 5: 1},
+      input_output_aliases={3: 0, 4: 1},
       compiler_params=_triton.compiler_params(num_warps=4, num_stages=1),
       interpret=interpret,
       name="jaxkv_residual_write",
-  )(row, clear, k_new, v_new, k_residual, v_residual)
+  )(code, k_new, v_new, k_residual, v_residual, *after)
 
 
 def write_token_rows_reference(k_residual, v_residual, k_new, v_new, row, clear, *,
