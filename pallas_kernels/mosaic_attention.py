@@ -192,8 +192,10 @@ class MosaicAttentionConfig:
     register V operand: 69.5 vs 73.5 us at (1, 131072), 133.9 vs 148.7 at
     (8, 32768); 29.1 vs 26.7 at (1, 32768), 4 blocks per split, so 64
     there); 4 stages unless both sides are 8-bit (int8 lost 10-25 % with 4,
-    kivi4/k8v4 gained 2-5 %), but 2 for kivi4 in 128-token blocks at <= 64
-    (sequence, kv head) pairs, with V built after the softmax.
+    k8v4 gained 2-5 %), but 2 for kivi4 (and V built after the softmax in
+    128-token blocks at <= 64 (sequence, kv head) pairs); K scale pairs shared
+    by warp shuffles (``shuffle_scales``) for 2-bit K and for 4-bit K in
+    64-token blocks.
 
     Programs: the split counts assume 4 per SM for 4-bit K and V, 3 for
     8-bit K with 4-bit V, 2 otherwise. Nsight Compute (H100, (1, 131072),
@@ -236,7 +238,20 @@ class MosaicAttentionConfig:
       # 4-bit K and V in 128-token blocks at small batch: V after the softmax, 2
       # stages (H100, kernel us: (1, 131072) 61.6 vs 63.0, (8, 32768) 120.1 vs
       # 125.8; (96, 32768) 1282 vs 1272, so not there)
-      early_v, stages = False, 2
+      early_v = False
+    if (k_bits, v_bits) == (4, 4):
+      # 2 stages at any batch and block size since the byte-mask codes (H100,
+      # whole call us, 4 vs 2 stages: (1, 32768) 25.9 vs 24.6, (48, 32768)
+      # 669.7 vs 651.3, (96, 32768) 1261.6 vs 1247.9; `attention-ab-stages-
+      # shuffle-20261127-*`)
+      stages = 2
+    # K scale/zero pairs shared by warp shuffles: 2-bit K everywhere (H100, whole
+    # call us: (1, 32768) 20.2 -> 19.9, (1, 131072) 55.3 -> 54.6, (8, 32768)
+    # 106.2 -> 102.2, (48, 32768) 558.5 -> 538.1); 4-bit K in 64-token blocks
+    # ((1, 32768): 24.6 -> 23.7 with 2 stages). Not 4-bit K in 128-token blocks:
+    # (8, 32768) 119.6 -> 117.8 but (1, 131072) 64.4 -> 77.6 (reproduced, not
+    # understood; mosaic-NOTES, 2026-11-27).
+    shuffle = k_bits == 2 or (k_bits == 4 and block_k == 64)
     # Subnormal codes for 4-bit K and V (H100, kernel us, kivi4: 68.4 vs 70.4 at
     # (1, 131072), 132.3 vs 134.8 at (8, 32768), 1291 vs 1342 at (96, 32768)),
     # and with byte masks (one shift per word) for 2-bit too: whole call, H100,
@@ -246,7 +261,8 @@ class MosaicAttentionConfig:
     # (`attention-ab-k8v4-byte-masks-20261126-*`). Without byte masks kivi2
     # lost with subnormal codes on either side (1304 vs 1226 at (96, 32768)).
     # So the fields' defaults (on) stand for every format.
-    return cls(block_k=block_k, num_splits=splits, max_concurrent_steps=stages, early_v=early_v)
+    return cls(block_k=block_k, num_splits=splits, max_concurrent_steps=stages, early_v=early_v,
+               shuffle_scales=shuffle)
 
 
 def one_wave_splits(slots: int, heads: int, blocks: int, fill_waves: bool = True) -> int:

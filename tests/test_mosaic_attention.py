@@ -269,7 +269,7 @@ def test_side_spec_of_formats():
 
 
 @pytest.mark.parametrize("name,tokens,block_k,stages", [
-    ("kivi2", 32768, 128, 2), ("kivi4", 32768, 64, 4), ("kivi4", 131072, 128, 2),
+    ("kivi2", 32768, 128, 2), ("kivi4", 32768, 64, 2), ("kivi4", 131072, 128, 2),
     ("k8v4", 32768, 64, 4), ("int8", 32768, 64, 3), ("kivi2-r2g", 32768, 64, 4),
 ])
 def test_default_config_per_format(name, tokens, block_k, stages):
@@ -281,6 +281,8 @@ def test_default_config_per_format(name, tokens, block_k, stages):
   # 4-bit or 2-bit K and V: subnormal codes; kivi4 in 128-token blocks at small batch V after the softmax
   assert config.subnormal_k and config.subnormal_v and config.byte_masks
   assert config.early_v == (name != "kivi4" or block_k == 64)
+  # K scale pairs by warp shuffles: 2-bit K, and 4-bit K in 64-token blocks
+  assert config.shuffle_scales == (fmt.k_bits == 2 or (fmt.k_bits == 4 and block_k == 64))
   # The default always fits the format (dispatch checks supports() with it).
   ok, why = ma.supports(SideSpec.of(fmt, "k", 128), SideSpec.of(fmt, "v", 128), head_dim=128,
                         q_rows=4, dtype=jnp.bfloat16, token_group=fmt.token_group,
