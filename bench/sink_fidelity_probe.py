@@ -9,7 +9,11 @@ traced afresh per row (`jax.clear_caches`), since S is read at trace time. Every
 else is `bench/vq_fidelity.py --prompt 3968 --steps 128 --windows 1 --calib 16384`.
 Results: `bench/results/vq-fidelity-window4096-sinks-20261126-cpu.json`, vq-NOTES.
 
-  python bench/sink_fidelity_probe.py      # ~15 min on 2 CPU cores
+  python bench/sink_fidelity_probe.py [OFFSET]   # ~15 min on 2 CPU cores
+
+OFFSET (default 0): the window's first token in the reference text (it must end
+before the calibration tokens, the text's last 16384); results of OFFSET > 0 go
+to ``vq-fidelity-window4096-sinks-off{OFFSET}-cpu.json``.
 """
 import os, sys, time, json
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,7 +59,10 @@ model = llama.from_pretrained(path, dtype=jnp.float32)
 tokens = np.asarray(load_tokenizer(path).encode(fidelity.reference_text()), np.int32)
 graphdef, state = nnx.split(model)
 span = PROMPT + STEPS + 1
-windows = tokens[:span][None]
+OFFSET = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+if OFFSET < 0 or OFFSET + span > len(tokens) - CALIB:
+  raise SystemExit(f"OFFSET={OFFSET}: the window must lie in [0, {len(tokens) - CALIB - span}]")
+windows = tokens[OFFSET:OFFSET + span][None]
 w = PROMPT + STEPS
 calib = tokens[-CALIB:][None][:, : CALIB // w * w].reshape(-1, w)
 k_calib, v_calib = vq.calibration_kv(model, calib)
@@ -83,6 +90,9 @@ for name, n in [("bf16", 0), ("cq2", 0), ("cq2", 4), ("kivi2-g32", 0), ("kivi2-g
   row = {"format": name, "sink_tokens": n, "perplexity": fidelity.perplexity(tl),
          "kl_vs_bf16": float(fidelity.kl_divergence(ref, logp).mean()), "seconds": time.time() - t1}
   rows.append(row); print(row, flush=True)
-json.dump({"settings": {"prompt": PROMPT, "steps": STEPS, "calib": CALIB, "jax": jax.__version__,
+json.dump({"settings": {"prompt": PROMPT, "steps": STEPS, "calib": CALIB, "offset": OFFSET,
+                        "jax": jax.__version__,
                         "device": jax.default_backend(), "emulation": "rows [0, n) of each decode step's dequantized K/V replaced by the window's bf16 K/V"},
-           "rows": rows}, open(os.path.join(ROOT, "bench", "results", "vq-fidelity-window4096-sinks-cpu.json"), "w"), indent=1)
+           "rows": rows}, open(os.path.join(ROOT, "bench", "results", "vq-fidelity-window4096-sinks"
+                                 + (f"-off{OFFSET}" if OFFSET else "") + "-cpu.json"), "w"),
+          indent=1)

@@ -290,8 +290,10 @@ class ModelCache:
     instead of restaging the ``[B, Hkv, R, D]`` block (which cost ~3.7 ms of
     a 43 ms kivi4 step at B=49, 32K, H100). The block to flush is quantized
     under the flush `lax.cond` from the stacked residual (read in place) plus
-    the new row; the write takes the cond's "flushed" flags, so it runs after
-    those reads and updates the buffer in place. The storage is bitwise what
+    the new row; the write depends on the cond's output (its "flushed" flags
+    for the XLA scatter; the packed K codes, as an input it only waits for,
+    for the kernel), so it runs after those reads and updates the buffer in
+    place. The storage is bitwise what
     `append_layer_with_history` writes (rows past the length stay zero).
     """
     r = self.fmt.residual

@@ -115,6 +115,11 @@ def test_residual_write_kernel_matches_reference(dtype):
     got = residual_write.write_token_rows(k_res, v_res, k_new, v_new, row, clear, layer=layer,
                                           interpret=jax.default_backend() != "gpu")
     assert _leaves_equal(got, want), layer
+    # `after` only orders the call: the same result
+    later = residual_write.write_token_rows(k_res, v_res, k_new, v_new, row, clear,
+                                            layer=layer, after=(k_res[0], row),
+                                            interpret=jax.default_backend() != "gpu")
+    assert _leaves_equal(later, want), layer
     changed = np.asarray(got[0] != k_res)
     assert changed[layer].any() and not np.delete(changed, layer, axis=0).any()
     assert np.all(np.asarray(got[1][layer, 3]) == 0)           # the cleared block
