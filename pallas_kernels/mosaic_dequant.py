@@ -286,15 +286,7 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
         for w, plane in itertools.product(range(words), range(planes)):
           base = arith.addi(arith.muli(cc, mgpu_utils.c(span, i32)),
                             mgpu_utils.c(plane * width + 4 * w, i32))
-          elem = ir.F16Type.get() if rows_f16 else ir.BF16Type.get()
-          quad = vector.load(ir.VectorType.get((4,), elem), rref,
-                             [arith.index_cast(index, mgpu_utils.c(0, i32)),
-                              arith.index_cast(index, base)])
-          quad = vector.bitcast(ir.VectorType.get((2,), i32), quad)
-          lo, hi = (vector.extract(quad, [], [e]) for e in range(2))
-          for off in (0, 1):  # channels (base + off, base + off + 2) as one bf16 pair
-            asm_pair = (_PAIR_F16 if rows_f16 else _PAIR_BF16)[off]
-            pair = llvm.inline_asm(i32, [lo, hi], asm_pair, "=r,r,r")
+          for off, pair in enumerate(_quad_pairs(rref, base, rows_f16)):
             k = plane + planes * off
             if subnormal:
               pair = llvm.inline_asm(i32, [pair], prescale[name, k], "=r,r")
@@ -326,6 +318,21 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
                            return_type=body_type)(body_fn)(*refs)
 
 
+def _quad_pairs(rref, base, rows_f16: bool) -> tuple:
+  """Channels ``[base, base + 4)`` of a ``[1, D]`` smem row (one 8-byte load) as the
+  bf16x2 pairs ``(base, base + 2)`` and ``(base + 1, base + 3)`` (i32 values)."""
+  i32 = ir.IntegerType.get_signless(32)
+  index = ir.IndexType.get()
+  elem = ir.F16Type.get() if rows_f16 else ir.BF16Type.get()
+  quad = vector.load(ir.VectorType.get((4,), elem), rref,
+                     [arith.index_cast(index, mgpu_utils.c(0, i32)),
+                      arith.index_cast(index, base)])
+  quad = vector.bitcast(ir.VectorType.get((2,), i32), quad)
+  lo, hi = (vector.extract(quad, [], [e]) for e in range(2))
+  return tuple(llvm.inline_asm(i32, [lo, hi], (_PAIR_F16 if rows_f16 else _PAIR_BF16)[off],
+                               "=r,r,r") for off in (0, 1))
+
+
 def _shuffled_affine_pairs(rows_refs, lane, *, bits: int, width: int, span: int, words: int,
                            rows_f16: bool, subnormal: bool, byte_masks: bool) -> dict:
   """`dequant_codes`' ``{(name, w, k): bf16x2 pair}`` of a thread, through warp shuffles.
@@ -338,7 +345,6 @@ def _shuffled_affine_pairs(rows_refs, lane, *, bits: int, width: int, span: int,
   pair ``(w, k)`` comes from lane ``c + 4 (w planes + plane)``.
   """
   i32 = ir.IntegerType.get_signless(32)
-  index = ir.IndexType.get()
   planes = 8 // bits
   quads = words * planes                                     # per row: 4 or 8
   if quads not in (4, 8):
@@ -362,15 +368,7 @@ def _shuffled_affine_pairs(rows_refs, lane, *, bits: int, width: int, span: int,
     factors["z"] = mgpu_utils.c(int(_bf16_pow2_pair(-K_SHIFT), 16), i32)
   local = {}
   for name, rref in zip(("s", "z"), rows_refs):
-    elem = ir.F16Type.get() if rows_f16 else ir.BF16Type.get()
-    quad = vector.load(ir.VectorType.get((4,), elem), rref,
-                       [arith.index_cast(index, mgpu_utils.c(0, i32)),
-                        arith.index_cast(index, base)])
-    quad = vector.bitcast(ir.VectorType.get((2,), i32), quad)
-    lo, hi = (vector.extract(quad, [], [e]) for e in range(2))
-    for off in (0, 1):
-      pair = llvm.inline_asm(i32, [lo, hi], (_PAIR_F16 if rows_f16 else _PAIR_BF16)[off],
-                             "=r,r,r")
+    for off, pair in enumerate(_quad_pairs(rref, base, rows_f16)):
       if subnormal:
         pair = llvm.inline_asm(i32, [pair, factors[name]], _ASM_POW2_REG, "=r,r,r")
       local[name, off] = pair
