@@ -96,21 +96,18 @@ P_SHIFT = 80
 _ASM_SUB = "and.b32 $0, $1, {mask};"
 _ASM_SUB_AFFINE = ("{{\n.reg .b32 t;\nand.b32 t, $1, {mask};\n"
                    "fma.rn.bf16x2 $0, t, $2, $3;\n}}")
-# x * factor (a bf16 power of two in both halves) + (-0.0): exact.
-_ASM_POW2 = ("{{\n.reg .b32 f, z;\nmov.b32 f, {factor};\nmov.b32 z, 0x80008000;\n"
-             "fma.rn.bf16x2 $0, $1, f, z;\n}}")
-# The same with the factor pair in a register ($2).
-_ASM_POW2_REG = "{\n.reg .b32 z;\nmov.b32 z, 0x80008000;\nfma.rn.bf16x2 $0, $1, $2, z;\n}"
+# x * factor ($2: a bf16 power of two in both halves) + (-0.0): exact.
+_ASM_POW2 = "{\n.reg .b32 z;\nmov.b32 z, 0x80008000;\nfma.rn.bf16x2 $0, $1, $2, z;\n}"
 # Lane $2's value of $1 (the whole warp takes part).
 _ASM_SHFL = "shfl.sync.idx.b32 $0, $1, $2, 31, -1;"
 
 
-def _bf16_pow2_pair(exp: int) -> str:
-  """``2**exp`` in both halves of a bf16x2 register, as PTX hex."""
+def _bf16_pow2_pair(exp: int):
+  """``2**exp`` in both halves of a bf16x2 register, as an i32 constant."""
   if not -126 <= exp <= 127:
     raise ValueError(f"2**{exp} is not a normal bfloat16")
   half = (exp + 127) << 7
-  return f"0x{half:04X}{half:04X}"
+  return mgpu_utils.c(half << 16 | half, ir.IntegerType.get_signless(32))
 
 
 def _byte_mask(offset: int, bits: int, byte_masks: bool) -> tuple[int, str, int]:
@@ -243,10 +240,8 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
   if subnormal:
     asm = [(_ASM_SUB_AFFINE if affine else _ASM_SUB).format(mask=mask)
            for _, mask, _ in pair_src]
-    prescale = {("s", k): _ASM_POW2.format(factor=_bf16_pow2_pair(SUBNORMAL_EXP - K_SHIFT - e))
-                for k, (_, _, e) in enumerate(pair_src)}
-    prescale.update({("z", k): _ASM_POW2.format(factor=_bf16_pow2_pair(-K_SHIFT))
-                     for k in range(pairs)})
+    prescale = {("s", k): SUBNORMAL_EXP - K_SHIFT - e for k, (_, _, e) in enumerate(pair_src)}
+    prescale.update({("z", k): -K_SHIFT for k in range(pairs)})   # exponents of the factors
   else:
     asm = [(_ASM_AFFINE if affine else _ASM).format(mask=mask) for _, mask, _ in pair_src]
   # Register (m, j, 0, 0, half, 0...) = columns 8 j + 2 (lane % 4) + {0, 1} of
@@ -289,7 +284,8 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
           for off, pair in enumerate(_quad_pairs(rref, base, rows_f16)):
             k = plane + planes * off
             if subnormal:
-              pair = llvm.inline_asm(i32, [pair], prescale[name, k], "=r,r")
+              pair = llvm.inline_asm(i32, [pair, _bf16_pow2_pair(prescale[name, k])],
+                                     _ASM_POW2, "=r,r,r")
             affine_pairs[name, w, k] = pair
     for m, half in itertools.product(range(rows // _ROWS), range(2)):
       row = arith.index_cast(index, arith.addi(row0, mgpu_utils.c(_ROWS * m + 8 * half, i32)))
@@ -365,12 +361,12 @@ def _shuffled_affine_pairs(rows_refs, lane, *, bits: int, width: int, span: int,
       expo = arith.subi(expo, arith.muli(plane, mgpu_utils.c(bits, i32)))
     half = arith.shli(expo, mgpu_utils.c(7, i32))
     factors["s"] = arith.ori(half, arith.shli(half, mgpu_utils.c(16, i32)))
-    factors["z"] = mgpu_utils.c(int(_bf16_pow2_pair(-K_SHIFT), 16), i32)
+    factors["z"] = _bf16_pow2_pair(-K_SHIFT)
   local = {}
   for name, rref in zip(("s", "z"), rows_refs):
     for off, pair in enumerate(_quad_pairs(rref, base, rows_f16)):
       if subnormal:
-        pair = llvm.inline_asm(i32, [pair, factors[name]], _ASM_POW2_REG, "=r,r,r")
+        pair = llvm.inline_asm(i32, [pair, factors[name]], _ASM_POW2, "=r,r,r")
       local[name, off] = pair
   out = {}
   for name, w_, k in itertools.product(("s", "z"), range(words), range(2 * planes)):

@@ -39,10 +39,9 @@ def _kernel(code_ref, k_new_ref, v_new_ref, k_in, v_in, *refs, rows: int):
   k_out, v_out = refs[-2:]  # refs[:-2]: inputs only ordering the call (`after`)
   del k_in, v_in  # aliased to k_out / v_out: the rows not written keep their bytes
   b = pl.program_id(0)  # read outside `pl.when` (interpret mode needs it there)
-  code = code_ref[b]
-  row, clear = code, (code == -1).astype(jnp.int32)
+  row = code_ref[b]      # -1: clear the block; [0, rows): write that row; else nothing
 
-  @pl.when(clear > 0)
+  @pl.when(row == -1)
   def _():
     k_out[...] = jnp.zeros(k_out.shape, k_out.dtype)
     v_out[...] = jnp.zeros(v_out.shape, v_out.dtype)
