@@ -197,7 +197,8 @@ class MosaicAttentionConfig:
     by warp shuffles (``shuffle_scales``) for 2-bit K and for 4-bit K in
     64-token blocks.
 
-    Programs: the split counts assume 4 per SM for 4-bit K and V, 3 for
+    Programs: the split counts assume 4 per SM for 4-bit K and V (2 in
+    128-token blocks over at most 64 (sequence, kv head) pairs), 3 for
     8-bit K with 4-bit V, 2 otherwise. Nsight Compute (H100, (1, 131072),
     2026-11-26) finds kivi4 at 4 per SM in 64-token blocks (120 registers,
     44 KB) but 2 in 128-token blocks (229 registers, 79 KB: the residual
@@ -224,7 +225,11 @@ class MosaicAttentionConfig:
     block_k = 128 if min(k_bits, v_bits) <= 2 and fits_128 else 64
     if (k_bits, v_bits) == (4, 4) and fits_128:
       # 128-token blocks where every split still gets >= 8 of them
-      wide = one_wave_splits(slots, heads, max(1, tokens // 128))
+      # (counted at the 2 programs per SM they run at up to 64 (sequence, kv
+      # head) pairs: H100 (1, 32768) 22.1 us in 32 splits of 8 blocks vs 23.6
+      # in 64-token blocks; `attention-ab-splits-shuffle-20261127b-*`)
+      wide = one_wave_splits(2 * num_sms if heads <= 64 else slots, heads,
+                             max(1, tokens // 128))
       block_k = 128 if tokens // 128 >= 8 * wide else 64
     splits = one_wave_splits(slots, heads, max(1, tokens // block_k))
     stages = 3 if k_bits >= 8 and v_bits >= 8 else 4
@@ -248,10 +253,19 @@ class MosaicAttentionConfig:
     # K scale/zero pairs shared by warp shuffles: 2-bit K everywhere (H100, whole
     # call us: (1, 32768) 20.2 -> 19.9, (1, 131072) 55.3 -> 54.6, (8, 32768)
     # 106.2 -> 102.2, (48, 32768) 558.5 -> 538.1); 4-bit K in 64-token blocks
-    # ((1, 32768): 24.6 -> 23.7 with 2 stages). Not 4-bit K in 128-token blocks:
-    # (8, 32768) 119.6 -> 117.8 but (1, 131072) 64.4 -> 77.6 (reproduced, not
-    # understood; mosaic-NOTES, 2026-11-27).
+    # ((1, 32768): 24.6 -> 23.7 with 2 stages); 4-bit K in 128-token blocks
+    # below, with its split count.
     shuffle = k_bits == 2 or (k_bits == 4 and block_k == 64)
+    if (k_bits, v_bits) == (4, 4) and block_k == 128 and heads <= 64:
+      # 4-bit K and V in 128-token blocks run 2 programs per SM (229 registers),
+      # not the 4 the split count above assumes: one wave at 2 per SM, with
+      # shuffles (whole call us, shuffles + 2-per-SM splits vs the former
+      # default: H100 (1, 131072) 59.5 (32 splits) vs 64.3 (64, no shuffles),
+      # (8, 32768) 117.0 (4) vs 120.5 (8); H200 52.8 vs 59.2 at (1, 131072);
+      # shuffles with 64 splits were the 77 us at (1, 131072) on the H100;
+      # `attention-ab-splits-shuffle-20261127b-*`)
+      splits = one_wave_splits(2 * num_sms, heads, max(1, tokens // block_k))
+      shuffle = True
     # Subnormal codes for 4-bit K and V (H100, kernel us, kivi4: 68.4 vs 70.4 at
     # (1, 131072), 132.3 vs 134.8 at (8, 32768), 1291 vs 1342 at (96, 32768)),
     # and with byte masks (one shift per word) for 2-bit too: whole call, H100,

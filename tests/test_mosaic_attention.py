@@ -269,7 +269,8 @@ def test_side_spec_of_formats():
 
 
 @pytest.mark.parametrize("name,tokens,block_k,stages", [
-    ("kivi2", 32768, 128, 2), ("kivi4", 32768, 64, 2), ("kivi4", 131072, 128, 2),
+    ("kivi2", 32768, 128, 2), ("kivi4", 16384, 64, 2), ("kivi4", 32768, 128, 2),
+    ("kivi4", 131072, 128, 2),
     ("k8v4", 32768, 64, 4), ("int8", 32768, 64, 3), ("kivi2-r2g", 32768, 64, 4),
 ])
 def test_default_config_per_format(name, tokens, block_k, stages):
@@ -281,8 +282,9 @@ def test_default_config_per_format(name, tokens, block_k, stages):
   # 4-bit or 2-bit K and V: subnormal codes; kivi4 in 128-token blocks at small batch V after the softmax
   assert config.subnormal_k and config.subnormal_v and config.byte_masks
   assert config.early_v == (name != "kivi4" or block_k == 64)
-  # K scale pairs by warp shuffles: 2-bit K, and 4-bit K in 64-token blocks
-  assert config.shuffle_scales == (fmt.k_bits == 2 or (fmt.k_bits == 4 and block_k == 64))
+  # K scale pairs by warp shuffles: 2-bit K, and 4-bit K (in 128-token blocks up
+  # to 64 (sequence, kv head) pairs: here 8)
+  assert config.shuffle_scales == (fmt.k_bits in (2, 4))
   # The default always fits the format (dispatch checks supports() with it).
   ok, why = ma.supports(SideSpec.of(fmt, "k", 128), SideSpec.of(fmt, "v", 128), head_dim=128,
                         q_rows=4, dtype=jnp.bfloat16, token_group=fmt.token_group,
@@ -291,12 +293,13 @@ def test_default_config_per_format(name, tokens, block_k, stages):
 
 
 @pytest.mark.parametrize("name,batch,tokens,splits", [
-    ("kivi4", 1, 131072, 64), ("kivi4", 8, 32768, 8), ("kivi2", 1, 131072, 32),
+    ("kivi4", 1, 131072, 32), ("kivi4", 8, 32768, 4), ("kivi2", 1, 131072, 32),
     ("kivi2", 8, 32768, 4), ("k8v4", 1, 131072, 48), ("k8v4", 8, 32768, 6),
     ("kivi4", 1, 2048, 8), ("kivi4", 16, 32768, 4), ("kivi4", 48, 32768, 3),
     ("kivi4", 24, 32768, 6), ("kivi2", 96, 32768, 1), ("kivi2", 40, 32768, 2)])
 def test_default_splits_follow_the_documented_rule(name, batch, tokens, splits):
-  """One wave at 4 programs per SM for 4-bit K/V in 64-token blocks, 3 for k8v4, else 2
+  """One wave at 4 programs per SM for 4-bit K/V in 64-token blocks (and in
+  128-token blocks over more than 64 (sequence, kv head) pairs), 3 for k8v4, else 2
   (132 SMs, 8 kv heads); a long single sequence leaves a slot for the residual program;
   at least two waves where one would leave more than a tenth of the slots idle (large
   batches); never fewer than 4 blocks per split."""
