@@ -300,8 +300,7 @@ class ModelCache:
     res_len = plan.old_lengths - plan.old_packed                       # [B] in [0, R)
     flushing = plan.flush > 0                                           # [B]
     news = tuple(x[:, 0] for x in (k_new, v_new))                       # [B, H, D] each
-    out = {"nonfinite": (self.nonfinite | nonfinite_rows(k_new, plan.num_new)
-                         | nonfinite_rows(v_new, plan.num_new))}
+    out = {}
 
     def write(operands):
       sides, residuals = operands[:2], operands[2:]
@@ -332,14 +331,17 @@ class ModelCache:
     # cond's reads of the residual: the XLA one takes the cond's flags, the
     # kernel its packed K codes as an input it only waits for (so no per-layer
     # kernel turns the step-wide flags into the kernel's int vector).
+    # The write also reports a NaN/inf in a written token (`nonfinite`): the
+    # kernel reads the token anyway (two XLA reductions per layer otherwise).
     row = jnp.where(plan.num_new > 0, res_len, r)                       # [B]; r: none
     args = (self.k_residual, self.v_residual, *news, row, cleared)
     if kernel:
-      out["k_residual"], out["v_residual"] = residual_write.write_token_rows(
+      out["k_residual"], out["v_residual"], bad = residual_write.write_token_rows(
           *args, layer=int(index), interpret=not on_gpu, after=(out["k"].codes,))
     else:
-      out["k_residual"], out["v_residual"] = residual_write.write_token_rows_reference(
+      out["k_residual"], out["v_residual"], bad = residual_write.write_token_rows_reference(
           *args, layer=index)
+    out["nonfinite"] = self.nonfinite | bad
     return dataclasses.replace(self, **out)
 
   def _flush_rows(self, sides, index, rows, plan: AppendPlan) -> tuple[QuantizedKV, QuantizedKV]:

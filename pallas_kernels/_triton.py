@@ -64,6 +64,12 @@ def flags_block(values: jax.Array, fill: int = 0):
   return padded, pl.BlockSpec((n_pad,), lambda *_: (0,))
 
 
+def any_nonfinite(x, axis=None):
+  """``any(~isfinite(x), axis)`` as an int32 max: Pallas Triton cannot lower
+  boolean ``reduce_or`` (jax 0.11.2, H100), while integer max reductions lower."""
+  return jnp.max(jnp.where(jnp.isfinite(x), 0, 1).astype(jnp.int32), axis=axis) > 0
+
+
 def compute_capability() -> tuple[int, int]:
   """``(major, minor)`` of the default GPU; ``(0, 0)`` off a GPU or when unknown."""
   cc = getattr(jax.devices()[0], "compute_capability", None)

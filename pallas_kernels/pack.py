@@ -66,11 +66,6 @@ class PackConfig:
 
 
 
-def _any_nonfinite(x, axis):
-  """``any(~isfinite(x), axis)`` as an int32 max: Pallas Triton cannot lower
-  boolean ``reduce_or`` (jax 0.11.2, H100), while integer max reductions lower."""
-  return jnp.max(jnp.where(jnp.isfinite(x), 0, 1).astype(jnp.int32), axis=axis) > 0
-
 def _codes(x, zero, scale, levels):
   """Exact round-to-nearest codes, the reference's own `pallas_kernels.layout.round_codes`."""
   return quant.round_codes(x, zero, scale, levels)
@@ -121,7 +116,7 @@ def _pack_per_token_kernel(
     hi = jnp.max(xg, axis=1)
     scale_s = ((hi - lo) * inv_levels).astype(scale_dtype)
     zero_s = lo.astype(scale_dtype)
-    bad = quant.group_is_bad(_any_nonfinite(xg, axis=1), scale_s, zero_s)
+    bad = quant.group_is_bad(_triton.any_nonfinite(xg, axis=1), scale_s, zero_s)
     scales.append(jnp.where(bad, jnp.nan, scale_s).astype(scale_dtype))
     zeros.append(jnp.where(bad, jnp.nan, zero_s).astype(scale_dtype))
   scale_ref[...] = _triton.stack_last(scales)
@@ -168,7 +163,7 @@ def _pack_per_channel_kernel(
     hi = jnp.max(x, axis=0)
     scale_s = ((hi - lo) * inv_levels).astype(scale_ref.dtype)
     zero_s = lo.astype(zero_ref.dtype)
-    bad = quant.group_is_bad(_any_nonfinite(x, axis=0), scale_s, zero_s)
+    bad = quant.group_is_bad(_triton.any_nonfinite(x, axis=0), scale_s, zero_s)
     scale_s = jnp.where(bad, jnp.nan, scale_s).astype(scale_ref.dtype)
     zero_s = jnp.where(bad, jnp.nan, zero_s).astype(zero_ref.dtype)
     scale_ref[cols] = scale_s

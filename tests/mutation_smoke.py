@@ -50,7 +50,7 @@ MUTANTS = [
      "  inv_levels = np.float32(1.0 / (levels + 1))",
      [T_KERN + "::test_pack_bitwise"]),
     ("pack kernel ignores NaN (per-channel)", "pallas_kernels/pack.py",
-     "    bad = quant.group_is_bad(_any_nonfinite(x, axis=0), scale_s, zero_s)",
+     "    bad = quant.group_is_bad(_triton.any_nonfinite(x, axis=0), scale_s, zero_s)",
      "    bad = jnp.zeros(scale_s.shape, bool)",
      [T_RANGE + "::test_pack_kernel_nonfinite_groups_bitwise"]),
     ("residual rule: packed_len (int)", "jaxkv/formats.py",

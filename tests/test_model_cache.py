@@ -31,9 +31,11 @@ def model():
 
 
 def _leaves_equal(a, b) -> bool:
+  """Every leaf the same dtype, shape and bytes (NaNs included)."""
   la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
   return len(la) == len(lb) and all(
-      np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
+      x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
+      for x, y in ((np.asarray(x), np.asarray(y)) for x, y in zip(la, lb)))
 
 
 @jax.jit
@@ -100,6 +102,27 @@ def test_one_token_appends_across_flushes_equal_per_layer_caches(preset, use_ker
   assert int(cache.fmt.packed_len(130)) == 128  # sequence 0 did flush a group
 
 
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_one_token_append_flags_nonfinite_tokens(use_kernel):
+  """A NaN/inf token on the one-token path sets ``nonfinite`` for its sequence only
+  when it is stored (a plain row or the token that flushes a group, in any layer),
+  the same with the residual-write kernel (which checks the token) and without."""
+  layers, b, h, d, cap = 2, 4, 2, 32, 300
+  rng = np.random.default_rng(11)
+  cache = ModelCache.init("kivi4", layers, b, h, d, cap, jnp.float32, use_kernel=use_kernel)
+  k = jnp.asarray(rng.standard_normal((layers, b, 127, h, d)), jnp.float32)
+  cache = _append_all_layers(cache, k, -k, jnp.asarray([127, 3, 5, 0], jnp.int32))
+  assert not np.asarray(cache.nonfinite).any()
+  k, v = (jnp.asarray(rng.standard_normal((layers, b, 1, h, d)), jnp.float32) for _ in range(2))
+  k = k.at[1, 0, 0, 1, 4].set(jnp.nan)      # sequence 0, layer 1: its token flushes a group
+  v = v.at[0, 1, 0, 0, 0].set(jnp.inf)      # sequence 1, layer 0: a residual row
+  k = k.at[0, 2, 0, 1, 31].set(-jnp.inf)    # sequence 2 appends nothing this step
+  cache = _append_all_layers(cache, k, v, jnp.asarray([1, 1, 0, 1], jnp.int32))
+  np.testing.assert_array_equal(np.asarray(cache.lengths), [128, 4, 5, 1])
+  assert int(cache.fmt.packed_len(128)) == 128
+  np.testing.assert_array_equal(np.asarray(cache.nonfinite), [True, True, False, False])
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_residual_write_kernel_matches_reference(dtype):
   """`pallas_kernels.residual_write` == its XLA scatter, every byte (compiled on a GPU)."""
@@ -109,12 +132,18 @@ def test_residual_write_kernel_matches_reference(dtype):
   k_new, v_new = (jnp.asarray(rng.standard_normal((5, 2, 32)), jnp.float32) for _ in range(2))
   row = jnp.asarray([0, 15, 16, 7, 3], jnp.int32)             # 16: no row (did not fit)
   clear = jnp.asarray([False, False, False, True, False])
+  # NaN/inf tokens: sequence 0 (K, written), 2 (V, not written: no flag), 3 (V,
+  # inf, cleared block: the token was flushed, so flagged), 4 only in a later head
+  k_new = k_new.at[0, 1, 5].set(jnp.nan)
+  v_new = v_new.at[2, 0, 0].set(jnp.nan).at[3, 0, 31].set(jnp.inf).at[4, 1, 9].set(-jnp.inf)
+  flagged = [True, False, False, True, True]
   for layer in (0, 2):
     want = residual_write.write_token_rows_reference(k_res, v_res, k_new, v_new, row, clear,
                                                      layer=layer)
     got = residual_write.write_token_rows(k_res, v_res, k_new, v_new, row, clear, layer=layer,
                                           interpret=jax.default_backend() != "gpu")
     assert _leaves_equal(got, want), layer
+    np.testing.assert_array_equal(np.asarray(got[2]), flagged)
     # `after` only orders the call: the same result
     later = residual_write.write_token_rows(k_res, v_res, k_new, v_new, row, clear,
                                             layer=layer, after=(k_res[0], row),
