@@ -232,6 +232,15 @@ class MosaicAttentionConfig:
                              max(1, tokens // 128))
       block_k = 128 if tokens // 128 >= 8 * wide else 64
     splits = one_wave_splits(slots, heads, max(1, tokens // block_k))
+    if (k_bits, v_bits) == (2, 2) and heads <= 8:
+      # 2-bit K and V run 3 programs per SM (168 registers): one wave of them for
+      # a single long sequence, where each split still gets >= 8 blocks (H100,
+      # whole call us: (1, 131072) 51.5 (48 splits) vs 54.1 (32); H200 50.9 vs
+      # 53.7; (1, 32768) 20.4 vs 19.7, so not there; (8, 32768) 6 splits 125.3
+      # vs 101.9 (4); `attention-ab-kivi2-splits-20261127b-*`)
+      wide = one_wave_splits(3 * num_sms, heads, max(1, tokens // block_k))
+      if tokens // block_k >= 8 * wide:
+        splits = wide
     stages = 3 if k_bits >= 8 and v_bits >= 8 else 4
     if min(k_bits, v_bits) <= 2 and block_k == 128:
       stages = 2
