@@ -194,12 +194,13 @@ class MosaicAttentionConfig:
     there); 4 stages unless both sides are 8-bit (int8 lost 10-25 % with 4,
     k8v4 gained 2-5 %), but 2 for kivi4 (and V built after the softmax in
     128-token blocks at <= 64 (sequence, kv head) pairs); K scale pairs shared
-    by warp shuffles (``shuffle_scales``) for 2-bit K and for 4-bit K in
-    64-token blocks.
+    by warp shuffles (``shuffle_scales``) for 2-bit and 4-bit K (in 128-token
+    blocks only over at most 64 (sequence, kv head) pairs).
 
     Programs: the split counts assume 4 per SM for 4-bit K and V (2 in
     128-token blocks over at most 64 (sequence, kv head) pairs), 3 for
-    8-bit K with 4-bit V, 2 otherwise. Nsight Compute (H100, (1, 131072),
+    8-bit K with 4-bit V (and for 2-bit K and V over at most 8 pairs, where
+    every split keeps >= 8 blocks), 2 otherwise. Nsight Compute (H100, (1, 131072),
     2026-11-26) finds kivi4 at 4 per SM in 64-token blocks (120 registers,
     44 KB) but 2 in 128-token blocks (229 registers, 79 KB: the residual
     program's two [128, D] tiles), kivi2 at 3 (168 registers, 75 KB); the

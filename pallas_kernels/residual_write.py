@@ -45,8 +45,8 @@ def _kernel(code_ref, k_new_ref, v_new_ref, k_in, v_in, *refs, rows: int, heads:
   bad = jnp.zeros((), jnp.int32)
   for h in range(heads):  # static: one [D] row per side and head
     k_new, v_new = k_new_ref[h, :], v_new_ref[h, :]
-    for x in (k_new, v_new):
-      bad = jnp.maximum(bad, jnp.max(jnp.where(jnp.isfinite(x), 0, 1).astype(jnp.int32)))
+    for x in (k_new, v_new):  # an int32 max: Triton has no max of bools
+      bad = jnp.maximum(bad, _triton.any_nonfinite(x).astype(jnp.int32))
 
     @pl.when(row == -1)
     def _():
