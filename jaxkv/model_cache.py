@@ -9,7 +9,7 @@ which would rebuild it every step).
 
 One append (a decode step or a prefill chunk) is three phases:
 
-1. ``plan = cache.plan_append(num_new)``: once per step, for all layers: which
+1. ``plan = cache.plan_append(num_new, max_new=T)``: once per step, for all layers: which
    sequences fit, their new lengths and how many tokens each flushes into the
    packed region (DESIGN.md "the residual rule").
 2. For each layer, ``cache = cache.append_layer(layer, k, v, plan)``:
@@ -33,8 +33,11 @@ Flags (per sequence, ``[B]`` bool; `check()` raises on a concrete flagged
 cache): ``overflow``: an append under `jit` would have grown the sequence past
 ``capacity`` and was skipped; ``invalid``: a traced call saw out-of-range
 token ids or lengths for the sequence (see `models.llama.Llama.prefill`);
-``nonfinite``: an append stored a NaN/inf K or V row in some layer (README
-"Input policy"; attention over the sequence is NaN on every implementation).
+``nonfinite``: an append stored a NaN/inf K or V row in some layer, or a
+group of finite values whose scale overflowed ``fmt.scale_dtype`` (stored as
+NaN; `commit` checks the flushed rows, bounded by ``plan_append``'s
+``max_new``) (README "Input policy"; attention over the sequence is NaN on
+every implementation).
 
 Vector-quantized formats (`jaxkv.VQFormat`) have the subclass
 `jaxkv.VQModelCache` (`jaxkv/vq_model_cache.py`): the same append and
@@ -95,6 +98,8 @@ class AppendPlan:
     old_packed: packed tokens before (where flushed rows start).
     flush: tokens moved from the residual into the packed region (multiple of G).
     fits: False where the append would overflow ``capacity`` (skipped).
+    window: (static) packed rows from ``old_packed`` that one append can flush
+      at most (``None``: unknown; `ModelCache.commit` then scans every row).
   """
 
   num_new: jax.Array
@@ -103,6 +108,7 @@ class AppendPlan:
   old_packed: jax.Array
   flush: jax.Array
   fits: jax.Array
+  window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass
@@ -117,7 +123,8 @@ class ModelCache:
     lengths: ``[B]`` int32 tokens held per sequence (the same in every layer).
     overflow: ``[B]`` bool, an append was skipped because it did not fit.
     invalid: ``[B]`` bool, a traced call saw out-of-range ids or lengths.
-    nonfinite: ``[B]`` bool, an append stored a NaN/inf K/V value (any layer).
+    nonfinite: ``[B]`` bool, an append stored a NaN/inf K/V value or a NaN group
+      (scale overflow) in some layer.
     fmt, capacity, use_kernel: as in `jaxkv.KVCache` (static).
   """
 
@@ -251,9 +258,19 @@ class ModelCache:
     return tuple(self.layer(i) for i in range(self.num_layers))
 
   # ----------------------------------------------------------------- append
-  def plan_append(self, num_new: jax.Array) -> AppendPlan:
-    """The per-sequence effect of appending ``num_new [B]`` tokens (once per step)."""
+  def plan_append(self, num_new: jax.Array, max_new: int | None = None) -> AppendPlan:
+    """The per-sequence effect of appending ``num_new [B]`` tokens (once per step).
+
+    ``max_new`` (static, optional): the most tokens any sequence appends (the
+    chunk length); it bounds the rows `commit` checks for groups stored as NaN.
+    """
     fmt = self.fmt
+    window = None
+    if max_new is not None:
+      if int(max_new) < 0:
+        raise ValueError(f"max_new={max_new} must be >= 0")
+      g = fmt.token_group
+      window = -(-(int(max_new) + fmt.residual) // g) * g
     num_new = jnp.asarray(num_new, jnp.int32)
     fits = self.lengths + num_new <= self.capacity
     num_new = jnp.where(fits, num_new, 0)
@@ -261,7 +278,7 @@ class ModelCache:
     old_packed = fmt.packed_len(self.lengths)
     return AppendPlan(num_new=num_new, old_lengths=self.lengths, new_lengths=new_len,
                       old_packed=old_packed, flush=fmt.packed_len(new_len) - old_packed,
-                      fits=fits)
+                      fits=fits, window=window)
 
   def append_layer(self, index, k_new: jax.Array, v_new: jax.Array,
                    plan: AppendPlan) -> "ModelCache":
@@ -411,9 +428,15 @@ class ModelCache:
     return new, history
 
   def commit(self, plan: AppendPlan) -> "ModelCache":
-    """Advances ``lengths`` and ``overflow`` after every layer's `append_layer`."""
+    """Advances ``lengths`` and ``overflow`` after every layer's `append_layer`, and
+    flags ``nonfinite`` where a group flushed by this append was stored as NaN
+    (finite values whose scale or zero overflows ``fmt.scale_dtype``, as
+    `jaxkv.KVCache` flags them): one check over all layers, of the rows
+    ``plan.window`` allows."""
+    bad = _flushed_nan_groups(self.k, plan) | _flushed_nan_groups(self.v, plan)
     return dataclasses.replace(self, lengths=plan.new_lengths,
-                               overflow=self.overflow | ~plan.fits)
+                               overflow=self.overflow | ~plan.fits,
+                               nonfinite=self.nonfinite | bad)
 
   def flag_invalid(self, bad: jax.Array) -> "ModelCache":
     """Sets ``invalid`` for sequences where ``bad [B]`` is True."""
@@ -459,6 +482,31 @@ class ModelCache:
 
 def _is_concrete(x) -> bool:
   return not isinstance(x, jax.core.Tracer)
+
+
+def _flushed_nan_groups(side, plan: AppendPlan) -> jax.Array:
+  """``[B]``: a group in packed rows ``[old_packed, old_packed + flush)`` of any
+  layer has a NaN scale (the quantizer's mark of a group that overflowed the
+  scale dtype; `jaxkv.cache._bad_groups` for one layer). Reads only the
+  ``plan.window`` rows from each ``old_packed`` when the plan knows it."""
+  scale = getattr(side, "scale", None)                  # [L, B, H, C', X]; VQ sides: none
+  start, count = plan.old_packed, plan.flush
+  if scale is None or side.bits == 16:
+    return jnp.zeros(start.shape, bool)
+  window = plan.window
+  if side.axis == "channel":
+    start, count = start // side.group, count // side.group
+    window = None if window is None else -(-window // side.group)
+  total = scale.shape[3]
+  if window is None or window >= total:
+    part, first = scale, jnp.zeros_like(start)
+  else:
+    first = jnp.clip(start, 0, total - window)         # dynamic_slice's own clamp
+    part = jax.vmap(lambda x, s: jax.lax.dynamic_slice_in_dim(x, s, window, axis=2),
+                    in_axes=(1, 0), out_axes=1)(scale, first)   # [L, B, H, w, X]
+  rows = first[:, None] + jnp.arange(part.shape[3])[None, :]                # [B, w]
+  nan = jnp.any(jnp.isnan(part.astype(jnp.float32)), axis=(0, 2, 4))        # [B, w]
+  return jnp.any(nan & (rows >= start[:, None]) & (rows < (start + count)[:, None]), axis=1)
 
 
 def _scatter_rows(dst, index, src, start, count):

@@ -205,7 +205,7 @@ def _spec_step(model, draft, s: SpecState, stop_tokens, temperature, pad_token_i
   out = s.out.at[jnp.arange(b)[:, None], rows].set(emitted, mode="drop")
 
   # Commit the K/V of the fed tokens block[:count] (the target's) to the cache.
-  plan = cache.plan_append(count)
+  plan = cache.plan_append(count, max_new=g + 1)
 
   def append_layers(cache, sk, sv, plan):
     for index in range(cache.num_layers):

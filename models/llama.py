@@ -712,7 +712,7 @@ class Llama(nnx.Module):
       chunk_tokens, j = xs                                         # [B, c], scalar
       n_real = jnp.clip(lengths - j * c, 0, c)                     # [B]
       positions = cache.lengths[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
-      plan = cache.plan_append(n_real)
+      plan = cache.plan_append(n_real, max_new=c)
 
       def body(layer, index, carry):
         x, new_cache = carry
@@ -784,7 +784,7 @@ class Llama(nnx.Module):
     cache.check_room(s, "tokens")
     cache = cache.flag_invalid(self._invalid_ids(tokens))
     positions = cache.lengths[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]
-    plan = cache.plan_append(jnp.full((b,), s, jnp.int32))         # once for all layers
+    plan = cache.plan_append(jnp.full((b,), s, jnp.int32), max_new=s)  # once for all layers
     # One token in all: the layers carry a twin row (the same hidden state) so
     # every weight GEMM has two rows without a pad kernel before it (`linear`
     # pads a single row to two: measured faster dots, but ~4 pad kernels per

@@ -123,6 +123,44 @@ def test_one_token_append_flags_nonfinite_tokens(use_kernel):
   np.testing.assert_array_equal(np.asarray(cache.nonfinite), [True, True, False, False])
 
 
+@pytest.mark.parametrize("use_kernel,max_new", [(False, None), (True, None), (False, "chunk"),
+                                                 (True, "chunk")])
+def test_groups_stored_as_nan_are_flagged_like_per_layer_caches(use_kernel, max_new):
+  """Finite values whose group's float16 scale overflows are stored as a NaN group;
+  `commit` flags the sequence ``nonfinite`` (over all layers, both sides, in one
+  chunk or through the one-token path), as the per-layer `KVCache` does."""
+  layers, b, h, d, cap = 2, 3, 2, 32, 300
+  rng = np.random.default_rng(5)
+  k = rng.standard_normal((layers, b, 128, h, d)).astype(np.float32)
+  v = rng.standard_normal((layers, b, 128, h, d)).astype(np.float32)
+  k[1, 1, 5, 0, 3] = 2e6      # K (per channel), layer 1, sequence 1
+  v[0, 2, 127, 1, 0] = -3e6   # V (per token), layer 0, sequence 2, the flushing token
+  k, v = jnp.asarray(k), jnp.asarray(v)
+
+  @jax.jit
+  def append(cache, k, v, n):
+    plan = cache.plan_append(n, max_new=None if max_new is None else k.shape[2])
+    for i in range(layers):
+      cache = cache.append_layer(i, k[i], v[i], plan)
+    return cache.commit(plan)
+
+  full = jnp.full((b,), 128, jnp.int32)
+  for chunks in ((128,), (127, 1)):
+    cache = ModelCache.init("kivi4", layers, b, h, d, cap, jnp.float32, use_kernel=use_kernel)
+    t0 = 0
+    for t in chunks:
+      cache = append(cache, k[:, :, t0:t0 + t], v[:, :, t0:t0 + t], jnp.full((b,), t, jnp.int32))
+      t0 += t
+    assert np.isnan(np.asarray(cache.k.scale)).any() and np.isnan(np.asarray(cache.v.scale)).any()
+    per = [jax.jit(lambda c, x, y: c.prefill(x, y, full))(
+        KVCache.init("kivi4", b, h, d, cap, jnp.float32), k[i], v[i]) for i in range(layers)]
+    want = np.logical_or(*(np.asarray(c.nonfinite) for c in per))
+    np.testing.assert_array_equal(want, [False, True, True])
+    np.testing.assert_array_equal(np.asarray(cache.nonfinite), want, err_msg=str(chunks))
+  with pytest.raises(ValueError, match="max_new=-1"):
+    cache.plan_append(full, max_new=-1)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_residual_write_kernel_matches_reference(dtype):
   """`pallas_kernels.residual_write` == its XLA scatter, every byte (compiled on a GPU)."""
