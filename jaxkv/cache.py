@@ -506,8 +506,8 @@ class KVCache(ResidualBlockCache):
 
     k_side, v_side = jax.lax.cond(jnp.any(st.flush > 0), do_flush, lambda s: s, (self.k, self.v))
     nonfinite = (self.nonfinite | nonfinite_rows(k_new, st.num_new)
-                 | nonfinite_rows(v_new, st.num_new) | _bad_groups(k_side, st.old_packed, st.flush)
-                 | _bad_groups(v_side, st.old_packed, st.flush))
+                 | nonfinite_rows(v_new, st.num_new) | nan_groups(k_side, st.old_packed, st.flush)
+                 | nan_groups(v_side, st.old_packed, st.flush))
     return self._finish(st, nonfinite, k=k_side, v=v_side)
 
   # ---------------------------------------------------------------- readback
@@ -593,20 +593,33 @@ def nonfinite_rows(x, count):
   return jnp.any(rows & jnp.any(~jnp.isfinite(x), axis=(2, 3)), axis=1)
 
 
-def _bad_groups(side: QuantizedKV, start, count):
+def nan_groups(side, start, count, window: int | None = None):
   """``[B]``: a group stored in packed rows ``[start_b, start_b + count_b)`` is NaN.
 
   The quantizer stores NaN scale/zero for a group whose values are finite but
   overflow the scale dtype (`jaxkv.quant`): that too is a non-finite value.
+  ``side``'s arrays may carry leading axes before ``B`` (a `jaxkv.ModelCache`'s
+  layers: any layer counts); a side without scales (16-bit, VQ) has none.
+  ``window`` (static, token rows): read only that many rows from each
+  ``start_b`` (``count_b`` must not exceed it) instead of every row.
   """
-  if side.bits == 16:
+  scale = getattr(side, "scale", None)                       # [..., B, H, C', X]
+  if scale is None or side.bits == 16:
     return jnp.zeros(start.shape, bool)
   if side.axis == "channel":
     start, count = start // side.group, count // side.group
-  pos = jnp.arange(side.scale.shape[2])[None, :]
-  rows = (pos >= start[:, None]) & (pos < (start + count)[:, None])      # [B, C']
-  bad = jnp.any(jnp.isnan(side.scale.astype(jnp.float32)), axis=(1, 3))  # [B, C']
-  return jnp.any(rows & bad, axis=1)
+    window = None if window is None else -(-window // side.group)
+  lead, total = scale.ndim - 4, scale.shape[-2]
+  if window is None or window >= total:
+    part, first = scale, jnp.zeros_like(start)
+  else:
+    first = jnp.clip(start, 0, total - window)                # dynamic_slice's own clamp
+    part = jax.vmap(lambda x, s: jax.lax.dynamic_slice_in_dim(x, s, window, axis=x.ndim - 2),
+                    in_axes=(lead, 0), out_axes=lead)(scale, first)  # [..., B, H, w, X]
+  rows = first[:, None] + jnp.arange(part.shape[-2])[None, :]             # [B, w]
+  bad = jnp.any(jnp.isnan(part.astype(jnp.float32)),
+                axis=(*range(lead), lead + 1, lead + 3))                   # [B, w]
+  return jnp.any(bad & (rows >= start[:, None]) & (rows < (start + count)[:, None]), axis=1)
 
 
 def _nonfinite_message(what, cache, k_new, v_new, num_new, new_bad) -> str:

@@ -54,8 +54,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.cache import (KVCache, QuantizedKV, flush_groups, nonfinite_rows, quantize_kv,
-                         shift_residual, stage_residual)
+from jaxkv.cache import (KVCache, QuantizedKV, flush_groups, nan_groups, nonfinite_rows,
+                         quantize_kv, shift_residual, stage_residual)
 from jaxkv import vq
 from jaxkv.formats import KVFormat
 from pallas_kernels import residual_write
@@ -433,7 +433,8 @@ class ModelCache:
     (finite values whose scale or zero overflows ``fmt.scale_dtype``, as
     `jaxkv.KVCache` flags them): one check over all layers, of the rows
     ``plan.window`` allows."""
-    bad = _flushed_nan_groups(self.k, plan) | _flushed_nan_groups(self.v, plan)
+    bad = functools.reduce(jnp.logical_or, (nan_groups(side, plan.old_packed, plan.flush,
+                                                       plan.window) for side in (self.k, self.v)))
     return dataclasses.replace(self, lengths=plan.new_lengths,
                                overflow=self.overflow | ~plan.fits,
                                nonfinite=self.nonfinite | bad)
@@ -482,31 +483,6 @@ class ModelCache:
 
 def _is_concrete(x) -> bool:
   return not isinstance(x, jax.core.Tracer)
-
-
-def _flushed_nan_groups(side, plan: AppendPlan) -> jax.Array:
-  """``[B]``: a group in packed rows ``[old_packed, old_packed + flush)`` of any
-  layer has a NaN scale (the quantizer's mark of a group that overflowed the
-  scale dtype; `jaxkv.cache._bad_groups` for one layer). Reads only the
-  ``plan.window`` rows from each ``old_packed`` when the plan knows it."""
-  scale = getattr(side, "scale", None)                  # [L, B, H, C', X]; VQ sides: none
-  start, count = plan.old_packed, plan.flush
-  if scale is None or side.bits == 16:
-    return jnp.zeros(start.shape, bool)
-  window = plan.window
-  if side.axis == "channel":
-    start, count = start // side.group, count // side.group
-    window = None if window is None else -(-window // side.group)
-  total = scale.shape[3]
-  if window is None or window >= total:
-    part, first = scale, jnp.zeros_like(start)
-  else:
-    first = jnp.clip(start, 0, total - window)         # dynamic_slice's own clamp
-    part = jax.vmap(lambda x, s: jax.lax.dynamic_slice_in_dim(x, s, window, axis=2),
-                    in_axes=(1, 0), out_axes=1)(scale, first)   # [L, B, H, w, X]
-  rows = first[:, None] + jnp.arange(part.shape[3])[None, :]                # [B, w]
-  nan = jnp.any(jnp.isnan(part.astype(jnp.float32)), axis=(0, 2, 4))        # [B, w]
-  return jnp.any(nan & (rows >= start[:, None]) & (rows < (start + count)[:, None]), axis=1)
 
 
 def _scatter_rows(dst, index, src, start, count):

@@ -232,15 +232,26 @@ class MosaicAttentionConfig:
       wide = one_wave_splits(2 * num_sms if heads <= 64 else slots, heads,
                              max(1, tokens // 128))
       block_k = 128 if tokens // 128 >= 8 * wide else 64
-    splits = one_wave_splits(slots, heads, max(1, tokens // block_k))
-    if (k_bits, v_bits) == (2, 2) and heads <= 8:
+    blocks = max(1, tokens // block_k)
+    # 4-bit K and V in 128-token blocks over <= 64 (sequence, kv head) pairs
+    kivi4_wide = (k_bits, v_bits) == (4, 4) and block_k == 128 and heads <= 64
+    splits = one_wave_splits(slots, heads, blocks)
+    if kivi4_wide:
+      # They run 2 programs per SM (229 registers), not the 4 counted above: one
+      # wave at 2 per SM, with shuffles (below) (whole call us, vs the former
+      # 4-per-SM count without shuffles: H100 (1, 131072) 59.5 (32 splits) vs
+      # 64.3 (64), (8, 32768) 117.0 (4) vs 120.5 (8); H200 52.8 vs 59.2 at
+      # (1, 131072); shuffles with 64 splits were 77 us at (1, 131072) on the
+      # H100; `attention-ab-splits-shuffle-20261127b-*`)
+      splits = one_wave_splits(2 * num_sms, heads, blocks)
+    elif (k_bits, v_bits) == (2, 2) and heads <= 8:
       # 2-bit K and V run 3 programs per SM (168 registers): one wave of them for
       # a single long sequence, where each split still gets >= 8 blocks (H100,
       # whole call us: (1, 131072) 51.5 (48 splits) vs 54.1 (32); H200 50.9 vs
       # 53.7; (1, 32768) 20.4 vs 19.7, so not there; (8, 32768) 6 splits 125.3
       # vs 101.9 (4); `attention-ab-kivi2-splits-20261127b-*`)
-      wide = one_wave_splits(3 * num_sms, heads, max(1, tokens // block_k))
-      if tokens // block_k >= 8 * wide:
+      wide = one_wave_splits(3 * num_sms, heads, blocks)
+      if blocks >= 8 * wide:
         splits = wide
     stages = 3 if k_bits >= 8 and v_bits >= 8 else 4
     if min(k_bits, v_bits) <= 2 and block_k == 128:
@@ -249,7 +260,7 @@ class MosaicAttentionConfig:
     # (H100, kernel us: (8, 32768) 114.4 vs 123.9 early, (96, 32768) 1208 vs
     # 1295; at (1, 131072) 57.4 vs 56.5)
     early_v = not (v_bits <= 2 and heads >= 64)
-    if (k_bits, v_bits) == (4, 4) and block_k == 128 and heads <= 64:
+    if kivi4_wide:
       # 4-bit K and V in 128-token blocks at small batch: V after the softmax, 2
       # stages (H100, kernel us: (1, 131072) 61.6 vs 63.0, (8, 32768) 120.1 vs
       # 125.8; (96, 32768) 1282 vs 1272, so not there)
@@ -263,19 +274,9 @@ class MosaicAttentionConfig:
     # K scale/zero pairs shared by warp shuffles: 2-bit K everywhere (H100, whole
     # call us: (1, 32768) 20.2 -> 19.9, (1, 131072) 55.3 -> 54.6, (8, 32768)
     # 106.2 -> 102.2, (48, 32768) 558.5 -> 538.1); 4-bit K in 64-token blocks
-    # ((1, 32768): 24.6 -> 23.7 with 2 stages); 4-bit K in 128-token blocks
-    # below, with its split count.
-    shuffle = k_bits == 2 or (k_bits == 4 and block_k == 64)
-    if (k_bits, v_bits) == (4, 4) and block_k == 128 and heads <= 64:
-      # 4-bit K and V in 128-token blocks run 2 programs per SM (229 registers),
-      # not the 4 the split count above assumes: one wave at 2 per SM, with
-      # shuffles (whole call us, shuffles + 2-per-SM splits vs the former
-      # default: H100 (1, 131072) 59.5 (32 splits) vs 64.3 (64, no shuffles),
-      # (8, 32768) 117.0 (4) vs 120.5 (8); H200 52.8 vs 59.2 at (1, 131072);
-      # shuffles with 64 splits were the 77 us at (1, 131072) on the H100;
-      # `attention-ab-splits-shuffle-20261127b-*`)
-      splits = one_wave_splits(2 * num_sms, heads, max(1, tokens // block_k))
-      shuffle = True
+    # ((1, 32768): 24.6 -> 23.7 with 2 stages) and in 128-token blocks with the
+    # 2-per-SM split count above.
+    shuffle = k_bits == 2 or (k_bits == 4 and block_k == 64) or kivi4_wide
     # Subnormal codes for 4-bit K and V (H100, kernel us, kivi4: 68.4 vs 70.4 at
     # (1, 131072), 132.3 vs 134.8 at (8, 32768), 1291 vs 1342 at (96, 32768)),
     # and with byte masks (one shift per word) for 2-bit too: whole call, H100,
