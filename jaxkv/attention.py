@@ -329,7 +329,7 @@ def _mosaic_default(cache, view: str = "target"):
 
 
 def _mosaic_attention(q, cache, *, scale, config, layer=None, view: str = "target",
-                      return_lse: bool = False):
+                      return_lse: bool = False, seq_bad=None):
   """The Mosaic kernel over a `KVCache`, or over layer ``layer`` of a
   `ModelCache`'s stacked arrays (read in place); ``view="draft"`` of a
   hierarchical cache reads the upper plane of each code row in place."""
@@ -341,7 +341,7 @@ def _mosaic_attention(q, cache, *, scale, config, layer=None, view: str = "targe
       cache.v.zero, cache.k_residual, cache.v_residual, cache.lengths,
       k_side=k_side, v_side=v_side, token_group=cache.fmt.token_group,
       residual=cache.fmt.residual, sm_scale=sm_scale, config=config, layer=layer,
-      return_lse=return_lse)
+      return_lse=return_lse, seq_bad=seq_bad)
 
 
 def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None,
@@ -404,18 +404,20 @@ def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None
       cache = dataclasses.replace(cache.stacked, lengths=cache.lengths, overflow=cache.overflow)
     else:
       cache = cache.materialize()
+  nonfinite = cache.nonfinite if hasattr(cache, "nonfinite") else jnp.zeros_like(cache.overflow)
+  # The kernels' combine writes the NaN rows of the input policy (`_poison`)
+  # itself: no select kernel after the call.
   if impl == "mosaic":
-    out = _mosaic_attention(q, cache, scale=scale, config=config, layer=layer, view=view)
-  elif impl == "triton":
+    return _mosaic_attention(q, cache, scale=scale, config=config, layer=layer, view=view,
+                             seq_bad=nonfinite)
+  if impl == "triton":
     import pallas_kernels  # pylint: disable=import-outside-toplevel
     if config is not None and _is_mosaic_config(config):
       config = None
-    out = pallas_kernels.pallas_decode_attention(
+    return pallas_kernels.pallas_decode_attention(
         q, cache, scale=scale, config=config, interpret=jax.default_backend() != "gpu",
-        layer=layer, view=view)
-  else:
-    k, v = cache.dequantize(view)
-    out = reference_attention(q, k, v, cache.lengths, scale=scale)
-  nonfinite = cache.nonfinite if hasattr(cache, "nonfinite") else jnp.zeros_like(cache.overflow)
+        layer=layer, view=view, seq_bad=nonfinite)
+  k, v = cache.dequantize(view)
+  out = reference_attention(q, k, v, cache.lengths, scale=scale)
   return _poison(out, q, nonfinite)
 

@@ -70,6 +70,19 @@ def any_nonfinite(x, axis=None):
   return jnp.max(jnp.where(jnp.isfinite(x), 0, 1).astype(jnp.int32), axis=axis) > 0
 
 
+def nonfinite_query_rows(q, seq_bad, kv_heads: int, rows: int):
+  """``[B, Hkv, rows]`` int32, 1 where a combine kernel writes NaN (README
+  "Input policy"): query row ``r = g S + s`` of a kv head (q head ``g`` of its
+  group, query ``s``) holds a NaN/inf, or its sequence is flagged
+  ``seq_bad [B]``; rows past ``G S`` are 0. One XLA fusion that the combine
+  kernels read, instead of a select over their output."""
+  b, s, hq, _ = q.shape
+  g = hq // kv_heads
+  bad = ~jnp.all(jnp.isfinite(q), axis=-1) | seq_bad[:, None, None]      # [B, S, Hq]
+  bad = bad.reshape(b, s, kv_heads, g).transpose(0, 2, 3, 1).reshape(b, kv_heads, g * s)
+  return jnp.pad(bad, ((0, 0), (0, 0), (0, rows - g * s))).astype(jnp.int32)
+
+
 def compute_capability() -> tuple[int, int]:
   """``(major, minor)`` of the default GPU; ``(0, 0)`` off a GPU or when unknown."""
   cc = getattr(jax.devices()[0], "compute_capability", None)

@@ -54,9 +54,11 @@ def combine_t_reference(o_t, l, m, *, rows: int, packed_rows=None, out_dtype=jnp
   return out.astype(out_dtype)
 
 
-def _kernel(o_ref, l_ref, m_ref, rows_ref, out_ref, *, num_parts, parts_pad, dblk, rows, width,
-            permuted, plain_tail):
-  """One (batch, kv head, channel block): all partials at once, gathered rows."""
+def _kernel(o_ref, l_ref, m_ref, rows_ref, *refs, num_parts, parts_pad, dblk, rows, width,
+            permuted, plain_tail, poison):
+  """One (batch, kv head, channel block): all partials at once, gathered rows;
+  with ``poison`` (refs: ``bad_ref, out_ref``) the flagged rows are NaN."""
+  bad_ref, out_ref = refs if poison else (None, refs[0])
   d0 = pl.program_id(2) * dblk
   part = jax.lax.broadcasted_iota(jnp.int32, (parts_pad, 1), 0)           # [J', 1]
   live = part < num_parts
@@ -84,16 +86,20 @@ def _kernel(o_ref, l_ref, m_ref, rows_ref, out_ref, *, num_parts, parts_pad, dbl
   num = jnp.sum(w[:, None, :] * o, axis=0)                               # [dblk, M]
   safe = jnp.where(den == 0, 1.0, den)
   out = jnp.where((den == 0)[None, :], 0.0, num / safe[None, :])
+  if poison:
+    out = jnp.where((bad_ref[...] != 0)[None, :], jnp.nan, out)
   out_ref[...] = out.T.astype(out_ref.dtype)                             # [M, dblk]
 
 
 def combine_t(o_t: jax.Array, l: jax.Array, m: jax.Array, *, rows: int, packed_rows=None,
-              out_dtype=jnp.float32, interpret: bool = False, plain_tail: int = 1) -> jax.Array:
+              out_dtype=jnp.float32, interpret: bool = False, plain_tail: int = 1,
+              bad=None) -> jax.Array:
   """Merge ``o_t [B,H,J,D,N], l/m [B,H,J,N']`` over J into ``[B, H, rows, D]``.
 
   ``rows`` (a power of two <= N) query rows are merged; ``packed_rows`` see the
   module docstring. The last ``plain_tail`` partials are always read in
-  channel order.
+  channel order. ``bad``: optional ``[B, H, rows]`` int32, nonzero rows come
+  out NaN (`_triton.nonfinite_query_rows`).
   """
   batch, heads, num_parts, head_dim, width = o_t.shape
   if not 1 <= plain_tail <= num_parts:
@@ -115,9 +121,15 @@ def combine_t(o_t: jax.Array, l: jax.Array, m: jax.Array, *, rows: int, packed_r
   dblk = head_dim
   while dblk > 1 and parts_pad * dblk * rows > _BUDGET:
     dblk //= 2
+  poison = bad is not None
+  if poison and bad.shape != (batch, heads, rows):
+    raise ValueError(f"bad.shape={bad.shape} must be {(batch, heads, rows)}")
   kernel = functools.partial(_kernel, num_parts=num_parts, parts_pad=parts_pad, dblk=dblk,
-                             rows=rows, width=width, permuted=permuted, plain_tail=plain_tail)
+                             rows=rows, width=width, permuted=permuted, plain_tail=plain_tail,
+                             poison=poison)
   o_flat = o_t.reshape(batch, heads, num_parts, head_dim * width)  # free
+  extra = ([pl.BlockSpec((None, None, rows), lambda b, h, d: (b, h, 0))], [bad]) if poison \
+      else ([], [])
   return pl.pallas_call(
       kernel,
       grid=(batch, heads, head_dim // dblk),
@@ -126,13 +138,14 @@ def combine_t(o_t: jax.Array, l: jax.Array, m: jax.Array, *, rows: int, packed_r
           pl.BlockSpec((None, None, num_parts, l.shape[-1]), lambda b, h, d: (b, h, 0, 0)),
           pl.BlockSpec((None, None, num_parts, l.shape[-1]), lambda b, h, d: (b, h, 0, 0)),
           pl.BlockSpec((head_dim,), lambda b, h, d: (0,)),
+          *extra[0],
       ],
       out_specs=pl.BlockSpec((None, None, rows, dblk), lambda b, h, d: (b, h, 0, d)),
       out_shape=jax.ShapeDtypeStruct((batch, heads, rows, head_dim), out_dtype),
       compiler_params=_triton.compiler_params(num_warps=4, num_stages=1),
       interpret=interpret,
       name="jaxkv_mosaic_combine",
-  )(o_flat, l, m, rows_arr)
+  )(o_flat, l, m, rows_arr, *extra[1])
 
 
 __all__ = ["combine_t", "combine_t_reference"]

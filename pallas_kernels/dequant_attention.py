@@ -770,13 +770,16 @@ def _combine_kernel(
     o_ref,    # [J, M, dblk] float32 partial outputs
     l_ref,    # [J, M]
     m_ref,    # [J, M]
-    # outputs
-    out_ref,  # [Mo, dblk] in q's dtype
-    lse_ref=None,  # [Mo] float32 log-sum-exp of the (scaled) scores, when asked for
-    *,
+    *refs,    # [bad_ref [Mo] int32 (with ``poison``)], out_ref [Mo, dblk] in q's
+              # dtype, [lse_ref [Mo] float32 log-sum-exp of the scaled scores]
     parts_block: int,
+    poison: bool = False,
 ):
-  """Log-sum-exp merge of the J partials of one (batch, kv head, column block)."""
+  """Log-sum-exp merge of the J partials of one (batch, kv head, column block);
+  with ``poison``, rows flagged in ``bad_ref`` are NaN
+  (`_triton.nonfinite_query_rows`)."""
+  bad_ref, refs = (refs[0], refs[1:]) if poison else (None, refs)
+  out_ref, lse_ref = refs[0], (refs[1] if len(refs) > 1 else None)
   num_parts = o_ref.shape[0]
   out_rows = out_ref.shape[0]
   rows = pl.ds(0, out_rows)
@@ -801,7 +804,10 @@ def _combine_kernel(
       (jnp.zeros(out_ref.shape, jnp.float32), jnp.zeros((out_rows,), jnp.float32)))
   # l == 0: no visible key (zeros); a NaN l (NaN scores) stays NaN, never 0.
   safe = jnp.where(l == 0, 1.0, l)
-  out_ref[...] = jnp.where((l == 0)[:, None], 0.0, acc / safe[:, None]).astype(out_ref.dtype)
+  out = jnp.where((l == 0)[:, None], 0.0, acc / safe[:, None])
+  if poison:
+    out = jnp.where((bad_ref[...] != 0)[:, None], jnp.nan, out)
+  out_ref[...] = out.astype(out_ref.dtype)
   if lse_ref is not None:  # -inf where no key is visible
     lse_ref[...] = jnp.where(l == 0, -jnp.inf, m + jnp.log(safe))
 
@@ -908,6 +914,7 @@ def dequant_decode_attention(
     layer: jax.Array | None = None,
     view: str = "target",
     return_lse: bool = False,
+    seq_bad: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Decode attention of S new queries over a packed cache (raw arrays).
 
@@ -934,6 +941,9 @@ def dequant_decode_attention(
     return_lse: also return the log-sum-exp of each query's scaled scores
       (natural log; -inf where no key is visible), so a caller can merge this
       attention with attention over keys outside the cache.
+    seq_bad: optional ``[B]`` bool: the combine kernel writes NaN for every
+      query of a flagged sequence and for query rows holding a NaN/inf (the
+      README's input policy, without a select kernel after the call).
 
   Returns:
     ``[B, S, Hq, D]`` in q's dtype; with ``return_lse`` also ``[B, S, Hq]``
@@ -1062,20 +1072,26 @@ def dequant_decode_attention(
   if return_lse:  # every column block writes the same lse rows
     out_specs.append(pl.BlockSpec((None, None, q_block), lambda b, h, d: (b, h, 0)))
     out_shape.append(jax.ShapeDtypeStruct((batch, kv_heads, q_block), jnp.float32))
+  poison = seq_bad is not None
+  in_specs = [
+      pl.BlockSpec((None, None, num_parts, rows, dblk), lambda b, h, d: (b, h, 0, 0, d)),
+      pl.BlockSpec((None, None, num_parts, rows), lambda b, h, d: (b, h, 0, 0)),
+      pl.BlockSpec((None, None, num_parts, rows), lambda b, h, d: (b, h, 0, 0)),
+  ]
+  combine_in = [o_part, l_part, m_part]
+  if poison:
+    in_specs.append(pl.BlockSpec((None, None, q_block), lambda b, h, d: (b, h, 0)))
+    combine_in.append(_triton.nonfinite_query_rows(q, seq_bad, kv_heads, q_block))
   outs = pl.pallas_call(
-      functools.partial(_combine_kernel, parts_block=parts_block),
+      functools.partial(_combine_kernel, parts_block=parts_block, poison=poison),
       grid=(batch, kv_heads, head_dim // dblk),
-      in_specs=[
-          pl.BlockSpec((None, None, num_parts, rows, dblk), lambda b, h, d: (b, h, 0, 0, d)),
-          pl.BlockSpec((None, None, num_parts, rows), lambda b, h, d: (b, h, 0, 0)),
-          pl.BlockSpec((None, None, num_parts, rows), lambda b, h, d: (b, h, 0, 0)),
-      ],
+      in_specs=in_specs,
       out_specs=out_specs,
       out_shape=out_shape,
       compiler_params=_triton.compiler_params(num_warps=4, num_stages=2),
       interpret=interpret,
       name="jaxkv_decode_combine",
-  )(o_part, l_part, m_part)
+  )(*combine_in)
   out = outs[0][:, :, :q_rows].reshape(batch, kv_heads, group_q, num_queries, head_dim)
   out = out.transpose(0, 3, 1, 2, 4).reshape(batch, num_queries, q_heads, head_dim)
   if not return_lse:
@@ -1169,7 +1185,8 @@ def dequant_decode_attention_reference(
 def pallas_decode_attention(q: jax.Array, cache, *, scale: float | jax.Array | None = None,
                             config: DecodeAttentionConfig | None = None,
                             interpret: bool = False, layer=None,
-                            view: str = "target", return_lse: bool = False):
+                            view: str = "target", return_lse: bool = False,
+                            seq_bad: jax.Array | None = None):
   """`dequant_decode_attention` over a `jaxkv.cache.KVCache`.
 
   Args:
@@ -1182,6 +1199,8 @@ def pallas_decode_attention(q: jax.Array, cache, *, scale: float | jax.Array | N
       in place.
     view: ``"target"`` or (hierarchical caches) ``"draft"``.
     return_lse: also return each query's log-sum-exp (`dequant_decode_attention`).
+    seq_bad: ``[B]`` flags whose sequences come out NaN, as NaN/inf query rows
+      (`dequant_decode_attention`).
 
   Returns:
     ``[B, S, Hq, D]`` in q's dtype (and ``[B, S, Hq]`` float32 with ``return_lse``).
@@ -1193,4 +1212,4 @@ def pallas_decode_attention(q: jax.Array, cache, *, scale: float | jax.Array | N
       q, cache.k.codes, cache.k.scale, cache.k.zero, cache.v.codes, cache.v.scale,
       cache.v.zero, cache.k_residual, cache.v_residual, cache.lengths,
       fmt=cache.fmt, scale=scale, config=config, interpret=interpret, layer=layer, view=view,
-      return_lse=return_lse)
+      return_lse=return_lse, seq_bad=seq_bad)

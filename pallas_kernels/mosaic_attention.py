@@ -570,6 +570,7 @@ def mosaic_decode_attention(
     config: MosaicAttentionConfig,
     layer: jax.Array | int | None = None,
     return_lse: bool = False,
+    seq_bad: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Decode attention of S new queries over a packed cache (Hopper kernel).
 
@@ -586,6 +587,9 @@ def mosaic_decode_attention(
   ``return_lse``: also return each query's log-sum-exp of its scaled scores
   (``[B, S, Hq]`` float32, ``-inf`` where no key is visible), merged from the
   programs' partial statistics, as the Triton family's ``return_lse``.
+  ``seq_bad``: optional ``[B]`` flags: NaN for every query of a flagged
+  sequence and for NaN/inf query rows, written by the combine kernel
+  (`dequant_attention.dequant_decode_attention`'s ``seq_bad``).
   Returns ``[B, S, Hq, D]`` in q's dtype (and the log-sum-exp).
   """
   batch, num_queries, q_heads, head_dim = q.shape
@@ -648,8 +652,10 @@ def mosaic_decode_attention(
       packed_rows = np.argsort(mosaic_dequant.vt_permutation(head_dim, v_side.bits))
     elif _register_v(config, v_side, head_dim, dtype):
       packed_rows = np.argsort(mosaic_dequant.code_permutation(head_dim, v_side.bits))
-    return unpack_out(combine_t.combine_t(o_part, l_part, m_part, rows=_triton.next_pow2(q_rows),
-                                          packed_rows=packed_rows, out_dtype=q.dtype),
+    rows = _triton.next_pow2(q_rows)
+    bad = None if seq_bad is None else _triton.nonfinite_query_rows(q, seq_bad, kv_heads, rows)
+    return unpack_out(combine_t.combine_t(o_part, l_part, m_part, rows=rows,
+                                          packed_rows=packed_rows, out_dtype=q.dtype, bad=bad),
                       l_part, m_part)
 
   k_w = k_codes.shape[-1]
@@ -755,7 +761,11 @@ def mosaic_decode_attention(
       compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=_SEMANTICS),
       kernel_name=f"jaxkv_mosaic_dequant_attention_k{k_side.bits}v{v_side.bits}",
   )(lengths, row0, qh, *k_in, *v_in, k_residual, v_residual)
-  return unpack_out(_combine(o_part, l_part, m_part), l_part, m_part)
+  out = _combine(o_part, l_part, m_part)                                 # [B, H, M, D]
+  if seq_bad is not None:
+    bad = _triton.nonfinite_query_rows(q, seq_bad, kv_heads, out.shape[2])
+    out = jnp.where(bad[..., None] != 0, jnp.nan, out)
+  return unpack_out(out, l_part, m_part)
 
 
 def _split_weights(m):

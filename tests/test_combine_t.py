@@ -90,6 +90,24 @@ def test_no_visible_key_gives_zeros_and_nan_stays_nan():
   assert np.isfinite(np.delete(got[0, 1], 3, axis=0)).all()
 
 
+def test_flagged_rows_come_out_nan_and_the_rest_unchanged():
+  """``bad`` rows are NaN (the input policy's poison, in the combine); every other
+  row is the unflagged result bit for bit."""
+  o_t, l, m, _ = _problem(5, 2, 3, 5, 64, 4, 8)
+  args = tuple(jnp.asarray(x, jnp.float32) for x in (o_t, l, m))
+  bad = np.zeros((2, 3, 4), np.int32)
+  bad[0, 1, 2] = 1
+  bad[1, :, :] = 1          # a flagged sequence: every row of every head
+  plain = np.asarray(ct.combine_t(*args, rows=4, interpret=INTERPRET))
+  got = np.asarray(ct.combine_t(*args, rows=4, interpret=INTERPRET, bad=jnp.asarray(bad)))
+  flagged = np.broadcast_to(bad[..., None] != 0, got.shape)
+  assert np.isnan(got[flagged]).all()
+  np.testing.assert_array_equal(got[~flagged], plain[~flagged])
+  assert np.isfinite(plain).all()
+  with pytest.raises(ValueError, match="bad.shape"):
+    ct.combine_t(*args, rows=4, interpret=True, bad=jnp.asarray(bad[:, :, :2]))
+
+
 def test_bad_arguments():
   o_t = jnp.zeros((1, 1, 3, 64, 16))
   l = jnp.zeros((1, 1, 3, 16))

@@ -484,6 +484,39 @@ def test_partials_lse_merges_splits_like_float64():
   assert np.isnan(got[1, 2, 2]) and np.isfinite(got[1, 2, [0, 1, 3]]).all()
 
 
+@pytest.mark.parametrize("name,s,tokens_m", [("kivi4", 1, True), ("kivi2", 3, True),
+                                             ("kivi4", 2, False)])
+def test_mosaic_poison_rows(name, s, tokens_m):
+  """``seq_bad`` and NaN/inf query rows: the combine writes NaN for exactly those rows
+  (every query of a flagged sequence, each bad (query, q head) row) and leaves every
+  other row as the unflagged call computes it, bit for bit (the v1 path by a select)."""
+  from jaxkv import attention
+  fmt = PRESETS[name]
+  key = _key("poison", name, s)
+  cache = _cache(fmt, 3, 2, 128, (700, 129, 300), 1024, jnp.bfloat16, key)
+  q = jax.random.normal(jax.random.fold_in(key, 1), (3, s, 8, 128)).astype(jnp.bfloat16)
+  q = q.at[0, s - 1, 5, 7].set(jnp.nan).at[1, 0, 2, 0].set(jnp.inf)
+  seq_bad = jnp.asarray([False, False, True])
+  config = attention._mosaic_default(cache)
+  if not tokens_m:
+    config = dataclasses.replace(config, tokens_m=False)
+
+  def call(q, cache, seq_bad):
+    return attention._mosaic_attention(q, cache, scale=None, config=config, seq_bad=seq_bad)
+
+  if not ON_HOPPER:
+    text = jax.jit(call).trace(q, cache, seq_bad).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    return
+  got = np.asarray(jax.jit(call)(q, cache, seq_bad).astype(jnp.float32))
+  plain = np.asarray(jax.jit(call)(q, cache, None).astype(jnp.float32))
+  bad = np.zeros(got.shape[:3], bool)
+  bad[0, s - 1, 5] = bad[1, 0, 2] = True
+  bad[2] = True
+  np.testing.assert_array_equal(np.isnan(got).all(-1), bad)
+  np.testing.assert_array_equal(got[~bad], plain[~bad])
+
+
 def test_mosaic_draft_view_refuses_v1():
   from jaxkv import attention
   cache = jaxkv.KVCache.init("quantspec", 1, 2, 128, 512, jnp.bfloat16)

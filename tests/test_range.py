@@ -176,6 +176,24 @@ def test_nonfinite_query_row_is_nan_on_both_paths():
   assert np.isfinite(want[0, 0, [0, 1, 3]]).all()
 
 
+def test_nonfinite_query_rows_and_flagged_sequence_with_several_queries():
+  """S = 3 queries, 2 kv heads of 4 q heads each: the kernels' combine maps each
+  NaN/inf query row (query s, q head h) to its own output row, and a sequence
+  flagged ``nonfinite`` comes out NaN everywhere (the input policy)."""
+  k, v = _kv(8, 3, 200, heads=2)
+  cache = KVCache.init("kivi4", 3, 2, 64, 256, jnp.float32).prefill(
+      jnp.asarray(k), jnp.asarray(v), [200, 150, 181])
+  cache = dataclasses.replace(cache, nonfinite=jnp.asarray([False, False, True]))
+  q = _q(8, 3, s=3, hq=8)
+  q = q.at[0, 2, 5, 7].set(jnp.nan).at[1, 0, 1, 0].set(-jnp.inf)
+  want = _check_attention(q, cache, tol=1e-5)
+  bad = np.zeros(want.shape[:3], bool)
+  bad[0, 2, 5] = bad[1, 0, 1] = True
+  bad[2] = True
+  np.testing.assert_array_equal(np.isnan(want).all(-1), bad)
+  assert not np.isnan(want[~bad]).any()
+
+
 @pytest.mark.parametrize("bits,axis,group,scale_dtype", [
     (4, "channel", 32, "float16"), (8, "token", 64, "float16"), (2, "token", 16, "bfloat16"),
     (4, "channel", 16, "float32"), (8, "channel", 16, "bfloat16"), (4, "token", 32, "float32")])
