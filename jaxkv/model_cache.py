@@ -58,7 +58,7 @@ from jaxkv.cache import (KVCache, QuantizedKV, flush_groups, nan_groups, nonfini
                          quantize_kv, shift_residual, stage_residual)
 from jaxkv import vq
 from jaxkv.formats import KVFormat
-from pallas_kernels import residual_write
+from pallas_kernels import residual_write, token_append
 
 
 def _static(**kw):
@@ -312,6 +312,10 @@ class ModelCache:
     for the kernel), so it runs after those reads and updates the buffer in
     place. The storage is bitwise what
     `append_layer_with_history` writes (rows past the length stay zero).
+
+    On a GPU (or with ``use_kernel``) for the plain formats, one launch
+    (`pallas_kernels.token_append`) does all of it, the flush included, so
+    the decode step has no flush `lax.cond` at all.
     """
     r = self.fmt.residual
     res_len = plan.old_lengths - plan.old_packed                       # [B] in [0, R)
@@ -334,6 +338,22 @@ class ModelCache:
     on_gpu = jax.default_backend() == "gpu"
     kernel = ((self.use_kernel or on_gpu) and isinstance(index, (int, np.integer))
               and residual_write.supported(self.k_residual.shape))
+    row = jnp.where(plan.num_new > 0, res_len, r)                       # [B]; r: none
+    sides = (self.k, self.v)
+    if kernel and all(isinstance(s, QuantizedKV) and not s.hierarchical for s in sides):
+      info = tuple((s.bits, s.axis, s.group) for s in sides)
+      if token_append.supported(*info, self.k_residual.shape, self.fmt.token_group):
+        # One launch writes the row or flushes the filled block in place: no
+        # flush `lax.cond` (`pallas_kernels.token_append`).
+        packed = tuple((s.codes,) if s.bits == 16 else (s.codes, s.scale, s.zero)
+                       for s in sides)
+        k_res, v_res, k_arr, v_arr, bad = token_append.append_token(
+            self.k_residual, self.v_residual, *news, row, flushing, plan.old_packed, *packed,
+            layer=int(index), k_side=info[0], v_side=info[1], interpret=not on_gpu)
+        k_side, v_side = (dataclasses.replace(s, **dict(zip(("codes", "scale", "zero"), a)))
+                          for s, a in zip(sides, (k_arr, v_arr)))
+        return dataclasses.replace(self, k=k_side, v=v_side, k_residual=k_res,
+                                   v_residual=v_res, nonfinite=self.nonfinite | bad)
     operands = (self.k, self.v, self.k_residual, self.v_residual)
     if kernel:  # the cond's flags are `flushing` itself (keep runs only when none flushes)
       out["k"], out["v"] = jax.lax.cond(jnp.any(flushing), lambda o: write(o)[:2],
@@ -350,7 +370,6 @@ class ModelCache:
     # kernel turns the step-wide flags into the kernel's int vector).
     # The write also reports a NaN/inf in a written token (`nonfinite`): the
     # kernel reads the token anyway (two XLA reductions per layer otherwise).
-    row = jnp.where(plan.num_new > 0, res_len, r)                       # [B]; r: none
     args = (self.k_residual, self.v_residual, *news, row, cleared)
     if kernel:
       out["k_residual"], out["v_residual"], bad = residual_write.write_token_rows(

@@ -67,8 +67,9 @@ def test_stacked_appends_equal_per_layer_caches(preset):
   assert _leaves_equal(ModelCache.from_layers(per).k, cache.k)
 
 
-@pytest.mark.parametrize("preset,use_kernel", [("kivi4", False), ("kivi4", True),
-                                                ("bf16", True), ("int8", False)])
+@pytest.mark.parametrize("preset,use_kernel", [
+    ("kivi4", False), ("kivi4", True), ("bf16", True), ("int8", False), ("int8", True),
+    ("kivi2", True), ("k8v4", True), ("int4-token-g4", True)])
 def test_one_token_appends_across_flushes_equal_per_layer_caches(preset, use_kernel):
   """T=1 appends (the R == G decode path) through group flushes, ragged, skipped, overflowing.
 
@@ -161,6 +162,26 @@ def test_groups_stored_as_nan_are_flagged_like_per_layer_caches(use_kernel, max_
     cache.plan_append(full, max_new=-1)
 
 
+def test_token_append_refuses_what_it_cannot_store():
+  from pallas_kernels import token_append
+  res = jnp.zeros((2, 1, 1, 16, 32))
+  tok = jnp.zeros((1, 1, 32))
+  one = jnp.zeros((1,), jnp.int32)
+  codes = jnp.zeros((2, 1, 1, 64, 16), jnp.uint8)
+  scale = jnp.zeros((2, 1, 1, 4, 32), jnp.float16)
+  assert not token_append.supported((4, "channel", 16), (4, "token", 32), (2, 1, 1, 32, 32), 16)
+  assert not token_append.supported((4, "channel", 8), (4, "token", 32), res.shape, 16)
+  assert token_append.supported((4, "channel", 16), (4, "token", 32), res.shape, 16)
+  with pytest.raises(ValueError, match="not supported"):
+    token_append.append_token(res, res, tok, tok, one, one > 0, one, (codes, scale, scale),
+                              (codes,), layer=0, k_side=(4, "channel", 8),
+                              v_side=(4, "token", 32), interpret=True)
+  with pytest.raises(ValueError, match="layer=2"):
+    token_append.append_token(res, res, tok, tok, one, one > 0, one, (codes, scale, scale),
+                              (codes,), layer=2, k_side=(4, "channel", 16),
+                              v_side=(4, "token", 32), interpret=True)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_residual_write_kernel_matches_reference(dtype):
   """`pallas_kernels.residual_write` == its XLA scatter, every byte (compiled on a GPU)."""
@@ -242,16 +263,19 @@ def _pointers(tree):
   return [x.unsafe_buffer_pointer() for x in jax.tree_util.tree_leaves(tree) if x.ndim == 5]
 
 
-@pytest.mark.parametrize("preset", ["kivi4", "bf16"])
-def test_decode_step_updates_cache_in_place(model, preset):
-  """Jitted decode step, cache donated: no cache-sized copy in the HLO, same buffers out."""
+@pytest.mark.parametrize("preset,use_kernel", [("kivi4", False), ("bf16", False),
+                                                ("kivi4", True)])
+def test_decode_step_updates_cache_in_place(model, preset, use_kernel):
+  """Jitted decode step, cache donated: no cache-sized copy in the HLO, same buffers out
+  (``use_kernel``: the one-launch token append, `pallas_kernels.token_append`, which
+  aliases the stacked packed arrays)."""
   graphdef, state = nnx.split(model)
 
   @functools.partial(jax.jit, donate_argnames="cache")
   def step(state, tokens, cache):
     return jaxkv.decode_step(nnx.merge(graphdef, state), tokens, cache)
 
-  cache = model.init_cache(preset, 2, 512, dtype=jnp.float32)
+  cache = model.init_cache(preset, 2, 512, dtype=jnp.float32, use_kernel=use_kernel)
   tokens = jnp.asarray([5, 7], jnp.int32)
   hlo = step.lower(state, tokens, cache).compile().as_text()
   shapes = _stacked_shapes(cache)
