@@ -39,15 +39,19 @@ def _causal_mask(lengths, num_queries: int, num_keys: int):
 def check_scale(scale):
   """Validates a softmax ``scale``: None, a Python/numpy real or a scalar array.
 
-  A concrete value comes back as a Python float (a non-finite one raises
-  ValueError); a traced scalar comes back as a float32 array.
+  A concrete value comes back as a Python float (one that is not finite in
+  float32, the kernels' operand dtype, raises ValueError: 1e39 would be inf);
+  a traced scalar comes back as a float32 array.
   """
   if scale is None:
     return None
   if isinstance(scale, (bool, np.bool_)) or isinstance(scale, complex):
     raise TypeError(f"scale={scale!r} must be a real number")
   if isinstance(scale, numbers.Real):
-    value = float(scale)
+    try:
+      value = float(scale)
+    except OverflowError:  # a Python int past the float64 range
+      raise ValueError(f"scale={scale!r} must be finite in float32") from None
   else:
     if not hasattr(scale, "shape") or not hasattr(scale, "dtype"):
       raise TypeError(f"scale must be a real number or a scalar array, got {type(scale).__name__}")
@@ -58,8 +62,11 @@ def check_scale(scale):
     if isinstance(scale, jax.core.Tracer):
       return jnp.asarray(scale, jnp.float32)
     value = float(np.asarray(scale))
-  if not np.isfinite(value):
-    raise ValueError(f"scale={value!r} must be finite")
+  with np.errstate(over="ignore"):
+    finite = np.isfinite(np.float32(value))
+  if not finite:
+    raise ValueError(f"scale={value!r} must be finite" + (
+        "" if not np.isfinite(value) else " in float32"))
   return value
 
 
@@ -266,6 +273,42 @@ def _best_pallas(q, cache, view: str = "target") -> tuple[str | None, str]:
   return None, "; ".join(reasons)
 
 
+def check_implementation(implementation) -> tuple[str, ...] | None:
+  """``implementation`` as a tuple of names (None stays None): TypeError/ValueError
+  naming it unless it is a str or a non-empty sequence of str. Whether each name
+  is known is checked by the resolver of the cache type."""
+  if implementation is None:
+    return None
+  if isinstance(implementation, str):
+    return (implementation,)
+  if not isinstance(implementation, Sequence):
+    raise TypeError(f"implementation={implementation!r} must be a str, a sequence of str or "
+                    f"None, got {type(implementation).__name__}")
+  names = tuple(implementation)
+  if not names:
+    raise ValueError(f"implementation={implementation!r} must name at least one of "
+                     f"{IMPLEMENTATIONS}")
+  bad = [n for n in names if not isinstance(n, str)]
+  if bad:
+    raise TypeError(f"implementation={implementation!r} must hold only str names, got {bad[0]!r}")
+  return names
+
+
+def _config_family(config) -> str | None:
+  """``"triton"`` or ``"mosaic"``: the kernel family a ``config`` is for (None
+  for None); TypeError naming ``config`` for anything else."""
+  if config is None:
+    return None
+  if _is_mosaic_config(config):
+    return "mosaic"
+  from pallas_kernels.dequant_attention import DecodeAttentionConfig  # pylint: disable=import-outside-toplevel
+  if isinstance(config, DecodeAttentionConfig):
+    return "triton"
+  raise TypeError(f"config={config!r} must be a pallas_kernels.DecodeAttentionConfig (Triton), "
+                  f"a pallas_kernels.MosaicAttentionConfig (Mosaic) or None, got "
+                  f"{type(config).__name__}")
+
+
 def resolve_implementation(q, cache, implementation, config=None, view: str = "target") -> str:
   """Which implementation `decode_attention` runs: "reference", "triton" or "mosaic"
   (for ``view`` of the cache).
@@ -274,8 +317,12 @@ def resolve_implementation(q, cache, implementation, config=None, view: str = "t
   the input, the reference elsewhere. ``"pallas"``: the best
   Pallas family for the device (Triton in interpret mode off GPU). A
   sequence is tried in order; a single forced name that cannot serve the
-  input raises `ValueError` saying why.
+  input raises `ValueError` saying why. A ``config`` restricts the kernels
+  to its family: a Pallas family it is not for cannot serve the input.
   """
+  family = _config_family(config)
+  requested = implementation
+  implementation = check_implementation(implementation)
   if implementation is None:
     if jax.default_backend() == "gpu":
       if config is not None:
@@ -286,28 +333,33 @@ def resolve_implementation(q, cache, implementation, config=None, view: str = "t
         return impl or "reference"
     else:
       return "reference"
-  if isinstance(implementation, str):
-    implementation = (implementation,)
-  reasons = []
   for impl in implementation:
     if impl not in IMPLEMENTATIONS:
       raise ValueError(f"implementation={impl!r} must be one of {IMPLEMENTATIONS} or None")
+  reasons = []
+  for impl in implementation:
     if impl in ("reference", "xla"):
       return "reference"
     if impl == "pallas":
-      if jax.default_backend() != "gpu":
+      if family is not None:  # the config's family, or nothing
+        ok, why = _SUPPORTED[family](q, cache, *(() if family == "triton" else (config,)),
+                                     view=view)
+        best = family if ok else None
+      elif jax.default_backend() != "gpu":
         ok, why = _triton_supported(q, cache)
         best = "triton" if ok else None
       else:
         best, why = _best_pallas(q, cache, view)
       if best:
         return best
+    elif family is not None and family != impl:
+      why = f"config is a {type(config).__name__}, for the {family} family"
     else:
       ok, why = _SUPPORTED[impl](q, cache, *(() if impl == "triton" else (config,)), view=view)
       if ok:
         return impl
     reasons.append(f"{impl}: {why}")
-  raise ValueError(f"implementation={implementation!r} does not support this input: "
+  raise ValueError(f"implementation={requested!r} does not support this input: "
                    + "; ".join(reasons))
 
 
@@ -380,6 +432,7 @@ def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None
   from jaxkv.vq_cache import VQCache  # pylint: disable=import-outside-toplevel
   from jaxkv.vq_model_cache import VQModelCache  # pylint: disable=import-outside-toplevel
   # a VQ cache, or a layer view of one
+  check_implementation(implementation)  # a str or a non-empty sequence of str, or None
   vq_cache = isinstance(cache.stacked if isinstance(cache, LayerView) else cache,
                         (VQCache, VQModelCache))
   if vq_cache and view != "target":
@@ -390,13 +443,14 @@ def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None
                                implementation=implementation, config=config)
   _check_q_cache(q, cache)
   scale = check_scale(scale)
+  _config_family(config)  # TypeError for anything but a Triton or Mosaic config
   hierarchical.check_view(view)
   if view == "draft" and not cache.fmt.hierarchical:
     raise ValueError(f"view='draft' needs a hierarchical format (KVFormat.preset('quantspec')), "
                      f"got {cache.fmt}")
   impl = resolve_implementation(q, cache, implementation, config, view)
   if impl == "mosaic":  # resolved on the layer's shapes, before any unwrapping
-    config = config if _is_mosaic_config(config) else _mosaic_default(cache, view)
+    config = config if config is not None else _mosaic_default(cache, view)
   layer = None
   if isinstance(cache, LayerView):
     if impl in ("triton", "mosaic"):  # the kernels read the layer of the stacked arrays in place
@@ -412,8 +466,6 @@ def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None
                              seq_bad=nonfinite)
   if impl == "triton":
     import pallas_kernels  # pylint: disable=import-outside-toplevel
-    if config is not None and _is_mosaic_config(config):
-      config = None
     return pallas_kernels.pallas_decode_attention(
         q, cache, scale=scale, config=config, interpret=jax.default_backend() != "gpu",
         layer=layer, view=view, seq_bad=nonfinite)

@@ -41,6 +41,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxkv import hierarchical, quant
 from jaxkv.attention import _poison, check_scale
@@ -117,11 +118,25 @@ def _check(q, cache, k_chunk, v_chunk, chunk_lengths):
   if k_chunk.shape != v_chunk.shape or k_chunk.shape != (b, c, cache.kv_heads, d):
     raise ValueError(f"k_chunk.shape={k_chunk.shape} and v_chunk.shape={v_chunk.shape} must "
                      f"be {(b, c, cache.kv_heads, d)}")
+  for name, x in (("k_chunk", k_chunk), ("v_chunk", v_chunk)):
+    if x.dtype != cache.dtype:  # README "Input policy": K/V in the cache dtype
+      raise TypeError(f"{name}.dtype={x.dtype} must be the cache dtype {cache.dtype}")
   if (b, d) != (cache.batch, cache.head_dim) or hq % cache.kv_heads:
     raise ValueError(f"q.shape={q.shape} does not match the cache (batch={cache.batch}, "
                      f"kv_heads={cache.kv_heads}, head_dim={cache.head_dim})")
   if getattr(chunk_lengths, "shape", None) != (b,):
     raise ValueError(f"chunk_lengths must be [B]={b}, got {getattr(chunk_lengths, 'shape', None)}")
+  if not jnp.issubdtype(chunk_lengths.dtype, jnp.integer):
+    raise TypeError(f"chunk_lengths.dtype={chunk_lengths.dtype} must be an integer dtype")
+  if not isinstance(chunk_lengths, jax.core.Tracer):
+    cl = np.asarray(chunk_lengths)
+    if cl.min(initial=0) < 0 or cl.max(initial=0) > c:
+      raise ValueError(f"chunk_lengths={cl.tolist()} must lie in [0, c={c}]")
+
+
+def _is_int(value) -> bool:
+  """A Python or numpy integer, not a bool."""
+  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def chunk_attention_reference(q: jax.Array, cache: KVCache, k_chunk: jax.Array,
@@ -253,9 +268,11 @@ def chunk_attention(q: jax.Array, cache: KVCache, k_chunk: jax.Array, v_chunk: j
       ``cache.lengths[b] + i``.
     cache: `KVCache` or `jaxkv.VQCache` holding the history (the chunk is
       *not* in it yet).
-    k_chunk, v_chunk: ``[B, c, Hkv, D]`` the chunk's keys and values.
+    k_chunk, v_chunk: ``[B, c, Hkv, D]`` the chunk's keys and values, in the
+      cache dtype.
     chunk_lengths: ``[B]`` real tokens per sequence (optional; queries past it
-      are padding and their rows are unspecified but finite). Checked for shape.
+      are padding and their rows are unspecified but finite). An integer
+      array; concrete values must lie in ``[0, c]``.
     scale: softmax scale, default ``D ** -0.5``.
     implementation: ``"pallas"`` (flash kernel, operands in q's dtype),
       ``"xla"`` (blocked, bounded memory), ``"reference"`` (dense) or None
@@ -286,8 +303,15 @@ def chunk_attention(q: jax.Array, cache: KVCache, k_chunk: jax.Array, v_chunk: j
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f"implementation={impl!r} must be one of {IMPLEMENTATIONS} or None")
   for name, blk in (("block_q", block_q), ("block_k", block_k)):
-    if not isinstance(blk, int) or blk < 1 or blk & (blk - 1):
+    if not _is_int(blk):
+      raise TypeError(f"{name}={blk!r} must be an int, got {type(blk).__name__}")
+    if blk < 1 or blk & (blk - 1):
       raise ValueError(f"{name}={blk!r} must be a positive power of two")
+  block_q, block_k = int(block_q), int(block_k)
+  from pallas_kernels.chunk_attention import ChunkAttentionConfig  # pylint: disable=import-outside-toplevel
+  if config is not None and not isinstance(config, ChunkAttentionConfig):
+    raise TypeError(f"config={config!r} must be a ChunkAttentionConfig or None, got "
+                    f"{type(config).__name__}")
   if impl == "reference":
     out = chunk_attention_reference(q, cache, k_chunk, v_chunk, scale=scale)
   elif impl == "pallas":

@@ -82,9 +82,10 @@ def _parser() -> argparse.ArgumentParser:
   g.add_argument("--system", default=None, help="system message for the chat template")
   g.add_argument("--max-new-tokens", type=_positive_int, default=128)
   g.add_argument("--sampler", default="greedy", choices=["greedy", "sample"])
-  g.add_argument("--temperature", type=float, default=1.0)
-  g.add_argument("--top-k", type=_positive_int, default=None)
-  g.add_argument("--top-p", type=float, default=None)
+  g.add_argument("--temperature", type=float, default=1.0,
+                 help="finite, >= the smallest normal float32 (~1.18e-38)")
+  g.add_argument("--top-k", type=_positive_int, default=None, help="with --sampler sample")
+  g.add_argument("--top-p", type=float, default=None, help="with --sampler sample")
   g.add_argument("--seed", type=int, default=0)
   g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                  help="parameter dtype (auto: the checkpoint's; float32 for GGUF)")
@@ -114,6 +115,10 @@ def main(argv=None) -> int:
   elif argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
     parser.error(f"unknown command {argv[0]!r}; choose one of: {', '.join(COMMANDS)}")
   args = parser.parse_args(argv)
+  if args.command == "generate" and args.sampler == "greedy":  # both default to None
+    for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p)):
+      if value is not None:
+        parser.error(f"{flag} {value} needs --sampler sample (greedy decoding would ignore it)")
   try:
     if args.command == "generate":
       return _generate(args)
@@ -414,7 +419,8 @@ def _generate(args) -> int:
   import numpy as np  # pylint: disable=import-outside-toplevel
 
   from jaxkv import generate, vq  # pylint: disable=import-outside-toplevel
-  from jaxkv.decoding import as_format, cache_nbytes  # pylint: disable=import-outside-toplevel
+  from jaxkv.decoding import (  # pylint: disable=import-outside-toplevel
+      _check_temperature, as_format, cache_nbytes)
   from models import llama  # pylint: disable=import-outside-toplevel
 
   books = _load_codebooks(args.codebooks) if args.codebooks else None
@@ -443,8 +449,7 @@ def _generate(args) -> int:
         raise ValueError(f"{flag} is not supported with --speculative")
   if args.top_p is not None and not 0 < args.top_p <= 1:
     raise ValueError(f"--top-p {args.top_p} must be in (0, 1]")
-  if not args.temperature > 0:
-    raise ValueError(f"--temperature {args.temperature} must be > 0")
+  _check_temperature(args.temperature, name="--temperature")  # generate's rule (float32)
   mesh = None
   if args.mesh:
     from jaxkv.sharding import mesh_from_spec  # pylint: disable=import-outside-toplevel

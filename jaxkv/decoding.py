@@ -24,8 +24,10 @@ The model contract (met by `models.llama.Llama`):
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import functools
+import numbers
 import os
 from typing import Any, Callable
 
@@ -57,6 +59,54 @@ Pass the same ``compiler_options`` to your own ``jax.jit`` of `decode_step`.
 """
 
 
+_F32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal float32
+
+
+def _is_int(x) -> bool:
+  """A Python or numpy int that is not a bool."""
+  return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _check_temperature(temperature, *, name: str = "temperature") -> np.float32:
+  """A sampling temperature as the float32 the programs divide by.
+
+  TypeError unless a real number (a Python or numpy scalar or a concrete 0-d
+  array; not a bool); ValueError unless its float32 value is finite and at
+  least the smallest normal float32 (``1e-50`` is 0 in float32, ``inf`` is
+  not a temperature: use ``sampler="greedy"`` for the limit T -> 0).
+  """
+  if isinstance(temperature, (np.ndarray, jax.Array)) and not isinstance(
+      temperature, jax.core.Tracer) and temperature.ndim == 0 and (
+          jnp.issubdtype(temperature.dtype, jnp.floating)
+          or jnp.issubdtype(temperature.dtype, jnp.integer)):
+    temperature = temperature.item()
+  if isinstance(temperature, (bool, np.bool_)) or not isinstance(temperature, numbers.Real):
+    raise TypeError(f"{name}={temperature!r} must be a real number (got "
+                    f"{type(temperature).__name__})")
+  try:
+    value = float(temperature)
+  except OverflowError:  # an int beyond float64
+    value = float("inf")
+  with np.errstate(over="ignore"):
+    value32 = np.float32(value)
+  if not (np.isfinite(value32) and value32 >= _F32_TINY):
+    raise ValueError(f"{name}={temperature!r} must be a finite float32 >= {_F32_TINY:.4g} "
+                     "(the smallest normal float32); for T -> 0 use the greedy sampler")
+  return value32
+
+
+def _scaled_logits(logits: jax.Array, temperature) -> jax.Array:
+  """``(logits - max(logits)) / temperature`` in float32, over the last axis.
+
+  The top logit stays 0 and the others only go to -inf, so a tiny temperature
+  gives the near-greedy choice instead of ``logits / T`` overflowing to +-inf
+  (NaN in the softmax, garbage tokens).
+  """
+  logits = logits.astype(jnp.float32)
+  return (logits - jnp.max(logits, axis=-1, keepdims=True)) / jnp.asarray(temperature,
+                                                                            jnp.float32)
+
+
 # ------------------------------------------------------------------ samplers
 def greedy(logits: jax.Array) -> jax.Array:
   """``[B, V]`` logits -> ``[B]`` int32 argmax tokens."""
@@ -80,11 +130,12 @@ def sample_logits(logits: jax.Array, rng: jax.Array, *, temperature=1.0,
   Returns:
     ``[B]`` int32 tokens.
   """
-  logits = logits.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)
+  logits = _scaled_logits(logits, temperature)
   vocab = logits.shape[-1]
   if top_k is not None:
-    if not 1 <= top_k <= vocab:
-      raise ValueError(f"top_k={top_k} must be in [1, {vocab}]")
+    if not _is_int(top_k) or not 1 <= top_k <= vocab:
+      raise ValueError(f"top_k={top_k!r} must be an int in [1, {vocab}]")
+    top_k = int(top_k)
     vals, idx = jax.lax.top_k(logits, top_k)  # sorted descending
   elif top_p is not None:
     idx = jnp.argsort(-logits, axis=-1)
@@ -319,12 +370,17 @@ def _decode_steps_program(graphdef, state, tokens, cache, rng, stop_tokens, temp
 
 
 def _settings(model, max_new_tokens, sampler, temperature, top_k, top_p, implementation,
-              progress, mesh=None) -> GenerateSettings:
-  """Validates the sampling arguments shared by `generate` and `decode_steps`."""
+              progress, mesh=None, *, steps_name: str = "max_new_tokens") -> GenerateSettings:
+  """Validates the sampling arguments shared by `generate` and `decode_steps`.
+
+  ``steps_name``: the caller's name of the loop length (``num_steps`` for
+  `decode_steps`), used in its error message.
+  """
   check_mesh(mesh, optional=True)
-  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
-      or max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
+  if not _is_int(max_new_tokens) or max_new_tokens < 1:
+    raise ValueError(f"{steps_name}={max_new_tokens!r} must be an int >= 1")
+  if top_k is not None and not _is_int(top_k):  # 2.5 ran as 2 and True as 1
+    raise ValueError(f"top_k={top_k!r} must be an int or None")
   if sampler in ("temperature", "top_k", "top_p"):
     if sampler == "top_k" and top_k is None:
       raise ValueError("sampler='top_k' needs top_k")
@@ -334,8 +390,7 @@ def _settings(model, max_new_tokens, sampler, temperature, top_k, top_p, impleme
   if not (sampler in ("greedy", "sample") or callable(sampler)):
     raise ValueError(f"sampler={sampler!r} must be one of {SAMPLERS} or a callable")
   if sampler == "sample":
-    if not temperature > 0:
-      raise ValueError(f"temperature={temperature!r} must be > 0")
+    _check_temperature(temperature)
     if top_p is not None and not 0 < top_p <= 1:
       raise ValueError(f"top_p={top_p!r} must be in (0, 1]")
     if top_k is not None and not 1 <= top_k <= model.config.vocab_size:
@@ -403,14 +458,14 @@ def decode_steps(model, tokens, cache, num_steps: int, *, sampler: str | Callabl
   if tokens.shape[0] != cache.batch:
     raise ValueError(f"tokens.shape={tokens.shape} must be [{cache.batch}] (the cache batch)")
   settings = _settings(model, num_steps, sampler, temperature, top_k, top_p, implementation,
-                       None, mesh)
+                       None, mesh, steps_name="num_steps")
   if hasattr(cache, "check_room"):  # every step appends one token per sequence
     cache.check_room(num_steps, "num_steps")
   graphdef, state = _split(model)
   rng = jax.random.key(0) if rng is None else rng
   stops = _stop_array(stop_tokens, tokens.shape[0])
   return _decode_steps_program(graphdef, state, tokens, cache, rng, stops,
-                               np.float32(temperature),
+                               _program_temperature(settings, temperature),
                                np.float32(1.0 if top_p is None else top_p),
                                _pad_id(pad_token_id), settings=settings)
 
@@ -423,25 +478,73 @@ def _pad_id(pad_token_id) -> np.int32:
   return np.int32(pad_token_id)
 
 
+def _program_temperature(settings: GenerateSettings, temperature) -> np.float32:
+  """The temperature the program gets: validated when sampling, else unused (1)."""
+  return _check_temperature(temperature) if settings.sampler == "sample" else np.float32(1.0)
+
+
+def _is_int_id(x) -> bool:
+  """An int (not a bool) or a 0-d integer array (numpy or jax)."""
+  return _is_int(x) or (hasattr(x, "ndim") and hasattr(x, "dtype") and x.ndim == 0
+                        and np.issubdtype(np.asarray(x).dtype, np.integer))
+
+
+def _stop_ids(value, what: str) -> list[int]:
+  """An int, a sequence of ints or a 0-/1-D integer array -> ints; errors name ``what``."""
+  if _is_int(value):
+    return [int(value)]
+  if hasattr(value, "ndim") and hasattr(value, "dtype"):  # numpy / jax array or scalar
+    arr = np.asarray(value)
+    if not np.issubdtype(arr.dtype, np.integer):  # a float array was truncated
+      raise TypeError(f"{what}.dtype={arr.dtype} must be an integer dtype")
+    if arr.ndim > 1:
+      raise ValueError(f"{what}.shape={arr.shape} must be () or [K]")
+    return arr.reshape(-1).tolist()
+  if isinstance(value, (list, tuple)):
+    bad = [t for t in value if not _is_int_id(t)]
+    if bad:
+      raise TypeError(f"{what}={value!r} must hold ints, got {bad[0]!r}")
+    return [int(t) for t in value]
+  raise TypeError(f"{what}={value!r} must be an int, a sequence of ints or an integer array")
+
+
 def _stop_array(stop_tokens, batch: int) -> np.ndarray:
-  """None | int | [ints] (shared) | [[ints] per sequence] -> ``[B, K]`` int32, -1 padded."""
+  """`generate`'s ``stop_tokens`` -> ``[B, K]`` int32, -1 padded.
+
+  Shared by every sequence: an int, a sequence of ints, or a 0-/1-D integer
+  array (numpy or jax). Per sequence: a sequence of B entries (each None, an
+  int, ints or a 1-D integer array), or a ``[B, K]`` integer array (-1 =
+  unused). TypeError for non-integers (a float array would be truncated),
+  ValueError for a wrong row count or ids outside int32; all name
+  ``stop_tokens``.
+  """
   if stop_tokens is None:
     return np.zeros((batch, 0), np.int32)
-  if isinstance(stop_tokens, (int, np.integer)):
-    return np.full((batch, 1), int(stop_tokens), np.int32)
-  if isinstance(stop_tokens, (jax.Array, np.ndarray)) and np.ndim(stop_tokens) == 2:
-    arr = np.asarray(stop_tokens, np.int32)
+  if hasattr(stop_tokens, "ndim") and np.ndim(stop_tokens) == 2:
+    arr = np.asarray(stop_tokens)
+    if not np.issubdtype(arr.dtype, np.integer):
+      raise TypeError(f"stop_tokens.dtype={arr.dtype} must be an integer dtype")
     if arr.shape[0] != batch:
       raise ValueError(f"stop_tokens.shape={arr.shape} must be [{batch}, K]")
-    return arr
-  items = list(stop_tokens)
-  if all(isinstance(t, (int, np.integer)) for t in items):
-    return np.tile(np.asarray(items, np.int32).reshape(1, -1), (batch, 1))
-  if len(items) != batch:
-    raise ValueError(f"per-sequence stop_tokens need {batch} entries, got {len(items)}")
-  rows = [[int(t) for t in ([s] if isinstance(s, (int, np.integer)) else (s or []))]
-          for s in items]
-  k = max(1, max(len(r) for r in rows))
+    rows = arr.tolist()
+  elif (_is_int(stop_tokens) or hasattr(stop_tokens, "ndim")
+        or (isinstance(stop_tokens, (list, tuple)) and all(_is_int_id(t) for t in stop_tokens))):
+    rows = [_stop_ids(stop_tokens, "stop_tokens")] * batch  # shared
+  elif isinstance(stop_tokens, collections.abc.Sequence) and not isinstance(stop_tokens,
+                                                                           (str, bytes)):
+    rows = [[] if s is None else _stop_ids(s, f"stop_tokens[{i}]")
+            for i, s in enumerate(stop_tokens)]
+    if len(rows) != batch:
+      raise ValueError(f"per-sequence stop_tokens need {batch} entries, got {len(rows)}")
+  else:
+    raise TypeError(f"stop_tokens={stop_tokens!r} must be None, an int, a sequence of ints, "
+                    "per-sequence sequences or an integer array")
+  bad = [t for r in rows for t in r if not -2**31 <= t < 2**31]
+  if bad:
+    raise ValueError(f"stop_tokens must be int32 token ids; got {sorted(set(bad))[:8]}")
+  k = max((len(r) for r in rows), default=0)
+  if k == 0:
+    return np.zeros((batch, 0), np.int32)
   return np.asarray([r + [-1] * (k - len(r)) for r in rows], np.int32)
 
 
@@ -467,12 +570,15 @@ def generate(model, prompt_tokens, prompt_lengths, *, kv_format: KVFormat | str 
       top-p); ``"temperature"``, ``"top_k"``, ``"top_p"`` as aliases of
       ``"sample"``; or a callable ``(logits [B, V], rng) -> [B] int32`` (it
       is a static setting: pass the same object to reuse the compiled program).
-    temperature: softmax temperature for sampling.
-    top_k: keep the k most likely tokens (static).
+    temperature: softmax temperature for sampling: a real number whose
+      float32 value is finite and normal (>= ~1.18e-38; TypeError /
+      ValueError otherwise). Unused by the other samplers.
+    top_k: keep the k most likely tokens (static int).
     top_p: nucleus mass in ``(0, 1]``.
-    stop_tokens: None; an int or list of ints shared by all sequences; or a
-      list of B lists / a ``[B, K]`` array (-1 = unused) per sequence. A
-      sequence stops after emitting one (it is included in the output).
+    stop_tokens: None; an int, a list of ints or a 0-/1-D integer array
+      shared by all sequences; or a list of B lists / a ``[B, K]`` integer
+      array (-1 = unused) per sequence. A sequence stops after emitting one
+      (it is included in the output). Ids must fit int32.
     rng: PRNG key for sampling (default ``jax.random.key(0)``).
     capacity: cache tokens per sequence; default ``T + max_new_tokens``.
     implementation: `jaxkv.decode_attention` implementation.
@@ -548,7 +654,8 @@ def generate(model, prompt_tokens, prompt_lengths, *, kv_format: KVFormat | str 
   graphdef, state = _split(model)
   tokens, lengths, cache = _generate_program(
       graphdef, state, prompt_tokens, prompt_lengths, cache, rng, stops,
-      np.float32(temperature), np.float32(1.0 if top_p is None else top_p),
+      _program_temperature(settings, temperature),
+      np.float32(1.0 if top_p is None else top_p),
       _pad_id(pad_token_id), np.int32(max_new_tokens if num_steps is None else num_steps),
       settings=settings)
   if return_cache:

@@ -21,6 +21,11 @@ def _is_pow2(n: int) -> bool:
   return n > 0 and (n & (n - 1)) == 0
 
 
+def _is_int(x) -> bool:
+  """A Python or numpy int that is not a bool (``True`` is no group size)."""
+  return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
 @dataclasses.dataclass(frozen=True)
 class KVFormat:
   """Storage format of a quantized KV cache.
@@ -61,17 +66,20 @@ class KVFormat:
         raise ValueError(f"{name}={bits!r} must be one of {VALID_BITS}")
     if self.k_axis not in VALID_K_AXES:
       raise ValueError(f"k_axis={self.k_axis!r} must be one of {VALID_K_AXES}")
-    if not isinstance(self.token_group, (int, np.integer)) or not _is_pow2(int(self.token_group)):
+    if not _is_int(self.token_group) or not _is_pow2(int(self.token_group)):
       raise ValueError(f"token_group={self.token_group!r} must be a positive power of two")
     if self.channel_group is not None and (
-        not isinstance(self.channel_group, (int, np.integer)) or self.channel_group <= 0):
+        not _is_int(self.channel_group) or self.channel_group <= 0):
       raise ValueError(f"channel_group={self.channel_group!r} must be a positive int or None")
-    if (not isinstance(self.residual, (int, np.integer)) or self.residual <= 0
+    if (not _is_int(self.residual) or self.residual <= 0
         or self.residual % self.token_group):
       raise ValueError(
           f"residual={self.residual!r} must be a positive multiple of "
           f"token_group={self.token_group}")
-    sd = np.dtype(self.scale_dtype).name if self.scale_dtype is not None else None
+    try:  # numpy's own error ("data type 'fp16' not understood") names no argument
+      sd = np.dtype(self.scale_dtype).name if self.scale_dtype is not None else None
+    except TypeError:
+      sd = None
     if sd not in VALID_SCALE_DTYPES:
       raise ValueError(f"scale_dtype={self.scale_dtype!r} must be one of {VALID_SCALE_DTYPES}")
     object.__setattr__(self, "scale_dtype", sd)
@@ -144,6 +152,12 @@ class KVFormat:
       raise ValueError(f"view={view!r} must be 'target' or 'draft'")
     if view == "draft" and not self.hierarchical:
       raise ValueError("view='draft' needs a hierarchical format (KVFormat.preset('quantspec'))")
+    if not _is_int(kv_heads) or kv_heads <= 0:
+      raise ValueError(f"kv_heads={kv_heads!r} must be a positive int")
+    if (isinstance(dtype_bytes, (bool, np.bool_))
+        or not isinstance(dtype_bytes, (int, float, np.integer, np.floating))
+        or not 0 < dtype_bytes < float("inf")):
+      raise ValueError(f"dtype_bytes={dtype_bytes!r} must be a positive number")
     self.validate_head_dim(head_dim)
     sbytes = np.dtype(self.scale_dtype).itemsize
     gd = self.channel_group_for(head_dim)

@@ -54,8 +54,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.cache import (KVCache, QuantizedKV, flush_groups, nan_groups, nonfinite_rows,
-                         quantize_kv, shift_residual, stage_residual)
+from jaxkv.cache import (KVCache, QuantizedKV, ResidualBlockCache, flush_groups, nan_groups,
+                         nonfinite_rows, quantize_kv, shift_residual, stage_residual)
 from jaxkv import vq
 from jaxkv.formats import KVFormat
 from pallas_kernels import residual_write, token_append
@@ -87,6 +87,34 @@ def check_layers(caches, layer_type: type) -> list:
   return caches
 
 
+def check_layer_index(index, num_layers: int, name: str = "index") -> None:
+  """Checks a layer index before it reaches `lax.dynamic_index_in_dim`.
+
+  A concrete index (Python / numpy int, or an array that is not a tracer)
+  must lie in ``[0, num_layers)``: negative indices are not supported (the
+  dynamic slice would clamp them, as it clamps indices past the end). A
+  traced index is only checked for an integer dtype; out of range it is
+  clamped into ``[0, num_layers)`` by the slice.
+
+  Raises:
+    TypeError: a non-integer (float, bool) index.
+    ValueError: a concrete index outside ``[0, num_layers)``, or not a scalar.
+  """
+  dtype = getattr(index, "dtype", None)
+  if isinstance(index, (bool, np.bool_)) or (
+      dtype is None and not isinstance(index, (int, np.integer))) or (
+      dtype is not None and not jnp.issubdtype(dtype, jnp.integer)):
+    raise TypeError(f"{name}={index!r} must be an integer layer index")
+  if np.ndim(index) != 0:
+    raise ValueError(f"{name} must be a scalar layer index, got shape {np.shape(index)}")
+  if not _is_concrete(index):
+    return
+  i = int(index)
+  if not 0 <= i < num_layers:
+    raise ValueError(f"{name}={i} must lie in [0, num_layers={num_layers}) (negative indices "
+                     "are not supported)")
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AppendPlan:
@@ -100,6 +128,8 @@ class AppendPlan:
     fits: False where the append would overflow ``capacity`` (skipped).
     window: (static) packed rows from ``old_packed`` that one append can flush
       at most (``None``: unknown; `ModelCache.commit` then scans every row).
+    max_new: (static) the ``max_new`` the plan was made with (``None``:
+      unknown); `ModelCache.append_layer` requires ``k_new.shape[1] >= max_new``.
   """
 
   num_new: jax.Array
@@ -109,6 +139,7 @@ class AppendPlan:
   flush: jax.Array
   fits: jax.Array
   window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+  max_new: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass
@@ -164,7 +195,10 @@ class ModelCache:
 
   @classmethod
   def from_layers(cls, caches: Sequence[KVCache]) -> "ModelCache":
-    """Stacks per-layer caches that agree on format, shapes and lengths."""
+    """Stacks per-layer caches that agree on format, shapes and lengths.
+
+    A sequence is flagged (``overflow``, ``nonfinite``) when any layer flags it.
+    """
     caches = check_layers(caches, KVCache)
     first = caches[0]
     stack = lambda *xs: jnp.stack(xs)  # noqa: E731
@@ -173,8 +207,9 @@ class ModelCache:
         v=jax.tree_util.tree_map(stack, *[c.v for c in caches]),
         k_residual=stack(*[c.k_residual for c in caches]),
         v_residual=stack(*[c.v_residual for c in caches]),
-        lengths=first.lengths, overflow=first.overflow,
-        invalid=jnp.zeros(first.lengths.shape, bool),
+        lengths=first.lengths,
+        overflow=functools.reduce(jnp.logical_or, [c.overflow for c in caches]),
+        invalid=jnp.zeros(first.lengths.shape, bool),  # per-layer caches have no such flag
         nonfinite=functools.reduce(jnp.logical_or, [c.nonfinite for c in caches]),
         fmt=first.fmt, capacity=first.capacity, use_kernel=first.use_kernel)
 
@@ -228,8 +263,11 @@ class ModelCache:
     """Layer ``index``'s `KVCache` (int or traced index; slices of the stacked storage).
 
     With ``plan`` the view has the lengths after that append (what attention
-    over a layer just written by `append_layer` needs).
+    over a layer just written by `append_layer` needs). A concrete ``index``
+    must lie in ``[0, num_layers)`` (ValueError); a traced one is clamped
+    into that range (`lax.dynamic_index_in_dim`).
     """
+    check_layer_index(index, self.num_layers)
     take = lambda x: jax.lax.dynamic_index_in_dim(x, index, 0, keepdims=False)  # noqa: E731
     return KVCache(
         k=jax.tree_util.tree_map(take, self.k), v=jax.tree_util.tree_map(take, self.v),
@@ -247,7 +285,11 @@ class ModelCache:
     reference takes `LayerView.materialize()`. Slicing first (`layer`) makes XLA copy
     the layer's whole storage into a fresh buffer for a kernel call on every
     step (measured on an H100: ~20 ms per Llama-3.1-8B step at 128K).
+
+    A concrete ``index`` must lie in ``[0, num_layers)`` (ValueError); a
+    traced one is clamped into that range by the readers.
     """
+    check_layer_index(index, self.num_layers)
     return LayerView(
         stacked=self, index=jnp.asarray(index, jnp.int32),
         lengths=self.lengths if plan is None else plan.new_lengths,
@@ -263,14 +305,33 @@ class ModelCache:
 
     ``max_new`` (static, optional): the most tokens any sequence appends (the
     chunk length); it bounds the rows `commit` checks for groups stored as NaN.
+
+    Raises:
+      TypeError: ``num_new`` of a non-integer dtype.
+      ValueError: ``max_new < 0``; a concrete ``num_new`` below 0 or above
+        ``max_new``. (Traced, such counts are not checked.)
     """
     fmt = self.fmt
     window = None
     if max_new is not None:
       if int(max_new) < 0:
         raise ValueError(f"max_new={max_new} must be >= 0")
+      max_new = int(max_new)
       g = fmt.token_group
-      window = -(-(int(max_new) + fmt.residual) // g) * g
+      window = -(-(max_new + fmt.residual) // g) * g
+    if isinstance(num_new, (list, tuple)):
+      num_new = np.asarray(num_new)
+    dtype = getattr(num_new, "dtype", None)
+    if isinstance(num_new, (bool, np.bool_)) or (
+        dtype is None and not isinstance(num_new, (int, np.integer))) or (
+        dtype is not None and not jnp.issubdtype(dtype, jnp.integer)):
+      raise TypeError(f"num_new={num_new!r} must be integer token counts")
+    if _is_concrete(num_new):
+      counts = np.asarray(num_new)
+      if counts.size and counts.min() < 0:
+        raise ValueError(f"num_new={counts.tolist()} must be >= 0")
+      if max_new is not None and counts.size and counts.max() > max_new:
+        raise ValueError(f"num_new={counts.tolist()} must be <= max_new={max_new}")
     num_new = jnp.asarray(num_new, jnp.int32)
     fits = self.lengths + num_new <= self.capacity
     num_new = jnp.where(fits, num_new, 0)
@@ -278,7 +339,7 @@ class ModelCache:
     old_packed = fmt.packed_len(self.lengths)
     return AppendPlan(num_new=num_new, old_lengths=self.lengths, new_lengths=new_len,
                       old_packed=old_packed, flush=fmt.packed_len(new_len) - old_packed,
-                      fits=fits, window=window)
+                      fits=fits, window=window, max_new=max_new)
 
   def append_layer(self, index, k_new: jax.Array, v_new: jax.Array,
                    plan: AppendPlan) -> "ModelCache":
@@ -290,10 +351,34 @@ class ModelCache:
     sequence flushes": a decode step flushes on one step in G. One token per
     sequence with ``R == G`` (a decode step of every preset but quantspec)
     takes `_append_token`, which writes only the new row.
+
+    Raises (checks of static shapes and concrete values only):
+      ValueError: a concrete ``index`` outside ``[0, num_layers)`` (a traced
+        one is clamped); k/v batch, kv heads or head_dim unlike the cache's;
+        fewer rows ``T`` than ``plan.max_new`` (or, without it, than a
+        concrete ``plan.num_new``).
+      TypeError: k/v not in the cache dtype.
     """
+    self._check_append(index, k_new, v_new, plan, "append_layer")
     if k_new.shape[1] == 1 and self.fmt.residual == self.fmt.token_group:
       return self._append_token(index, k_new, v_new, plan)
     return self.append_layer_with_history(index, k_new, v_new, plan, lazy_flush=True)[0]
+
+  def _check_append(self, index, k_new, v_new, plan: AppendPlan, what: str) -> None:
+    """The Python-level checks of `append_layer` (nothing is added to a trace)."""
+    check_layer_index(index, self.num_layers)
+    # The same shape / dtype checks as `KVCache.append` (``self`` has the same
+    # batch, kv_heads, head_dim and dtype properties).
+    ResidualBlockCache._validate_kv(self, k_new, v_new, what)  # pylint: disable=protected-access
+    t = k_new.shape[1]
+    if plan.max_new is not None:
+      if t < plan.max_new:
+        raise ValueError(f"{what}: k_new.shape[1]={t} rows < max_new={plan.max_new} of the plan")
+    elif _is_concrete(plan.num_new):
+      counts = np.asarray(plan.num_new)
+      if counts.size and counts.max() > t:
+        raise ValueError(f"{what}: plan.num_new={counts.tolist()} exceeds the "
+                         f"k_new.shape[1]={t} rows given")
 
   def _append_token(self, index, k_new: jax.Array, v_new: jax.Array,
                     plan: AppendPlan) -> "ModelCache":
@@ -410,7 +495,10 @@ class ModelCache:
     nothing then). Only the packed sides are the cond's operands: with the
     residual inside it, XLA copied the stacked residual in and out of the
     cond on every layer (`tests/test_model_cache.py` checks the compiled step).
+
+    Raises as `append_layer`.
     """
+    self._check_append(index, k_new, v_new, plan, "append_layer_with_history")
     fmt, g, r = self.fmt, self.fmt.token_group, self.fmt.residual
     t = k_new.shape[1]
     n_groups = flush_groups(fmt, t)

@@ -43,8 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxkv.decoding import (COMPILER_OPTIONS, SplitModel, _check_ids, _is_stop, _pad_id,
-                             _split, _stop_array)
+from jaxkv.decoding import (COMPILER_OPTIONS, SplitModel, _check_ids, _check_temperature,
+                             _is_stop, _pad_id, _scaled_logits, _split, _stop_array)
 from jaxkv.formats import KVFormat
 from jaxkv.sharding import check_mesh
 from jaxkv.model_cache import ModelCache
@@ -134,7 +134,7 @@ def _accept_greedy(drafts, logits_t):
 def _accept_sample(drafts, q_probs, logits_t, temperature, key):
   """Speculative sampling: ``q_probs [B, g, V]`` draft distributions of the drafts."""
   g = drafts.shape[1]
-  p = jax.nn.softmax(logits_t.astype(jnp.float32) / temperature, axis=-1)  # [B, g+1, V]
+  p = jax.nn.softmax(_scaled_logits(logits_t, temperature), axis=-1)  # [B, g+1, V]
   k_u, k_r = jax.random.split(key)
   p_x = jnp.take_along_axis(p[:, :g], drafts[..., None], axis=-1)[..., 0]   # [B, g]
   q_x = jnp.take_along_axis(q_probs, drafts[..., None], axis=-1)[..., 0]
@@ -174,7 +174,7 @@ def _spec_step(model, draft, s: SpecState, stop_tokens, temperature, pad_token_i
     if settings.sampler == "greedy":
       nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     else:
-      q = jax.nn.softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+      q = jax.nn.softmax(_scaled_logits(logits, temperature), axis=-1)
       nxt = jax.random.categorical(jax.random.fold_in(k_draft, i), jnp.log(q), axis=-1)
       nxt = nxt.astype(jnp.int32)
       q_probs = jax.lax.dynamic_update_index_in_dim(q_probs, q, i, 1)
@@ -261,7 +261,8 @@ def _speculative_program(graphdef, state, draft_state, prompt_tokens, prompt_len
   if settings.sampler == "greedy":
     token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   else:
-    token = jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
+    token = jax.random.categorical(key, _scaled_logits(logits, temperature),
+                                   axis=-1).astype(jnp.int32)
   out = jnp.full((b, settings.max_new_tokens), pad_token_id, jnp.int32).at[:, 0].set(token)
   zeros = jnp.zeros((b,), jnp.int32)
   loop = SpecState(cache=cache, token=token, out=out, num_generated=jnp.ones((b,), jnp.int32),
@@ -361,7 +362,7 @@ def speculative_generate(model, prompt_tokens, prompt_lengths, *, max_new_tokens
   if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
       or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
-  _check_spec_args(gamma, sampler, temperature)
+  temperature = _check_spec_args(gamma, sampler, temperature)
   if isinstance(kv_format, str):
     kv_format = KVFormat.preset(kv_format)
   if not isinstance(kv_format, KVFormat):
@@ -386,7 +387,7 @@ def speculative_generate(model, prompt_tokens, prompt_lengths, *, max_new_tokens
   tokens, num, verifs, accepted, cache = _speculative_program(
       graphdef, state, draft_weights, jnp.asarray(prompt_tokens, jnp.int32),
       jnp.asarray(lengths, jnp.int32), cache, jax.random.key(0) if rng is None else rng,
-      _stop_array(stop_tokens, b), np.float32(temperature),
+      _stop_array(stop_tokens, b), temperature,
       _pad_id(pad_token_id), settings=settings)
   stats = _round_stats(verifs, accepted, np.asarray(num) - 1, gamma)  # the first: prefill's
   if return_cache:
@@ -394,14 +395,17 @@ def speculative_generate(model, prompt_tokens, prompt_lengths, *, max_new_tokens
   return tokens, num, stats
 
 
-def _check_spec_args(gamma, sampler, temperature) -> None:
-  """ValueErrors for the round settings shared by `speculative_generate` and `speculative_steps`."""
+def _check_spec_args(gamma, sampler, temperature) -> np.float32:
+  """Validates the round settings shared by `speculative_generate` and `speculative_steps`.
+
+  Returns the float32 temperature the program takes (1 for greedy, which
+  does not read it); errors as `jaxkv.generate`'s.
+  """
   if isinstance(gamma, bool) or not isinstance(gamma, (int, np.integer)) or not 1 <= gamma <= 16:
     raise ValueError(f"gamma={gamma!r} must be an int in [1, 16]")
   if sampler not in ("greedy", "sample"):
     raise ValueError(f"sampler={sampler!r} must be 'greedy' or 'sample'")
-  if sampler == "sample" and not temperature > 0:
-    raise ValueError(f"temperature={temperature!r} must be > 0")
+  return _check_temperature(temperature) if sampler == "sample" else np.float32(1.0)
 
 
 def _draft_state(model, draft_weights, group_size: int):
@@ -489,7 +493,7 @@ def speculative_steps(model, token, cache, num_rounds: int, *, gamma: int = 4,
   if isinstance(num_rounds, bool) or not isinstance(num_rounds, (int, np.integer)) \
       or num_rounds < 1:
     raise ValueError(f"num_rounds={num_rounds!r} must be an int >= 1")
-  _check_spec_args(gamma, sampler, temperature)
+  temperature = _check_spec_args(gamma, sampler, temperature)
   room = int(num_rounds) * (int(gamma) + 1)  # each round commits at most gamma + 1 tokens
   if not isinstance(cache.lengths, jax.core.Tracer):
     longest = int(np.max(np.asarray(cache.lengths)))
@@ -503,7 +507,7 @@ def speculative_steps(model, token, cache, num_rounds: int, *, gamma: int = 4,
   tokens, counts, verifs, accepted, cache = _speculative_steps_program(
       graphdef, state, draft_state, jnp.asarray(token, jnp.int32), cache,
       jax.random.key(0) if rng is None else rng, _stop_array(stop_tokens, cache.batch),
-      np.float32(temperature), _pad_id(pad_token_id), settings=settings,
+      temperature, _pad_id(pad_token_id), settings=settings,
       num_rounds=int(num_rounds))
   return tokens, counts, _round_stats(verifs, accepted, counts, gamma), cache
 

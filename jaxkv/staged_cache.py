@@ -58,6 +58,18 @@ def assemble(k_hist: jax.Array, v_hist: jax.Array, lengths: jax.Array, k_stage: 
   return put(k_hist, k_stage), put(v_hist, v_stage)
 
 
+def check_staged_count(staged, num_queries: int) -> None:
+  """ValueError naming ``staged`` when it is concrete and some ``staged_b <
+  num_queries`` (the queries must be the newest staged tokens); nothing when traced."""
+  if not _is_concrete(staged):
+    return
+  counts = np.asarray(staged)
+  if counts.size and counts.min() < num_queries:
+    bad = np.nonzero(np.atleast_1d(counts) < num_queries)[0]
+    raise ValueError(f"staged={counts.tolist()} must be >= S={num_queries} (q.shape[1]: the "
+                     f"queries are the newest staged tokens) for sequences {bad.tolist()}")
+
+
 def staged_attention(q: jax.Array, cache, k_stage: jax.Array, v_stage: jax.Array,
                      staged: jax.Array, *, view: str = "target", scale=None,
                      implementation: str | None = None) -> jax.Array:
@@ -68,7 +80,10 @@ def staged_attention(q: jax.Array, cache, k_stage: jax.Array, v_stage: jax.Array
     cache: the committed `KVCache` (lengths ``L_b``), or a
       `ModelCache.layer_view` (the kernel then reads the layer in place).
     k_stage, v_stage: ``[B, P, Hkv, D]`` staged K/V; rows ``[0, staged_b)`` valid.
-    staged: ``[B]`` staged tokens (``>= S``).
+    staged: ``[B]`` staged tokens (``>= S``: the S queries are the newest
+      staged tokens). ValueError when ``staged`` is concrete and some
+      ``staged_b < S``; under `jit` this is not checked and the
+      implementations then disagree.
     view: committed tokens read as ``cache.dequantize(view)``.
     scale: softmax scale, default ``D ** -0.5``.
     implementation: ``"reference"`` (dequantize the committed tokens, dense
@@ -89,6 +104,7 @@ def staged_attention(q: jax.Array, cache, k_stage: jax.Array, v_stage: jax.Array
   if getattr(q, "ndim", None) != 4 or q.shape[2] % k_stage.shape[2]:
     raise ValueError(f"q.shape={getattr(q, 'shape', None)} must be [B, S, Hq, D] with Hq a "
                      f"multiple of the {k_stage.shape[2]} kv heads")
+  check_staged_count(staged, q.shape[1])
   impl = _staged_implementation(q, cache, implementation, view)
   if impl == "reference":
     if isinstance(cache, LayerView):
@@ -285,7 +301,11 @@ class StagedCache:
 
   def attention(self, q: jax.Array, *, view: str = "target", scale=None,
                 implementation: str | None = None) -> jax.Array:
-    """`staged_attention` of ``q [B, S, Hq, D]`` (the last S staged tokens)."""
+    """`staged_attention` of ``q [B, S, Hq, D]`` (the last S staged tokens).
+
+    Needs ``S <= staged`` per sequence (ValueError when ``staged`` is
+    concrete; not checked under `jit`).
+    """
     return staged_attention(q, self.cache, self.k_stage, self.v_stage, self.staged, view=view,
                             scale=scale, implementation=implementation)
 

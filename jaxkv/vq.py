@@ -98,6 +98,8 @@ class VQFormat:
   @classmethod
   def preset(cls, name: str) -> "VQFormat":
     """Returns a named VQ format (`VQ_PRESETS`)."""
+    if not isinstance(name, str):
+      raise TypeError(f"name={name!r} must be a VQ preset name (str), one of {sorted(VQ_PRESETS)}")
     try:
       return VQ_PRESETS[name]
     except KeyError:
@@ -158,6 +160,8 @@ class VQFormat:
     full precision) and accepted for the same signature.
     """
     del dtype_bytes
+    if not _is_int(kv_heads) or kv_heads < 1:
+      raise ValueError(f"kv_heads={kv_heads!r} must be a positive int")
     self.validate_head_dim(head_dim)
     if not _is_int(context) or context <= 0:
       raise ValueError(f"context={context!r} must be a positive int")
@@ -357,7 +361,13 @@ class VQCodebooks:
     return self.k.shape[3] * self.k.shape[5]
 
   def layer(self, index: int) -> tuple[jax.Array, jax.Array]:
-    """``(k, v)`` codebooks of one layer (``[Hkv, S, n, E, v]`` each)."""
+    """``(k, v)`` codebooks of one layer (``[Hkv, S, n, E, v]`` each).
+
+    A concrete ``index`` must lie in ``[0, num_layers)`` (ValueError; no
+    negative indices); a traced one is clamped into that range.
+    """
+    from jaxkv.model_cache import check_layer_index  # pylint: disable=import-outside-toplevel
+    check_layer_index(index, self.num_layers)
     return self.k[index], self.v[index]
 
   def save(self, path) -> None:
@@ -384,11 +394,26 @@ class VQCodebooks:
     return out
 
   def validate(self, kv_heads: int | None = None, head_dim: int | None = None) -> "VQCodebooks":
-    """Raises ValueError on shapes/dtypes that do not fit ``fmt`` (and the given sizes)."""
+    """Checks the codebooks against ``fmt`` (and the given sizes); returns self.
+
+    Raises:
+      ValueError: a shape unlike ``[L, Hkv, S, D/vector, 2^bits, vector]`` of
+        ``fmt``, or k and v with different layer, kv-head or head_dim counts.
+      TypeError: a non-floating codebook dtype.
+    """
     for side, x in (("k", self.k), ("v", self.v)):
       if getattr(x, "ndim", None) != 6:
         raise ValueError(f"codebooks.{side} must be [L, Hkv, S, n, E, v], got shape "
                          f"{getattr(x, 'shape', type(x))}")
+      if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"codebooks.{side}.dtype={x.dtype} must be floating")
+    for what, k_size, v_size in (
+        ("layers", self.k.shape[0], self.v.shape[0]),
+        ("kv heads", self.k.shape[1], self.v.shape[1]),
+        ("head_dim", self.k.shape[3] * self.k.shape[5], self.v.shape[3] * self.v.shape[5])):
+      if k_size != v_size:
+        raise ValueError(f"codebooks.k covers {k_size} {what} but codebooks.v covers {v_size} "
+                         f"(k.shape={tuple(self.k.shape)}, v.shape={tuple(self.v.shape)})")
       h = x.shape[1] if kv_heads is None else kv_heads
       d = x.shape[3] * x.shape[5] if head_dim is None else head_dim
       want = (x.shape[0], *self.fmt.codebook_shape(side, h, d))
@@ -403,8 +428,9 @@ def check_codebooks(fmt: VQFormat, k_codebook, v_codebook, kv_heads: int, head_d
 
   Raises:
     ValueError: wrong shape, or (when concrete) untrained codebooks: a
-      non-finite centroid, or a side whose centroids are all zero (the
-      placeholder that `fit` never returns).
+      non-finite centroid, a centroid outside the finite range of
+      ``fmt.codebook_dtype`` (it would be stored as inf), or a side whose
+      centroids are all zero (the placeholder that `fit` never returns).
     TypeError: a non-floating codebook.
   """
   out = []
@@ -417,14 +443,22 @@ def check_codebooks(fmt: VQFormat, k_codebook, v_codebook, kv_heads: int, head_d
                        f"{want} (Hkv, stages, D/vector, 2^bits, vector)")
     if not jnp.issubdtype(cb.dtype, jnp.floating):
       raise TypeError(f"{side}_codebook.dtype={cb.dtype} must be floating")
+    # A copy: a cache owns its leaves, so donating it never deletes the caller's codebooks.
+    with np.errstate(over="ignore"):  # an overflow is reported below, not warned
+      stored = jnp.array(cb, fmt.codebook_dtype, copy=True)
     if not isinstance(cb, jax.core.Tracer):
       host = np.asarray(cb, np.float32)
       if not np.isfinite(host).all():
         raise ValueError(f"{side}_codebook holds non-finite centroids: untrained or corrupt")
       if not host.any():
         raise ValueError(f"{side}_codebook is all zeros: untrained (learn it with jaxkv.vq.fit)")
-    # A copy: a cache owns its leaves, so donating it never deletes the caller's codebooks.
-    out.append(jnp.array(cb, fmt.codebook_dtype, copy=True))
+      if not np.isfinite(np.asarray(stored, np.float32)).all():
+        limit = float(jnp.finfo(fmt.codebook_dtype).max)
+        raise ValueError(
+            f"{side}_codebook holds centroids up to |x|={float(np.abs(host).max()):.3g}, outside "
+            f"the range of codebook_dtype={fmt.codebook_dtype} (|x| <= {limit:.6g}): they "
+            "would be stored as inf")
+    out.append(stored)
   return tuple(out)
 
 
@@ -448,6 +482,10 @@ def fit(k_samples, v_samples, fmt: VQFormat | str, *, seed: int = 0, iters: int 
   for name, x in (("k_samples", k_samples), ("v_samples", v_samples)):
     if getattr(x, "ndim", None) != 4:
       raise ValueError(f"{name} must be [L, N, Hkv, D], got shape {getattr(x, 'shape', type(x))}")
+    dtype = jnp.dtype(x.dtype)
+    if dtype == jnp.bool_ or not (jnp.issubdtype(dtype, jnp.floating)
+                                  or jnp.issubdtype(dtype, jnp.integer)):
+      raise TypeError(f"{name}.dtype={dtype} must be a real (floating or integer) dtype")
   if k_samples.shape != v_samples.shape:
     raise ValueError(f"k_samples.shape={k_samples.shape} != v_samples.shape={v_samples.shape}")
   layers, num, kv_heads, head_dim = k_samples.shape
@@ -503,20 +541,27 @@ def calibration_kv(model, tokens, lengths=None) -> tuple[jax.Array, jax.Array]:
     model: an NNX model with ``forward_kv(tokens [B, T]) -> (logits, k, v)``,
       ``k``/``v`` ``[L, B, T, Hkv, D]``.
     tokens: ``[B, T]`` int token ids, row ``b`` right-padded after
-      ``lengths[b]`` real tokens.
+      ``lengths[b]`` real tokens (in ``[0, vocab)``; padding may be any id).
     lengths: ``[B]`` ints in ``[1, T]``; None = every token is real.
   Returns:
     ``(k, v)``, each ``[L, N, Hkv, D]`` with ``N = sum(lengths)`` (row-major).
   """
-  tokens = np.asarray(tokens, np.int32)
+  tokens = np.asarray(tokens)
   if tokens.ndim != 2:
     raise ValueError(f"tokens.shape={tokens.shape} must be [B, T]")
+  if tokens.size and (tokens.dtype == np.bool_ or not np.issubdtype(tokens.dtype, np.integer)):
+    raise TypeError(f"tokens.dtype={tokens.dtype} must be an integer dtype")
   b, t = tokens.shape
   lengths = np.full((b,), t) if lengths is None else np.asarray(lengths)
   if lengths.shape != (b,) or not np.issubdtype(lengths.dtype, np.integer) \
       or lengths.min(initial=1) < 1 or lengths.max(initial=t) > t:
     raise ValueError(f"lengths={lengths.tolist()} must be {b} ints in [1, T={t}]")
+  real = np.arange(t)[None, :] < lengths[:, None]                        # [B, T]
+  vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+  if vocab is not None:  # the real tokens only: padding may hold any id
+    from jaxkv.decoding import _check_ids  # pylint: disable=import-outside-toplevel
+    _check_ids("tokens", tokens[real], vocab)
+  tokens = tokens.astype(np.int32)
   graphdef, state = nnx.split(model)
   k, v = _forward_kv(graphdef, state, jnp.asarray(tokens))
-  real = np.arange(t)[None, :] < lengths[:, None]                        # [B, T]
   return k[:, real], v[:, real]

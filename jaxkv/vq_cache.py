@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jaxkv import vq
 from jaxkv.cache import (STORAGE_ALIGN, ResidualBlockCache, _static, check_dims,
                          nonfinite_rows)
+from jaxkv.model_cache import check_layer_index
 from pallas_kernels.vq_attention import vq_dequantize
 
 
@@ -78,7 +79,7 @@ class VQCache(ResidualBlockCache):
       head_dim: channels per head D.
       capacity: maximum tokens per sequence.
       dtype: dtype of full-precision K/V (residual, inputs).
-      layer: which layer of a `VQCodebooks` to use.
+      layer: which layer of a `VQCodebooks` to use (an int in ``[0, L)``).
     """
     fmt = vq.as_vq_format(fmt)
     dtype = check_dims(fmt, batch, kv_heads, head_dim, capacity, dtype)
@@ -87,8 +88,8 @@ class VQCache(ResidualBlockCache):
         raise ValueError(f"codebooks were learned for {codebooks.fmt}, not {fmt}")
       if layer is None:
         raise ValueError("layer=None: pass the layer index of these VQCodebooks")
-      if not 0 <= layer < codebooks.num_layers:
-        raise ValueError(f"layer={layer} must lie in [0, {codebooks.num_layers})")
+      codebooks.validate()
+      check_layer_index(layer, codebooks.num_layers, "layer")
       codebooks = codebooks.layer(layer)
     if not isinstance(codebooks, (tuple, list)) or len(codebooks) != 2:
       raise TypeError(f"codebooks must be a VQCodebooks or a (k_codebook, v_codebook) pair, "

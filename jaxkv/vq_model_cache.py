@@ -32,7 +32,7 @@ import numpy as np
 from jaxkv import vq
 from jaxkv.cache import STORAGE_ALIGN, check_dims
 from jaxkv.model_cache import (AppendPlan, LayerView, ModelCache, _scatter_rows,
-                               check_layers)
+                               check_layer_index, check_layers)
 from jaxkv.vq_cache import VQCache, _quantize_groups
 
 
@@ -152,7 +152,10 @@ class VQModelCache(ModelCache):
 
   @classmethod
   def from_layers(cls, caches: Sequence[VQCache]) -> "VQModelCache":
-    """Stacks per-layer `jaxkv.VQCache`s that agree on format, shapes and lengths."""
+    """Stacks per-layer `jaxkv.VQCache`s that agree on format, shapes and lengths.
+
+    A sequence is flagged (``overflow``, ``nonfinite``) when any layer flags it.
+    """
     caches = check_layers(caches, VQCache)
     first = caches[0]
     stack = lambda name: jnp.stack([getattr(c, name) for c in caches])  # noqa: E731
@@ -160,8 +163,8 @@ class VQModelCache(ModelCache):
         k=VQCodes(stack("k_codes"), stack("k_codebook")),
         v=VQCodes(stack("v_codes"), stack("v_codebook")),
         k_residual=stack("k_residual"), v_residual=stack("v_residual"),
-        lengths=first.lengths, overflow=first.overflow,
-        invalid=jnp.zeros(first.lengths.shape, bool),
+        lengths=first.lengths, overflow=jnp.any(stack("overflow"), axis=0),
+        invalid=jnp.zeros(first.lengths.shape, bool),  # per-layer caches have no such flag
         nonfinite=jnp.any(stack("nonfinite"), axis=0),
         fmt=first.fmt, capacity=first.capacity)
 
@@ -175,8 +178,10 @@ class VQModelCache(ModelCache):
     """Layer ``index``'s `jaxkv.VQCache` (int or traced index; slices of the stacked storage).
 
     With ``plan`` the view has the lengths after that append, as
-    `ModelCache.layer`.
+    `ModelCache.layer`. A concrete ``index`` must lie in ``[0, num_layers)``
+    (ValueError); a traced one is clamped into that range.
     """
+    check_layer_index(index, self.num_layers)
     take = lambda x: jax.lax.dynamic_index_in_dim(x, index, 0, keepdims=False)  # noqa: E731
     return VQCache(
         k_codes=take(self.k.codes), v_codes=take(self.v.codes),

@@ -452,18 +452,32 @@ class DecoderLayer(nnx.Module):
     return x, cache
 
 
+def _check_int_dtype(name: str, value) -> None:
+  """TypeError naming ``name`` unless ``value`` (traced or not) has an integer dtype.
+
+  The dtype is static, so a traced float array is refused too (a cast to
+  int32 would silently truncate it).
+  """
+  dtype = getattr(value, "dtype", None)
+  if dtype is None:
+    dtype = np.asarray(value).dtype
+  if int(np.prod(np.shape(value))) and (
+      dtype == np.bool_ or not jnp.issubdtype(dtype, jnp.integer)):
+    raise TypeError(f"{name}.dtype={dtype} must be an integer dtype")
+
+
 def _check_int_array(name: str, value, shape, low: int, high: int) -> None:
-  """ValueError naming ``name`` if a concrete integer array leaves ``[low, high]``.
+  """ValueError naming ``name`` if a concrete integer array leaves ``[low, high]``;
+  TypeError for a non-integer dtype (traced arrays too).
 
   Traced values are not checked here (callers flag them in the cache instead).
   """
+  _check_int_dtype(name, value)
   if isinstance(value, jax.core.Tracer):
     return
   arr = np.asarray(value)
   if shape is not None and arr.shape != tuple(shape):
     raise ValueError(f"{name}.shape={arr.shape} must be {tuple(shape)}")
-  if arr.size and not np.issubdtype(arr.dtype, np.integer):
-    raise ValueError(f"{name}.dtype={arr.dtype} must be an integer dtype")
   if arr.size and (arr.min() < low or arr.max() > high):
     bad = arr[(arr < low) | (arr > high)]
     raise ValueError(f"{name} must lie in [{low}, {high}]; got out-of-range values "
@@ -471,9 +485,11 @@ def _check_int_array(name: str, value, shape, low: int, high: int) -> None:
 
 
 def check_token_ids(name: str, tokens, vocab_size: int) -> jax.Array:
-  """``tokens`` as int32; ValueError naming ``name`` when concrete ids leave ``[0, vocab)``."""
+  """``tokens`` as int32; ValueError naming ``name`` when concrete ids leave ``[0, vocab)``,
+  TypeError for a non-integer dtype (traced too)."""
   if isinstance(tokens, (list, tuple)):
     tokens = np.asarray(tokens)
+  _check_int_dtype(name, tokens)
   if not isinstance(tokens, jax.core.Tracer):
     if getattr(tokens, "ndim", None) != 2:
       raise ValueError(f"{name}.shape={getattr(tokens, 'shape', None)} must be [B, T]")
@@ -780,6 +796,8 @@ class Llama(nnx.Module):
     """
     tokens = check_token_ids("tokens", tokens, self.config.vocab_size)
     b, s = tokens.shape
+    if s < 1:
+      raise ValueError(f"tokens.shape={tokens.shape}: decode needs at least one token per row")
     self._check_cache(cache, b)
     cache.check_room(s, "tokens")
     cache = cache.flag_invalid(self._invalid_ids(tokens))
@@ -793,6 +811,8 @@ class Llama(nnx.Module):
     twin = b * s == 1 and mesh is None
 
     def layer_attend(q, k, v, cache, index, plan):
+      if k.dtype != cache.dtype:  # appends take the cache dtype (no op when the model's is it)
+        k, v = k.astype(cache.dtype), v.astype(cache.dtype)
       new_cache = cache.append_layer(index, k, v, plan)
       o = jaxkv.decode_attention(q, new_cache.layer_view(index, plan),
                                  implementation=implementation)

@@ -6,8 +6,11 @@ They paper over the differences between the JAX versions the project runs on
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas import triton as plgpu
 
 _COMPILER_PARAMS_CLS = getattr(plgpu, "CompilerParams", None) or getattr(
@@ -19,15 +22,52 @@ def compiler_params(*, num_warps: int, num_stages: int):
   return _COMPILER_PARAMS_CLS(num_warps=num_warps, num_stages=num_stages)
 
 
+def is_int(value) -> bool:
+  """Whether ``value`` is a Python or numpy integer (not a bool)."""
+  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 def check_launch(config) -> None:
   """ValueErrors for a kernel config's ``num_splits`` (if it has one), ``num_warps``
-  and ``num_stages``."""
+  and ``num_stages``: each a non-bool int (Python or numpy) in range."""
+  for name in ("num_splits", "num_warps", "num_stages"):
+    value = getattr(config, name, 1)
+    if not is_int(value):
+      raise ValueError(f"{name}={value!r} must be an int, got {type(value).__name__}")
   if getattr(config, "num_splits", 1) < 1:
     raise ValueError(f"num_splits={config.num_splits} must be >= 1")
   if config.num_warps not in (1, 2, 4, 8, 16):
     raise ValueError(f"num_warps={config.num_warps} must be a power of two <= 16")
   if config.num_stages < 1:
     raise ValueError(f"num_stages={config.num_stages} must be >= 1")
+
+
+def check_scale(scale) -> None:
+  """ValueError/TypeError naming ``scale`` unless it is None, a real scalar, or a
+  real scalar array whose value, when concrete, is finite in float32 (the
+  kernels take it as a float32 operand: 1e39 would be inf). Traced values are
+  checked for shape and dtype only."""
+  if scale is None:
+    return
+  if isinstance(scale, (bool, np.bool_, complex, np.complexfloating)):
+    raise TypeError(f"scale={scale!r} must be a real number")
+  if hasattr(scale, "shape") and hasattr(scale, "dtype"):
+    if tuple(scale.shape) != ():
+      raise ValueError(f"scale must be a scalar, got shape {tuple(scale.shape)}")
+    if not (jnp.issubdtype(scale.dtype, jnp.floating) or jnp.issubdtype(scale.dtype, jnp.integer)):
+      raise TypeError(f"scale.dtype={scale.dtype} must be a real (float or int) dtype")
+    if isinstance(scale, jax.core.Tracer):
+      return
+  elif not isinstance(scale, numbers.Real):
+    raise TypeError(f"scale={scale!r} must be a real number, got {type(scale).__name__}")
+  try:
+    value = float(scale)
+  except OverflowError:  # a Python int past the float64 range
+    value = float("inf")
+  with np.errstate(over="ignore"):
+    value = np.float32(value)
+  if not np.isfinite(value):
+    raise ValueError(f"scale={scale!r} must be finite in float32")
 
 
 def next_pow2(n: int) -> int:

@@ -23,6 +23,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -50,11 +51,13 @@ class ChunkAttentionConfig:
   def __post_init__(self):
     for name in ("block_q", "block_k"):
       v = getattr(self, name)
-      if not isinstance(v, int) or v < 16 or not _triton.is_pow2(v):
+      if not _triton.is_int(v) or v < 16 or not _triton.is_pow2(v):
         raise ValueError(f"{name}={v!r} must be a power of two >= 16")
     if self.block_k > self.block_q:
       raise ValueError(f"block_k={self.block_k} must be <= block_q={self.block_q}")
     _triton.check_launch(self)
+    for name in ("block_q", "block_k", "num_warps", "num_stages"):  # numpy ints -> int
+      object.__setattr__(self, name, int(getattr(self, name)))
 
 
 def chunk_attention_reference(q, k_hist, v_hist, hist_len, k_chunk, v_chunk, *, scale):
@@ -168,8 +171,25 @@ def pallas_chunk_attention(q: jax.Array, k_hist: jax.Array, v_hist: jax.Array,
   config = ChunkAttentionConfig() if config is None else config
   if not isinstance(config, ChunkAttentionConfig):
     raise TypeError(f"config must be a ChunkAttentionConfig, got {type(config).__name__}")
+  for name, x in (("q", q), ("k_hist", k_hist), ("v_hist", v_hist), ("k_chunk", k_chunk),
+                  ("v_chunk", v_chunk)):
+    if getattr(x, "ndim", None) != 4:
+      raise ValueError(f"{name} must be rank 4, got shape {getattr(x, 'shape', type(x).__name__)}")
+  if not jnp.issubdtype(q.dtype, jnp.floating):
+    raise TypeError(f"q.dtype={q.dtype} must be floating")
   b, c, hq, d = q.shape
   cap, hkv = k_hist.shape[1], k_hist.shape[2]
+  if getattr(hist_len, "shape", None) != (b,):
+    raise ValueError(f"hist_len.shape={getattr(hist_len, 'shape', None)} must be ({b},)")
+  if not jnp.issubdtype(hist_len.dtype, jnp.integer):
+    raise TypeError(f"hist_len.dtype={hist_len.dtype} must be an integer dtype")
+  if not isinstance(hist_len, jax.core.Tracer):
+    hl = np.asarray(hist_len)
+    if hl.min(initial=0) < 0 or hl.max(initial=0) > cap:
+      raise ValueError(f"hist_len={hl.tolist()} must lie in [0, C={cap}]")
+  if scale is None or isinstance(scale, jax.core.Tracer):  # float(scale) below needs a value
+    raise TypeError(f"scale={scale!r} must be a concrete real number")
+  _triton.check_scale(scale)
   if hq % hkv:
     raise ValueError(f"q heads {hq} must be a multiple of kv heads {hkv}")
   if k_chunk.shape != (b, c, hkv, d) or v_chunk.shape != k_chunk.shape:

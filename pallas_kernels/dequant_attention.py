@@ -129,9 +129,14 @@ class DecodeAttentionConfig:
     return self.num_splits if self.residual_program else self.num_splits - 1
 
   def __post_init__(self):
+    if not _triton.is_int(self.block_k):
+      raise ValueError(f"block_k={self.block_k!r} must be an int, got "
+                       f"{type(self.block_k).__name__}")
     if not _triton.is_pow2(self.block_k) or not 16 <= self.block_k <= 256:
       raise ValueError(f"block_k={self.block_k} must be a power of two in [16, 256]")
     _triton.check_launch(self)
+    for name in ("block_k", "num_splits", "num_warps", "num_stages"):  # numpy ints -> int
+      object.__setattr__(self, name, int(getattr(self, name)))
 
   @classmethod
   def default(cls, *, batch: int, tokens: int, q_heads: int, kv_heads: int,
@@ -893,8 +898,98 @@ def default_config(fmt: CacheFormat, *, batch: int, q_heads: int, kv_heads: int,
       residual=fmt.residual, channel_groups=_channel_groups(fmt, head_dim)), "heuristic"
 
 
-@functools.partial(
-    jax.jit, static_argnames=("fmt", "config", "interpret", "view", "return_lse"))
+def _check_operands(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_residual,
+                    v_residual, lengths, *, fmt, scale, config, layer, view, seq_bad) -> None:
+  """`dequant_decode_attention`'s argument checks, in Python before any tracing:
+  every operand's shape and dtype against q's ``[B, ., ., D]``, K's ``[B, H, C]``
+  and the format, and concrete ``lengths`` / ``scale`` / ``layer`` values
+  (traced ones are not read: no op is added to the kernel's path)."""
+  stacked = layer is not None
+  lead = 1 if stacked else 0
+  if getattr(q, "ndim", None) != 4 or not jnp.issubdtype(q.dtype, jnp.floating):
+    raise ValueError(f"q must be a floating [B, S, Hq, D] array, got {getattr(q, 'shape', q)} "
+                     f"{getattr(q, 'dtype', '')}")
+  if config is not None and not isinstance(config, DecodeAttentionConfig):
+    raise TypeError(f"config={config!r} must be a DecodeAttentionConfig or None, got "
+                    f"{type(config).__name__}")
+  if view not in ("target", "draft") or (view == "draft" and not fmt.hierarchical):
+    raise ValueError(f"view={view!r} must be 'target', or 'draft' for a hierarchical format")
+  dims = "[L, B, H, T, .]" if stacked else "[B, H, T, .]"
+  for name, x in (("k_codes", k_codes), ("v_codes", v_codes), ("k_residual", k_residual),
+                  ("v_residual", v_residual)):
+    if getattr(x, "ndim", None) != lead + 4:
+      raise ValueError(f"{name} must be a {dims} array, got shape "
+                       f"{getattr(x, 'shape', type(x).__name__)}")
+  batch, num_queries, q_heads, head_dim = q.shape
+  kv_heads, capacity = k_codes.shape[lead + 1], k_codes.shape[lead + 2]
+  if (k_codes.shape[lead], k_residual.shape[lead], k_residual.shape[-1]) != (
+      batch, batch, head_dim):
+    raise ValueError(f"q.shape={q.shape} does not match the cache (batch "
+                     f"{k_codes.shape[lead]}, head_dim {k_residual.shape[-1]})")
+  if getattr(lengths, "shape", None) != (batch,) or not jnp.issubdtype(lengths.dtype,
+                                                                        jnp.integer):
+    raise ValueError(f"lengths must be an integer [{batch}] array, got "
+                     f"{getattr(lengths, 'shape', None)} {getattr(lengths, 'dtype', '')}")
+  ok, why = supports(fmt, head_dim=head_dim, num_q_heads=q_heads, kv_heads=kv_heads,
+                     num_queries=num_queries, capacity=capacity)
+  if not ok:
+    raise ValueError(why)
+  # Every operand against K's [(L,) B, H, C] and the format.
+  layers = tuple(k_codes.shape[:lead])
+  bhc = (*layers, batch, kv_heads, capacity)
+  for side, bits, axis, codes, sc, zr in (
+      ("k", fmt.k_bits, fmt.k_axis, k_codes, k_scale, k_zero),
+      ("v", fmt.v_bits, "token", v_codes, v_scale, v_zero)):
+    want = (*bhc, head_dim if bits == 16 else head_dim * bits // 8)
+    if codes.shape != want:
+      raise ValueError(f"{side}_codes.shape={codes.shape} must be {want} (K's batch, kv "
+                       f"heads and capacity; {side}_bits={bits}, head_dim={head_dim})")
+    if bits == 16:
+      if not jnp.issubdtype(codes.dtype, jnp.floating):
+        raise TypeError(f"{side}_codes.dtype={codes.dtype} must be floating for a 16-bit side")
+      if sc is not None or zr is not None:
+        raise ValueError(f"{side}_scale and {side}_zero must be None for a 16-bit side "
+                         f"({side}_bits=16)")
+    else:
+      if codes.dtype != jnp.uint8:
+        raise TypeError(f"{side}_codes.dtype={codes.dtype} must be uint8 ({side}_bits={bits})")
+      if axis == "channel":
+        side_shape = (*bhc[:-1], capacity // fmt.token_group, head_dim)
+      else:
+        side_shape = (*bhc, head_dim // fmt.channel_group_for(head_dim))
+      for name, x in ((f"{side}_scale", sc), (f"{side}_zero", zr)):
+        if getattr(x, "shape", None) != side_shape:
+          raise ValueError(f"{name}.shape={getattr(x, 'shape', None)} must be {side_shape} "
+                           f"({side}_bits={bits}, per-{axis})")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+          raise TypeError(f"{name}.dtype={x.dtype} must be floating")
+  res_shape = (*layers, batch, kv_heads, fmt.residual, head_dim)
+  for name, x in (("k_residual", k_residual), ("v_residual", v_residual)):
+    if x.shape != res_shape:
+      raise ValueError(f"{name}.shape={x.shape} must be {res_shape} (residual={fmt.residual})")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"{name}.dtype={x.dtype} must be floating")
+  if v_residual.dtype != k_residual.dtype:
+    raise TypeError(f"v_residual.dtype={v_residual.dtype} must equal "
+                    f"k_residual.dtype={k_residual.dtype}")
+  if not isinstance(lengths, jax.core.Tracer):
+    ln = np.asarray(lengths)
+    if ln.min(initial=0) < 0 or ln.max(initial=0) > capacity + fmt.residual:
+      raise ValueError(f"lengths={ln.tolist()} must lie in [0, C + R = "
+                       f"{capacity + fmt.residual}]")
+  _triton.check_scale(scale)
+  if seq_bad is not None and (getattr(seq_bad, "shape", None) != (batch,) or not (
+      seq_bad.dtype == jnp.bool_ or jnp.issubdtype(seq_bad.dtype, jnp.integer))):
+    raise ValueError(f"seq_bad must be a bool [{batch}] array, got "
+                     f"{getattr(seq_bad, 'shape', None)} {getattr(seq_bad, 'dtype', '')}")
+  if stacked:
+    if tuple(getattr(layer, "shape", ())) != () or not (
+        _triton.is_int(layer) or jnp.issubdtype(getattr(layer, "dtype", float), jnp.integer)):
+      raise ValueError(f"layer={layer!r} must be an integer scalar")
+    if not isinstance(layer, jax.core.Tracer) and not 0 <= int(layer) < layers[0]:
+      raise ValueError(f"layer={int(layer)} must lie in [0, {layers[0]})")
+
+
 def dequant_decode_attention(
     q: jax.Array,           # [B, S, Hq, D]
     k_codes: jax.Array,     # [B, H, C, D*kb/8] uint8 | [B, H, C, D]
@@ -949,33 +1044,48 @@ def dequant_decode_attention(
     ``[B, S, Hq, D]`` in q's dtype; with ``return_lse`` also ``[B, S, Hq]``
     float32.
   """
+  _check_operands(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_residual,
+                  v_residual, lengths, fmt=fmt, scale=scale, config=config, layer=layer,
+                  view=view, seq_bad=seq_bad)
+  return _dequant_decode_attention(
+      q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_residual, v_residual, lengths,
+      fmt=fmt, scale=scale, config=config, interpret=interpret, layer=layer, view=view,
+      return_lse=return_lse, seq_bad=seq_bad)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("fmt", "config", "interpret", "view", "return_lse"))
+def _dequant_decode_attention(
+    q: jax.Array,           # [B, S, Hq, D]
+    k_codes: jax.Array,     # [B, H, C, D*kb/8] uint8 | [B, H, C, D]
+    k_scale: jax.Array | None,  # [B, H, C//G, D] | [B, H, C, D//Gd] | None
+    k_zero: jax.Array | None,   # like k_scale
+    v_codes: jax.Array,     # [B, H, C, D*vb/8] uint8 | [B, H, C, D]
+    v_scale: jax.Array | None,  # [B, H, C, D//Gd] | None
+    v_zero: jax.Array | None,   # like v_scale
+    k_residual: jax.Array,  # [B, H, R, D]
+    v_residual: jax.Array,  # [B, H, R, D]
+    lengths: jax.Array,     # [B] int32, total tokens per sequence
+    *,
+    fmt: CacheFormat,
+    scale: float | jax.Array | None = None,
+    config: DecodeAttentionConfig | None = None,
+    interpret: bool = False,
+    layer: jax.Array | None = None,
+    view: str = "target",
+    return_lse: bool = False,
+    seq_bad: jax.Array | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+  """`dequant_decode_attention` after its checks (`_check_operands`)."""
   stacked = layer is not None
   lead = 1 if stacked else 0
-  if getattr(q, "ndim", None) != 4 or not jnp.issubdtype(q.dtype, jnp.floating):
-    raise ValueError(f"q must be a floating [B, S, Hq, D] array, got {getattr(q, 'shape', q)} "
-                     f"{getattr(q, 'dtype', '')}")
   batch, num_queries, q_heads, head_dim = q.shape
   kv_heads, capacity = k_codes.shape[lead + 1], k_codes.shape[lead + 2]
-  if (k_codes.shape[lead], k_residual.shape[lead], k_residual.shape[-1]) != (
-      batch, batch, head_dim):
-    raise ValueError(f"q.shape={q.shape} does not match the cache (batch "
-                     f"{k_codes.shape[lead]}, head_dim {k_residual.shape[-1]})")
-  if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
-    raise ValueError(f"lengths must be an integer [{batch}] array, got {lengths.shape} "
-                     f"{lengths.dtype}")
-  ok, why = supports(fmt, head_dim=head_dim, num_q_heads=q_heads, kv_heads=kv_heads,
-                     num_queries=num_queries, capacity=capacity)
-  if not ok:
-    raise ValueError(why)
   group_q = q_heads // kv_heads
   q_rows = group_q * num_queries
   rows = max(_MIN_ROWS, _triton.next_pow2(q_rows))
   residual = k_residual.shape[lead + 2]
   sm_scale = jnp.asarray(head_dim ** -0.5 if scale is None else scale, jnp.float32)
-  if sm_scale.shape != ():
-    raise ValueError(f"scale must be a scalar, got shape {sm_scale.shape}")
-  if view not in ("target", "draft") or (view == "draft" and not fmt.hierarchical):
-    raise ValueError(f"view={view!r} must be 'target', or 'draft' for a hierarchical format")
   draft = view == "draft"
   k_side, v_side = _sides(fmt, head_dim, draft)
   if config is None:
@@ -1205,9 +1315,7 @@ def pallas_decode_attention(q: jax.Array, cache, *, scale: float | jax.Array | N
   Returns:
     ``[B, S, Hq, D]`` in q's dtype (and ``[B, S, Hq]`` float32 with ``return_lse``).
   """
-  if scale is not None and not isinstance(scale, jax.core.Tracer):
-    if isinstance(scale, (bool, np.bool_)) or not np.isfinite(np.asarray(scale, np.float64)).all():
-      raise ValueError(f"scale={scale!r} must be a finite real number")
+  _triton.check_scale(scale)  # a concrete one finite in float32 (the kernels' operand)
   return dequant_decode_attention(
       q, cache.k.codes, cache.k.scale, cache.k.zero, cache.v.codes, cache.v.scale,
       cache.v.zero, cache.k_residual, cache.v_residual, cache.lengths,

@@ -48,21 +48,71 @@ import numpy as np
 from jax import lax
 
 
+# Dtypes of stored scales and zeros (the same list as `jaxkv.formats.VALID_SCALE_DTYPES`,
+# kept here because this bottom layer imports nothing from jaxkv).
+SCALE_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 def _check_bits(bits: int) -> None:
-  if bits not in (8, 4, 2):
+  if not _is_int(bits) or bits not in (8, 4, 2):
     raise ValueError(f"bits={bits!r} must be 8, 4 or 2 for packed codes")
 
 
-def pack(codes: jax.Array, bits: int) -> jax.Array:
+def check_scale_dtype(scale_dtype) -> np.dtype:
+  """``scale_dtype`` as a numpy dtype; ValueError naming it unless it is one of
+  `SCALE_DTYPES`."""
+  try:
+    dtype = np.dtype(scale_dtype)
+  except TypeError:
+    dtype = None
+  if dtype is None or dtype.name not in SCALE_DTYPES:
+    raise ValueError(f"scale_dtype={scale_dtype!r} must be one of {SCALE_DTYPES}")
+  return dtype
+
+
+def check_group(name: str, group) -> None:
+  """ValueError naming ``name`` unless ``group`` is a positive (non-bool) int."""
+  if not _is_int(group) or group < 1:
+    raise ValueError(f"{name}={group!r} must be a positive int")
+
+
+def pack(codes: jax.Array, bits: int, *, check: bool = True) -> jax.Array:
   """Packs integer codes along the last axis into uint8 (planar layout).
 
   Args:
     codes: ``[..., N]`` integer codes in ``[0, 2^bits)``; ``N % (8 // bits) == 0``.
+      A non-integer dtype raises TypeError; concrete (non-traced) codes outside
+      the range raise ValueError (they would spill into their neighbours' bits).
     bits: 8, 4 or 2.
+    check: False skips the value check (callers whose codes are in range by
+      construction: it reads concrete codes back to the host).
   Returns:
     ``[..., N * bits // 8]`` uint8.
   """
   _check_bits(bits)
+  if not check:
+    return _pack(codes, bits)
+  if not hasattr(codes, "dtype"):
+    codes = np.asarray(codes)
+  if codes.ndim < 1:
+    raise ValueError(f"codes must be [..., N], got shape {codes.shape}")
+  if not jnp.issubdtype(codes.dtype, jnp.integer):
+    raise TypeError(f"codes.dtype={codes.dtype} must be an integer dtype")
+  if not isinstance(codes, jax.core.Tracer) and codes.size and not (
+      codes.dtype == np.uint8 and bits == 8):
+    lo, hi = (int(v) for v in jax.device_get((codes.min(), codes.max())))
+    if lo < 0 or hi >= 1 << bits:
+      raise ValueError(f"codes hold values in [{lo}, {hi}]; they must lie in "
+                       f"[0, {(1 << bits) - 1}] for {bits=}")
+  return _pack(codes, bits)
+
+
+def _pack(codes, bits: int) -> jax.Array:
+  """`pack` without its checks (codes known to be in range)."""
   per_byte = 8 // bits
   n = codes.shape[-1]
   if n % per_byte:
@@ -92,6 +142,7 @@ def unpack(packed: jax.Array, bits: int) -> jax.Array:
 
 def _quantize_groups(x: jax.Array, bits: int, axis: int, scale_dtype):
   """Quantizes ``x`` (float32) with one (scale, zero) per slice along ``axis``."""
+  scale_dtype = check_scale_dtype(scale_dtype)
   levels = (1 << bits) - 1
   lo = jnp.min(x, axis=axis, keepdims=True)
   hi = jnp.max(x, axis=axis, keepdims=True)
@@ -157,6 +208,20 @@ def round_codes(x: jax.Array, zero: jax.Array, scale: jax.Array, levels: int) ->
   return code.astype(jnp.uint8)
 
 
+def _check_scale_zero(codes, scale, zero) -> None:
+  """``scale`` and ``zero``: floating arrays of one shape, of codes' rank."""
+  for name, x in (("scale", scale), ("zero", zero)):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"{name}.dtype={x.dtype} must be floating")
+  if zero.shape != scale.shape:
+    raise ValueError(f"zero.shape={zero.shape} must equal scale.shape={scale.shape}")
+  if codes.ndim < 2 or scale.ndim != codes.ndim:
+    raise ValueError(f"scale.shape={scale.shape} must have the rank of codes.shape={codes.shape} "
+                     "(>= 2)")
+
+
 def quantize_per_token(x: jax.Array, bits: int, channel_group: int, scale_dtype="float16"):
   """One (scale, zero) per token per group of ``channel_group`` channels.
 
@@ -165,6 +230,10 @@ def quantize_per_token(x: jax.Array, bits: int, channel_group: int, scale_dtype=
   Returns:
     ``codes [..., T, D]`` uint8 (unpacked), ``scale, zero [..., T, D // channel_group]``.
   """
+  _check_bits(bits)
+  check_group("channel_group", channel_group)
+  if getattr(x, "ndim", 0) < 2:
+    raise ValueError(f"x.shape={getattr(x, 'shape', None)} must be [..., T, D]")
   *lead, t, d = x.shape
   if d % channel_group:
     raise ValueError(f"head_dim={d} must be divisible by {channel_group=}")
@@ -181,6 +250,10 @@ def quantize_per_channel(x: jax.Array, bits: int, token_group: int, scale_dtype=
   Returns:
     ``codes [..., T, D]`` uint8 (unpacked), ``scale, zero [..., T // token_group, D]``.
   """
+  _check_bits(bits)
+  check_group("token_group", token_group)
+  if getattr(x, "ndim", 0) < 2:
+    raise ValueError(f"x.shape={getattr(x, 'shape', None)} must be [..., T, D]")
   *lead, t, d = x.shape
   if t % token_group:
     raise ValueError(f"num tokens {t} must be a multiple of {token_group=}")
@@ -191,8 +264,12 @@ def quantize_per_channel(x: jax.Array, bits: int, token_group: int, scale_dtype=
 
 def dequantize_per_token(codes: jax.Array, scale: jax.Array, zero: jax.Array) -> jax.Array:
   """``codes [..., T, D]`` (unpacked), ``scale/zero [..., T, D // Gd]`` -> float32."""
+  _check_scale_zero(codes, scale, zero)
   *lead, t, d = codes.shape
   ng = scale.shape[-1]
+  if ng < 1 or d % ng or scale.shape != (*lead, t, ng):
+    raise ValueError(f"scale.shape={scale.shape} must be (*codes.shape[:-1], D // Gd) = "
+                     f"{(*lead, t)} + (a divisor of D={d},) for codes.shape={codes.shape}")
   c = codes.astype(jnp.float32).reshape(*lead, t, ng, d // ng)
   x = c * scale.astype(jnp.float32)[..., None] + zero.astype(jnp.float32)[..., None]
   return x.reshape(*lead, t, d)
@@ -200,8 +277,12 @@ def dequantize_per_token(codes: jax.Array, scale: jax.Array, zero: jax.Array) ->
 
 def dequantize_per_channel(codes: jax.Array, scale: jax.Array, zero: jax.Array) -> jax.Array:
   """``codes [..., T, D]`` (unpacked), ``scale/zero [..., T // G, D]`` -> float32."""
+  _check_scale_zero(codes, scale, zero)
   *lead, t, d = codes.shape
   ngroups = scale.shape[-2]
+  if ngroups < 1 or t % ngroups or scale.shape != (*lead, ngroups, d):
+    raise ValueError(f"scale.shape={scale.shape} must be {tuple(lead)} + (T // G, D={d}) with "
+                     f"T={t} a multiple of G, for codes.shape={codes.shape}")
   c = codes.astype(jnp.float32).reshape(*lead, ngroups, t // ngroups, d)
   x = c * scale.astype(jnp.float32)[..., None, :] + zero.astype(jnp.float32)[..., None, :]
   return x.reshape(*lead, t, d)
@@ -221,17 +302,34 @@ def quantize(x: jax.Array, bits: int, *, axis: str, group: int, scale_dtype="flo
     ``(packed [..., T, D*bits/8] uint8, scale, zero)``.
   """
   _check_bits(bits)
+  check_group("group", group)
+  check_scale_dtype(scale_dtype)
   if axis == "token":
     code, scale, zero = quantize_per_token(x, bits, group, scale_dtype)
   elif axis == "channel":
     code, scale, zero = quantize_per_channel(x, bits, group, scale_dtype)
   else:
     raise ValueError(f"axis={axis!r} must be 'token' or 'channel'")
-  return pack(code, bits), scale, zero
+  return _pack(code, bits), scale, zero  # codes in range by construction
 
 
 def dequantize(packed: jax.Array, scale: jax.Array, zero: jax.Array, bits: int, *, axis: str):
-  """Inverse of `quantize` up to rounding: returns float32 ``[..., T, D]``."""
+  """Inverse of `quantize` up to rounding: returns float32 ``[..., T, D]``.
+
+  ``scale``/``zero`` must have exactly the shape `quantize` returns for the
+  codes (no broadcasting): ``[..., T, D // Gd]`` per token, ``[..., T // G, D]``
+  per channel, where the per-channel D must be ``packed.shape[-1] * 8 / bits``.
+  """
+  _check_bits(bits)
+  if axis not in ("token", "channel"):
+    raise ValueError(f"axis={axis!r} must be 'token' or 'channel'")
+  if getattr(packed, "ndim", 0) < 2:
+    raise ValueError(f"packed must be [..., T, D*bits/8], got shape "
+                     f"{getattr(packed, 'shape', type(packed).__name__)}")
+  head_dim = packed.shape[-1] * 8 // bits
+  if axis == "channel" and getattr(scale, "ndim", 0) >= 1 and scale.shape[-1] != head_dim:
+    raise ValueError(f"{bits=} does not fit: packed.shape={packed.shape} unpacks to D={head_dim} "
+                     f"channels, but scale.shape={scale.shape} has {scale.shape[-1]}")
   codes = unpack(packed, bits)
   if axis == "token":
     return dequantize_per_token(codes, scale, zero)

@@ -187,18 +187,19 @@ def _active_flags(active, lead, name):
   return (flags,), [spec]
 
 
-def _check(x_shape, bits, axis, group):
-  if bits not in (8, 4, 2):
+def _check(x_shape, bits, axis, group, scale_dtype="float16"):
+  if not _triton.is_int(bits) or bits not in (8, 4, 2):
     raise ValueError(f"bits={bits!r} must be 8, 4 or 2")
   if axis not in ("token", "channel"):
     raise ValueError(f"axis={axis!r} must be 'token' or 'channel'")
+  quant.check_scale_dtype(scale_dtype)
   if len(x_shape) < 2:
     raise ValueError(f"x.shape={x_shape} must be [..., T, D]")
   tokens, head_dim = x_shape[-2:]
   if not _triton.is_pow2(head_dim) or head_dim * bits // 8 < 2:
     raise ValueError(f"head_dim={head_dim} must be a power of two >= {16 // bits}")
-  if not _triton.is_pow2(group):
-    raise ValueError(f"group={group} must be a power of two")
+  if not _triton.is_int(group) or not _triton.is_pow2(group):
+    raise ValueError(f"group={group!r} must be a power of two")
   if axis == "token" and head_dim % group:
     raise ValueError(f"head_dim={head_dim} must be divisible by channel group={group}")
   if axis == "channel" and tokens % group:
@@ -239,7 +240,7 @@ def quantize_pack(
     ``(packed [..., T, D*bits//8] uint8, scale, zero)`` bitwise equal to
     `pallas_kernels.layout.quantize` (where ``active``).
   """
-  _check(x.shape, bits, axis, group)
+  _check(x.shape, bits, axis, group, scale_dtype)
   *lead, tokens, head_dim = x.shape
   scale_dtype = jnp.dtype(scale_dtype)
   n = int(np.prod(lead, dtype=np.int64))
@@ -391,8 +392,8 @@ def quantize_pack_kv(
   """
   if k.shape != v.shape:
     raise ValueError(f"k.shape={k.shape} and v.shape={v.shape} must match")
-  _check(k.shape, k_bits, k_axis, k_group)
-  _check(v.shape, v_bits, "token", v_group)
+  _check(k.shape, k_bits, k_axis, k_group, scale_dtype)
+  _check(v.shape, v_bits, "token", v_group, scale_dtype)
   *lead, tokens, head_dim = k.shape
   scale_dtype = jnp.dtype(scale_dtype)
   n = int(np.prod(lead, dtype=np.int64))

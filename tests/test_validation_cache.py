@@ -1,0 +1,213 @@
+"""Input validation of the stacked caches, VQ codebooks, staged attention and the
+model's token checks: Python-level errors that name the argument (nothing is
+compiled here except one tiny traced-index lookup)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv import KVCache, ModelCache, VQCache, VQModelCache, vq
+from jaxkv.staged_cache import StagedCache
+from models import llama
+
+CFG = llama.LlamaConfig(
+    vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=32, rope_theta=500000.0, eos_token_ids=(2,))
+# Small VQ format: 4 channels per index, 4 entries, G = R = 16.
+VQF = vq.VQFormat(k_vector=4, v_vector=4, k_index_bits=2, v_index_bits=2, token_group=16,
+                  residual=16)
+LAYERS, B, H, D = 2, 2, 2, 16
+
+
+@pytest.fixture(scope="module")
+def model():
+  return llama.random_model(CFG, seed=5, dtype=jnp.float32)
+
+
+def _books(fmt=VQF, layers=LAYERS, kv_heads=H, head_dim=D, seed=0, dtype=np.float32):
+  rng = np.random.default_rng(seed)
+  k = rng.standard_normal((layers, *fmt.codebook_shape("k", kv_heads, head_dim)))
+  v = rng.standard_normal((layers, *fmt.codebook_shape("v", kv_heads, head_dim)))
+  return vq.VQCodebooks(k=jnp.asarray(k, dtype), v=jnp.asarray(v, dtype), fmt=fmt)
+
+
+def _kv(t, batch=B, kv_heads=H, head_dim=D, dtype=jnp.float32, seed=0):
+  x = np.random.default_rng(seed).standard_normal((batch, t, kv_heads, head_dim))
+  return jnp.asarray(x, dtype)
+
+
+# ------------------------------------------------------------- layer index
+@pytest.mark.parametrize("bad", [2, -1, np.int64(7), np.int32(-2)])
+def test_concrete_layer_index_out_of_range(bad):
+  cache = ModelCache.init("kivi4", LAYERS, B, H, D, 64, jnp.float32)
+  k = _kv(1)
+  plan = cache.plan_append(np.full((B,), 1, np.int32), max_new=1)
+  msg = f"index={int(bad)} must lie in \\[0, num_layers=2\\)"
+  for call in (lambda: cache.layer(bad), lambda: cache.layer_view(bad),
+               lambda: cache.layer_view(jnp.asarray(bad)),
+               lambda: cache.append_layer(bad, k, k, plan),
+               lambda: cache.append_layer_with_history(bad, k, k, plan)):
+    with pytest.raises(ValueError, match=msg):
+      call()
+  vq_cache = VQModelCache.init(VQF, LAYERS, B, H, D, 64, jnp.float32, codebooks=_books())
+  with pytest.raises(ValueError, match=msg):
+    vq_cache.layer(bad)
+  with pytest.raises(ValueError, match=msg):
+    _books().layer(bad)
+  with pytest.raises(ValueError, match=f"layer={int(bad)} must lie in"):
+    VQCache.init(VQF, _books(), B, H, D, 64, jnp.float32, layer=bad)
+
+
+def test_layer_index_type_and_traced_index():
+  cache = ModelCache.init("kivi4", LAYERS, B, H, D, 64, jnp.float32)
+  for bad in (1.5, True, jnp.float32(1)):
+    with pytest.raises(TypeError, match="index=.* must be an integer layer index"):
+      cache.layer(bad)
+  with pytest.raises(TypeError, match="layer=True"):
+    VQCache.init(VQF, _books(), B, H, D, 64, jnp.float32, layer=True)
+  # In range (also as a concrete array) works; a traced index is not checked (clamped).
+  assert cache.layer(jnp.int32(1)).lengths.shape == (B,)
+  out = jax.eval_shape(lambda c, i: c.layer(i).k_residual, cache, jnp.int32(5))
+  assert out.shape == cache.k_residual.shape[1:]
+
+
+# -------------------------------------------------------------- from_layers
+def test_from_layers_ors_overflow_over_layers():
+  base = KVCache.init("kivi4", B, H, D, 64, jnp.float32)
+  flagged = dataclasses.replace(base, overflow=jnp.asarray([False, True]))
+  stacked = ModelCache.from_layers([base, flagged])
+  np.testing.assert_array_equal(np.asarray(stacked.overflow), [False, True])
+  np.testing.assert_array_equal(np.asarray(stacked.invalid), [False, False])
+  with pytest.raises(ValueError, match=r"overflow.*sequences \[1\]"):
+    stacked.check()
+
+  books = _books()
+  layers = [VQCache.init(VQF, books, B, H, D, 64, jnp.float32, layer=i) for i in range(LAYERS)]
+  layers[1] = dataclasses.replace(layers[1], overflow=jnp.asarray([True, False]))
+  np.testing.assert_array_equal(np.asarray(VQModelCache.from_layers(layers).overflow),
+                                [True, False])
+
+
+# ------------------------------------------------------- plan / append checks
+def test_plan_append_checks_counts():
+  cache = ModelCache.init("kivi4", LAYERS, B, H, D, 64, jnp.float32)
+  with pytest.raises(ValueError, match=r"num_new=\[-1, 2\] must be >= 0"):
+    cache.plan_append(np.asarray([-1, 2]))
+  with pytest.raises(ValueError, match=r"num_new=\[3, 1\] must be <= max_new=2"):
+    cache.plan_append(jnp.asarray([3, 1]), max_new=2)
+  with pytest.raises(TypeError, match="num_new=.* must be integer"):
+    cache.plan_append(np.asarray([1.5, 2.0]))
+  # Traced counts are left to the append (no error at trace time).
+  jax.eval_shape(lambda c, n: c.plan_append(n, max_new=2).num_new, cache,
+                 jnp.asarray([-1, 3]))
+
+
+def test_append_layer_checks_shapes_and_dtype():
+  cache = ModelCache.init("kivi4", LAYERS, B, H, D, 64, jnp.float32)
+  plan = cache.plan_append(np.full((B,), 2, np.int32), max_new=2)
+  for what, k in (("batch", _kv(2, batch=B + 1)), ("kv heads", _kv(2, kv_heads=H + 1)),
+                  ("head_dim", _kv(2, head_dim=2 * D))):
+    for append in (cache.append_layer, cache.append_layer_with_history):
+      with pytest.raises(ValueError, match="does not match cache"):
+        append(0, k, k, plan)
+  with pytest.raises(TypeError, match="k.dtype=bfloat16 must equal the cache dtype float32"):
+    cache.append_layer(0, _kv(2, dtype=jnp.bfloat16), _kv(2), plan)
+  with pytest.raises(ValueError, match=r"k_new.shape\[1\]=1 rows < max_new=2"):
+    cache.append_layer(0, _kv(1), _kv(1), plan)
+  unbounded = cache.plan_append(np.full((B,), 3, np.int32))
+  with pytest.raises(ValueError, match=r"plan.num_new=\[3, 3\] exceeds"):
+    cache.append_layer_with_history(1, _kv(2), _kv(2), unbounded)
+
+
+# ------------------------------------------------------------ staged count
+def test_staged_attention_needs_staged_ge_queries():
+  cache = KVCache.init("kivi4", 1, 1, 64, 256, jnp.float32)
+  k = _kv(8, batch=1, kv_heads=1, head_dim=64)
+  sc = StagedCache.wrap(cache, 4).append(k[:, :2], k[:, :2])
+  q = jnp.asarray(np.random.default_rng(1).standard_normal((1, 3, 2, 64)), jnp.float32)
+  with pytest.raises(ValueError, match=r"staged=\[2\] must be >= S=3"):
+    sc.attention(q, implementation="reference")
+  # S == staged is fine; under jit the count is traced and not checked.
+  jax.eval_shape(lambda x: sc.attention(x, implementation="reference"), q[:, :2])
+  jax.eval_shape(lambda s, x: s.attention(x, implementation="reference"), sc, q)
+
+
+# --------------------------------------------------------------- codebooks
+def test_check_codebooks_range_of_codebook_dtype():
+  books = _books(layers=1)
+  k = np.asarray(books.k[0]).copy()
+  k.flat[3] = 1e6                                  # finite in float32, inf in float16
+  with pytest.raises(ValueError, match=r"k_codebook .*outside the range of "
+                                       r"codebook_dtype=float16 \(\|x\| <= 65504\)"):
+    vq.check_codebooks(VQF, k, books.v[0], H, D)
+  wide = dataclasses.replace(VQF, codebook_dtype="float32")
+  vq.check_codebooks(wide, k, books.v[0], H, D)   # fits float32
+
+
+def test_codebooks_validate_and_load(tmp_path):
+  books = _books()
+  cases = (
+      ("layers", dict(v=jnp.concatenate([books.v, books.v]))),
+      ("kv heads", dict(k=books.k[:, :1])),
+      ("head_dim", dict(v=_books(head_dim=2 * D).v)),
+  )
+  for what, change in cases:
+    bad = dataclasses.replace(books, **change)
+    with pytest.raises(ValueError, match=f"codebooks.k covers .* {what} but codebooks.v"):
+      bad.validate()
+    bad.save(tmp_path / "bad.npz")
+    with pytest.raises(ValueError, match=what):
+      vq.VQCodebooks.load(tmp_path / "bad.npz")
+  ints = dataclasses.replace(books, k=books.k.astype(jnp.int8))
+  with pytest.raises(TypeError, match="codebooks.k.dtype=int8 must be floating"):
+    ints.validate()
+  ints.save(tmp_path / "ints.npz")
+  with pytest.raises(TypeError, match="int8"):
+    vq.VQCodebooks.load(tmp_path / "ints.npz")
+
+
+def test_vq_fit_format_argument_checks():
+  x = np.zeros((1, 8, H, D))
+  for dtype in (np.bool_, np.complex64):
+    with pytest.raises(TypeError, match=f"k_samples.dtype={np.dtype(dtype).name}"):
+      vq.fit(x.astype(dtype), x.astype(np.float32), VQF)
+  with pytest.raises(ValueError, match="kv_heads=-2 must be a positive int"):
+    VQF.bytes_per_token(-2, D)
+  with pytest.raises(ValueError, match="context=-1"):
+    VQF.bytes_per_token(2, D, context=-1)
+  with pytest.raises(TypeError, match="name=None must be a VQ preset name"):
+    vq.VQFormat.preset(None)
+
+
+def test_calibration_kv_checks_tokens(model):
+  tokens = np.asarray([[5, 6, 7, 0], [8, 9, 0, 0]])
+  with pytest.raises(TypeError, match="tokens.dtype=float32 must be an integer dtype"):
+    vq.calibration_kv(model, tokens.astype(np.float32) + 0.5, [4, 2])
+  bad = tokens.copy()
+  bad[1, 1] = CFG.vocab_size                       # a real token out of range
+  with pytest.raises(ValueError, match=r"tokens must lie in \[0, 96\)"):
+    vq.calibration_kv(model, bad, [4, 2])
+  neg = tokens.copy()
+  neg[0, 0] = -1
+  with pytest.raises(ValueError, match="tokens must lie in"):
+    vq.calibration_kv(model, neg, None)
+
+
+# ------------------------------------------------------------- the model
+def test_model_token_dtypes_checked_when_traced(model):
+  cache = model.init_cache("bf16", 2, 16)
+  tokens = jnp.asarray([[5, 6, 7], [8, 9, 0]], jnp.int32)
+  with pytest.raises(TypeError, match="prompt_lengths.dtype=float32 must be an integer dtype"):
+    jax.eval_shape(lambda t, n, c: model.prefill(t, n, c), tokens, jnp.asarray([3.7, 2.2]),
+                   cache)
+  with pytest.raises(TypeError, match="tokens.dtype=float32 must be an integer dtype"):
+    jax.eval_shape(lambda t, c: model.decode(t, c), jnp.asarray([[5.9], [6.2]]), cache)
+  with pytest.raises(TypeError, match="tokens.dtype=float32"):
+    model.decode(jnp.asarray([[5.0], [6.0]]), cache)
+  with pytest.raises(ValueError, match=r"tokens.shape=\(2, 0\): decode needs at least one"):
+    model.decode(jnp.zeros((2, 0), jnp.int32), cache)

@@ -1,0 +1,221 @@
+"""Argument validation of the decoding entry points, `KVFormat` and the CLI (fast, CPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv import cli
+from jaxkv.decoding import _stop_array, decode_steps, generate, sample_logits
+from jaxkv.formats import KVFormat
+from jaxkv.speculative import _accept_sample, speculative_generate, speculative_steps
+from models import llama
+from tests.model_fixtures import SMALL, full_f32_matmuls  # noqa: F401  (autouse)
+
+QS_SMALL = dataclasses.replace(KVFormat.preset("quantspec"), token_group=16, residual=32)
+
+
+@pytest.fixture(scope="module")
+def model():  # one layer: the end-to-end checks below compile two programs
+  return llama.random_model(dataclasses.replace(SMALL, num_layers=1), seed=3, dtype=jnp.float32)
+
+
+def _prompts():
+  tokens = np.random.default_rng(0).integers(3, SMALL.vocab_size, (2, 8))
+  return tokens, np.asarray([8, 5])
+
+
+# ------------------------------------------------------------- temperature
+BAD_TEMPERATURE_VALUES = [0.0, -1.0, 1e-50, 1e-40, float("inf"), float("nan"), 1e39, 10**400]
+BAD_TEMPERATURE_TYPES = ["1", None, True, jnp.ones(2), [1.0]]
+
+
+@pytest.mark.parametrize("temperature", BAD_TEMPERATURE_VALUES, ids=repr)
+def test_temperature_zero_subnormal_or_nonfinite_in_float32_rejected(model, temperature):
+  tokens, lengths = _prompts()
+  match = re.escape(f"temperature={temperature!r} must be a finite float32")
+  with pytest.raises(ValueError, match=match):
+    generate(model, tokens, lengths, max_new_tokens=2, sampler="sample", temperature=temperature)
+  with pytest.raises(ValueError, match=match):
+    decode_steps(model, jnp.asarray([5, 6]), model.init_cache("bf16", 2, 16), 2,
+                 sampler="sample", temperature=temperature)
+  with pytest.raises(ValueError, match=match):
+    speculative_generate(model, tokens, lengths, kv_format=QS_SMALL, max_new_tokens=2,
+                         draft_weights="full", sampler="sample", temperature=temperature)
+  with pytest.raises(ValueError, match=match):
+    speculative_steps(model, jnp.asarray([5, 6]), model.init_cache(QS_SMALL, 2, 16), 1,
+                      gamma=2, draft_weights="full", sampler="sample", temperature=temperature)
+
+
+@pytest.mark.parametrize("temperature", BAD_TEMPERATURE_TYPES, ids=repr)
+def test_non_numeric_temperature_is_a_type_error(model, temperature):
+  tokens, lengths = _prompts()
+  with pytest.raises(TypeError, match=r"temperature=.* must be a real number"):
+    generate(model, tokens, lengths, max_new_tokens=2, sampler="sample", temperature=temperature)
+  with pytest.raises(TypeError, match=r"temperature=.* must be a real number"):
+    speculative_generate(model, tokens, lengths, kv_format=QS_SMALL, max_new_tokens=2,
+                         draft_weights="full", sampler="sample", temperature=temperature)
+
+
+def test_tiny_temperature_samples_the_greedy_token(model):
+  """A normal float32 temperature of 1e-30 made logits / T overflow to +-inf (NaN)."""
+  logits = jax.random.normal(jax.random.key(0), (64, SMALL.vocab_size)) * 5
+  want = np.argmax(np.asarray(logits), axis=-1)
+  for extra in ({}, dict(top_k=3), dict(top_p=0.5)):
+    got = sample_logits(logits, jax.random.key(1), temperature=1e-30, **extra)
+    np.testing.assert_array_equal(np.asarray(got), want, err_msg=str(extra))
+  # End to end, with a 1-D jax array of stop tokens (it raised "iteration over a 0-d array");
+  # greedy reference: the full forward (causal, so the right padding does not matter).
+  tokens, lengths = _prompts()
+  forward = jax.jit(lambda x: jnp.argmax(model(x), axis=-1))
+  seq = np.zeros((2, 12), np.int32)
+  for b in range(2):
+    seq[b, :lengths[b]] = tokens[b, :lengths[b]]
+  stop = int(forward(seq)[0, lengths[0] - 1])  # sequence 0 stops at its first token
+  out, n = generate(model, tokens, lengths, kv_format="bf16", max_new_tokens=4,
+                    cache_dtype=jnp.float32, pad_token_id=-1, sampler="sample",
+                    temperature=np.float32(1e-30), rng=jax.random.key(2),
+                    stop_tokens=jnp.asarray([stop, SMALL.vocab_size - 1]))
+  out, n = np.asarray(out), np.asarray(n)
+  assert n[0] == 1 and out[0, 0] == stop and np.all(out[0, 1:] == -1)
+  seq[1, lengths[1]:lengths[1] + n[1]] = out[1, :n[1]]
+  np.testing.assert_array_equal(out[1, :n[1]],
+                                forward(seq)[1, lengths[1] - 1:lengths[1] - 1 + n[1]])
+
+def test_speculative_acceptance_at_tiny_temperature_is_greedy():
+  """Speculative sampling's target distribution stays one-hot (no NaN) at T = 1e-30."""
+  logits_t = jax.random.normal(jax.random.key(0), (4, 3, 16)) * 5  # [B, g+1, V]
+  y = jnp.argmax(logits_t, axis=-1).astype(jnp.int32)
+  drafts = y[:, :2].at[1, 0].set((y[1, 0] + 1) % 16)  # sequence 1 is rejected at once
+  q_probs = jax.nn.one_hot(drafts, 16)
+  n, emitted = jax.jit(_accept_sample)(drafts, q_probs, logits_t, jnp.float32(1e-30),
+                                       jax.random.key(3))
+  np.testing.assert_array_equal(np.asarray(n), [2, 0, 2, 2])
+  np.testing.assert_array_equal(np.asarray(emitted)[[0, 2, 3]], np.asarray(y)[[0, 2, 3]])
+  assert int(emitted[1, 0]) == int(y[1, 0])
+
+
+def test_cli_rejects_float32_zero_temperature(capsys):
+  for value in ("1e-50", "inf", "nan"):
+    rc = cli.main(["generate", "--model", "/nonexistent", "--prompt-ids", "5", "--sampler",
+                   "sample", "--temperature", value])
+    assert rc == 2
+    assert f"--temperature={float(value)!r} must be a finite float32" in capsys.readouterr().err
+
+
+# ------------------------------------------------------- num_steps, top_k
+def test_decode_steps_error_names_num_steps(model):
+  for bad in (0, -2, 1.5, True):
+    with pytest.raises(ValueError, match=rf"num_steps={bad!r} must be an int >= 1"):
+      decode_steps(model, jnp.asarray([5, 6]), model.init_cache("bf16", 2, 16), bad)
+
+
+@pytest.mark.parametrize("top_k", [2.5, True, np.True_, 2.0, "2"], ids=repr)
+def test_top_k_must_be_an_int(model, top_k):
+  tokens, lengths = _prompts()
+  match = re.escape(f"top_k={top_k!r} must be an int")
+  with pytest.raises(ValueError, match=match):
+    generate(model, tokens, lengths, max_new_tokens=2, sampler="sample", top_k=top_k)
+  with pytest.raises(ValueError, match=match):
+    sample_logits(jnp.zeros((1, 8)), jax.random.key(0), top_k=top_k)
+
+
+def test_numpy_int_top_k_accepted():
+  logits = jnp.log(jnp.asarray([[0.05, 0.5, 0.15, 0.3]] * 200))
+  got = np.asarray(sample_logits(logits, jax.random.key(0), top_k=np.int64(2)))
+  assert set(np.unique(got)) == {1, 3}
+
+
+# ------------------------------------------------------------- stop_tokens
+@pytest.mark.parametrize("stops, want", [
+    (7, [[7], [7]]),
+    (np.int64(7), [[7], [7]]),
+    (np.array(7), [[7], [7]]),
+    (jnp.asarray(7), [[7], [7]]),
+    ([7, 9], [[7, 9], [7, 9]]),
+    (np.array([7, 9]), [[7, 9], [7, 9]]),
+    (jnp.asarray([7, 9], jnp.int32), [[7, 9], [7, 9]]),
+    ([jnp.int32(7), np.uint8(9)], [[7, 9], [7, 9]]),
+    ([], np.zeros((2, 0), np.int32)),
+    ([[7], [9, 4]], [[7, -1], [9, 4]]),
+    ([7, None], [[7], [-1]]),
+    ([np.array([7, 8]), jnp.asarray([9])], [[7, 8], [9, -1]]),
+    (np.array([[7], [9]], np.uint16), [[7], [9]]),
+    (jnp.asarray([[7, -1], [9, 4]]), [[7, -1], [9, 4]]),
+], ids=lambda x: repr(x) if not isinstance(x, list) or len(x) < 3 else None)
+def test_stop_tokens_forms(stops, want):
+  got = _stop_array(stops, 2)
+  assert got.dtype == np.int32
+  np.testing.assert_array_equal(got, np.asarray(want, np.int32).reshape(2, -1))
+
+
+@pytest.mark.parametrize("stops, error, match", [
+    (2.5, TypeError, r"stop_tokens=2\.5 must be"),
+    (True, TypeError, r"stop_tokens=True must be"),
+    ("5", TypeError, r"stop_tokens='5' must be"),
+    (np.array([[5.7], [6.2]]), TypeError, r"stop_tokens.dtype=float64 must be an integer dtype"),
+    (jnp.asarray([5.0, 6.0]), TypeError, r"stop_tokens.dtype=float32 must be an integer"),
+    (np.array([True, False]), TypeError, r"stop_tokens.dtype=bool must be an integer"),
+    ([[5.5], [6]], TypeError, r"stop_tokens\[0\]=\[5\.5\] must hold ints"),
+    ([2**40], ValueError, r"stop_tokens must be int32 token ids; got \[1099511627776\]"),
+    (np.array([2**40]), ValueError, r"stop_tokens must be int32 token ids"),
+    ([[1], [2], [3]], ValueError, r"per-sequence stop_tokens need 2 entries, got 3"),
+    (np.zeros((3, 1), np.int32), ValueError, r"stop_tokens.shape=\(3, 1\) must be \[2, K\]"),
+    (np.zeros((2, 1, 1), np.int32), ValueError, r"stop_tokens.shape=\(2, 1, 1\)"),
+], ids=repr)
+def test_stop_tokens_errors(stops, error, match):
+  with pytest.raises(error, match=match):
+    _stop_array(stops, 2)
+
+
+def test_stop_tokens_validated_before_tracing(model):
+  tokens, lengths = _prompts()
+  with pytest.raises(TypeError, match="stop_tokens.dtype=float64"):
+    generate(model, tokens, lengths, max_new_tokens=2, stop_tokens=np.array([[5.7], [6.2]]))
+  with pytest.raises(ValueError, match="stop_tokens must be int32"):
+    speculative_generate(model, tokens, lengths, kv_format=QS_SMALL, max_new_tokens=2,
+                         draft_weights="full", stop_tokens=[2**40])
+
+
+# ------------------------------------------------------------------ formats
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(scale_dtype="fp16"), r"scale_dtype='fp16' must be one of"),
+    (dict(scale_dtype="int8"), r"scale_dtype='int8' must be one of"),
+    (dict(token_group=True, residual=2), r"token_group=True must be"),
+    (dict(channel_group=True), r"channel_group=True must be"),
+    (dict(residual=True), r"residual=True must be"),
+    (dict(residual=np.True_), r"residual=(np\.)?True_? must be"),
+], ids=repr)
+def test_kvformat_rejects_bad_fields(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    KVFormat(k_bits=4, v_bits=4, **kwargs)
+
+
+def test_bytes_per_token_rejects_nonpositive_sizes():
+  fmt = KVFormat.preset("kivi4")
+  for bad in (-1, 0, True, 2.0):
+    with pytest.raises(ValueError, match=re.escape(f"kv_heads={bad!r} must be a positive int")):
+      fmt.bytes_per_token(bad, 128)
+  for bad in (0, -2, float("nan"), float("inf"), True, "2"):
+    with pytest.raises(ValueError, match=re.escape(f"dtype_bytes={bad!r} must be a positive")):
+      KVFormat.preset("bf16").bytes_per_token(8, 128, dtype_bytes=bad)
+  assert fmt.bytes_per_token(np.int64(2), 128) == 2 * fmt.bytes_per_token(1, 128)
+  assert KVFormat.preset("bf16").bytes_per_token(1, 128, dtype_bytes=4) == 2 * 128 * 4
+
+
+# ---------------------------------------------------------------------- CLI
+@pytest.mark.parametrize("flag, value", [("--top-k", "3"), ("--top-p", "0.9")])
+def test_cli_rejects_top_k_top_p_with_greedy(capsys, flag, value):
+  for sampler in ([], ["--sampler", "greedy"]):
+    with pytest.raises(SystemExit) as e:
+      cli.main(["generate", "--model", "/nonexistent", "--prompt-ids", "5", *sampler, flag, value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: {flag} {float(value) if flag == '--top-p' else value} needs --sampler sample" \
+        in err
+
