@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxkv import hierarchical
 from jaxkv.cache import KVCache
+from pallas_kernels._triton import check_counts
 
 IMPLEMENTATIONS = ("reference", "xla", "triton", "mosaic", "pallas")
 
@@ -121,14 +122,7 @@ def check_lengths(lengths, batch: int, tokens: int):
   ``[0, tokens]`` (traced values are not checked)."""
   if isinstance(lengths, (list, tuple, np.ndarray)) or np.isscalar(lengths):
     lengths = np.asarray(lengths)
-  if getattr(lengths, "shape", None) != (batch,):
-    raise ValueError(f"lengths.shape={getattr(lengths, 'shape', None)} must be ({batch},)")
-  if not jnp.issubdtype(lengths.dtype, jnp.integer):
-    raise TypeError(f"lengths.dtype={lengths.dtype} must be an integer dtype")
-  if not isinstance(lengths, jax.core.Tracer):
-    ln = np.asarray(lengths)
-    if ln.min(initial=0) < 0 or ln.max(initial=0) > tokens:
-      raise ValueError(f"lengths={ln.tolist()} must lie in [0, T={tokens}]")
+  check_counts("lengths", lengths, batch, tokens, "T")
   return jnp.asarray(lengths, jnp.int32)
 
 

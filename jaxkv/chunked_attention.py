@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import hierarchical, quant
-from jaxkv.attention import _poison, check_scale
+from jaxkv.attention import _poison, check_counts, check_scale
 from jaxkv.cache import KVCache, QuantizedKV
 from jaxkv.vq_cache import VQCache
 from pallas_kernels.vq_attention import vq_dequantize
@@ -124,14 +124,7 @@ def _check(q, cache, k_chunk, v_chunk, chunk_lengths):
   if (b, d) != (cache.batch, cache.head_dim) or hq % cache.kv_heads:
     raise ValueError(f"q.shape={q.shape} does not match the cache (batch={cache.batch}, "
                      f"kv_heads={cache.kv_heads}, head_dim={cache.head_dim})")
-  if getattr(chunk_lengths, "shape", None) != (b,):
-    raise ValueError(f"chunk_lengths must be [B]={b}, got {getattr(chunk_lengths, 'shape', None)}")
-  if not jnp.issubdtype(chunk_lengths.dtype, jnp.integer):
-    raise TypeError(f"chunk_lengths.dtype={chunk_lengths.dtype} must be an integer dtype")
-  if not isinstance(chunk_lengths, jax.core.Tracer):
-    cl = np.asarray(chunk_lengths)
-    if cl.min(initial=0) < 0 or cl.max(initial=0) > c:
-      raise ValueError(f"chunk_lengths={cl.tolist()} must lie in [0, c={c}]")
+  check_counts("chunk_lengths", chunk_lengths, b, c, "c")
 
 
 def _is_int(value) -> bool:

@@ -70,6 +70,20 @@ def check_scale(scale) -> None:
     raise ValueError(f"scale={scale!r} must be finite in float32")
 
 
+def check_counts(name: str, x, batch: int, upper: int, upper_name: str) -> None:
+  """A ``[batch]`` integer array of counts: ValueError/TypeError naming ``name`` for
+  another shape or a non-integer dtype, and for concrete (non-traced) values
+  outside ``[0, upper]`` (the message names the bound as ``upper_name``)."""
+  if getattr(x, "shape", None) != (batch,):
+    raise ValueError(f"{name}.shape={getattr(x, 'shape', None)} must be ({batch},)")
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"{name}.dtype={x.dtype} must be an integer dtype")
+  if not isinstance(x, jax.core.Tracer):
+    values = np.asarray(x)
+    if values.min(initial=0) < 0 or values.max(initial=0) > upper:
+      raise ValueError(f"{name}={values.tolist()} must lie in [0, {upper_name}={upper}]")
+
+
 def next_pow2(n: int) -> int:
   return 1 << max(0, int(n) - 1).bit_length()
 

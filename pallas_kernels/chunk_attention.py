@@ -179,14 +179,7 @@ def pallas_chunk_attention(q: jax.Array, k_hist: jax.Array, v_hist: jax.Array,
     raise TypeError(f"q.dtype={q.dtype} must be floating")
   b, c, hq, d = q.shape
   cap, hkv = k_hist.shape[1], k_hist.shape[2]
-  if getattr(hist_len, "shape", None) != (b,):
-    raise ValueError(f"hist_len.shape={getattr(hist_len, 'shape', None)} must be ({b},)")
-  if not jnp.issubdtype(hist_len.dtype, jnp.integer):
-    raise TypeError(f"hist_len.dtype={hist_len.dtype} must be an integer dtype")
-  if not isinstance(hist_len, jax.core.Tracer):
-    hl = np.asarray(hist_len)
-    if hl.min(initial=0) < 0 or hl.max(initial=0) > cap:
-      raise ValueError(f"hist_len={hl.tolist()} must lie in [0, C={cap}]")
+  _triton.check_counts("hist_len", hist_len, b, cap, "C")
   if scale is None or isinstance(scale, jax.core.Tracer):  # float(scale) below needs a value
     raise TypeError(f"scale={scale!r} must be a concrete real number")
   _triton.check_scale(scale)

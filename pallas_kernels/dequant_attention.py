@@ -1055,27 +1055,11 @@ def dequant_decode_attention(
 
 @functools.partial(
     jax.jit, static_argnames=("fmt", "config", "interpret", "view", "return_lse"))
-def _dequant_decode_attention(
-    q: jax.Array,           # [B, S, Hq, D]
-    k_codes: jax.Array,     # [B, H, C, D*kb/8] uint8 | [B, H, C, D]
-    k_scale: jax.Array | None,  # [B, H, C//G, D] | [B, H, C, D//Gd] | None
-    k_zero: jax.Array | None,   # like k_scale
-    v_codes: jax.Array,     # [B, H, C, D*vb/8] uint8 | [B, H, C, D]
-    v_scale: jax.Array | None,  # [B, H, C, D//Gd] | None
-    v_zero: jax.Array | None,   # like v_scale
-    k_residual: jax.Array,  # [B, H, R, D]
-    v_residual: jax.Array,  # [B, H, R, D]
-    lengths: jax.Array,     # [B] int32, total tokens per sequence
-    *,
-    fmt: CacheFormat,
-    scale: float | jax.Array | None = None,
-    config: DecodeAttentionConfig | None = None,
-    interpret: bool = False,
-    layer: jax.Array | None = None,
-    view: str = "target",
-    return_lse: bool = False,
-    seq_bad: jax.Array | None = None,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
+def _dequant_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_residual,
+                              v_residual, lengths, *, fmt: CacheFormat, scale=None,
+                              config: DecodeAttentionConfig | None = None,
+                              interpret: bool = False, layer=None, view: str = "target",
+                              return_lse: bool = False, seq_bad=None):
   """`dequant_decode_attention` after its checks (`_check_operands`)."""
   stacked = layer is not None
   lead = 1 if stacked else 0
