@@ -14,6 +14,14 @@ Results: `bench/results/vq-fidelity-window4096-sinks-20261126-cpu.json`, vq-NOTE
 OFFSET (default 0): the window's first token in the reference text (it must end
 before the calibration tokens, the text's last 16384); results of OFFSET > 0 go
 to ``vq-fidelity-window4096-sinks-off{OFFSET}-cpu.json``.
+
+``--exclude`` (2026-11-27, third session): a closer emulation of a real sink
+buffer, which would keep the first S tokens out of the quantized region
+altogether. The prefill stores rows [0, S) as copies of row S (so the sinks no
+longer widen the first K group's per-channel range), the VQ codebooks are fit
+without each calibration row's first S tokens, and the decode steps still see
+the exact sinks. Rows: bf16, then cq2 / kivi2-g32 / kivi2 with S = 0 and 4;
+results to ``...-sinks-excl[-off{OFFSET}]-cpu.json``.
 """
 import os, sys, time, json
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,7 +32,7 @@ import jaxkv
 from jaxkv import fidelity, vq
 from jaxkv.cache import KVCache
 from jaxkv.vq_cache import VQCache
-from jaxkv.model_cache import LayerView
+from jaxkv.model_cache import LayerView, ModelCache
 from models import llama
 from models.gguf import find_smollm2
 from models.tokenizer import load_tokenizer
@@ -51,6 +59,15 @@ def patch(cls):
     return k.at[:, :n].set(lk.astype(k.dtype)), v.at[:, :n].set(lv.astype(v.dtype))
   cls.dequantize = dequantize
 patch(KVCache); patch(VQCache)
+EXCLUDE = "--exclude" in sys.argv
+_with_history = ModelCache.append_layer_with_history
+def append_layer_with_history(self, index, k_new, v_new, plan, **kw):
+  n = SINK["n"]
+  if EXCLUDE and n and k_new.shape[1] > n:   # the prefill: rows [0, n) stored as row n
+    k_new = k_new.at[:, :n].set(jnp.broadcast_to(k_new[:, n:n + 1], k_new[:, :n].shape))
+    v_new = v_new.at[:, :n].set(jnp.broadcast_to(v_new[:, n:n + 1], v_new[:, :n].shape))
+  return _with_history(self, index, k_new, v_new, plan, **kw)
+ModelCache.append_layer_with_history = append_layer_with_history
 
 PROMPT, STEPS, CALIB = 3968, 128, 16384
 t0 = time.time()
@@ -59,7 +76,8 @@ model = llama.from_pretrained(path, dtype=jnp.float32)
 tokens = np.asarray(load_tokenizer(path).encode(fidelity.reference_text()), np.int32)
 graphdef, state = nnx.split(model)
 span = PROMPT + STEPS + 1
-OFFSET = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+ARGS = [a for a in sys.argv[1:] if a != "--exclude"]
+OFFSET = int(ARGS[0]) if ARGS else 0
 if OFFSET < 0 or OFFSET + span > len(tokens) - CALIB:
   raise SystemExit(f"OFFSET={OFFSET}: the window must lie in [0, {len(tokens) - CALIB - span}]")
 windows = tokens[OFFSET:OFFSET + span][None]
@@ -73,13 +91,22 @@ ek, ev = nnx.merge(graphdef, state).forward_kv(jnp.asarray(windows[:, :8]))[1:] 
 SINK["exact"] = (ek.astype(jnp.bfloat16), ev.astype(jnp.bfloat16))
 print(f"setup {time.time()-t0:.0f}s", flush=True)
 books = vq.fit(k_calib, v_calib, vq.VQ_PRESETS["cq2"], seed=0, iters=16)
+RUNS = [("bf16", 0), ("cq2", 0), ("cq2", 4), ("kivi2-g32", 0), ("kivi2-g32", 4)]
+if EXCLUDE:   # codebooks without each calibration row's first 4 tokens (the sinks)
+  def drop_sinks(x, n=4):   # [L, rows * w, H, D] -> [L, rows * (w - n), H, D]
+    x = x.reshape(x.shape[0], -1, w, *x.shape[2:])[:, :, n:]
+    return x.reshape(x.shape[0], -1, *x.shape[3:])
+  books_s = vq.fit(drop_sinks(k_calib), drop_sinks(v_calib), vq.VQ_PRESETS["cq2"], seed=0, iters=16)
+  RUNS = [("bf16", 0), ("cq2", 0), ("cq2", 4), ("kivi2-g32", 0), ("kivi2-g32", 4), ("kivi2", 0),
+          ("kivi2", 4)]
 rows, ref = [], None
-for name, n in [("bf16", 0), ("cq2", 0), ("cq2", 4), ("kivi2-g32", 0), ("kivi2-g32", 4)]:
+for name, n in RUNS:
   t1 = time.time()
   jax.clear_caches()
   SINK["n"] = n
   if name == "cq2":
-    cache = model.init_cache(vq.VQ_PRESETS["cq2"], 1, w, jnp.bfloat16, codebooks=books)
+    cache = model.init_cache(vq.VQ_PRESETS["cq2"], 1, w, jnp.bfloat16,
+                             codebooks=books_s if EXCLUDE and n else books)
   else:
     cache = model.init_cache(jaxkv.KVFormat.preset(name), 1, w, jnp.bfloat16, use_kernel=False)
   fn = jax.jit(VF._forced_logp.__wrapped__, static_argnums=0) if hasattr(VF._forced_logp, "__wrapped__") else VF._forced_logp
@@ -92,7 +119,9 @@ for name, n in [("bf16", 0), ("cq2", 0), ("cq2", 4), ("kivi2-g32", 0), ("kivi2-g
   rows.append(row); print(row, flush=True)
 json.dump({"settings": {"prompt": PROMPT, "steps": STEPS, "calib": CALIB, "offset": OFFSET,
                         "jax": jax.__version__,
-                        "device": jax.default_backend(), "emulation": "rows [0, n) of each decode step's dequantized K/V replaced by the window's bf16 K/V"},
+                        "device": jax.default_backend(), "emulation": "rows [0, n) of each decode step's dequantized K/V replaced by the window's bf16 K/V"
+                        + ("; the prefill stores rows [0, n) as copies of row n and cq2's codebooks"
+                           " are fit without each calibration row's first 4 tokens" if EXCLUDE else "")},
            "rows": rows}, open(os.path.join(ROOT, "bench", "results", "vq-fidelity-window4096-sinks"
-                                 + (f"-off{OFFSET}" if OFFSET else "") + "-cpu.json"), "w"),
+                                 + ("-excl" if EXCLUDE else "") + (f"-off{OFFSET}" if OFFSET else "") + "-cpu.json"), "w"),
           indent=1)
