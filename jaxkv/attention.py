@@ -426,18 +426,17 @@ def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None
   from jaxkv.vq_cache import VQCache  # pylint: disable=import-outside-toplevel
   from jaxkv.vq_model_cache import VQModelCache  # pylint: disable=import-outside-toplevel
   # a VQ cache, or a layer view of one
-  check_implementation(implementation)  # a str or a non-empty sequence of str, or None
   vq_cache = isinstance(cache.stacked if isinstance(cache, LayerView) else cache,
                         (VQCache, VQModelCache))
   if vq_cache and view != "target":
     raise ValueError(f"view={view!r}: a VQ cache has only the 'target' view")
   if vq_cache:  # vector-quantized cache (issue 15): its own kernels
     from jaxkv.vq_attention import vq_decode_attention  # pylint: disable=import-outside-toplevel
+    check_implementation(implementation)  # (the other caches: in `resolve_implementation`)
     return vq_decode_attention(q, cache, scale=check_scale(scale),
                                implementation=implementation, config=config)
   _check_q_cache(q, cache)
   scale = check_scale(scale)
-  _config_family(config)  # TypeError for anything but a Triton or Mosaic config
   hierarchical.check_view(view)
   if view == "draft" and not cache.fmt.hierarchical:
     raise ValueError(f"view='draft' needs a hierarchical format (KVFormat.preset('quantspec')), "

@@ -87,6 +87,14 @@ def check_layers(caches, layer_type: type) -> list:
   return caches
 
 
+def _integer_typed(x) -> bool:
+  """A Python / numpy int (not a bool) or an array of an integer dtype (traced too)."""
+  dtype = getattr(x, "dtype", None)
+  if dtype is None:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+  return jnp.issubdtype(dtype, jnp.integer)
+
+
 def check_layer_index(index, num_layers: int, name: str = "index") -> None:
   """Checks a layer index before it reaches `lax.dynamic_index_in_dim`.
 
@@ -100,10 +108,7 @@ def check_layer_index(index, num_layers: int, name: str = "index") -> None:
     TypeError: a non-integer (float, bool) index.
     ValueError: a concrete index outside ``[0, num_layers)``, or not a scalar.
   """
-  dtype = getattr(index, "dtype", None)
-  if isinstance(index, (bool, np.bool_)) or (
-      dtype is None and not isinstance(index, (int, np.integer))) or (
-      dtype is not None and not jnp.issubdtype(dtype, jnp.integer)):
+  if not _integer_typed(index):
     raise TypeError(f"{name}={index!r} must be an integer layer index")
   if np.ndim(index) != 0:
     raise ValueError(f"{name} must be a scalar layer index, got shape {np.shape(index)}")
@@ -321,10 +326,7 @@ class ModelCache:
       window = -(-(max_new + fmt.residual) // g) * g
     if isinstance(num_new, (list, tuple)):
       num_new = np.asarray(num_new)
-    dtype = getattr(num_new, "dtype", None)
-    if isinstance(num_new, (bool, np.bool_)) or (
-        dtype is None and not isinstance(num_new, (int, np.integer))) or (
-        dtype is not None and not jnp.issubdtype(dtype, jnp.integer)):
+    if not _integer_typed(num_new):
       raise TypeError(f"num_new={num_new!r} must be integer token counts")
     if _is_concrete(num_new):
       counts = np.asarray(num_new)
