@@ -439,6 +439,19 @@ def stacked_rows(arrays, layer, batch: int):
   return flat, row0.reshape(1)
 
 
+def head_rows(arrays):
+  """Cache arrays ``[R, H, ...]`` as ``[R * H, ...]`` (free: a reshape of
+  contiguous axes), which the kernels index by one row ``cb * H + h``.
+
+  One dynamic TMA coordinate instead of two: with the layer-stacked arrays of
+  a `jaxkv.ModelCache` (``R = L * B``) the two-index form took the 2-bit kernel
+  from 168 to 185 registers, a program fewer per SM (H200, 2026-11-27,
+  mosaic-NOTES), while a single ``B = 1`` cache's size-1 axis was dropped.
+  """
+  return [None if x is None else x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+          for x in arrays]
+
+
 def query_rows(q, kv_heads: int, sm_scale, dtype, n_pad: int):
   """``q [B, S, Hq, D]`` -> ``[B, Hkv, n_pad, D]``: the query rows ``r = h S + s``
   of each kv head, times ``sm_scale`` (in float32), in ``dtype``, zero-padded."""
@@ -713,7 +726,7 @@ def mosaic_decode_attention(
         return _attend_block(q_smem, k_tile, v_tile, carry, token0=token0,
                              valid_below=packed, row_limit=row_limit, dtype=dtype)
 
-      gm = [r.at[cb, h] for r in k_refs[:nk]] + [r.at[cb, h] for r in v_refs[:nv]]
+      gm = [r.at[cb * kv_heads + h] for r in k_refs[:nk]] + [r.at[cb * kv_heads + h] for r in v_refs[:nv]]
       finish(_run_split(step, k_specs + v_specs, gm, packed=packed, j=j,
                         num_splits=num_splits, bk=bk,
                         max_concurrent_steps=config.max_concurrent_steps,
@@ -724,9 +737,9 @@ def mosaic_decode_attention(
       carry = (acc0, m0, l0)
       num_res = length - packed
       for r0 in range(0, residual, bk):
-        plgpu.copy_gmem_to_smem(kres_gmem.at[cb, h, pl.ds(r0, bk)], kdq_smem, barrier)
+        plgpu.copy_gmem_to_smem(kres_gmem.at[cb * kv_heads + h, pl.ds(r0, bk)], kdq_smem, barrier)
         plgpu.barrier_wait(barrier)
-        plgpu.copy_gmem_to_smem(vres_gmem.at[cb, h, pl.ds(r0, bk)], vdq_smem, barrier)
+        plgpu.copy_gmem_to_smem(vres_gmem.at[cb * kv_heads + h, pl.ds(r0, bk)], vdq_smem, barrier)
         plgpu.barrier_wait(barrier)
         # Residual row r holds token packed + r.
         carry = _attend_block(q_smem, kdq_smem, vdq_smem, carry, token0=packed + r0,
@@ -760,7 +773,7 @@ def mosaic_decode_attention(
       scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=_SEMANTICS),
       kernel_name=f"jaxkv_mosaic_dequant_attention_k{k_side.bits}v{v_side.bits}",
-  )(lengths, row0, qh, *k_in, *v_in, k_residual, v_residual)
+  )(lengths, row0, qh, *head_rows(k_in + v_in + [k_residual, v_residual]))
   out = _combine(o_part, l_part, m_part)                                 # [B, H, M, D]
   if seq_bad is not None:
     bad = _triton.nonfinite_query_rows(q, seq_bad, kv_heads, out.shape[2])
@@ -1202,7 +1215,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
                         valid_below=packed, row_limit=row_limit, q_sum=q_sum,
                         book_smems=book_smems, flag_smem=flag_smem)
 
-        gm = [r.at[cb, h] for r in k_refs[:nk]] + [r.at[cb, h] for r in v_refs[:nv]]
+        gm = [r.at[cb * kv_heads + h] for r in k_refs[:nk]] + [r.at[cb * kv_heads + h] for r in v_refs[:nv]]
         return _run_split(step, k_specs + v_specs, gm, packed=packed, j=j,
                           num_splits=num_splits, bk=bk,
                           max_concurrent_steps=config.max_concurrent_steps,
@@ -1225,9 +1238,9 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       def attend_residual(kres_smem, vdq_smem):
         carry = (acc0, m0, l0, l0)
         for r0 in range(0, residual, bk):
-          plgpu.copy_gmem_to_smem(kres_gmem.at[cb, h, pl.ds(r0, bk)], kres_smem, barrier)
+          plgpu.copy_gmem_to_smem(kres_gmem.at[cb * kv_heads + h, pl.ds(r0, bk)], kres_smem, barrier)
           plgpu.barrier_wait(barrier)
-          plgpu.copy_gmem_to_smem(vres_gmem.at[cb, h, pl.ds(r0, bk)], vdq_smem, barrier)
+          plgpu.copy_gmem_to_smem(vres_gmem.at[cb * kv_heads + h, pl.ds(r0, bk)], vdq_smem, barrier)
           plgpu.barrier_wait(barrier)
           # Residual row r holds token packed + r.
           carry = attend(q_smem, kres_smem, vdq_smem, pt_smem, vdq_smem, carry,
@@ -1260,5 +1273,5 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=_SEMANTICS),
       kernel_name=(f"jaxkv_mosaic_tokens_m_attention_k{k_side.bits}v{v_side.bits}" if vq is None
                    else f"jaxkv_mosaic_vq_attention_k{k_vec}v{v_vec}"),
-  )(lengths, row0, qh, *([jnp.sum(qh.astype(f32), axis=-1)] if fold_k else []), q_res, *k_in,
-    *v_in, k_residual, v_residual, *books)
+  )(lengths, row0, qh, *([jnp.sum(qh.astype(f32), axis=-1)] if fold_k else []), q_res,
+    *head_rows(k_in + v_in + [k_residual, v_residual]), *books)

@@ -260,7 +260,7 @@ def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, length
           in_specs=[ma._shifted(spec, first) for spec in specs],  # pylint: disable=protected-access
           max_concurrent_steps=stages, wg_axis="wg", num_compute_wgs=_WGS,
           compute_context=compute_context)
-      pipeline(kc_gmem.at[cb, h], vc_gmem.at[cb, h])
+      pipeline(kc_gmem.at[cb * kv_heads + h], vc_gmem.at[cb * kv_heads + h])
 
     @pl.when(j == num_splits)
     def _residual():
@@ -272,9 +272,9 @@ def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, length
           for r0 in range(0, residual, bk):
             # Residual row r holds token packed + r; warpgroup wg takes 64 of every 128.
             rows = pl.ds(r0 + wg * _HALF, _HALF)
-            plgpu.copy_gmem_to_smem(kres_gmem.at[cb, h, rows], kres2.at[wg], bars.at[3 + wg])
+            plgpu.copy_gmem_to_smem(kres_gmem.at[cb * kv_heads + h, rows], kres2.at[wg], bars.at[3 + wg])
             plgpu.barrier_wait(bars.at[3 + wg])
-            plgpu.copy_gmem_to_smem(vres_gmem.at[cb, h, rows], vdq2.at[wg], bars.at[3 + wg])
+            plgpu.copy_gmem_to_smem(vres_gmem.at[cb * kv_heads + h, rows], vdq2.at[wg], bars.at[3 + wg])
             plgpu.barrier_wait(bars.at[3 + wg])
             carry = attend(q_smem, kres2.at[wg], vdq2.at[wg], pt2.at[wg], vdq2.at[wg],
                            red2.at[wg], flag2.at[wg], None, carry,
@@ -310,7 +310,8 @@ def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, length
       compiler_params=plgpu.CompilerParams(approx_math=True,
                                            lowering_semantics=ma._SEMANTICS),  # pylint: disable=protected-access
       kernel_name=f"jaxkv_mosaic_vq2_attention_k{k_vec}v{v_vec}",
-  )(lengths, row0, q_perm, q_res, k_codes, v_codes, k_residual, v_residual, k_flat, v_flat)
+  )(lengths, row0, q_perm, q_res, *ma.head_rows([k_codes, v_codes, k_residual, v_residual]),
+    k_flat, v_flat)
 
 
 def _case_smem(q_rows, head_dim, k_spec, v_spec, dtype, stages):
