@@ -197,9 +197,12 @@ def _mosaic_module_text(lowered_text: str) -> str:
   """The Mosaic GPU kernel module of a lowered call, as MLIR text with SSA
   names, locations and every integer literal (array sizes, constants) masked."""
   import re
-  from jax._src.interpreters import mlir as jax_mlir
-  from jax._src.lib import mosaic_gpu_dialect
-  from jax._src.lib.mlir import ir
+  try:  # jax internals (jax 0.10.2; other versions may move them)
+    from jax._src.interpreters import mlir as jax_mlir
+    from jax._src.lib import mosaic_gpu_dialect
+    from jax._src.lib.mlir import ir
+  except ImportError as e:  # pragma: no cover
+    pytest.skip(f"cannot parse Mosaic GPU modules with this jax: {e}")
   (escaped,) = re.findall(r'module = "((?:[^"\\]|\\.)*)"', lowered_text)
   raw = bytearray()
   i = 0
