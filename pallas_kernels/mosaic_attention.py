@@ -390,7 +390,8 @@ def _run_split(step, specs, gmem_refs, *, packed, j, num_splits: int, bk: int,
 def _program_start(lengths_gmem, row0_gmem, q_gmem, q_smem, barrier, *, token_group: int,
                    residual: int, num_queries: int, q_rows: int, rows: int, row_layout):
   """What every program reads first: its ``(b, h, j)``, its row ``cb`` of the
-  cache arrays (``row0_gmem [1]``, see `stacked_rows`, plus ``b``), the
+  ``[R, H, ...]`` cache arrays (``row0_gmem [1]``, see `stacked_rows`, plus
+  ``b``; the kernels read row ``cb * H + h`` of their `head_rows` form), the
   sequence length, the packed length (the residual rule) and each query row's
   causal limit (row ``r = head * S + s`` sees tokens ``<= length - S + s``); q
   is copied to smem. Returns ``(b, cb, h, j, length, packed, row_limit)``."""
