@@ -29,12 +29,15 @@ Triton VQ kernel (``triton``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import importlib.util
 import json
 import os
+import re
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -73,13 +76,60 @@ def replace_config(default, fields: dict):
   return dataclasses.replace(default, **fields)
 
 
-def _time_variants(name, shape, configs, call, args_, copies, cudnn, calls):
-  """Times ``call(*args_, config=c)`` per named config; rows with errors vs the first."""
+@contextlib.contextmanager
+def captured_output():
+  """Everything written to file descriptors 1 and 2 inside the block (the
+  compilers' C++ logs too) goes to a temporary file; yields a function that
+  returns it as text (call it after the block)."""
+  sys.stdout.flush()
+  sys.stderr.flush()
+  saved = [os.dup(1), os.dup(2)]
+  captured = []
+  with tempfile.TemporaryFile() as tmp:
+    os.dup2(tmp.fileno(), 1)
+    os.dup2(tmp.fileno(), 2)
+    try:
+      yield lambda: "".join(captured)
+    finally:
+      sys.stdout.flush()
+      sys.stderr.flush()
+      os.dup2(saved[0], 1)
+      os.dup2(saved[1], 2)
+      for fd in saved:
+        os.close(fd)
+      tmp.seek(0)
+      captured.append(tmp.read().decode(errors="replace"))
+
+
+def ptxas_registers(log: str) -> dict[str, int]:
+  """``{kernel: registers per thread}`` from a ptxas info log
+  (``MOSAIC_GPU_DUMP_PTXAS=1``): the occupancy a kernel can reach is
+  ``65536 // (registers * threads)`` programs per SM, shared memory allowing."""
+  out, current = {}, None
+  for line in log.splitlines():
+    m = re.search(r"Compiling entry function '([^']+)'", line)
+    if m:
+      current = m.group(1)
+    m = re.search(r"Used (\d+) registers", line)
+    if m and current:
+      out[current] = int(m.group(1))
+  return out
+
+
+def _time_variants(name, shape, configs, call, args_, copies, cudnn, calls, ptxas=False):
+  """Times ``call(*args_, config=c)`` per named config; rows with errors vs the first.
+  ``ptxas``: also the register count of each Mosaic GPU kernel compiled for it."""
   rows, ref = [], None
   for vname, config in configs.items():
     fn = functools.partial(call, config=config)
+    regs = {}
     try:
-      out = jax.jit(fn)(*args_)
+      if ptxas:
+        with captured_output() as text:
+          out = jax.block_until_ready(jax.jit(fn)(*args_))
+        regs = ptxas_registers(text())
+      else:
+        out = jax.jit(fn)(*args_)
       ref = out if ref is None else ref
       err = A.rel_err(out, ref)
       kt = timing.kernel_time(fn, copies, calls=calls)
@@ -93,9 +143,11 @@ def _time_variants(name, shape, configs, call, args_, copies, cudnn, calls):
                              if dataclasses.is_dataclass(getattr(config, "config", config))
                              else str(config)), us=us, cudnn_us=cudnn,
                      x_cudnn=cudnn / us, rel_err_vs_default=err, main_kernel=top[0][:80],
-                     main_kernel_us=top[1] * 1e6))
+                     main_kernel_us=top[1] * 1e6, registers=regs))
+    reg_text = ("  regs " + "/".join(str(r) for r in regs.values())) if regs else ""
     print(f"  {name:16s} {vname:12s} {us:8.1f} us  {cudnn / us:5.2f}x cuDNN  err {err:.1e}"
-          f"  (largest kernel {top[1] * 1e6:.1f} us of {kt['kernels']:.0f})", flush=True)
+          f"  (largest kernel {top[1] * 1e6:.1f} us of {kt['kernels']:.0f}){reg_text}",
+          flush=True)
     if os.environ.get("AB_KERNELS"):
       for kname, sec in sorted(kt.get("by_name", {}).items(), key=lambda x: -x[1]):
         print(f"      {sec * 1e6:7.1f} us  {kname[:90]}", flush=True)
@@ -118,7 +170,7 @@ def load_baseline(path: str):
   return module
 
 
-def vq_rows(name, q, shape, mosaic_variants, cudnn, calls):
+def vq_rows(name, q, shape, mosaic_variants, cudnn, calls, ptxas=False):
   """The Mosaic VQ kernel (automatic config and variants) and the Triton one."""
   import jaxkv  # pylint: disable=import-outside-toplevel
   from pallas_kernels import mosaic_vq_attention as mv  # pylint: disable=import-outside-toplevel
@@ -138,10 +190,10 @@ def vq_rows(name, q, shape, mosaic_variants, cudnn, calls):
     return jaxkv.decode_attention(q, cache, implementation="mosaic", config=config)
 
   copies = A.rotating_copies((q, cache), A.nbytes(*jax.tree.leaves(cache)))
-  return _time_variants(name, shape, configs, call, (q, cache), copies, cudnn, calls)
+  return _time_variants(name, shape, configs, call, (q, cache), copies, cudnn, calls, ptxas)
 
 
-def view_rows(name, q, shape, variants, cudnn, calls):
+def view_rows(name, q, shape, variants, cudnn, calls, ptxas=False):
   """Triton variants of one hierarchical view on a cache filled with random K/V (and
   the Mosaic kernel with its default config for the draft view, ``mosaic``)."""
   b, t, hq, hkv, d, _ = shape
@@ -160,7 +212,7 @@ def view_rows(name, q, shape, variants, cudnn, calls):
     return pk.pallas_decode_attention(q, cache, config=config, view=view)
 
   copies = A.rotating_copies((q, cache), A.nbytes(*jax.tree.leaves(cache)))
-  return _time_variants(name, shape, configs, call, (q, cache), copies, cudnn, calls)
+  return _time_variants(name, shape, configs, call, (q, cache), copies, cudnn, calls, ptxas)
 
 
 def main(argv=None) -> int:
@@ -176,8 +228,14 @@ def main(argv=None) -> int:
   p.add_argument("--baseline", default=None,
                  help="older copy of pallas_kernels/dequant_attention.py, timed as 'baseline'")
   p.add_argument("--calls", type=int, default=16)
+  p.add_argument("--ptxas", action="store_true",
+                 help="record each Mosaic GPU kernel's registers per thread (ptxas info, "
+                      "MOSAIC_GPU_DUMP_PTXAS=1) in the rows: 65536 // (registers * 128) "
+                      "one-warpgroup programs fit an SM, shared memory allowing")
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
+  if args.ptxas:
+    os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"  # read by Mosaic GPU at each compile
   variants = parse_variants(args.variants)
   baseline = load_baseline(args.baseline) if args.baseline else None
   rows = []
@@ -196,10 +254,11 @@ def main(argv=None) -> int:
     print(f"== {A.shape_id(shape)}: cuDNN bf16 {cudnn:.1f} us", flush=True)
     for name in args.formats.split(","):
       if ":" in name:  # a hierarchical view ("quantspec:draft" / "quantspec:target")
-        rows += view_rows(name, q, shape, variants, cudnn, args.calls)
+        rows += view_rows(name, q, shape, variants, cudnn, args.calls, args.ptxas)
         continue
       if name in A.jaxkv.VQ_PRESETS:
-        rows += vq_rows(name, q, shape, parse_variants(args.mosaic), cudnn, args.calls)
+        rows += vq_rows(name, q, shape, parse_variants(args.mosaic), cudnn, args.calls,
+                        args.ptxas)
         continue
       base, _, fields = name.partition("@")  # "kivi4@scale_dtype=bfloat16": a preset, modified
       fmt = dataclasses.replace(PRESETS[base], **dict(f.split("=") for f in fields.split("+")
@@ -231,7 +290,8 @@ def main(argv=None) -> int:
         fn = A.mosaic_call if isinstance(config, A.ma.MosaicAttentionConfig) else A.jaxkv_call
         return fn(q, arrays, lengths, fmt=_fmt, config=config)
 
-      rows += _time_variants(name, shape, configs, call, arrays, copies, cudnn, args.calls)
+      rows += _time_variants(name, shape, configs, call, arrays, copies, cudnn, args.calls,
+                             args.ptxas)
       del copies, data
   if args.out:
     with open(args.out, "w") as fh:

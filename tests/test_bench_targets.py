@@ -43,3 +43,20 @@ def test_target_report_uses_the_faster_family_and_75_percent():
   assert (bw["target"], bw["measured"], bw["met"]) == (0.75, 0.64, False)
   assert got[("int8", "fraction_of_hbm_read")]["met"]          # 0.76 >= 0.75 (Triton row)
   assert not got[("int8", "speedup_vs_best_bf16")]["met"]      # 1.67 < 1.7
+
+
+def test_ab_attention_reads_ptxas_register_counts():
+  """`bench/ab_attention.py --ptxas`: the compilers' C++ log is captured from the
+  file descriptors and each kernel's registers are read from it."""
+  from bench.ab_attention import captured_output, ptxas_registers
+  log = ("ptxas info    : Compiling entry function 'k_a' for 'sm_90a'\n"
+         "ptxas info    : Function properties for k_a\n"
+         "ptxas info    : Used 168 registers, used 2 barriers, 1 bytes smem\n"
+         "ptxas info    : Compiling entry function 'k_b' for 'sm_90a'\n"
+         "ptxas info    : Used 185 registers, used 2 barriers, 1 bytes smem\n")
+  assert ptxas_registers(log) == {"k_a": 168, "k_b": 185}
+  assert ptxas_registers("no ptxas output") == {}
+  with captured_output() as text:
+    os.write(1, b"ptxas info    : Compiling entry function 'x' for 'sm_90a'\n")
+    os.write(2, b"ptxas info    : Used 77 registers, used 1 barriers, 0 bytes smem\n")
+  assert ptxas_registers(text()) == {"x": 77}
