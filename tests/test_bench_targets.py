@@ -60,3 +60,19 @@ def test_ab_attention_reads_ptxas_register_counts():
     os.write(1, b"ptxas info    : Compiling entry function 'x' for 'sm_90a'\n")
     os.write(2, b"ptxas info    : Used 77 registers, used 1 barriers, 0 bytes smem\n")
   assert ptxas_registers(text()) == {"x": 77}
+
+
+def test_mosaic_module_reads_the_launch_shared_memory():
+  """`bench/mosaic_module.py`: the dynamic shared memory a lowered Mosaic kernel
+  asks for covers the residual program's two [block_k, D] tiles it allocates."""
+  import pytest
+  from bench import mosaic_module as mm
+  try:
+    config, text = mm._lower_default("kivi2", 1, 131072)  # pylint: disable=protected-access
+  except ImportError as e:  # pragma: no cover  (jax internals moved)
+    pytest.skip(f"cannot parse Mosaic GPU modules with this jax: {e}")
+  smem = mm.launch_smem(text)
+  tiles = 2 * config.block_k * 128 * 2  # residual K and V tiles, bf16, D = 128
+  assert tiles <= smem <= 227 * 1024
+  assert mm.programs_per_sm(smem) == mm.SMEM_PER_SM // (smem + mm.SMEM_RESERVED)
+  assert mm.programs_per_sm(smem) >= 1

@@ -194,36 +194,13 @@ def test_layer_view_vq(block_k):
 
 
 def _mosaic_module_text(lowered_text: str) -> str:
-  """The Mosaic GPU kernel module of a lowered call, as MLIR text with SSA
-  names, locations and every integer literal (array sizes, constants) masked."""
-  import re
-  try:  # jax internals (jax 0.10.2; other versions may move them)
-    from jax._src.interpreters import mlir as jax_mlir
-    from jax._src.lib import mosaic_gpu_dialect
-    from jax._src.lib.mlir import ir
-  except ImportError as e:  # pragma: no cover
+  """The Mosaic GPU kernel of a lowered call with sizes and constants masked
+  (`bench.mosaic_module.module_text`)."""
+  from bench.mosaic_module import module_text
+  try:
+    return module_text(lowered_text, masked=True)
+  except ImportError as e:  # pragma: no cover  (jax internals moved)
     pytest.skip(f"cannot parse Mosaic GPU modules with this jax: {e}")
-  (escaped,) = re.findall(r'module = "((?:[^"\\]|\\.)*)"', lowered_text)
-  raw = bytearray()
-  i = 0
-  while i < len(escaped):  # MLIR text escapes: \XX hex bytes, \c quoted chars
-    if escaped[i] == "\\" and re.fullmatch(r"[0-9A-Fa-f]{2}", escaped[i + 1:i + 3]):
-      raw.append(int(escaped[i + 1:i + 3], 16))
-      i += 3
-    elif escaped[i] == "\\":
-      raw.append(ord(escaped[i + 1]))
-      i += 2
-    else:
-      raw.append(ord(escaped[i]))
-      i += 1
-  ctx = jax_mlir.make_ir_context()
-  with ctx, ir.Location.unknown():
-    ctx.allow_unregistered_dialects = True
-    mosaic_gpu_dialect.register_dialect(ctx)
-    text = str(ir.Module.parse(bytes(raw)))
-  text = re.sub(r"loc\([^)]*\)", "", text)
-  text = re.sub(r"%[\w#]+", "%v", text)
-  return re.sub(r"\d+", "N", text)
 
 
 @pytest.mark.parametrize("fmt", ["kivi2", "kivi4"])
