@@ -387,18 +387,19 @@ def _run_split(step, specs, gmem_refs, *, packed, j, num_splits: int, bk: int,
   return pipeline(*gmem_refs)
 
 
-def _program_start(lengths_gmem, row0_gmem, q_gmem, q_smem, barrier, *, token_group: int,
-                   residual: int, num_queries: int, q_rows: int, rows: int, row_layout):
+def _program_start(lengths_gmem, row0_gmem, q_gmem, q_smem, barrier, *, kv_heads: int,
+                   token_group: int, residual: int, num_queries: int, q_rows: int, rows: int,
+                   row_layout):
   """What every program reads first: its ``(b, h, j)``, its row ``cb`` of the
-  ``[R, H, ...]`` cache arrays (``row0_gmem [1]``, see `stacked_rows`, plus
-  ``b``; the kernels read row ``cb * H + h`` of their `head_rows` form), the
+  `head_rows` cache arrays ``[R * H, ...]`` (``(row0 + b) * H + h``, ``row0_gmem
+  [1]`` from `stacked_rows`), the
   sequence length, the packed length (the residual rule) and each query row's
   causal limit (row ``r = head * S + s`` sees tokens ``<= length - S + s``); q
   is copied to smem. Returns ``(b, cb, h, j, length, packed, row_limit)``."""
   b = lax.axis_index("b")
   h = lax.axis_index("h")
   j = lax.axis_index("j")
-  cb = row0_gmem[0] + b
+  cb = (row0_gmem[0] + b) * kv_heads + h
   length = lengths_gmem[b]
   packed = token_group * jnp.maximum(0, (length - residual + token_group) // token_group)
   row = plgpu.broadcasted_iota(jnp.int32, (rows,), 0, layout=row_layout)
@@ -695,7 +696,8 @@ def mosaic_decode_attention(
     kres_gmem, vres_gmem, o_gmem, l_gmem, m_gmem = refs[6:11]
     q_smem, kdq_smem, vdq_smem, o_smem, lm_smem, barrier = refs[11:]
     b, cb, h, j, length, packed, row_limit = _program_start(
-        lengths_gmem, row0_gmem, q_gmem, q_smem, barrier, token_group=token_group,
+        lengths_gmem, row0_gmem, q_gmem, q_smem, barrier, kv_heads=kv_heads,
+        token_group=token_group,
         residual=residual, num_queries=num_queries, q_rows=q_rows, rows=_M,
         row_layout=plgpu.Layout.WGMMA.reduce(1))
 
@@ -727,7 +729,7 @@ def mosaic_decode_attention(
         return _attend_block(q_smem, k_tile, v_tile, carry, token0=token0,
                              valid_below=packed, row_limit=row_limit, dtype=dtype)
 
-      gm = [r.at[cb * kv_heads + h] for r in k_refs[:nk]] + [r.at[cb * kv_heads + h] for r in v_refs[:nv]]
+      gm = [r.at[cb] for r in k_refs[:nk]] + [r.at[cb] for r in v_refs[:nv]]
       finish(_run_split(step, k_specs + v_specs, gm, packed=packed, j=j,
                         num_splits=num_splits, bk=bk,
                         max_concurrent_steps=config.max_concurrent_steps,
@@ -738,9 +740,9 @@ def mosaic_decode_attention(
       carry = (acc0, m0, l0)
       num_res = length - packed
       for r0 in range(0, residual, bk):
-        plgpu.copy_gmem_to_smem(kres_gmem.at[cb * kv_heads + h, pl.ds(r0, bk)], kdq_smem, barrier)
+        plgpu.copy_gmem_to_smem(kres_gmem.at[cb, pl.ds(r0, bk)], kdq_smem, barrier)
         plgpu.barrier_wait(barrier)
-        plgpu.copy_gmem_to_smem(vres_gmem.at[cb * kv_heads + h, pl.ds(r0, bk)], vdq_smem, barrier)
+        plgpu.copy_gmem_to_smem(vres_gmem.at[cb, pl.ds(r0, bk)], vdq_smem, barrier)
         plgpu.barrier_wait(barrier)
         # Residual row r holds token packed + r.
         carry = _attend_block(q_smem, kdq_smem, vdq_smem, carry, token0=packed + r0,
@@ -1160,7 +1162,8 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     fold_smems = tuple(fold_smems) if fold_kq else None
     # Query rows are the columns of the [bk, N] score tiles here.
     b, cb, h, j, length, packed, row_limit = _program_start(
-        lengths_gmem, row0_gmem, q_gmem, q_smem, barrier, token_group=token_group,
+        lengths_gmem, row0_gmem, q_gmem, q_smem, barrier, kv_heads=kv_heads,
+        token_group=token_group,
         residual=residual, num_queries=num_queries, q_rows=q_rows, rows=n_rows,
         row_layout=plgpu.Layout.WGMMA.reduce(0))
 
@@ -1216,7 +1219,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
                         valid_below=packed, row_limit=row_limit, q_sum=q_sum,
                         book_smems=book_smems, flag_smem=flag_smem)
 
-        gm = [r.at[cb * kv_heads + h] for r in k_refs[:nk]] + [r.at[cb * kv_heads + h] for r in v_refs[:nv]]
+        gm = [r.at[cb] for r in k_refs[:nk]] + [r.at[cb] for r in v_refs[:nv]]
         return _run_split(step, k_specs + v_specs, gm, packed=packed, j=j,
                           num_splits=num_splits, bk=bk,
                           max_concurrent_steps=config.max_concurrent_steps,
@@ -1239,9 +1242,9 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       def attend_residual(kres_smem, vdq_smem):
         carry = (acc0, m0, l0, l0)
         for r0 in range(0, residual, bk):
-          plgpu.copy_gmem_to_smem(kres_gmem.at[cb * kv_heads + h, pl.ds(r0, bk)], kres_smem, barrier)
+          plgpu.copy_gmem_to_smem(kres_gmem.at[cb, pl.ds(r0, bk)], kres_smem, barrier)
           plgpu.barrier_wait(barrier)
-          plgpu.copy_gmem_to_smem(vres_gmem.at[cb * kv_heads + h, pl.ds(r0, bk)], vdq_smem, barrier)
+          plgpu.copy_gmem_to_smem(vres_gmem.at[cb, pl.ds(r0, bk)], vdq_smem, barrier)
           plgpu.barrier_wait(barrier)
           # Residual row r holds token packed + r.
           carry = attend(q_smem, kres_smem, vdq_smem, pt_smem, vdq_smem, carry,

@@ -211,7 +211,7 @@ def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, length
     b = lax.axis_index("b")
     h = lax.axis_index("h")
     j = lax.axis_index("j")
-    cb = row0_gmem[0] + b  # this sequence's row of the cache arrays
+    cb = (row0_gmem[0] + b) * kv_heads + h  # this (sequence, kv head)'s cache row (`head_rows`)
     length = lengths_gmem[b]
     packed = token_group * jnp.maximum(0, (length - residual + token_group) // token_group)
     row = plgpu.broadcasted_iota(jnp.int32, (n_rows,), 0,
@@ -260,7 +260,7 @@ def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, length
           in_specs=[ma._shifted(spec, first) for spec in specs],  # pylint: disable=protected-access
           max_concurrent_steps=stages, wg_axis="wg", num_compute_wgs=_WGS,
           compute_context=compute_context)
-      pipeline(kc_gmem.at[cb * kv_heads + h], vc_gmem.at[cb * kv_heads + h])
+      pipeline(kc_gmem.at[cb], vc_gmem.at[cb])
 
     @pl.when(j == num_splits)
     def _residual():
@@ -272,9 +272,9 @@ def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, length
           for r0 in range(0, residual, bk):
             # Residual row r holds token packed + r; warpgroup wg takes 64 of every 128.
             rows = pl.ds(r0 + wg * _HALF, _HALF)
-            plgpu.copy_gmem_to_smem(kres_gmem.at[cb * kv_heads + h, rows], kres2.at[wg], bars.at[3 + wg])
+            plgpu.copy_gmem_to_smem(kres_gmem.at[cb, rows], kres2.at[wg], bars.at[3 + wg])
             plgpu.barrier_wait(bars.at[3 + wg])
-            plgpu.copy_gmem_to_smem(vres_gmem.at[cb * kv_heads + h, rows], vdq2.at[wg], bars.at[3 + wg])
+            plgpu.copy_gmem_to_smem(vres_gmem.at[cb, rows], vdq2.at[wg], bars.at[3 + wg])
             plgpu.barrier_wait(bars.at[3 + wg])
             carry = attend(q_smem, kres2.at[wg], vdq2.at[wg], pt2.at[wg], vdq2.at[wg],
                            red2.at[wg], flag2.at[wg], None, carry,
