@@ -395,7 +395,8 @@ def _program_start(lengths_gmem, row0_gmem, q_gmem, q_smem, barrier, *, kv_heads
   [1]`` from `stacked_rows`), the
   sequence length, the packed length (the residual rule) and each query row's
   causal limit (row ``r = head * S + s`` sees tokens ``<= length - S + s``); q
-  is copied to smem. Returns ``(b, cb, h, j, length, packed, row_limit)``."""
+  is copied to smem from its row ``b * H + h`` of ``q_gmem [B * H, ...]``.
+  Returns ``(b, cb, h, j, length, packed, row_limit)``."""
   b = lax.axis_index("b")
   h = lax.axis_index("h")
   j = lax.axis_index("j")
@@ -404,7 +405,7 @@ def _program_start(lengths_gmem, row0_gmem, q_gmem, q_smem, barrier, *, kv_heads
   packed = token_group * jnp.maximum(0, (length - residual + token_group) // token_group)
   row = plgpu.broadcasted_iota(jnp.int32, (rows,), 0, layout=row_layout)
   row_limit = length - num_queries + (row % q_rows) % num_queries
-  plgpu.copy_gmem_to_smem(q_gmem.at[b, h], q_smem, barrier)
+  plgpu.copy_gmem_to_smem(q_gmem.at[b * kv_heads + h], q_smem, barrier)
   plgpu.barrier_wait(barrier)
   return b, cb, h, j, length, packed, row_limit
 
@@ -708,7 +709,8 @@ def mosaic_decode_attention(
 
     def finish(carry):
       acc, m_i, l_i = carry
-      _write_partials(acc, l_i, m_i, o_smem, lm_smem, o_gmem, l_gmem, m_gmem, (b, h, j),
+      _write_partials(acc, l_i, m_i, o_smem, lm_smem, o_gmem, l_gmem, m_gmem,
+                      (b * kv_heads + h) * grid_j + j,
                       rows=out_rows)
 
     @pl.when(j < num_splits)
@@ -766,17 +768,18 @@ def mosaic_decode_attention(
   ]
   o_part, l_part, m_part = plgpu.kernel(
       kernel,
-      out_type=[
-          jax.ShapeDtypeStruct((batch, kv_heads, grid_j, out_rows, head_dim), jnp.float32),
-          jax.ShapeDtypeStruct((batch, kv_heads, grid_j, out_rows), jnp.float32),
-          jax.ShapeDtypeStruct((batch, kv_heads, grid_j, out_rows), jnp.float32),
+      out_type=[  # flat over (sequence, kv head, part), as the inputs (`head_rows`)
+          jax.ShapeDtypeStruct((batch * kv_heads * grid_j, out_rows, head_dim), jnp.float32),
+          jax.ShapeDtypeStruct((batch * kv_heads * grid_j, out_rows), jnp.float32),
+          jax.ShapeDtypeStruct((batch * kv_heads * grid_j, out_rows), jnp.float32),
       ],
       grid=(batch, kv_heads, grid_j),
       grid_names=("b", "h", "j"),
       scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=_SEMANTICS),
       kernel_name=f"jaxkv_mosaic_dequant_attention_k{k_side.bits}v{v_side.bits}",
-  )(lengths, row0, qh, *head_rows(k_in + v_in + [k_residual, v_residual]))
+  )(lengths, row0, *head_rows([qh, *k_in, *v_in, k_residual, v_residual]))
+  o_part, l_part, m_part = unflatten_partials((o_part, l_part, m_part), batch, kv_heads)
   out = _combine(o_part, l_part, m_part)                                 # [B, H, M, D]
   if seq_bad is not None:
     bad = _triton.nonfinite_query_rows(q, seq_bad, kv_heads, out.shape[2])
@@ -969,12 +972,20 @@ def _register_vt(config: MosaicAttentionConfig, v_side: SideSpec, head_dim: int,
 
 def partials_type(batch: int, kv_heads: int, parts: int, head_dim: int, n_pv: int,
                   n_rows: int) -> list:
-  """Output types of the tokens-on-M kernels: ``o^T [B, H, parts, D, N_pv]``,
-  ``l, m [B, H, parts, N]`` (float32)."""
+  """Output types of the tokens-on-M kernels, flat over (sequence, kv head,
+  part) like their inputs (`head_rows`): ``o^T [B * H * parts, D, N_pv]``,
+  ``l, m [B * H * parts, N]`` (float32); `unflatten_partials` gives them
+  their ``[B, H, parts, ...]`` shape."""
   f32 = jnp.float32
-  return [jax.ShapeDtypeStruct((batch, kv_heads, parts, head_dim, n_pv), f32),
-          jax.ShapeDtypeStruct((batch, kv_heads, parts, n_rows), f32),
-          jax.ShapeDtypeStruct((batch, kv_heads, parts, n_rows), f32)]
+  rows = batch * kv_heads * parts
+  return [jax.ShapeDtypeStruct((rows, head_dim, n_pv), f32),
+          jax.ShapeDtypeStruct((rows, n_rows), f32),
+          jax.ShapeDtypeStruct((rows, n_rows), f32)]
+
+
+def unflatten_partials(parts, batch: int, kv_heads: int) -> list:
+  """The kernels' flat partials (`partials_type`) as ``[B, H, parts, ...]`` (free)."""
+  return [x.reshape(batch, kv_heads, -1, *x.shape[1:]) for x in parts]
 
 
 def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v_side,
@@ -1170,7 +1181,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     acc0 = plgpu.layout_cast(jnp.zeros((head_dim, n_pv), f32), plgpu.Layout.WGMMA)
     m0 = plgpu.layout_cast(jnp.full((n_rows,), -jnp.inf, f32), plgpu.Layout.WGMMA.reduce(0))
     l0 = plgpu.layout_cast(jnp.zeros((bk, n_rows), f32), plgpu.Layout.WGMMA)
-    q_sum = (_load(qsum_gmem.at[b, h], layout=plgpu.Layout.WGMMA.reduce(0),
+    q_sum = (_load(qsum_gmem.at[b * kv_heads + h], layout=plgpu.Layout.WGMMA.reduce(0),
                    optimized=False)
              if fold_k else None)
 
@@ -1189,7 +1200,8 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       # Scoped after the pipeline's (or the residual tile's) scope has closed,
       # so the output tiles reuse that shared memory.
       def write(o_smem, lm_smem):
-        _write_partials(acc, l_sum, m_i, o_smem, lm_smem, o_gmem, l_gmem, m_gmem, (b, h, j))
+        _write_partials(acc, l_sum, m_i, o_smem, lm_smem, o_gmem, l_gmem, m_gmem,
+                        (b * kv_heads + h) * grid_j + j)
 
       pl.run_scoped(write, plgpu.SMEM((head_dim, n_pv), f32), plgpu.SMEM((2, n_rows), f32))
 
@@ -1204,7 +1216,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
         book_smems = scoped[:len(books)]
         vdq_smem = scoped[len(books)] if packed_vdq else None
         if fold_kq:  # q (column order) kept apart: q_smem takes q * scale each step
-          plgpu.copy_gmem_to_smem(q_gmem.at[b, h], fold_smems[0], barrier)
+          plgpu.copy_gmem_to_smem(q_gmem.at[b * kv_heads + h], fold_smems[0], barrier)
           plgpu.barrier_wait(barrier)
         for g, sm in zip(book_gmems, book_smems):  # a VQ head's codebooks, once
           plgpu.copy_gmem_to_smem(g.at[h], sm, barrier)
@@ -1234,7 +1246,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     def _residual():
       num_res = length - packed
       if register_k or vq is not None:  # the residual's K rows are in channel order
-        plgpu.copy_gmem_to_smem(qres_gmem.at[b, h], q_smem, barrier)
+        plgpu.copy_gmem_to_smem(qres_gmem.at[b * kv_heads + h], q_smem, barrier)
         plgpu.barrier_wait(barrier)
 
       # The residual K and V tiles live in this branch's scope only (the packed
@@ -1268,7 +1280,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
         if fold_kq else []),
       # the V value tile, the residual K tile and o^T, l, m are scoped (see the kernel)
   ]
-  return plgpu.kernel(
+  return unflatten_partials(plgpu.kernel(
       kernel,
       out_type=partials_type(batch, kv_heads, grid_j, head_dim, n_pv, n_rows),
       grid=(batch, kv_heads, grid_j),
@@ -1277,5 +1289,6 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=_SEMANTICS),
       kernel_name=(f"jaxkv_mosaic_tokens_m_attention_k{k_side.bits}v{v_side.bits}" if vq is None
                    else f"jaxkv_mosaic_vq_attention_k{k_vec}v{v_vec}"),
-  )(lengths, row0, qh, *([jnp.sum(qh.astype(f32), axis=-1)] if fold_k else []), q_res,
-    *head_rows(k_in + v_in + [k_residual, v_residual]), *books)
+  )(lengths, row0, *head_rows([qh, *([jnp.sum(qh.astype(f32), axis=-1)] if fold_k else []),
+                               q_res, *k_in, *v_in, k_residual, v_residual]), *books),
+      batch, kv_heads)

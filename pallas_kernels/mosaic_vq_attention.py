@@ -235,14 +235,14 @@ def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, length
       acc, m_i, l_i = carry
       l_sum = _wg_reduce(l_i, red2.at[wg], "add")
       ma._write_partials(acc, l_sum, m_i, o2.at[wg], lm2.at[wg],  # pylint: disable=protected-access
-                         o_gmem, l_gmem, m_gmem, (b, h, _WGS * j + wg))
+                         o_gmem, l_gmem, m_gmem, (b * kv_heads + h) * parts + _WGS * j + wg)
 
     @pl.when(j < num_splits)
     def _packed():
       first, num_blocks = ma._split_blocks(packed, j, num_splits, bk)  # pylint: disable=protected-access
 
       def compute_context(pipeline_callback):
-        shared_load(q_gmem.at[b, h], q_smem, 0)
+        shared_load(q_gmem.at[b * kv_heads + h], q_smem, 0)
         shared_load(kb_gmem.at[h], kb_smem, 1)
         shared_load(vb_gmem.at[h], vb_smem, 2)
         finish(pipeline_callback(init()))
@@ -267,7 +267,7 @@ def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, length
       def scope(kres2):
         @pl.when(wg < _WGS)
         def _():
-          shared_load(qres_gmem.at[b, h], q_smem, 0)
+          shared_load(qres_gmem.at[b * kv_heads + h], q_smem, 0)
           carry = init()
           for r0 in range(0, residual, bk):
             # Residual row r holds token packed + r; warpgroup wg takes 64 of every 128.
@@ -299,7 +299,7 @@ def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, length
       plgpu.Barrier(num_barriers=3 + _WGS),
   ]
   parts = _WGS * grid_j
-  return plgpu.kernel(
+  return ma.unflatten_partials(plgpu.kernel(
       kernel,
       out_type=ma.partials_type(batch, kv_heads, parts, head_dim, n_pv, n_rows),
       grid=(batch, kv_heads, grid_j),
@@ -310,8 +310,8 @@ def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, length
       compiler_params=plgpu.CompilerParams(approx_math=True,
                                            lowering_semantics=ma._SEMANTICS),  # pylint: disable=protected-access
       kernel_name=f"jaxkv_mosaic_vq2_attention_k{k_vec}v{v_vec}",
-  )(lengths, row0, q_perm, q_res, *ma.head_rows([k_codes, v_codes, k_residual, v_residual]),
-    k_flat, v_flat)
+  )(lengths, row0, *ma.head_rows([q_perm, q_res, k_codes, v_codes, k_residual, v_residual]),
+    k_flat, v_flat), batch, kv_heads)
 
 
 def _case_smem(q_rows, head_dim, k_spec, v_spec, dtype, stages):

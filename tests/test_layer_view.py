@@ -205,9 +205,10 @@ def _mosaic_module_text(lowered_text: str) -> str:
 
 @pytest.mark.parametrize("fmt", ["kivi2", "kivi4"])
 def test_mosaic_layer_kernel_is_the_single_cache_kernel(fmt):
-  """Reading one layer of the stacked arrays in place compiles to the same
-  kernel as a single cache (only array sizes differ): every cache array is
-  indexed by one row ``cb * H + h`` (`mosaic_attention.head_rows`). The
+  """Reading one layer of the stacked arrays in place, or a batch of
+  sequences, compiles to the same kernel as a single sequence's cache (only
+  array sizes differ): every cache array, q and the partial outputs are
+  indexed by one row (`mosaic_attention.head_rows`). The
   two-index form cost the 2-bit kernel 17 registers and a program per SM in
   the decode step (168 -> 185 registers, H200, mosaic-NOTES 2026-11-27)."""
   import dataclasses as dc
@@ -234,3 +235,9 @@ def test_mosaic_layer_kernel_is_the_single_cache_kernel(fmt):
   b = _mosaic_module_text(lower(layered, q, stacked, jnp.int32(2)))
   assert "mosaic_gpu" in a
   assert a == b
+  # Several sequences: q and the partial outputs are flat rows too, so a batch
+  # compiles to the B = 1 kernel (kivi2 at B = 8 had 187 registers against
+  # 168 at B = 1 with [B, H, ...] q and outputs, H200 2026-11-27).
+  batch3 = jaxkv.KVCache.init(fmt, 3, 8, 128, 4096, jnp.bfloat16, use_kernel=False)
+  q3 = jnp.zeros((3, 1, 32, 128), jnp.bfloat16)
+  assert _mosaic_module_text(lower(one, q3, batch3)) == a
