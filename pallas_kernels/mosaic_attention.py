@@ -443,8 +443,9 @@ def stacked_rows(arrays, layer, batch: int):
 
 
 def head_rows(arrays):
-  """Cache arrays ``[R, H, ...]`` as ``[R * H, ...]`` (free: a reshape of
-  contiguous axes), which the kernels index by one row ``cb * H + h``.
+  """Arrays ``[R, H, ...]`` as ``[R * H, ...]`` (free: a reshape of contiguous
+  axes), which the kernels index by one row: the cache arrays at ``cb * H + h``,
+  q, its residual-program copy and ``sum(q)`` (``R = B``) at ``b * H + h``.
 
   One dynamic TMA coordinate instead of two: with the layer-stacked arrays of
   a `jaxkv.ModelCache` (``R = L * B``) the two-index form took the 2-bit kernel
