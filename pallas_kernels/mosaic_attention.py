@@ -197,10 +197,10 @@ class MosaicAttentionConfig:
     by warp shuffles (``shuffle_scales``) for 2-bit and 4-bit K (in 128-token
     blocks only over at most 64 (sequence, kv head) pairs).
 
-    Programs: the split counts assume 4 per SM for 4-bit K and V (2 in
-    128-token blocks over at most 64 (sequence, kv head) pairs), 3 for
-    8-bit K with 4-bit V (and for 2-bit K and V over at most 8 pairs, where
-    every split keeps >= 8 blocks), 2 otherwise. Nsight Compute (H100, (1, 131072),
+    Programs: the split counts assume 4 per SM for 4-bit K and V (3 in
+    128-token blocks over 9-64 (sequence, kv head) pairs, 2 over <= 8), 3 for
+    8-bit K with 4-bit V and for 2-bit K and V (over at most 8 pairs only
+    where every split keeps >= 8 blocks), 2 otherwise. Nsight Compute (H100, (1, 131072),
     2026-11-26) finds kivi4 at 4 per SM in 64-token blocks (120 registers,
     44 KB) but 2 in 128-token blocks (229 registers, 79 KB: the residual
     program's two [128, D] tiles), kivi2 at 3 (168 registers, 75 KB); the
@@ -237,22 +237,30 @@ class MosaicAttentionConfig:
     kivi4_wide = (k_bits, v_bits) == (4, 4) and block_k == 128 and heads <= 64
     splits = one_wave_splits(slots, heads, blocks)
     if kivi4_wide:
-      # They run 2 programs per SM (229 registers), not the 4 counted above: one
-      # wave at 2 per SM, with shuffles (below) (whole call us, vs the former
-      # 4-per-SM count without shuffles: H100 (1, 131072) 59.5 (32 splits) vs
-      # 64.3 (64), (8, 32768) 117.0 (4) vs 120.5 (8); H200 52.8 vs 59.2 at
-      # (1, 131072); shuffles with 64 splits were 77 us at (1, 131072) on the
-      # H100; `attention-ab-splits-shuffle-20261127b-*`)
-      splits = one_wave_splits(2 * num_sms, heads, blocks)
+      # They run 3 programs per SM (163 registers since q and the partials are
+      # flat rows too, `head_rows`; 2 before, at 171-175), not the 4 counted
+      # above: one wave of 3 per SM over several sequences, with shuffles
+      # (below) (H200, whole call us: (8, 32768) 98.0 (6 splits) vs 132.5 (4,
+      # the former 2-per-SM count), 103.5 (8)); but a single sequence keeps the
+      # 2-per-SM count ((1, 32768) 19.9 (32) vs 21.6 (48), (1, 131072) 52.0 vs
+      # 53.2; `attention-ab-flat-splits-20261127e-*`)
+      splits = one_wave_splits((3 if heads > 8 else 2) * num_sms, heads, blocks)
     elif (k_bits, v_bits) == (2, 2) and heads <= 8:
-      # 2-bit K and V run 3 programs per SM (168 registers): one wave of them for
-      # a single long sequence, where each split still gets >= 8 blocks (H100,
-      # whole call us: (1, 131072) 51.5 (48 splits) vs 54.1 (32); H200 50.9 vs
-      # 53.7; (1, 32768) 20.4 vs 19.7, so not there; (8, 32768) 6 splits 125.3
-      # vs 101.9 (4); `attention-ab-kivi2-splits-20261127b-*`)
+      # 2-bit K and V run 3 programs per SM (162-168 registers): one wave of them
+      # for a single long sequence, where each split still gets >= 8 blocks
+      # (H100, whole call us: (1, 131072) 51.5 (48 splits) vs 54.1 (32); H200
+      # 50.9 vs 53.7; (1, 32768) 20.4 vs 19.7, so not there;
+      # `attention-ab-kivi2-splits-20261127b-*`)
       wide = one_wave_splits(3 * num_sms, heads, blocks)
       if blocks >= 8 * wide:
         splits = wide
+    elif (k_bits, v_bits) == (2, 2):
+      # Several sequences: 3 per SM too since the flat rows (162-166 registers,
+      # 173-185 before), and at least 2 splits (H200, whole call us: (8,
+      # 32768) 95.9 (6) vs 131.1 (4), 99.6 (8); (48, 32768) 497 (2), 490 (3),
+      # 522 (1); (186, 32768) 1798 (2) vs 1916 (1);
+      # `attention-ab-flat-splits-20261127e-*`)
+      splits = max(one_wave_splits(3 * num_sms, heads, blocks), min(2, blocks // 4))
     stages = 3 if k_bits >= 8 and v_bits >= 8 else 4
     if min(k_bits, v_bits) <= 2 and block_k == 128:
       stages = 2

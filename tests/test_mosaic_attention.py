@@ -293,17 +293,20 @@ def test_default_config_per_format(name, tokens, block_k, stages):
 
 
 @pytest.mark.parametrize("name,batch,tokens,splits", [
-    ("kivi4", 1, 131072, 32), ("kivi4", 8, 32768, 4), ("kivi2", 1, 131072, 48),
-    ("kivi2", 1, 32768, 32), ("kivi2", 8, 32768, 4), ("k8v4", 1, 131072, 48), ("k8v4", 8, 32768, 6),
+    ("kivi4", 1, 131072, 32), ("kivi4", 8, 32768, 6), ("kivi4", 4, 32768, 12),
+    ("kivi2", 1, 131072, 48), ("kivi2", 1, 32768, 32), ("kivi2", 8, 32768, 6),
+    ("k8v4", 1, 131072, 48), ("k8v4", 8, 32768, 6),
     ("kivi4", 1, 2048, 8), ("kivi4", 16, 32768, 4), ("kivi4", 48, 32768, 3),
-    ("kivi4", 24, 32768, 6), ("kivi2", 96, 32768, 1), ("kivi2", 40, 32768, 2)])
+    ("kivi4", 24, 32768, 6), ("kivi2", 96, 32768, 2), ("kivi2", 40, 32768, 3),
+    ("kivi2", 186, 32768, 2)])
 def test_default_splits_follow_the_documented_rule(name, batch, tokens, splits):
   """One wave at 4 programs per SM for 4-bit K/V in 64-token blocks (and in
-  128-token blocks over more than 64 (sequence, kv head) pairs), 3 for k8v4 (and for
-  2-bit K/V over <= 8 pairs where each split keeps >= 8 blocks), else 2 (132 SMs, 8 kv
-  heads); a long single sequence leaves a slot for the residual program;
-  at least two waves where one would leave more than a tenth of the slots idle (large
-  batches); never fewer than 4 blocks per split."""
+  128-token blocks over more than 64 (sequence, kv head) pairs; 3 over 9-64
+  pairs, 2 over <= 8), 3 for k8v4 and for 2-bit K/V (over <= 8 pairs only where
+  each split keeps >= 8 blocks, else 2; over more pairs at least 2 splits)
+  (132 SMs, 8 kv heads); a long single sequence leaves a slot for the residual
+  program; at least two waves where one would leave more than a tenth of the
+  slots idle (large batches); never fewer than 4 blocks per split."""
   fmt = _fmt(name)
   config = ma.MosaicAttentionConfig.default(
       batch=batch, tokens=tokens, kv_heads=8, k_bits=fmt.k_bits, v_bits=fmt.v_bits,
