@@ -548,7 +548,7 @@ class Runner:
                 tokens_per_s=prompt_len / (s["median_us"] * 1e-6))
 
 
-def _guard(runner: Runner, what: str, fn, sink: list, errors: list):
+def _guard_case(runner: Runner, what: str, fn, sink: list, errors: list):
   if runner.over_budget(what):
     return
   t0 = time.perf_counter()
@@ -723,8 +723,8 @@ def mesh_compare(args, plain: Runner, formats, contexts, bandwidth, dev) -> int:
         for key, runner, m in (("plain", plain, None), ("mesh", meshed, mesh)):
           MESH = m
           out = []
-          _guard(runner, f"decode {f} ctx={c} B=1 {key} rep {rep}",
-                 lambda f=f, c=c, runner=runner: runner.decode_case(f, c, 1), out, errors)
+          _guard_case(runner, f"decode {f} ctx={c} B=1 {key} rep {rep}",
+                      lambda f=f, c=c, runner=runner: runner.decode_case(f, c, 1), out, errors)
           MESH = None
           if out:
             pair[key].append({k: out[0][k] for k in ("median_us", "per_call_median_us",
@@ -770,6 +770,31 @@ def _use_subprocess(args) -> bool:
   return not cpu_only and shutil.which("nvidia-smi") is not None
 
 
+PARTIAL = "e2e-partial.json"
+
+
+def gpu_name() -> str:
+  """The first GPU's name from nvidia-smi (the parent of the max-batch children
+  does not touch the GPU), else the first JAX device's kind."""
+  try:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                         check=True, capture_output=True, text=True, timeout=30).stdout
+    return out.splitlines()[0].strip()
+  except (OSError, subprocess.SubprocessError, IndexError):
+    return jax.devices()[0].device_kind
+
+
+def write_partial(args, gpu: str, **sections) -> None:
+  """The rows measured so far, rewritten after every case to ``<out>/e2e-partial.json``,
+  so a run cut short (an outer timeout) keeps them; removed once the final
+  JSON is written."""
+  os.makedirs(args.out, exist_ok=True)
+  meta = dict(gpu=gpu, jax_version=jax.__version__, partial=True,
+              date=datetime.datetime.now().isoformat(timespec="seconds"), model=args.config)
+  with open(os.path.join(args.out, PARTIAL), "w") as fh:
+    json.dump(dict(meta=meta, **sections), fh, indent=1)
+
+
 def batch_children(argv: list[str], formats, args) -> tuple[list, list, list]:
   """Each max-batch case in a fresh process: ``(rows, errors, profiles)``.
 
@@ -782,6 +807,7 @@ def batch_children(argv: list[str], formats, args) -> tuple[list, list, list]:
   GPU, so the parent holds no device memory meanwhile.
   """
   rows, errors, profiles = [], [], []
+  gpu = gpu_name()
   for f in formats:
     elapsed = time.perf_counter() - args.started
     if elapsed > args.time_budget:
@@ -810,6 +836,7 @@ def batch_children(argv: list[str], formats, args) -> tuple[list, list, list]:
         profiles.extend(out.get("profiles", []))
         print(f"  max-batch {f}: batch {out['row']['batch']}, "
               f"{out['row']['tokens_per_s']:.0f} tok/s", flush=True)
+        write_partial(args, gpu, max_batch=rows, errors=errors)
         break
       if "oom_batch" not in out:
         errors.append(dict(case=f"max-batch {f} ctx={args.batch_context}", error=out["error"]))
@@ -947,6 +974,11 @@ def main(argv=None) -> int:
   if args.mesh_compare:
     return mesh_compare(args, runner, formats, contexts, bandwidth, dev)
 
+  def _guard(runner, what, fn, sink, errors):  # each case's row also kept in the partial file
+    _guard_case(runner, what, fn, sink, errors)
+    write_partial(args, dev.device_kind, decode_b1=latency, max_batch=batch_rows,
+                  prefill=prefill_rows, errors=errors)
+
   # Priority: the target cases first (longest context B=1, max batch), then the rest.
   top = max(contexts, default=0)
   for f in formats if top else ():
@@ -1001,6 +1033,8 @@ def main(argv=None) -> int:
       plots=[os.path.basename(f) for f in plots])
   with open(prefix + ".json", "w") as fh:
     json.dump(result, fh, indent=2)
+  if os.path.exists(os.path.join(args.out, PARTIAL)):
+    os.remove(os.path.join(args.out, PARTIAL))
   print(f"\nwrote {prefix}.json" + "".join(f", {os.path.basename(f)}" for f in plots))
   print_table(latency, batch_rows, prefill_rows, runner.profiles, summary, runner.skipped,
               errors, bandwidth)
