@@ -129,7 +129,16 @@ def sample_logits(logits: jax.Array, rng: jax.Array, *, temperature=1.0,
     top_p: None or a scalar in ``(0, 1]`` (may be traced).
   Returns:
     ``[B]`` int32 tokens.
+  Raises:
+    ValueError / TypeError: a concrete ``temperature`` that is not a positive
+      normal float32, a concrete ``top_p`` outside ``(0, 1]``, a ``top_k``
+      outside ``[1, V]``. (Traced values are not checked.)
   """
+  if not isinstance(temperature, jax.core.Tracer):
+    _check_temperature(temperature)
+  if top_p is not None and not isinstance(top_p, jax.core.Tracer):
+    if isinstance(top_p, (bool, np.bool_)) or not 0 < float(np.asarray(top_p)) <= 1:
+      raise ValueError(f"top_p={top_p!r} must be in (0, 1]")
   logits = _scaled_logits(logits, temperature)
   vocab = logits.shape[-1]
   if top_k is not None:
@@ -236,7 +245,7 @@ def _split(model):
 
 # --------------------------------------------------------------- decode step
 def decode_step(model, tokens: jax.Array, cache, *, implementation: str | None = None,
-                mesh=None):
+                mesh=None, active: jax.Array | None = None):
   """One decode step: feeds one token per sequence, returns next-token logits.
 
   Pure and traceable: put it in your own `jax.jit` / `lax.scan`, e.g.::
@@ -254,14 +263,22 @@ def decode_step(model, tokens: jax.Array, cache, *, implementation: str | None =
     implementation: `jaxkv.decode_attention` implementation.
     mesh: a `jaxkv.make_mesh` mesh to run attention per shard on (the cache
       sharded with `jaxkv.shard_cache`); None: no mesh.
+    active: optional ``[B]`` bool, the sequences whose token is appended (the
+      others, e.g. finished ones fed padding, keep their cache as it is and
+      get meaningless logits); None: all. Passed to ``model.decode`` only
+      when given, so models without it keep working.
   Returns:
     ``(logits [B, V] float32, cache)``.
   """
+  if getattr(tokens, "ndim", None) != 1:  # static: checked under jit too
+    raise ValueError(f"tokens.shape={getattr(tokens, 'shape', None)} must be [B] (one token "
+                     f"per sequence)")
+  kw = {} if active is None else dict(active=active)
   if mesh is None:  # models without mesh support keep working
-    logits, cache = model.decode(tokens[:, None], cache, implementation=implementation)
+    logits, cache = model.decode(tokens[:, None], cache, implementation=implementation, **kw)
   else:
     logits, cache = model.decode(tokens[:, None], cache, implementation=implementation,
-                                 mesh=mesh)
+                                 mesh=mesh, **kw)
     cache = _constrain(cache, mesh)
   return logits[:, 0], cache
 
@@ -311,8 +328,10 @@ def _decode_loop(model, state: DecodeState, stop_tokens, temperature, top_p, pad
     return (s.step < jnp.minimum(num_steps, n)) & ~jnp.all(s.done)
 
   def body(s: DecodeState) -> DecodeState:
+    # A finished sequence is fed its stop token, then padding: none of it is
+    # appended, so a returned cache holds only the tokens before the stop.
     logits, cache = decode_step(model, s.token, s.cache, implementation=settings.implementation,
-                                mesh=settings.mesh)
+                                mesh=settings.mesh, active=~s.done)
     rng, key = jax.random.split(s.rng)
     token = settings.sample(logits, key, temperature, top_p)
     token = jnp.where(s.done, pad_token_id, token)
@@ -389,6 +408,14 @@ def _settings(model, max_new_tokens, sampler, temperature, top_k, top_p, impleme
     sampler = "sample"
   if not (sampler in ("greedy", "sample") or callable(sampler)):
     raise ValueError(f"sampler={sampler!r} must be one of {SAMPLERS} or a callable")
+  if sampler != "sample":  # greedy or a callable: they would be silently ignored
+    unused = [f"{name}={value!r}" for name, value, default in (
+        ("temperature", temperature, 1.0), ("top_k", top_k, None), ("top_p", top_p, None))
+        if not (value is default or (default is not None and _equals(value, default)))]
+    if unused:
+      which = "greedy decoding" if sampler == "greedy" else "a callable sampler"
+      raise ValueError(f"{', '.join(unused)} would be ignored by {which}: pass "
+                       f"sampler='sample' (or 'top_k' / 'top_p') to sample with them")
   if sampler == "sample":
     _check_temperature(temperature)
     if top_p is not None and not 0 < top_p <= 1:
@@ -402,8 +429,17 @@ def _settings(model, max_new_tokens, sampler, temperature, top_k, top_p, impleme
       implementation=implementation, progress=progress, mesh=mesh)
 
 
+def _equals(value, default: float) -> bool:
+  """Whether a concrete real ``value`` equals ``default`` (False for anything else)."""
+  try:
+    return not isinstance(value, (bool, np.bool_, jax.core.Tracer)) and float(value) == default
+  except (TypeError, ValueError):
+    return False
+
+
 def _check_ids(name: str, tokens, vocab_size: int) -> None:
-  """ValueError naming ``name`` for concrete ids outside ``[0, vocab_size)``.
+  """ValueError naming ``name`` for concrete ids outside ``[0, vocab_size)``
+  (TypeError for a non-integer dtype).
 
   A concrete jax array is always read, even while the computation producing
   it still runs (the previous loop's last token fed back): skipping arrays
@@ -414,8 +450,8 @@ def _check_ids(name: str, tokens, vocab_size: int) -> None:
   if isinstance(tokens, jax.core.Tracer):
     return
   arr = np.asarray(tokens)
-  if arr.size and not np.issubdtype(arr.dtype, np.integer):
-    raise ValueError(f"{name}.dtype={arr.dtype} must be an integer dtype")
+  if arr.size and not np.issubdtype(arr.dtype, np.integer):  # a type error, as the model's
+    raise TypeError(f"{name}.dtype={arr.dtype} must be an integer dtype")
   if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
     bad = arr[(arr < 0) | (arr >= vocab_size)]
     raise ValueError(f"{name} must lie in [0, {vocab_size}); got out-of-range ids "
@@ -448,7 +484,9 @@ def decode_steps(model, tokens, cache, num_steps: int, *, sampler: str | Callabl
   Returns:
     ``(tokens [B, num_steps] int32, lengths [B] int32, cache)``: the next
     tokens (``pad_token_id`` after a sequence's stop token), tokens counted up
-    to and including the stop token, the cache grown by the steps run.
+    to and including the stop token, the cache grown by ``lengths[b]`` tokens
+    (the fed tokens: ``tokens`` and the next ones before the stop token;
+    neither the stop token nor the padding after it is appended).
   """
   tokens = jnp.asarray(tokens) if isinstance(tokens, (list, tuple)) else tokens
   if getattr(tokens, "ndim", None) != 1:
@@ -584,7 +622,10 @@ def generate(model, prompt_tokens, prompt_lengths, *, kv_format: KVFormat | str 
     implementation: `jaxkv.decode_attention` implementation.
     cache_dtype: full-precision K/V dtype of the cache; default the model's.
     pad_token_id: written after a sequence's stop token.
-    return_cache: also return the final cache (`jaxkv.ModelCache`).
+    return_cache: also return the final cache (`jaxkv.ModelCache`): the prompt
+      and the generated tokens fed back, ``prompt_lengths + lengths - 1`` per
+      sequence (the last token, a stop token included, is not fed; the
+      padding after a stop is never appended).
     progress: host callback ``progress(step)`` once per generated token.
     num_steps: generate only the first ``num_steps`` tokens (the rest of the
       output is padding). Passed as data, so it reuses the program compiled
@@ -666,7 +707,12 @@ def generate(model, prompt_tokens, prompt_lengths, *, kv_format: KVFormat | str 
 def as_format(kv_format):
   """A `KVFormat` or `jaxkv.VQFormat` from itself or a preset name (`PRESETS`, `VQ_PRESETS`)."""
   if isinstance(kv_format, str):
-    return vq.VQ_PRESETS.get(kv_format) or KVFormat.preset(kv_format)
+    if kv_format in vq.VQ_PRESETS:
+      return vq.VQ_PRESETS[kv_format]
+    try:
+      return KVFormat.preset(kv_format)
+    except ValueError as e:  # name the VQ presets too
+      raise ValueError(f"{e} (or a VQ preset: {sorted(vq.VQ_PRESETS)})") from None
   return kv_format
 
 

@@ -484,17 +484,36 @@ def _check_int_array(name: str, value, shape, low: int, high: int) -> None:
                      f"{bad.ravel()[:8].tolist()}")
 
 
-def check_token_ids(name: str, tokens, vocab_size: int) -> jax.Array:
-  """``tokens`` as int32; ValueError naming ``name`` when concrete ids leave ``[0, vocab)``,
-  TypeError for a non-integer dtype (traced too)."""
+def check_token_ids(name: str, tokens, vocab_size: int, real=None) -> jax.Array:
+  """``tokens`` as int32. ValueError naming ``name`` for a rank other than 2
+  (traced too: the rank is static) and for concrete ids outside ``[0, vocab)``
+  at the ``real`` positions (a concrete ``[B, T]`` bool mask, e.g. a prompt's
+  real tokens before its padding; None: every position); TypeError for a
+  non-integer dtype (traced too)."""
   if isinstance(tokens, (list, tuple)):
     tokens = np.asarray(tokens)
   _check_int_dtype(name, tokens)
-  if not isinstance(tokens, jax.core.Tracer):
-    if getattr(tokens, "ndim", None) != 2:
-      raise ValueError(f"{name}.shape={getattr(tokens, 'shape', None)} must be [B, T]")
-    _check_int_array(name, tokens, None, 0, vocab_size - 1)
+  if getattr(tokens, "ndim", None) != 2:
+    raise ValueError(f"{name}.shape={getattr(tokens, 'shape', None)} must be [B, T]")
+  if not isinstance(tokens, jax.core.Tracer) and not isinstance(real, jax.core.Tracer):
+    arr = np.asarray(tokens)
+    _check_int_array(name, arr if real is None else arr[np.asarray(real, bool)], None, 0,
+                     vocab_size - 1)
   return jnp.asarray(tokens, jnp.int32)
+
+
+def _active_rows(active, tokens):
+  """``active [B]`` bool (checked) broadcast over ``tokens [B, S]``'s positions:
+  the mask `check_token_ids` reads (a tracer when ``active`` is traced)."""
+  if not hasattr(active, "dtype"):
+    active = np.asarray(active)
+  shape, dtype = active.shape, active.dtype
+  b = np.shape(tokens)[0] if np.ndim(tokens) else None
+  if tuple(shape) != (b,) or dtype != np.bool_:
+    raise ValueError(f"active (shape {tuple(shape)}, dtype {dtype}) must be a [{b}] bool array")
+  if isinstance(active, jax.core.Tracer):
+    return active
+  return np.broadcast_to(np.asarray(active)[:, None], np.shape(tokens))
 
 
 class Llama(nnx.Module):
@@ -618,7 +637,8 @@ class Llama(nnx.Module):
 
     Args:
       tokens: ``[B, T]`` int32 in ``[0, vocab)``.
-      positions: ``[B, T]`` positions; default ``arange(T)``.
+      positions: ``[B, T]`` integer positions (ValueError for another shape,
+        TypeError for a float dtype); default ``arange(T)``.
       attention_impl: see `causal_attention`.
     Returns:
       float32 logits ``[B, T, vocab]``.
@@ -646,6 +666,14 @@ class Llama(nnx.Module):
     b, t = tokens.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    else:  # static checks: a [1, 1] array broadcast silently to every token before
+      if isinstance(positions, (list, tuple)):
+        positions = np.asarray(positions)
+      _check_int_dtype("positions", positions)
+      if tuple(getattr(positions, "shape", ())) != (b, t):
+        raise ValueError(f"positions.shape={getattr(positions, 'shape', None)} must be the "
+                         f"tokens' [B, T] = {(b, t)}")
+      positions = jnp.asarray(positions, jnp.int32)
 
     def body(layer, index, carry):
       x, ks, vs = carry
@@ -692,12 +720,22 @@ class Llama(nnx.Module):
       an empty prompt), cache)``. Under `jit`, out-of-range ids or lengths set
       ``cache.invalid`` for their sequences (lengths are clipped to [0, T]).
     """
-    tokens = check_token_ids("tokens", tokens, self.config.vocab_size)
+    if isinstance(tokens, (list, tuple)):
+      tokens = np.asarray(tokens)
+    if getattr(tokens, "ndim", None) != 2:
+      raise ValueError(f"tokens.shape={getattr(tokens, 'shape', None)} must be [B, T]")
     b, t = tokens.shape
-    self._check_cache(cache, b)
+    if t < 1:
+      raise ValueError(f"tokens.shape={tokens.shape}: prefill needs T >= 1 token columns")
     if isinstance(prompt_lengths, (list, tuple)):
       prompt_lengths = np.asarray(prompt_lengths)
     _check_int_array("prompt_lengths", prompt_lengths, (b,), 0, t)
+    # Only the real tokens must be ids: the padding after them may be anything
+    # (traced lengths: nothing checked here, the trace flags `cache.invalid`).
+    real_np = (np.zeros((b, t), bool) if isinstance(prompt_lengths, jax.core.Tracer)
+               else np.arange(t)[None, :] < np.asarray(prompt_lengths)[:, None])
+    tokens = check_token_ids("tokens", tokens, self.config.vocab_size, real=real_np)
+    self._check_cache(cache, b)
     lengths = jnp.asarray(prompt_lengths, jnp.int32)
     if lengths.shape != (b,):
       raise ValueError(f"prompt_lengths.shape={lengths.shape} must be ({b},)")
@@ -778,7 +816,7 @@ class Llama(nnx.Module):
     return jnp.where((lengths > 0)[:, None], logits, 0.0), cache
 
   def decode(self, tokens: jax.Array, cache: "jaxkv.ModelCache", *,
-             implementation: str | None = None, mesh=None
+             implementation: str | None = None, mesh=None, active: jax.Array | None = None
              ) -> tuple[jax.Array, "jaxkv.ModelCache"]:
     """Runs ``S`` new tokens per sequence against the cache.
 
@@ -790,19 +828,25 @@ class Llama(nnx.Module):
         on GPU, reference elsewhere).
       mesh: run each layer's append and attention per shard of this mesh
         (see `prefill`).
+      active: optional ``[B]`` bool: the sequences whose tokens are appended.
+        The others keep their cache unchanged and their ids unchecked (e.g.
+        padding after a stop token); their logits are meaningless. None: all.
     Returns:
-      ``(logits [B, S, vocab] float32, cache)`` with every sequence grown by S
-      (out-of-range ids under `jit` set ``cache.invalid``).
+      ``(logits [B, S, vocab] float32, cache)`` with every (active) sequence
+      grown by S (out-of-range ids under `jit` set ``cache.invalid``).
     """
-    tokens = check_token_ids("tokens", tokens, self.config.vocab_size)
+    tokens = check_token_ids("tokens", tokens, self.config.vocab_size,
+                             real=None if active is None else _active_rows(active, tokens))
     b, s = tokens.shape
     if s < 1:
       raise ValueError(f"tokens.shape={tokens.shape}: decode needs at least one token per row")
     self._check_cache(cache, b)
     cache.check_room(s, "tokens")
-    cache = cache.flag_invalid(self._invalid_ids(tokens))
+    on = jnp.ones((b,), bool) if active is None else jnp.asarray(active)
+    cache = cache.flag_invalid(self._invalid_ids(tokens) & on)
     positions = cache.lengths[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]
-    plan = cache.plan_append(jnp.full((b,), s, jnp.int32), max_new=s)  # once for all layers
+    # once for all layers; an inactive sequence appends nothing
+    plan = cache.plan_append(jnp.where(on, s, 0).astype(jnp.int32), max_new=s)
     # One token in all: the layers carry a twin row (the same hidden state) so
     # every weight GEMM has two rows without a pad kernel before it (`linear`
     # pads a single row to two: measured faster dots, but ~4 pad kernels per

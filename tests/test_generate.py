@@ -258,6 +258,62 @@ def test_per_sequence_stop_tokens(model):
     assert np.all(out[b, m:] == -1)
 
 
+def test_finished_sequences_append_nothing(model):
+  """After its stop token a sequence is fed padding (here -1, not an id); none of it
+  (nor the stop token) reaches the cache: the returned cache holds the prompt and
+  the generated tokens before the stop, as prefilling that history at once does,
+  and no sequence is flagged invalid."""
+  tokens, lengths = _prompts(6, 3, 20, [20, 11, 15])
+  n = 10
+  free = np.asarray(generate(model, tokens, lengths, kv_format="bf16", max_new_tokens=n,
+                             cache_dtype=jnp.float32)[0])
+  stops = [[int(free[0, 3])], [int(free[1, 6])], [CFG.vocab_size + 1]]
+  assert stops[0][0] not in free[0, :3] and stops[1][0] not in free[1, :6]
+  for fmt in ("bf16", "kivi4"):
+    out, out_len, cache = generate(model, tokens, lengths, kv_format=fmt, max_new_tokens=n,
+                                   cache_dtype=jnp.float32, stop_tokens=stops,
+                                   pad_token_id=-1, return_cache=True)
+    out, out_len = np.asarray(out), np.asarray(out_len)
+    np.testing.assert_array_equal(out_len, [4, 7, n])
+    np.testing.assert_array_equal(np.asarray(cache.lengths), lengths + out_len - 1)
+    cache.check()  # the -1 padding was never appended, so nothing is flagged
+    if fmt != "bf16":
+      continue
+    # Oracle: the same history prefilled in one go.
+    hist = [np.concatenate([tokens[b, :lengths[b]], out[b, :out_len[b] - 1]]) for b in range(3)]
+    width = max(len(h) for h in hist)
+    padded = np.stack([np.pad(h, (0, width - len(h))) for h in hist])
+    ref = model.init_cache("bf16", 3, cache.capacity, jnp.float32)
+    _, ref = model.prefill(padded, [len(h) for h in hist], ref)
+    np.testing.assert_array_equal(np.asarray(ref.lengths), np.asarray(cache.lengths))
+    (k, v), (rk, rv) = cache.dequantize(), ref.dequantize()
+    for b, h in enumerate(hist):
+      np.testing.assert_allclose(np.asarray(k[:, b, :len(h)]), np.asarray(rk[:, b, :len(h)]),
+                                 rtol=2e-4, atol=2e-4)
+      np.testing.assert_allclose(np.asarray(v[:, b, :len(h)]), np.asarray(rv[:, b, :len(h)]),
+                                 rtol=2e-4, atol=2e-4)
+      assert not np.any(np.asarray(k[:, b, len(h):]))  # nothing past the length
+
+
+def test_decode_active_mask(model):
+  """`model.decode(..., active=)`: inactive sequences append nothing and their ids are
+  not checked; a bad mask is refused."""
+  tokens, lengths = _prompts(9, 2, 12, [12, 7])
+  cache = model.init_cache("kivi2", 2, 40, jnp.float32)
+  _, cache = model.prefill(tokens, lengths, cache)
+  step = jnp.asarray([[5], [-1]], jnp.int32)  # row 1 holds padding
+  _, after = model.decode(step, cache, active=np.asarray([True, False]))
+  np.testing.assert_array_equal(np.asarray(after.lengths), [13, 7])
+  after.check()
+  (k0, _), (k1, _) = cache.dequantize(), after.dequantize()
+  np.testing.assert_array_equal(np.asarray(k1[:, 1]), np.asarray(k0[:, 1]))
+  with pytest.raises(ValueError, match=r"tokens must lie in \[0, 95\]"):
+    model.decode(step, cache, active=np.asarray([True, True]))
+  for bad in (np.asarray([1, 0]), np.asarray([True])):
+    with pytest.raises(ValueError, match="active .* must be a \\[2\\] bool array"):
+      model.decode(step, cache, active=bad)
+
+
 def test_sampling_modes(model):
   tokens, lengths = _prompts(7, 2, 16, [16, 10])
   kw = dict(kv_format="bf16", max_new_tokens=8, cache_dtype=jnp.float32)
