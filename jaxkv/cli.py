@@ -99,8 +99,8 @@ def _parser() -> argparse.ArgumentParser:
   g.add_argument("--speculative", type=_positive_int, default=None, metavar="GAMMA",
                  help="self-speculative decoding (QuantSpec) drafting GAMMA tokens per "
                       "verification on a hierarchical cache (jaxkv.speculative_generate)")
-  g.add_argument("--draft-weights", default="int4", choices=["int4", "int8", "full"],
-                 help="draft model weights for --speculative")
+  g.add_argument("--draft-weights", default=None, choices=["int4", "int8", "full"],
+                 help="draft model weights for --speculative (default int4)")
 
   sub.add_parser("formats", help="memory and attention error of every preset")
   return p
@@ -115,10 +115,20 @@ def main(argv=None) -> int:
   elif argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
     parser.error(f"unknown command {argv[0]!r}; choose one of: {', '.join(COMMANDS)}")
   args = parser.parse_args(argv)
-  if args.command == "generate" and args.sampler == "greedy":  # both default to None
-    for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p)):
-      if value is not None:
-        parser.error(f"{flag} {value} needs --sampler sample (greedy decoding would ignore it)")
+  if args.command == "generate":  # flags another one makes meaningless: refused, not ignored
+    if args.sampler == "greedy":
+      for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p),
+                          ("--temperature", None if args.temperature == 1.0
+                           else args.temperature)):
+        if value is not None:
+          parser.error(f"{flag} {value} needs --sampler sample (greedy decoding would "
+                       f"ignore it)")
+    if args.prompt_ids and args.prompt:
+      parser.error("give --prompt or --prompt-ids, not both")
+    if args.system is not None and (args.raw or args.prompt_ids):
+      parser.error("--system needs the chat template (not with --raw or --prompt-ids)")
+    if args.draft_weights is not None and args.speculative is None:
+      parser.error(f"--draft-weights {args.draft_weights} needs --speculative GAMMA")
   try:
     if args.command == "generate":
       return _generate(args)
@@ -469,6 +479,8 @@ def _generate(args) -> int:
     if tokenizer is None:
       raise ValueError(f"{args.model!r} has no tokenizer; use --prompt-ids")
     chat = bool(tokenizer.chat_template) and not args.raw
+    if args.system is not None and not chat:
+      raise ValueError(f"--system needs a chat template; {args.model!r}'s tokenizer has none")
     if chat:
       system = [{"role": "system", "content": args.system}] if args.system else []
       prompts = [tokenizer.encode_chat(system + [{"role": "user", "content": p}])
@@ -509,7 +521,7 @@ def _generate(args) -> int:
         f"prompt {lengths.tolist()} tokens{' (chat template)' if chat else ''}", file=sys.stderr)
   stamps = []
   bar = None
-  if not args.no_progress:
+  if not args.no_progress and args.speculative is None:  # (speculative rounds report no steps)
     from tqdm import tqdm  # pylint: disable=import-outside-toplevel
     bar = tqdm(total=n, unit="tok", desc=f"generate ({args.kv})", file=sys.stderr)
   t0 = time.perf_counter()
@@ -517,10 +529,12 @@ def _generate(args) -> int:
     from jaxkv import speculative_generate  # pylint: disable=import-outside-toplevel
     out, out_len, spec = speculative_generate(
         model, tokens, lengths, kv_format=fmt, max_new_tokens=n, gamma=args.speculative,
-        draft_weights=args.draft_weights, sampler=args.sampler, temperature=args.temperature,
+        draft_weights=args.draft_weights or "int4", sampler=args.sampler,
+        temperature=args.temperature,
         stop_tokens=stops or None, rng=jax.random.key(args.seed), capacity=capacity, mesh=mesh)
     stamps = [time.perf_counter()]
-    print(f"speculative (gamma={args.speculative}, draft weights {args.draft_weights}): "
+    print(f"speculative (gamma={args.speculative}, draft weights "
+          f"{args.draft_weights or 'int4'}): "
           f"acceptance {spec['acceptance_rate']:.3f}, "
           f"{spec['tokens_per_verification']:.2f} tokens per verification", file=sys.stderr)
   else:

@@ -382,7 +382,7 @@ def speculative_generate(model, prompt_tokens, prompt_lengths, *, max_new_tokens
     from jaxkv.sharding import init_sharded  # pylint: disable=import-outside-toplevel
     cache = init_sharded(lambda: model.init_cache(kv_format, b, capacity, dtype=cache_dtype),
                          mesh)
-  graphdef, state = nnx.split(model)
+  graphdef, state = _split(model)  # an NNX model or a `SplitModel`
   settings = SpecSettings(int(max_new_tokens), int(gamma), sampler, mesh)
   tokens, num, verifs, accepted, cache = _speculative_program(
       graphdef, state, draft_weights, jnp.asarray(prompt_tokens, jnp.int32),
@@ -410,7 +410,11 @@ def _check_spec_args(gamma, sampler, temperature) -> np.float32:
 
 def _draft_state(model, draft_weights, group_size: int):
   """The draft's weights as the program takes them: a dict of `QuantizedWeight`, or None
-  (``"full"``: the draft is the model itself, reading the draft view of the cache)."""
+  (``"full"``: the draft is the model itself, reading the draft view of the cache).
+  ``group_size`` is checked whatever the weights (an int >= 1)."""
+  if isinstance(group_size, (bool, np.bool_)) or not isinstance(group_size, (int, np.integer)) \
+      or group_size < 1:
+    raise ValueError(f"group_size={group_size!r} must be an int >= 1")
   if isinstance(draft_weights, str):
     if draft_weights not in ("int4", "int8", "full"):
       raise ValueError(f"draft_weights={draft_weights!r} must be 'int4', 'int8', 'full' or a "

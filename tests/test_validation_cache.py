@@ -211,3 +211,34 @@ def test_model_token_dtypes_checked_when_traced(model):
     model.decode(jnp.asarray([[5.0], [6.0]]), cache)
   with pytest.raises(ValueError, match=r"tokens.shape=\(2, 0\): decode needs at least one"):
     model.decode(jnp.zeros((2, 0), jnp.int32), cache)
+
+
+def test_model_positions_checked(model):
+  """A [1, 1] positions array broadcast silently to every token; floats were accepted."""
+  tokens = jnp.asarray([[5, 6, 7, 8]], jnp.int32)
+  for bad in (jnp.zeros((1, 1), jnp.int32), jnp.arange(4, dtype=jnp.int32)):
+    with pytest.raises(ValueError, match=r"positions.shape=.* must be the tokens' \[B, T\]"):
+      model(tokens, bad)
+    with pytest.raises(ValueError, match="positions.shape"):
+      model.forward_kv(tokens, bad)
+  with pytest.raises(TypeError, match="positions.dtype=float32 must be an integer dtype"):
+    model(tokens, jnp.full((1, 4), 0.5))
+  np.testing.assert_array_equal(np.asarray(model(tokens, jnp.arange(4)[None])),
+                                np.asarray(model(tokens)))
+
+
+def test_eager_prefill_accepts_any_padding_ids(model):
+  """Only the real tokens must be ids: -1 padding was refused eagerly (not under jit)."""
+  cache = model.init_cache("bf16", 2, 16)
+  padded = np.asarray([[5, 6, -1, -1], [7, 8, 9, 10]])
+  logits, got = model.prefill(padded, [2, 4], cache)
+  _, want = model.prefill(np.where(padded < 0, 0, padded), [2, 4], model.init_cache("bf16", 2, 16))
+  np.testing.assert_array_equal(np.asarray(got.lengths), [2, 4])
+  got.check()
+  np.testing.assert_array_equal(np.asarray(got.dequantize()[0]), np.asarray(want.dequantize()[0]))
+  bad = padded.copy()
+  bad[0, 1] = -7                                   # a real token out of range
+  with pytest.raises(ValueError, match=r"tokens must lie in \[0, \d+\]; got out-of-range values \[-7\]"):
+    model.prefill(bad, [2, 4], cache)
+  with pytest.raises(ValueError, match=r"tokens.shape=\(2, 0\): prefill needs T >= 1"):
+    model.prefill(np.zeros((2, 0), np.int32), [0, 0], cache)

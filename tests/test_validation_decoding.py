@@ -219,3 +219,70 @@ def test_cli_rejects_top_k_top_p_with_greedy(capsys, flag, value):
     assert f"error: {flag} {float(value) if flag == '--top-p' else value} needs --sampler sample" \
         in err
 
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--temperature", "0.7"], "--temperature 0.7 needs --sampler sample"),
+    (["--prompt", "hi"], "give --prompt or --prompt-ids, not both"),
+    (["--system", "be brief"], "--system needs the chat template"),
+    (["--draft-weights", "int8"], "--draft-weights int8 needs --speculative GAMMA"),
+])
+def test_cli_refuses_flags_that_would_be_ignored(capsys, argv, match):
+  with pytest.raises(SystemExit) as e:
+    cli.main(["generate", "--model", "/nonexistent", "--prompt-ids", "5", *argv])
+  assert e.value.code == 2
+  assert match in capsys.readouterr().err
+
+
+# ------------------------------------------------- sampling arguments in use
+def test_sample_logits_checks_concrete_arguments():
+  """A negative temperature inverted the distribution and top_p <= 0 acted as greedy."""
+  logits = jnp.asarray([[0.0, 1.0, 5.0]])
+  key = jax.random.key(0)
+  with pytest.raises(ValueError, match=re.escape("temperature=-1.0 must be a finite float32")):
+    sample_logits(logits, key, temperature=-1.0)
+  for top_p in (-0.5, 0.0, 1.5):
+    with pytest.raises(ValueError, match=re.escape(f"top_p={top_p!r} must be in (0, 1]")):
+      sample_logits(logits, key, top_p=top_p)
+  # Traced values are the caller's to check (the programs pass checked ones).
+  got = jax.jit(lambda t, p: sample_logits(logits, key, temperature=t, top_p=p))(
+      jnp.float32(1e-30), jnp.float32(0.5))
+  assert int(got[0]) == 2
+
+
+def test_greedy_or_callable_sampler_refuses_sampling_arguments(model):
+  tokens, lengths = _prompts()
+  kw = dict(kv_format="bf16", max_new_tokens=2)
+  for extra, shown in ((dict(top_p=5.0), "top_p=5.0"), (dict(temperature=-3.0), "temperature=-3.0"),
+                       (dict(top_k=3), "top_k=3")):
+    with pytest.raises(ValueError, match=re.escape(f"{shown} would be ignored by greedy")):
+      generate(model, tokens, lengths, **kw, **extra)
+    with pytest.raises(ValueError, match=re.escape(f"{shown} would be ignored by greedy")):
+      decode_steps(model, jnp.asarray([5, 6]), model.init_cache("bf16", 2, 16), 2, **extra)
+  with pytest.raises(ValueError, match="top_k=3, top_p=0.1 would be ignored by a callable"):
+    generate(model, tokens, lengths, **kw, sampler=lambda logits, key: jnp.argmax(logits, -1),
+             top_k=3, top_p=0.1)
+  # The defaults (and an explicit 1.0) are fine with greedy.
+  generate(model, tokens, lengths, **kw, temperature=1.0)
+
+
+def test_decode_step_needs_one_token_per_sequence(model):
+  from jaxkv.decoding import decode_step  # pylint: disable=import-outside-toplevel
+  cache = model.init_cache("bf16", 2, 16)
+  with pytest.raises(ValueError, match=r"tokens.shape=\(2, 1\) must be \[B\]"):
+    jax.eval_shape(lambda t, c: decode_step(model, t, c), jnp.zeros((2, 1), jnp.int32), cache)
+  with pytest.raises(ValueError, match=r"tokens.shape=\(2,\) must be \[B, T\]"):
+    jax.eval_shape(lambda t, c: model.decode(t, c), jnp.zeros((2,), jnp.int32), cache)
+
+
+def test_speculative_generate_takes_a_split_model_and_checks_group_size(model):
+  from jaxkv.decoding import SplitModel  # pylint: disable=import-outside-toplevel
+  tokens, lengths = _prompts()
+  kw = dict(kv_format=QS_SMALL, max_new_tokens=3, gamma=2, draft_weights="full")
+  want, want_n, _ = speculative_generate(model, tokens, lengths, **kw)
+  got, got_n, _ = speculative_generate(SplitModel(model), tokens, lengths, **kw)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(got_n), np.asarray(want_n))
+  for bad in (-3, 0, 2.5, True):
+    with pytest.raises(ValueError, match=re.escape(f"group_size={bad!r} must be an int >= 1")):
+      speculative_generate(model, tokens, lengths, **dict(kw, group_size=bad))
