@@ -319,9 +319,8 @@ def resolve_implementation(q, cache, implementation, config=None, view: str = "t
   implementation = check_implementation(implementation)
   if implementation is None:
     if jax.default_backend() == "gpu":
-      if config is not None:
+      if config is not None:  # the config's kernel or an error saying why (not the reference)
         implementation = ("mosaic",) if _is_mosaic_config(config) else ("triton",)
-        implementation += ("reference",)
       else:
         impl, _ = _best_pallas(q, cache, view)
         return impl or "reference"
@@ -442,6 +441,11 @@ def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None
     raise ValueError(f"view='draft' needs a hierarchical format (KVFormat.preset('quantspec')), "
                      f"got {cache.fmt}")
   impl = resolve_implementation(q, cache, implementation, config, view)
+  if config is not None and impl == "reference":  # it would be ignored
+    raise ValueError(f"config={config!r} is for a Pallas kernel, but decode_attention runs the "
+                     f"reference here (implementation={implementation!r} on "
+                     f"{jax.default_backend()}): pass implementation='triton' / 'mosaic' / "
+                     f"'pallas' to use it, or leave config out")
   if impl == "mosaic":  # resolved on the layer's shapes, before any unwrapping
     config = config if config is not None else _mosaic_default(cache, view)
   layer = None

@@ -305,6 +305,10 @@ def chunk_attention(q: jax.Array, cache: KVCache, k_chunk: jax.Array, v_chunk: j
   if config is not None and not isinstance(config, ChunkAttentionConfig):
     raise TypeError(f"config={config!r} must be a ChunkAttentionConfig or None, got "
                     f"{type(config).__name__}")
+  if impl != "pallas" and (config is not None or interpret is not None):  # they would be ignored
+    raise ValueError(f"config / interpret are for implementation='pallas', but chunk_attention "
+                     f"runs {impl!r} here (implementation={implementation!r} on "
+                     f"{jax.default_backend()})")
   if impl == "reference":
     out = chunk_attention_reference(q, cache, k_chunk, v_chunk, scale=scale)
   elif impl == "pallas":

@@ -313,14 +313,19 @@ class ModelCache:
 
     Raises:
       TypeError: ``num_new`` of a non-integer dtype.
-      ValueError: ``max_new < 0``; a concrete ``num_new`` below 0 or above
-        ``max_new``. (Traced, such counts are not checked.)
+      ValueError: ``num_new`` not ``[B]`` (or a scalar, for every sequence);
+        ``max_new`` not an int >= 0; a concrete ``num_new`` below 0 or above
+        ``max_new``; concrete lengths and ``num_new`` that would grow a
+        sequence past ``capacity`` (`check_room`). (Traced, such counts are
+        not checked: a sequence that does not fit appends nothing and is
+        flagged ``overflow``.)
     """
     fmt = self.fmt
     window = None
     if max_new is not None:
-      if int(max_new) < 0:
-        raise ValueError(f"max_new={max_new} must be >= 0")
+      if isinstance(max_new, (bool, np.bool_)) or not isinstance(max_new, (int, np.integer)) \
+          or max_new < 0:
+        raise ValueError(f"max_new={max_new!r} must be an int >= 0")
       max_new = int(max_new)
       g = fmt.token_group
       window = -(-(max_new + fmt.residual) // g) * g
@@ -328,12 +333,18 @@ class ModelCache:
       num_new = np.asarray(num_new)
     if not _integer_typed(num_new):
       raise TypeError(f"num_new={num_new!r} must be integer token counts")
+    if np.ndim(num_new) == 0:
+      num_new = jnp.full((self.batch,), num_new, jnp.int32)
+    if tuple(np.shape(num_new)) != (self.batch,):
+      raise ValueError(f"num_new.shape={tuple(np.shape(num_new))} must be ({self.batch},) "
+                       f"(one count per sequence) or a scalar")
     if _is_concrete(num_new):
       counts = np.asarray(num_new)
       if counts.size and counts.min() < 0:
         raise ValueError(f"num_new={counts.tolist()} must be >= 0")
       if max_new is not None and counts.size and counts.max() > max_new:
         raise ValueError(f"num_new={counts.tolist()} must be <= max_new={max_new}")
+      self.check_room(counts, "num_new")  # eager growth past capacity: an error, not a flag
     num_new = jnp.asarray(num_new, jnp.int32)
     fits = self.lengths + num_new <= self.capacity
     num_new = jnp.where(fits, num_new, 0)

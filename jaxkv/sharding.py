@@ -59,7 +59,9 @@ def make_mesh(data: int = 1, model: int | None = None, *, devices=None) -> Mesh:
   Args:
     data: data-parallel size (the batch is split over it).
     model: tensor-parallel size (heads / features / vocab split over it);
-      default: every remaining device.
+      default: every remaining device (``len(devices) // data``, which must
+      then use them all). With both sizes given, the first ``data * model``
+      devices form the mesh.
     devices: devices to use; default ``jax.devices()``.
   Raises:
     ValueError: sizes that are not positive ints or do not match the devices.
@@ -78,6 +80,9 @@ def make_mesh(data: int = 1, model: int | None = None, *, devices=None) -> Mesh:
     model = len(devices) // data
     if model < 1:
       raise ValueError(f"mesh data={data} needs {data} devices, only {len(devices)} are available")
+    if data * model != len(devices):  # "every remaining device" would leave some out
+      raise ValueError(f"mesh data={data} does not divide the {len(devices)} devices: pass "
+                       f"model= (the first data x model devices are used) or devices=")
   if data * model > len(devices):
     raise ValueError(f"mesh data={data} x model={model} needs {data * model} devices, "
                      f"only {len(devices)} are available")

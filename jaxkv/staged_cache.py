@@ -70,6 +70,30 @@ def check_staged_count(staged, num_queries: int) -> None:
                      f"queries are the newest staged tokens) for sequences {bad.tolist()}")
 
 
+def check_staged_shapes(q, cache, k_stage, v_stage, staged) -> None:
+  """ValueError naming the argument unless ``k_stage, v_stage [B, P, Hkv, D]``,
+  ``staged [B]`` (integer) and ``q [B, S, Hq, D]`` match ``cache`` (its batch,
+  kv heads and head_dim; ``Hq`` a multiple of ``Hkv``): a staged block of
+  another shape broadcast silently against the cache before."""
+  b, h, d = cache.batch, cache.kv_heads, cache.head_dim
+  for name, x in (("k_stage", k_stage), ("v_stage", v_stage)):
+    shape = tuple(getattr(x, "shape", ()))
+    if len(shape) != 4 or (shape[0], shape[2], shape[3]) != (b, h, d):
+      raise ValueError(f"{name}.shape={shape} must be [B={b}, P, Hkv={h}, D={d}] (the cache's)")
+  if tuple(k_stage.shape) != tuple(v_stage.shape):
+    raise ValueError(f"k_stage.shape={tuple(k_stage.shape)} != v_stage.shape="
+                     f"{tuple(v_stage.shape)}")
+  if not hasattr(staged, "dtype"):  # (a tracer has both: never read its values)
+    staged = np.asarray(staged)
+  if tuple(staged.shape) != (b,) or not jnp.issubdtype(staged.dtype, jnp.integer):
+    raise ValueError(f"staged must be [{b}] integer counts, got shape {tuple(staged.shape)} "
+                     f"dtype {staged.dtype}")
+  qs = tuple(getattr(q, "shape", ()))
+  if len(qs) != 4 or qs[0] != b or qs[3] != d or qs[2] % h:
+    raise ValueError(f"q.shape={qs} must be [B, S, Hq, D] with Hq a multiple of the {h} kv "
+                     f"heads (B={b}, D={d}: the cache's)")
+
+
 def staged_attention(q: jax.Array, cache, k_stage: jax.Array, v_stage: jax.Array,
                      staged: jax.Array, *, view: str = "target", scale=None,
                      implementation: str | None = None) -> jax.Array:
@@ -101,9 +125,7 @@ def staged_attention(q: jax.Array, cache, k_stage: jax.Array, v_stage: jax.Array
   from jaxkv.model_cache import LayerView  # pylint: disable=import-outside-toplevel
   hierarchical.check_view(view)
   scale = check_scale(scale)
-  if getattr(q, "ndim", None) != 4 or q.shape[2] % k_stage.shape[2]:
-    raise ValueError(f"q.shape={getattr(q, 'shape', None)} must be [B, S, Hq, D] with Hq a "
-                     f"multiple of the {k_stage.shape[2]} kv heads")
+  check_staged_shapes(q, cache, k_stage, v_stage, staged)
   check_staged_count(staged, q.shape[1])
   impl = _staged_implementation(q, cache, implementation, view)
   if impl == "reference":

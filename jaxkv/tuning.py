@@ -164,10 +164,21 @@ def autotune(q: jax.Array, cache, *, scale: float | None = None,
   Returns:
     The fastest `DecodeAttentionConfig`.
   """
+  from jaxkv.cache import KVCache  # pylint: disable=import-outside-toplevel
+  if not isinstance(cache, KVCache):  # a layer view / model cache has no single storage
+    raise TypeError(f"cache must be a jaxkv.KVCache (e.g. model_cache.layer(i)), got "
+                    f"{type(cache).__name__}")
   if search not in ("greedy", "grid"):
     raise ValueError(f"search={search!r} must be 'greedy' or 'grid'")
-  if max_evals < 1:
-    raise ValueError(f"max_evals={max_evals} must be >= 1")
+  if isinstance(max_evals, bool) or not isinstance(max_evals, int) or max_evals < 1:
+    raise ValueError(f"max_evals={max_evals!r} must be an int >= 1")
+  if candidates is not None:
+    candidates = list(candidates)
+    if not candidates:  # an empty list ran the whole grid before
+      raise ValueError("candidates=[] gives nothing to time: pass configs or None (search)")
+    bad = [c for c in candidates if not isinstance(c, pk.DecodeAttentionConfig)]
+    if bad:
+      raise TypeError(f"candidates must be pallas_kernels.DecodeAttentionConfig, got {bad[0]!r}")
   if path is not None:
     saved = load_config(path, q, cache)
     if saved is not None:
@@ -191,7 +202,7 @@ def autotune(q: jax.Array, cache, *, scale: float | None = None,
     best = None if math.isinf(best_t) else best
   else:
     best, best_t = None, math.inf
-    for config in list(candidates or search_space(q, cache)):
+    for config in candidates if candidates is not None else search_space(q, cache):
       t = measure(config)
       if t < best_t:
         best, best_t = config, t

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -382,7 +383,11 @@ class VQCodebooks:
 
   @classmethod
   def load(cls, path) -> "VQCodebooks":
-    """Reads what `save` wrote, bit for bit."""
+    """Reads what `save` wrote, bit for bit (``path`` as given to `save`: numpy
+    adds ``.npz`` to a name without it, so ``load`` looks there too)."""
+    path = os.fspath(path)
+    if not os.path.exists(path) and not path.endswith(".npz") and os.path.exists(path + ".npz"):
+      path += ".npz"
     with np.load(path, allow_pickle=False) as f:
       fmt = VQFormat(**json.loads(str(f["fmt"])))
       sides = {}
@@ -414,6 +419,7 @@ class VQCodebooks:
       if k_size != v_size:
         raise ValueError(f"codebooks.k covers {k_size} {what} but codebooks.v covers {v_size} "
                          f"(k.shape={tuple(self.k.shape)}, v.shape={tuple(self.v.shape)})")
+    for side, x in (("k", self.k), ("v", self.v)):  # each side against the format
       h = x.shape[1] if kv_heads is None else kv_heads
       d = x.shape[3] * x.shape[5] if head_dim is None else head_dim
       want = (x.shape[0], *self.fmt.codebook_shape(side, h, d))

@@ -374,6 +374,20 @@ def run_load_case(n: int = 8):
   print(f"OK load_sharded {time.time() - t0:.1f}s", flush=True)
 
 
+def check_mesh_sizes(n: int) -> None:
+  """`make_mesh` with a data size that does not divide the devices raises (it used a
+  prefix of them silently); explicit sizes take the first data x model devices."""
+  if n > 2:  # (n - 1 divides n = 2)
+    try:
+      sharding.make_mesh(data=n - 1)
+    except ValueError as e:
+      assert f"does not divide the {n} devices" in str(e), e
+    else:
+      raise AssertionError(f"make_mesh(data={n - 1}) on {n} devices did not raise")
+  mesh = sharding.make_mesh(data=1, model=n // 2)
+  assert list(mesh.devices.ravel()) == jax.devices()[:n // 2], mesh.devices
+
+
 def main(argv) -> int:
   """``sharding_checks.py [--devices N] [CASE ...]``: N (default 8, even) devices' meshes."""
   args = list(argv[1:])
@@ -386,6 +400,7 @@ def main(argv) -> int:
   all_cases = cases(n)
   names = set(args) or {c[0] for c in all_cases}
   print(f"devices: {n} x {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+  check_mesh_sizes(n)
   jax.config.update("jax_default_matmul_precision", "highest")
   if not args or "kernel" in names:
     run_kernel_case(n)

@@ -219,10 +219,17 @@ def test_residual_write_kernel_matches_reference(dtype):
 def test_overflow_and_invalid_flags():
   cache = ModelCache.init("kivi4", 2, 2, 2, 32, 8, jnp.float32)
   k = jnp.asarray(np.random.default_rng(0).standard_normal((2, 6, 2, 32)), jnp.float32)
-  plan = cache.plan_append(jnp.asarray([6, 9], jnp.int32))  # sequence 1 does not fit
-  for i in range(2):
-    cache = cache.append_layer(i, k, k, plan)
-  cache = cache.commit(plan)
+  with pytest.raises(ValueError, match=r"num_new: sequences \[1\] would grow past capacity=8"):
+    cache.plan_append(jnp.asarray([6, 9], jnp.int32))  # eagerly: an error
+
+  @jax.jit
+  def append(cache, k, n):  # traced: sequence 1 does not fit, so it is flagged
+    plan = cache.plan_append(n)
+    for i in range(2):
+      cache = cache.append_layer(i, k, k, plan)
+    return cache.commit(plan)
+
+  cache = append(cache, k, jnp.asarray([6, 9], jnp.int32))
   np.testing.assert_array_equal(np.asarray(cache.lengths), [6, 0])
   with pytest.raises(ValueError, match=r"overflow.*sequences \[1\]"):
     cache.check()

@@ -272,3 +272,29 @@ def test_dequantize_checks_scale_shapes_and_bits():
     quant.dequantize(pc, sc, zc, 8, axis="channel")
   shape = jax.eval_shape(lambda *a: quant.dequantize(*a, 4, axis="channel"), pc, sc, zc).shape
   assert shape == (2, 8, 16)
+
+
+def test_a_config_is_never_silently_ignored(case):
+  """On CPU the default (and 'reference') ran the reference and dropped the config."""
+  q, cache = case
+  cfg = pk.DecodeAttentionConfig(block_k=32, num_splits=2)
+  for impl in (None, "reference"):
+    with pytest.raises(ValueError, match="is for a Pallas kernel, but decode_attention runs"):
+      jaxkv.decode_attention(q, cache, implementation=impl, config=cfg)
+  q2, _, _, kc = _chunk_operands(cache)
+  from pallas_kernels.chunk_attention import ChunkAttentionConfig  # pylint: disable=import-outside-toplevel
+  for kw in (dict(config=ChunkAttentionConfig()), dict(interpret=True)):
+    with pytest.raises(ValueError, match="are for implementation='pallas'"):
+      chunk_attention(q2, cache, kc, kc, implementation="reference", **kw)
+
+
+def test_autotune_checks_cache_and_candidates(case):
+  q, cache = case
+  model_cache = jaxkv.ModelCache.init(FMT, 1, B, HKV, D, CAP, jnp.float32)
+  for bad in (model_cache, model_cache.layer_view(0), "kivi4"):
+    with pytest.raises(TypeError, match="cache must be a jaxkv.KVCache"):
+      jaxkv.autotune(q, bad)
+  with pytest.raises(ValueError, match=r"candidates=\[\] gives nothing to time"):
+    jaxkv.autotune(q, cache, candidates=[])
+  with pytest.raises(TypeError, match="candidates must be pallas_kernels.DecodeAttentionConfig"):
+    jaxkv.autotune(q, cache, candidates=["fast"])

@@ -242,3 +242,48 @@ def test_eager_prefill_accepts_any_padding_ids(model):
     model.prefill(bad, [2, 4], cache)
   with pytest.raises(ValueError, match=r"tokens.shape=\(2, 0\): prefill needs T >= 1"):
     model.prefill(np.zeros((2, 0), np.int32), [0, 0], cache)
+
+
+# ------------------------------------------------- review of 2026-11-27 (fifth)
+def test_plan_append_checks_shape_max_new_and_room():
+  cache = ModelCache.init("kivi4", LAYERS, B, H, D, 8, jnp.float32)
+  with pytest.raises(ValueError, match=r"num_new.shape=\(3,\) must be \(2,\)"):
+    cache.plan_append(np.asarray([1, 1, 1]))
+  with pytest.raises(ValueError, match=r"num_new.shape=\(2, 1\) must be \(2,\)"):
+    cache.plan_append(np.asarray([[1], [2]]))
+  with pytest.raises(ValueError, match="max_new=2.7 must be an int >= 0"):
+    cache.plan_append(np.asarray([1, 1]), max_new=2.7)
+  with pytest.raises(ValueError, match=r"num_new: sequences \[0, 1\] would grow past capacity=8"):
+    cache.plan_append(9)  # a scalar: every sequence
+  np.testing.assert_array_equal(np.asarray(cache.plan_append(3).num_new), [3, 3])
+
+
+def test_codebooks_validate_checks_the_k_side_and_load_finds_npz(tmp_path):
+  good = _books()
+  wrong_k = vq.VQCodebooks(k=good.k[..., :2, :], v=good.v, fmt=VQF)  # 2 entries where 4
+  with pytest.raises(ValueError, match=r"codebooks.k.shape=.* must be"):
+    wrong_k.validate()
+  path = str(tmp_path / "books")                  # no suffix: numpy writes books.npz
+  good.save(path)
+  back = vq.VQCodebooks.load(path)
+  np.testing.assert_array_equal(np.asarray(back.k), np.asarray(good.k))
+  assert back.fmt == good.fmt
+
+
+def test_staged_attention_checks_shapes():
+  from jaxkv.staged_cache import staged_attention  # pylint: disable=import-outside-toplevel
+  cache = KVCache.init("kivi4", B, H, D, 64, jnp.float32)
+  q = jnp.ones((B, 1, 2 * H, D), jnp.float32)
+  stage = jnp.ones((B, 3, H, D), jnp.float32)
+  staged = jnp.asarray([2, 2], jnp.int32)
+  staged_attention(q, cache, stage, stage, staged)  # fine
+  for k_stage, match in ((stage[:, :, :1], r"k_stage.shape=\(2, 3, 1, 16\) must be"),
+                         (stage[:1], r"k_stage.shape=\(1, 3, 2, 16\) must be")):
+    with pytest.raises(ValueError, match=match):
+      staged_attention(q, cache, k_stage, k_stage, staged)
+  with pytest.raises(ValueError, match=r"k_stage.shape=.* != v_stage.shape"):
+    staged_attention(q, cache, stage, stage[:, :2], staged)
+  with pytest.raises(ValueError, match=r"staged must be \[2\] integer counts"):
+    staged_attention(q, cache, stage, stage, jnp.asarray([2.0, 2.0]))
+  with pytest.raises(ValueError, match=r"q.shape=\(1, 1, 4, 16\) must be"):
+    staged_attention(q[:1], cache, stage, stage, staged)
