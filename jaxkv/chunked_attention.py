@@ -80,9 +80,11 @@ def _pallas(q, cache: KVCache, k_chunk, v_chunk, scale, config, interpret: bool)
 
   def attend(q, cache, k_chunk, v_chunk):
     k_hist, v_hist = cache.dequantize()                                 # [bs, C, Hkv, D]
+    # The kernel's MMA operands share q's dtype (the cast it did itself before).
     return pallas_chunk_attention(q, k_hist.astype(q.dtype), v_hist.astype(q.dtype),
-                                  cache.lengths, k_chunk, v_chunk, scale=scale,
-                                  config=config, interpret=interpret)
+                                  cache.lengths, k_chunk.astype(q.dtype),
+                                  v_chunk.astype(q.dtype), scale=scale, config=config,
+                                  interpret=interpret)
 
   if bs >= b:
     return attend(q, cache, k_chunk, v_chunk)

@@ -82,10 +82,19 @@ def question_messages(document: str, question: str) -> list[dict]:
 
 # ----------------------------------------------------------------- metrics
 def perplexity(target_logprobs) -> float:
-  """``exp(-mean log p(target))`` over all given positions (natural log)."""
+  """``exp(-mean log p(target))`` over all given positions (natural log).
+
+  Raises:
+    ValueError: no positions; a NaN or a positive value (not a log-probability:
+      probabilities given instead of their logs read as a perplexity near 1).
+  """
   lp = np.asarray(target_logprobs, np.float64)
   if lp.size == 0:
     raise ValueError("perplexity of zero tokens is undefined")
+  if np.isnan(lp).any() or (lp > 1e-6).any():
+    raise ValueError(f"target_logprobs must be log-probabilities (<= 0, no NaN); got values in "
+                     f"[{np.nanmin(lp):.3g}, {np.nanmax(lp):.3g}]"
+                     + (" and NaN" if np.isnan(lp).any() else ""))
   return float(np.exp(-lp.mean()))
 
 
@@ -93,15 +102,33 @@ def kl_divergence(ref_logprobs, logprobs) -> np.ndarray:
   """``KL(ref || other)`` per position over the last (vocabulary) axis, in nats.
 
   Args:
-    ref_logprobs, logprobs: ``[..., V]`` normalised log-probabilities.
+    ref_logprobs, logprobs: ``[..., V]`` normalised log-probabilities (a
+      token of probability 0 in ``ref`` adds nothing: ``0 log 0 = 0``).
   Returns:
-    ``[...]`` float64, >= 0 up to rounding.
+    ``[...]`` float64, >= 0 up to rounding (inf where ``ref`` gives mass to a
+    token ``logprobs`` makes impossible).
+  Raises:
+    ValueError: shapes that differ, NaN, or rows that are not normalised
+      log-probabilities (``logsumexp`` off 0 by more than 1e-3: e.g.
+      probabilities passed instead of their logs).
   """
   ref = np.asarray(ref_logprobs, np.float64)
   other = np.asarray(logprobs, np.float64)
   if ref.shape != other.shape:
     raise ValueError(f"shapes differ: {ref.shape} vs {other.shape}")
-  return np.sum(np.exp(ref) * (ref - other), axis=-1)
+  for name, x in (("ref_logprobs", ref), ("logprobs", other)):
+    if np.isnan(x).any():
+      raise ValueError(f"{name} holds NaN")
+    top = np.max(x, axis=-1, keepdims=True)
+    lse = (top + np.log(np.sum(np.exp(x - np.where(np.isfinite(top), top, 0.0)), axis=-1,
+                               keepdims=True)))[..., 0]
+    if x.size and np.max(np.abs(lse)) > 1e-3:
+      raise ValueError(f"{name} must be normalised log-probabilities over the last axis "
+                       f"(logsumexp 0); a row has logsumexp {lse.ravel()[np.argmax(np.abs(lse))]:.4g}")
+  p = np.exp(ref)
+  with np.errstate(invalid="ignore"):
+    terms = p * (ref - other)
+  return np.sum(np.where(p > 0, terms, 0.0), axis=-1)
 
 
 def first_divergence(ref_tokens, tokens) -> np.ndarray:
@@ -338,6 +365,11 @@ def evaluate(model, tokenizer, formats: dict[str, KVFormat | vq.VQFormat] | None
   config = model.config
   formats = default_formats(config.head_dim) if formats is None else {
       name: as_format(fmt) for name, fmt in formats.items()}
+  first, ref_fmt = next(iter(formats.items()), (None, None))
+  if not (isinstance(ref_fmt, KVFormat) and ref_fmt.k_bits == 16 and ref_fmt.v_bits == 16):
+    raise ValueError(f"the first format is the reference the KL and greedy agreement are "
+                     f"measured against ('kl_vs_bf16'): it must be a 16-bit KVFormat such as "
+                     f"'bf16', got {first!r}: {ref_fmt}")
   text_ids = tokenizer.encode(reference_text())
   qa = [tokenizer.encode_chat(question_messages(d, q))
         for d, q in document_question_prompts(questions)] if questions else []

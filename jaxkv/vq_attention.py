@@ -128,6 +128,11 @@ def vq_decode_attention(q: jax.Array, cache: VQCache, *, scale=None,
                     f"or a MosaicAttentionConfig (Mosaic) for a VQ cache, got "
                     f"{type(config).__name__}")
   impl = resolve(q, cache, implementation, config)
+  if config is not None and impl == "reference":  # it would be ignored
+    raise ValueError(f"config={config!r} is for a Pallas kernel, but decode_attention runs the "
+                     f"reference for this VQ cache here (implementation={implementation!r} on "
+                     f"{jax.default_backend()}): pass implementation='triton' / 'mosaic' to "
+                     f"use it, or leave config out")
   if impl == "mosaic":
     # pylint: disable-next=import-outside-toplevel
     from pallas_kernels import mosaic_vq_attention

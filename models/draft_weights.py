@@ -58,6 +58,31 @@ class QuantizedWeight:
   group: int = _static()
   bits: int = _static(default=4)
 
+  def __post_init__(self):
+    """ValueError naming the field for a weight whose parts disagree (a ``[1, out]``
+    scale broadcast over every group before). Leaves without a shape (pytree
+    placeholders inside JAX transformations) are not checked."""
+    if isinstance(self.bits, bool) or self.bits not in _BITS:
+      raise ValueError(f"bits={self.bits!r} must be one of {list(_BITS)}")
+    if isinstance(self.group, bool) or not isinstance(self.group, (int, np.integer)) \
+        or self.group < 1 or (self.bits == 4 and self.group % 2):
+      raise ValueError(f"group={self.group!r} must be a positive int (even for 4 bits)")
+    shapes = [getattr(x, "shape", None) for x in (self.codes, self.scale, self.zero)]
+    if any(sh is None for sh in shapes):
+      return
+    if len(shapes[0]) != 2:
+      raise ValueError(f"codes.shape={tuple(shapes[0])} must be 2-D [in / (8 / bits), out]")
+    if getattr(self.codes, "dtype", jnp.uint8) != jnp.uint8:
+      raise ValueError(f"codes.dtype={self.codes.dtype} must be uint8")
+    n_in, n_out = self.shape
+    if n_in % self.group:
+      raise ValueError(f"group={self.group} must divide the {n_in} input rows")
+    want = (n_in // self.group, n_out)
+    for name, sh in (("scale", shapes[1]), ("zero", shapes[2])):
+      if tuple(sh) != want:
+        raise ValueError(f"{name}.shape={tuple(sh)} must be {want} (one per group of "
+                         f"{self.group} rows and output column)")
+
   @property
   def shape(self) -> tuple[int, int]:
     """``(in, out)`` of the kernel this weight stands for."""
@@ -99,6 +124,9 @@ def quantize_kernel(w: jax.Array, *, bits: int = 4, group_size: int = 128) -> Qu
   if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)) \
       or group_size < 1:
     raise ValueError(f"group_size={group_size!r} must be a positive int")
+  if getattr(w, "ndim", None) != 2 or not jnp.issubdtype(w.dtype, jnp.floating):
+    raise ValueError(f"w (shape {getattr(w, 'shape', None)}, dtype {getattr(w, 'dtype', None)}) "
+                     f"must be a 2-D [in, out] float kernel")
   n_in, n_out = w.shape
   group = math.gcd(n_in, int(group_size))
   if bits == 4 and group % 2:

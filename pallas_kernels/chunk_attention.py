@@ -179,6 +179,12 @@ def pallas_chunk_attention(q: jax.Array, k_hist: jax.Array, v_hist: jax.Array,
     raise TypeError(f"q.dtype={q.dtype} must be floating")
   b, c, hq, d = q.shape
   cap, hkv = k_hist.shape[1], k_hist.shape[2]
+  if hkv < 1:
+    raise ValueError(f"k_hist.shape={k_hist.shape} has no kv heads")
+  for name, x in (("k_hist", k_hist), ("v_hist", v_hist), ("k_chunk", k_chunk),
+                  ("v_chunk", v_chunk)):
+    if x.dtype != q.dtype:  # the MMA operands: a silent cast rounded float32 history
+      raise TypeError(f"{name}.dtype={x.dtype} must equal q.dtype={q.dtype} (cast first)")
   _triton.check_counts("hist_len", hist_len, b, cap, "C")
   if scale is None or isinstance(scale, jax.core.Tracer):  # float(scale) below needs a value
     raise TypeError(f"scale={scale!r} must be a concrete real number")

@@ -137,6 +137,12 @@ class DecodeAttentionConfig:
     _triton.check_launch(self)
     for name in ("block_k", "num_splits", "num_warps", "num_stages"):  # numpy ints -> int
       object.__setattr__(self, name, int(getattr(self, name)))
+    for f in dataclasses.fields(self):  # "no" is truthy: flags must be real bools
+      value = getattr(self, f.name)
+      if f.type in ("bool", bool) and not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{f.name}={value!r} must be a bool")
+      if f.type in ("bool", bool):
+        object.__setattr__(self, f.name, bool(value))
 
   @classmethod
   def default(cls, *, batch: int, tokens: int, q_heads: int, kv_heads: int,
@@ -1227,7 +1233,8 @@ def supports(fmt: CacheFormat, *, head_dim: int, num_q_heads: int | None = None,
     if rows > 128:
       return False, f"(Hq/Hkv)*S={rows} query rows per kv head must be <= 128"
   if capacity is not None and capacity % 256 and capacity % max(16, fmt.token_group):
-    return False, f"capacity={capacity} must be a multiple of 256"
+    return False, (f"capacity={capacity} must be a multiple of 256 or of "
+                   f"max(16, token_group={fmt.token_group})")
   return True, ""
 
 
@@ -1235,6 +1242,8 @@ def dequant_decode_attention_reference(
     q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_residual, v_residual,
     lengths, *, fmt: CacheFormat, scale: float | None = None, view: str = "target") -> jax.Array:
   """The spec (plain jnp, float32): exact attention over the dequantized cache (``view``)."""
+  if view not in ("target", "draft") or (view == "draft" and not fmt.hierarchical):
+    raise ValueError(f"view={view!r} must be 'target', or 'draft' for a hierarchical format")
   batch, num_queries, q_heads, head_dim = q.shape
   kv_heads, capacity = k_codes.shape[1], k_codes.shape[2]
   residual = k_residual.shape[2]

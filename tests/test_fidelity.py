@@ -46,6 +46,24 @@ def test_kl_divergence_known_values():
     fidelity.kl_divergence(lp, lp[:2])
 
 
+def test_kl_and_perplexity_refuse_what_is_not_a_log_probability(model):
+  # A token of probability 0 in the reference adds 0 (it gave NaN from 0 * -inf).
+  with np.errstate(divide="ignore"):
+    ref = np.log([[0.5, 0.5, 0.0]])
+  got = fidelity.kl_divergence(ref, np.log([[0.4, 0.4, 0.2]]))
+  np.testing.assert_allclose(got, [np.log(0.5 / 0.4)], rtol=1e-12)
+  with pytest.raises(ValueError, match="normalised log-probabilities"):
+    fidelity.kl_divergence(np.array([[0.5, 0.5]]), np.array([[0.9, 0.1]]))  # not logs
+  with pytest.raises(ValueError, match="holds NaN"):
+    fidelity.kl_divergence(np.log([[0.5, 0.5]]), np.array([[np.nan, -1.0]]))
+  for bad in ([0.5, 0.2], [np.nan, -1.0]):
+    with pytest.raises(ValueError, match="must be log-probabilities"):
+      fidelity.perplexity(bad)
+  # The reference of `evaluate` must be a 16-bit format (it is reported as "vs bf16").
+  with pytest.raises(ValueError, match="must be a 16-bit KVFormat such as 'bf16', got 'kivi4'"):
+    fidelity.evaluate(model, None, {"kivi4": "kivi4", "bf16": "bf16"})
+
+
 def test_first_divergence():
   ref = np.array([[1, 2, 3, 4], [1, 2, 3, 4], [5, 5, 5, 5]])
   other = np.array([[1, 2, 3, 4], [1, 9, 3, 4], [0, 5, 5, 5]])

@@ -181,6 +181,11 @@ def test_pallas_chunk_attention_checks_scale_and_q(case):
   with pytest.raises(TypeError, match="q.dtype=int32 must be floating"):
     pk.pallas_chunk_attention(q.astype(jnp.int32), k_hist, v_hist, hist_len, kc, kc,
                               scale=0.125, interpret=True)
+  # A float32 history under bfloat16 queries was rounded silently.
+  with pytest.raises(TypeError, match="k_hist.dtype=float32 must equal q.dtype=bfloat16"):
+    pk.pallas_chunk_attention(q.astype(jnp.bfloat16), k_hist, v_hist, hist_len,
+                              kc.astype(jnp.bfloat16), kc.astype(jnp.bfloat16), scale=0.125,
+                              interpret=True)
 
 
 # ------------------------------------------------------------ chunk_attention
@@ -298,3 +303,37 @@ def test_autotune_checks_cache_and_candidates(case):
     jaxkv.autotune(q, cache, candidates=[])
   with pytest.raises(TypeError, match="candidates must be pallas_kernels.DecodeAttentionConfig"):
     jaxkv.autotune(q, cache, candidates=["fast"])
+
+
+def test_kernel_entry_points_refuse_what_they_would_ignore(case):
+  """Third review (2026-11-27): flags that are not bools, a view a format has not,
+  a hand-built draft weight whose parts disagree, timing helpers with no calls."""
+  q, cache = case
+  with pytest.raises(ValueError, match="fast_exp='no' must be a bool"):
+    pk.DecodeAttentionConfig(fast_exp="no")
+  with pytest.raises(ValueError, match="defer_sums=None must be a bool"):
+    pk.DecodeAttentionConfig(defer_sums=None)
+  assert pk.DecodeAttentionConfig(prefetch=np.bool_(False)).prefetch is False
+  from pallas_kernels.dequant_attention import dequant_decode_attention_reference  # pylint: disable=import-outside-toplevel
+  for view in ("draft", "nonsense"):
+    with pytest.raises(ValueError, match=f"view='{view}' must be 'target'"):
+      dequant_decode_attention_reference(q, *_raw_args(cache), cache.lengths, fmt=cache.fmt,
+                                         view=view)
+  from models.draft_weights import QuantizedWeight, quantize_kernel  # pylint: disable=import-outside-toplevel
+  w = jnp.asarray(np.random.default_rng(2).standard_normal((256, 32)), jnp.float32)
+  qw = quantize_kernel(w, group_size=64)
+  with pytest.raises(ValueError, match=r"scale.shape=\(1, 32\) must be \(4, 32\)"):
+    QuantizedWeight(qw.codes, qw.scale[:1], qw.zero[:1], group=64, bits=4)
+  for kw, match in ((dict(bits=2), "bits=2 must be one of"), (dict(group=48), "group=48 must divide"),
+                    (dict(group=3), "group=3 must be a positive int")):
+    with pytest.raises(ValueError, match=match):
+      QuantizedWeight(qw.codes, qw.scale, qw.zero, **{"group": 64, "bits": 4, **kw})
+  with pytest.raises(ValueError, match="must be a 2-D"):
+    quantize_kernel(w[0])
+  from jaxkv import timing  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match="firsts must hold at least one"):
+    timing.device_time(lambda x: x, [])
+  with pytest.raises(ValueError, match="reps=0 must be an int >= 1"):
+    timing.device_time(lambda x: x, [jnp.ones(2)], reps=0)
+  with pytest.raises(ValueError, match="calls=2.5 must be an int >= 1"):
+    timing.kernel_time(lambda x: x, [(jnp.ones(2),)], calls=2.5)

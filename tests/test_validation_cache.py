@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxkv
 from jaxkv import KVCache, ModelCache, VQCache, VQModelCache, vq
 from jaxkv.staged_cache import StagedCache
 from models import llama
@@ -287,3 +288,13 @@ def test_staged_attention_checks_shapes():
     staged_attention(q, cache, stage, stage, jnp.asarray([2.0, 2.0]))
   with pytest.raises(ValueError, match=r"q.shape=\(1, 1, 4, 16\) must be"):
     staged_attention(q[:1], cache, stage, stage, staged)
+
+
+def test_vq_attention_refuses_a_config_the_reference_would_ignore():
+  from pallas_kernels.vq_attention import VQAttentionConfig  # pylint: disable=import-outside-toplevel
+  cache = VQCache.init(VQF, _books(layers=1), B, H, D, 64, jnp.float32, layer=0)
+  cache = cache.prefill(_kv(20), _kv(20, seed=1), jnp.asarray([20, 9]))
+  q = jnp.ones((B, 1, 2 * H, D), jnp.float32)
+  for impl in (None, "reference"):
+    with pytest.raises(ValueError, match="is for a Pallas kernel, but decode_attention runs"):
+      jaxkv.decode_attention(q, cache, implementation=impl, config=VQAttentionConfig())
