@@ -285,6 +285,20 @@ class MosaicAttentionConfig:
     # ((1, 32768): 24.6 -> 23.7 with 2 stages) and in 128-token blocks with the
     # 2-per-SM split count above.
     shuffle = k_bits == 2 or (k_bits == 4 and block_k == 64) or kivi4_wide
+    if (k_bits, v_bits) == (4, 4) and block_k == 128 and heads > 64:
+      # Over more than 64 pairs, V built early keeps them at 171-172 registers
+      # (2 per SM); where those split counts fill their last wave at 2 per SM
+      # poorly (< 90 %), shuffled scales with V after the softmax run 3 per SM
+      # (163-170 registers), at least 2 splits (H100, whole call us: (48,
+      # 32768) 624.9 (2 splits) vs 659.8 (3, the 2-per-SM count; 1.87 waves of
+      # its 4.36 used), (100, 32768) 1274.0 vs 1324.4; where the count fills
+      # its waves, it stays: (16 / 32 / 64, 32768) 216.0 / 416.0 / 822.9 vs
+      # 219.9 / 424.4 / 833.2 at the best 3-per-SM count;
+      # `attention-ab-kivi4-wide-20261127f-*`)
+      programs, two_per_sm = heads * splits, 2 * num_sms
+      if programs * 10 < -(-programs // two_per_sm) * two_per_sm * 9:
+        splits = max(one_wave_splits(3 * num_sms, heads, blocks), min(2, blocks // 4))
+        early_v, shuffle = False, True
     # Subnormal codes for 4-bit K and V (H100, kernel us, kivi4: 68.4 vs 70.4 at
     # (1, 131072), 132.3 vs 134.8 at (8, 32768), 1291 vs 1342 at (96, 32768)),
     # and with byte masks (one shift per word) for 2-bit too: whole call, H100,
