@@ -8,6 +8,13 @@ transpose; this kernel reads ``o_t`` as it is and writes the normalized
 ``[B, H, M, D]`` output in one launch, like the Triton family's
 ``jaxkv_decode_combine``.
 
+With ``q`` (and ``seq_bad``) the kernel also applies the input policy's
+poison (README "Input policy"): a query row holding a NaN/inf, or every row of
+a flagged sequence, comes out NaN. It reads q itself, so the flags cost no
+XLA kernels of their own (two per call and layer when computed apart,
+`_triton.nonfinite_query_rows`: ~2.8 us per layer of a B = 1 decode step on
+an H200).
+
 ``packed_rows`` (optional, ``[D]`` ints) says where channel ``c`` sits in the
 rows of every partial but the last ``plain_tail`` (default 1): the register V
 path of the Mosaic kernel leaves the packed splits' rows in the MMA's column
@@ -33,6 +40,7 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels import _triton
 
 _BUDGET = 8192  # float32 elements of one [J', dblk, M] tile per program
+_MIN_PROGRAMS = 64  # channel blocks split further until this many programs run
 
 
 def combine_t_reference(o_t, l, m, *, rows: int, packed_rows=None, out_dtype=jnp.float32,
@@ -54,11 +62,37 @@ def combine_t_reference(o_t, l, m, *, rows: int, packed_rows=None, out_dtype=jnp
   return out.astype(out_dtype)
 
 
+def _query_flags(q_ref, seq_bad_ref, *, rows: int, num_queries: int, group: int,
+                 q_heads: int, head_dim: int):
+  """``[rows]`` bool of the program's kv head: query row ``r = g S + s`` (q head
+  ``h G + g``, query ``s``) holds a NaN/inf, or the sequence is flagged; rows
+  past ``G S`` are False. ``q_ref``: the sequence's q flattened ``[S * Hq *
+  D]``; ``seq_bad_ref [1]`` int32."""
+  r = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)                   # [M, 1]
+  valid = r < group * num_queries
+  head = pl.program_id(1) * group + r // num_queries
+  d = jax.lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)               # [1, D]
+  flat = ((r % num_queries) * q_heads + head) * head_dim + d              # [M, D]
+  qv = plt.load(q_ref.at[flat], mask=jnp.broadcast_to(valid, flat.shape), other=0.0)
+  # NaN fails every comparison: |x| <= max is False exactly for NaN and inf
+  finite = jnp.abs(qv.astype(jnp.float32)) <= jnp.finfo(jnp.float32).max
+  nonfinite = jnp.min(finite.astype(jnp.int32), axis=1) == 0              # [M]
+  return (nonfinite | (seq_bad_ref[0] != 0)) & valid[:, 0]
+
+
 def _kernel(o_ref, l_ref, m_ref, rows_ref, *refs, num_parts, parts_pad, dblk, rows, width,
-            permuted, plain_tail, poison):
+            permuted, plain_tail, poison, query):
   """One (batch, kv head, channel block): all partials at once, gathered rows;
-  with ``poison`` (refs: ``bad_ref, out_ref``) the flagged rows are NaN."""
-  bad_ref, out_ref = refs if poison else (None, refs[0])
+  with ``poison`` (refs: ``bad_ref, out_ref``) the flagged rows are NaN; with
+  ``query`` (``(S, G, Hq, D)``; refs: ``q_ref, seq_bad_ref, out_ref``) the
+  rows `_query_flags` finds are."""
+  if query is not None:
+    q_ref, seq_bad_ref, out_ref = refs
+    num_queries, group, q_heads, q_dim = query
+    flags = _query_flags(q_ref, seq_bad_ref, rows=rows, num_queries=num_queries, group=group,
+                         q_heads=q_heads, head_dim=q_dim)
+  else:
+    bad_ref, out_ref = refs if poison else (None, refs[0])
   d0 = pl.program_id(2) * dblk
   part = jax.lax.broadcasted_iota(jnp.int32, (parts_pad, 1), 0)           # [J', 1]
   live = part < num_parts
@@ -86,20 +120,24 @@ def _kernel(o_ref, l_ref, m_ref, rows_ref, *refs, num_parts, parts_pad, dblk, ro
   num = jnp.sum(w[:, None, :] * o, axis=0)                               # [dblk, M]
   safe = jnp.where(den == 0, 1.0, den)
   out = jnp.where((den == 0)[None, :], 0.0, num / safe[None, :])
-  if poison:
+  if query is not None:
+    out = jnp.where(flags[None, :], jnp.nan, out)
+  elif poison:
     out = jnp.where((bad_ref[...] != 0)[None, :], jnp.nan, out)
   out_ref[...] = out.T.astype(out_ref.dtype)                             # [M, dblk]
 
 
 def combine_t(o_t: jax.Array, l: jax.Array, m: jax.Array, *, rows: int, packed_rows=None,
               out_dtype=jnp.float32, interpret: bool = False, plain_tail: int = 1,
-              bad=None) -> jax.Array:
+              bad=None, q=None, seq_bad=None) -> jax.Array:
   """Merge ``o_t [B,H,J,D,N], l/m [B,H,J,N']`` over J into ``[B, H, rows, D]``.
 
   ``rows`` (a power of two <= N) query rows are merged; ``packed_rows`` see the
   module docstring. The last ``plain_tail`` partials are always read in
   channel order. ``bad``: optional ``[B, H, rows]`` int32, nonzero rows come
-  out NaN (`_triton.nonfinite_query_rows`).
+  out NaN (`_triton.nonfinite_query_rows`). ``q [B, S, Hq, D]`` (and
+  ``seq_bad [B]`` bool, optional): the same flags computed in the kernel from
+  q (``Hq`` a multiple of the H kv heads); not with ``bad``.
   """
   batch, heads, num_parts, head_dim, width = o_t.shape
   if not 1 <= plain_tail <= num_parts:
@@ -121,15 +159,40 @@ def combine_t(o_t: jax.Array, l: jax.Array, m: jax.Array, *, rows: int, packed_r
   dblk = head_dim
   while dblk > 1 and parts_pad * dblk * rows > _BUDGET:
     dblk //= 2
+  # a single sequence: more, smaller channel blocks (each program's loads are
+  # latency, not bandwidth)
+  while dblk > 16 and batch * heads * (head_dim // dblk) < _MIN_PROGRAMS:
+    dblk //= 2
   poison = bad is not None
   if poison and bad.shape != (batch, heads, rows):
     raise ValueError(f"bad.shape={bad.shape} must be {(batch, heads, rows)}")
-  kernel = functools.partial(_kernel, num_parts=num_parts, parts_pad=parts_pad, dblk=dblk,
-                             rows=rows, width=width, permuted=permuted, plain_tail=plain_tail,
-                             poison=poison)
-  o_flat = o_t.reshape(batch, heads, num_parts, head_dim * width)  # free
+  query = None
   extra = ([pl.BlockSpec((None, None, rows), lambda b, h, d: (b, h, 0))], [bad]) if poison \
       else ([], [])
+  if q is not None:
+    if poison:
+      raise ValueError("pass either bad= or q= (the kernel's own flags), not both")
+    if q.ndim != 4 or q.shape[0] != batch or q.shape[2] % heads:
+      raise ValueError(f"q.shape={q.shape} must be [B={batch}, S, Hq, D] with Hq a multiple "
+                       f"of the {heads} kv heads")
+    num_queries, q_heads, q_dim = q.shape[1:]
+    group = q_heads // heads
+    if group * num_queries > rows:
+      raise ValueError(f"q has {group * num_queries} query rows per kv head; rows={rows}")
+    if seq_bad is None:
+      seq_bad = jnp.zeros((batch,), bool)
+    if seq_bad.shape != (batch,):
+      raise ValueError(f"seq_bad.shape={seq_bad.shape} must be ({batch},)")
+    query = (num_queries, group, q_heads, q_dim)
+    extra = ([pl.BlockSpec((None, num_queries * q_heads * q_dim), lambda b, h, d: (b, 0)),
+              pl.BlockSpec((1,), lambda b, h, d: (b,))],
+             [q.reshape(batch, -1), seq_bad.astype(jnp.int32)])
+  elif seq_bad is not None:
+    raise ValueError("seq_bad needs q")
+  kernel = functools.partial(_kernel, num_parts=num_parts, parts_pad=parts_pad, dblk=dblk,
+                             rows=rows, width=width, permuted=permuted, plain_tail=plain_tail,
+                             poison=poison, query=query)
+  o_flat = o_t.reshape(batch, heads, num_parts, head_dim * width)  # free
   return pl.pallas_call(
       kernel,
       grid=(batch, heads, head_dim // dblk),

@@ -694,9 +694,10 @@ def mosaic_decode_attention(
     elif _register_v(config, v_side, head_dim, dtype):
       packed_rows = np.argsort(mosaic_dequant.code_permutation(head_dim, v_side.bits))
     rows = _triton.next_pow2(q_rows)
-    bad = None if seq_bad is None else _triton.nonfinite_query_rows(q, seq_bad, kv_heads, rows)
+    # the input policy's flags computed in the combine kernel from q itself
+    poison = {} if seq_bad is None else dict(q=q, seq_bad=seq_bad)
     return unpack_out(combine_t.combine_t(o_part, l_part, m_part, rows=rows,
-                                          packed_rows=packed_rows, out_dtype=q.dtype, bad=bad),
+                                          packed_rows=packed_rows, out_dtype=q.dtype, **poison),
                       l_part, m_part)
 
   k_w = k_codes.shape[-1]

@@ -108,6 +108,49 @@ def test_flagged_rows_come_out_nan_and_the_rest_unchanged():
     ct.combine_t(*args, rows=4, interpret=True, bad=jnp.asarray(bad[:, :, :2]))
 
 
+@pytest.mark.parametrize("num_queries,q_heads,heads,rows", [(1, 8, 2, 4), (2, 12, 3, 8),
+                                                            (3, 4, 1, 16)])
+def test_flags_from_q_in_the_kernel(num_queries, q_heads, heads, rows):
+  """With ``q`` (and ``seq_bad``) the kernel flags the rows itself: query row
+  ``g S + s`` of kv head ``h`` is NaN iff q[b, s, h G + g] holds a NaN/inf or
+  sequence b is flagged (numpy oracle); every other row is the unflagged
+  result bit for bit. GQA 4 / q_len 2 / q_len 3 (rows past G S padded)."""
+  batch, head_dim, width = 3, 64, max(rows, 8)
+  o_t, l, m, _ = _problem(11 + rows, batch, heads, 5, head_dim, rows, width)
+  args = tuple(jnp.asarray(x, jnp.float32) for x in (o_t, l, m))
+  rng = np.random.default_rng(rows)
+  q = rng.normal(size=(batch, num_queries, q_heads, head_dim)).astype(np.float32)
+  q[0, num_queries - 1, q_heads - 1, 5] = np.nan
+  q[1, 0, 0, head_dim - 1] = np.inf
+  q[1, num_queries - 1, q_heads // 2, 0] = -np.inf
+  seq_bad = np.array([False, False, True])
+  group = q_heads // heads
+  want = np.zeros((batch, heads, rows), bool)
+  for b in range(batch):
+    for h in range(heads):
+      for g in range(group):
+        for s_ in range(num_queries):
+          want[b, h, g * num_queries + s_] = (seq_bad[b]
+                                              or not np.isfinite(q[b, s_, h * group + g]).all())
+  plain = np.asarray(ct.combine_t(*args, rows=rows, interpret=INTERPRET))
+  got = np.asarray(ct.combine_t(*args, rows=rows, interpret=INTERPRET,
+                                q=jnp.asarray(q, jnp.bfloat16), seq_bad=jnp.asarray(seq_bad)))
+  flagged = np.broadcast_to(want[..., None], got.shape)
+  assert want.any() and not want.all()
+  assert np.isnan(got[flagged]).all()
+  np.testing.assert_array_equal(got[~flagged], plain[~flagged])
+  # without seq_bad: only the non-finite rows
+  got = np.asarray(ct.combine_t(*args, rows=rows, interpret=INTERPRET, q=jnp.asarray(q)))
+  assert np.isnan(got[0, heads - 1, group * num_queries - 1]).all()  # q[0, S-1, Hq-1] has a NaN
+  assert np.isfinite(got[2]).all()
+  if INTERPRET:  # the Triton lowering of the flags (no GPU needed)
+    lowered = jax.jit(lambda o, l_, m_, q_, sb: ct.combine_t(
+        o, l_, m_, rows=rows, q=q_, seq_bad=sb)).trace(
+            *args, jnp.asarray(q, jnp.bfloat16), jnp.asarray(seq_bad)).lower(
+                lowering_platforms=("cuda",))
+    assert "triton" in lowered.as_text().lower()
+
+
 def test_bad_arguments():
   o_t = jnp.zeros((1, 1, 3, 64, 16))
   l = jnp.zeros((1, 1, 3, 16))
@@ -115,6 +158,17 @@ def test_bad_arguments():
     ct.combine_t(o_t, l, l, rows=6)
   with pytest.raises(ValueError, match="rows=32"):
     ct.combine_t(o_t, l, l, rows=32)
+  q = jnp.zeros((1, 1, 4, 64))
+  with pytest.raises(ValueError, match="not both"):
+    ct.combine_t(o_t, l, l, rows=4, q=q, bad=jnp.zeros((1, 1, 4), jnp.int32))
+  with pytest.raises(ValueError, match="query rows per kv head"):
+    ct.combine_t(o_t, l, l, rows=2, q=q)
+  with pytest.raises(ValueError, match=r"q.shape=\(1, 4, 64\)"):
+    ct.combine_t(o_t, l, l, rows=4, q=q[0])
+  with pytest.raises(ValueError, match="seq_bad needs q"):
+    ct.combine_t(o_t, l, l, rows=4, seq_bad=jnp.zeros((1,), bool))
+  with pytest.raises(ValueError, match=r"seq_bad.shape=\(2,\)"):
+    ct.combine_t(o_t, l, l, rows=4, q=q, seq_bad=jnp.zeros((2,), bool))
   with pytest.raises(ValueError, match="permutation of range"):
     ct.combine_t(o_t, l, l, rows=8, packed_rows=np.zeros(64, int))
   with pytest.raises(ValueError, match="l .* and m"):
