@@ -426,6 +426,9 @@ class KVCache(ResidualBlockCache):
     use_kernel: quantize with the Pallas pack kernel (static; default: on
       GPU; Pallas interpret mode elsewhere). Results are bitwise identical
       either way.
+    k_sink, v_sink: ``[B, S, Hkv, D]`` exact copies of each sequence's first
+      ``S = fmt.sink_tokens`` tokens (rows past ``L`` zero), or None (S = 0).
+      The packed storage is unchanged; `dequantize` reads these rows instead.
   """
 
   k: QuantizedKV
@@ -438,6 +441,8 @@ class KVCache(ResidualBlockCache):
   fmt: KVFormat = _static()
   capacity: int = _static()
   use_kernel: bool = _static(default=False)
+  k_sink: jax.Array | None = None
+  v_sink: jax.Array | None = None
 
   # ------------------------------------------------------------ construction
   @classmethod
@@ -468,6 +473,7 @@ class KVCache(ResidualBlockCache):
     if use_kernel and fmt.is_quantized:
       _check_pack_kernel(fmt, head_dim)
     res_shape = (batch, kv_heads, fmt.residual, head_dim)
+    sink_shape = (batch, fmt.sink_tokens, kv_heads, head_dim)
     return cls(
         k=_empty_side(fmt, fmt.k_bits, fmt.k_axis, batch, kv_heads, head_dim, storage, dtype),
         v=_empty_side(fmt, fmt.v_bits, "token", batch, kv_heads, head_dim, storage, dtype),
@@ -476,7 +482,9 @@ class KVCache(ResidualBlockCache):
         lengths=jnp.zeros((batch,), jnp.int32),
         overflow=jnp.zeros((batch,), bool),
         nonfinite=jnp.zeros((batch,), bool),
-        fmt=fmt, capacity=int(capacity), use_kernel=bool(use_kernel))
+        fmt=fmt, capacity=int(capacity), use_kernel=bool(use_kernel),
+        k_sink=jnp.zeros(sink_shape, dtype) if fmt.sink_tokens else None,
+        v_sink=jnp.zeros(sink_shape, dtype) if fmt.sink_tokens else None)
 
   @property
   def storage_len(self) -> int:
@@ -508,7 +516,11 @@ class KVCache(ResidualBlockCache):
     nonfinite = (self.nonfinite | nonfinite_rows(k_new, st.num_new)
                  | nonfinite_rows(v_new, st.num_new) | nan_groups(k_side, st.old_packed, st.flush)
                  | nan_groups(v_side, st.old_packed, st.flush))
-    return self._finish(st, nonfinite, k=k_side, v=v_side)
+    sinks = {}
+    if self.k_sink is not None:  # the new rows at positions < S, exactly
+      sinks = dict(k_sink=write_sinks(self.k_sink, k_new, self.lengths, st.num_new),
+                   v_sink=write_sinks(self.v_sink, v_new, self.lengths, st.num_new))
+    return self._finish(st, nonfinite, k=k_side, v=v_side, **sinks)
 
   # ---------------------------------------------------------------- readback
   def dequantize(self, view: str = "target") -> tuple[jax.Array, jax.Array]:
@@ -520,7 +532,32 @@ class KVCache(ResidualBlockCache):
     formats: the upper 4-bit plane only; `jaxkv.hierarchical`).
     """
     hierarchical.check_view(view)
-    return self._assemble(self.k.dequantize(view), self.v.dequantize(view))
+    k, v = self._assemble(self.k.dequantize(view), self.v.dequantize(view))
+    if self.k_sink is None:
+      return k, v
+    return (read_sinks(k, self.k_sink, self.lengths), read_sinks(v, self.v_sink, self.lengths))
+
+
+def write_sinks(sink: jax.Array, new: jax.Array, lengths: jax.Array,
+                num_new: jax.Array) -> jax.Array:
+  """``sink [B, S, H, D]`` with row ``i < num_new[b]`` of ``new [B, T, H, D]`` written
+  at position ``lengths[b] + i`` where that is ``< S`` (the others are dropped)."""
+  t = new.shape[1]
+  pos = lengths[:, None] + jnp.arange(t)[None, :]                      # [B, T]
+  pos = jnp.where(jnp.arange(t)[None, :] < num_new[:, None], pos, sink.shape[1])
+  seq = jnp.arange(new.shape[0])[:, None]
+  return sink.at[seq, pos].set(new.astype(sink.dtype), mode="drop")
+
+
+def read_sinks(x: jax.Array, sink: jax.Array, lengths: jax.Array) -> jax.Array:
+  """``x [B, C, H, D]`` (float32) with rows ``[0, min(S, L_b))`` taken from ``sink``."""
+  s = sink.shape[1]
+  pos = jnp.arange(x.shape[1])[None, :]
+  use = (pos < s) & (pos < lengths[:, None])                            # [B, C]
+  idx = jnp.clip(pos, 0, s - 1)
+  rows = jnp.take_along_axis(sink.astype(jnp.float32),
+                             jnp.broadcast_to(idx, use.shape)[:, :, None, None], axis=1)
+  return jnp.where(use[:, :, None, None], rows, x)
 
 
 # ------------------------------------------------- staging (shared helpers)

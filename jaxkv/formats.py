@@ -48,6 +48,12 @@ class KVFormat:
       zero ``min``) and a lower 4-bit code (symmetric, scale ``S_U / 16``)
       of the upper's error, stored as two separate planes so a draft reads
       the upper plane only (`jaxkv.hierarchical`). Both views share one cache.
+    sink_tokens: S, the first tokens of each sequence also kept exactly (the
+      attention sinks); `KVCache.dequantize` and the attention read them in
+      place of their quantized rows. In ``[0, token_group]``; 0 = none.
+      `KVCache` only for now (reference attention; no kernels, no
+      `ModelCache`): bench/results/vq-NOTES.md, "Design of the sink_tokens
+      feature".
   """
 
   k_bits: int = 16
@@ -58,6 +64,7 @@ class KVFormat:
   residual: int = 128
   scale_dtype: str = "float16"
   hierarchical: bool = False
+  sink_tokens: int = 0
 
   def __post_init__(self):
     for name in ("k_bits", "v_bits"):
@@ -88,6 +95,12 @@ class KVFormat:
     if self.hierarchical and (self.k_bits, self.v_bits) != (8, 8):
       raise ValueError(f"hierarchical=True needs k_bits=v_bits=8, got k_bits={self.k_bits}, "
                        f"v_bits={self.v_bits}")
+    if not _is_int(self.sink_tokens) or not 0 <= self.sink_tokens <= self.token_group:
+      raise ValueError(f"sink_tokens={self.sink_tokens!r} must be an int in [0, "
+                       f"token_group={self.token_group}]")
+    object.__setattr__(self, "sink_tokens", int(self.sink_tokens))
+    if self.sink_tokens and self.hierarchical:
+      raise ValueError("sink_tokens > 0 is not supported with hierarchical formats yet")
 
   # ----------------------------------------------------------------- presets
   @classmethod

@@ -182,6 +182,9 @@ class ModelCache:
            head_dim: int, capacity: int, dtype: Any = jnp.bfloat16, *,
            use_kernel: bool | None = None) -> "ModelCache":
     """An empty cache; arguments as `jaxkv.KVCache.init` plus ``num_layers``."""
+    if getattr(KVFormat.preset(fmt) if isinstance(fmt, str) else fmt, "sink_tokens", 0):
+      raise ValueError("sink_tokens > 0 is supported by jaxkv.KVCache only for now (not by the "
+                       "model's ModelCache)")
     if isinstance(num_layers, bool) or not isinstance(num_layers, (int, np.integer)) \
         or num_layers < 1:
       raise ValueError(f"num_layers={num_layers!r} must be an int >= 1")
@@ -206,6 +209,9 @@ class ModelCache:
     """
     caches = check_layers(caches, KVCache)
     first = caches[0]
+    if first.fmt.sink_tokens:  # the stacked storage has no sink rows yet
+      raise ValueError("sink_tokens > 0 is supported by jaxkv.KVCache only for now (not by the "
+                       "model's ModelCache)")
     stack = lambda *xs: jnp.stack(xs)  # noqa: E731
     return cls(
         k=jax.tree_util.tree_map(stack, *[c.k for c in caches]),
