@@ -364,6 +364,16 @@ def resolve_implementation(q, cache, implementation, config=None, view: str = "t
                    + "; ".join(reasons))
 
 
+def refuse_unused_config(config, impl: str, implementation) -> None:
+  """ValueError when a kernel ``config`` is given but ``decode_attention``
+  resolved ``implementation`` to the reference, which would ignore it."""
+  if config is not None and impl == "reference":
+    raise ValueError(f"config={config!r} is for a Pallas kernel, but decode_attention runs the "
+                     f"reference here (implementation={implementation!r} on "
+                     f"{jax.default_backend()}): pass implementation='triton' / 'mosaic' / "
+                     f"'pallas' to use it, or leave config out")
+
+
 def _is_mosaic_config(config) -> bool:
   from pallas_kernels import mosaic_attention  # pylint: disable=import-outside-toplevel
   return isinstance(config, mosaic_attention.MosaicAttentionConfig)
@@ -449,11 +459,7 @@ def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None
     raise ValueError(f"view='draft' needs a hierarchical format (KVFormat.preset('quantspec')), "
                      f"got {cache.fmt}")
   impl = resolve_implementation(q, cache, implementation, config, view)
-  if config is not None and impl == "reference":  # it would be ignored
-    raise ValueError(f"config={config!r} is for a Pallas kernel, but decode_attention runs the "
-                     f"reference here (implementation={implementation!r} on "
-                     f"{jax.default_backend()}): pass implementation='triton' / 'mosaic' / "
-                     f"'pallas' to use it, or leave config out")
+  refuse_unused_config(config, impl, implementation)
   if impl == "mosaic":  # resolved on the layer's shapes, before any unwrapping
     config = config if config is not None else _mosaic_default(cache, view)
   layer = None

@@ -166,16 +166,17 @@ def _empty_side(fmt: KVFormat, bits: int, axis: str, batch, heads, head_dim, sto
                      bits=bits, axis=axis, group=group, hierarchical=fmt.hierarchical)
 
 
-def _check_int(name, value, minimum=1):
+def check_int(name, value, minimum=1):
+  """ValueError naming ``name`` unless ``value`` is an int (not a bool) >= ``minimum``."""
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
     raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
 
 
 def check_dims(fmt, batch, kv_heads, head_dim, capacity, dtype):
   """Checks a cache's sizes and dtype before it is built; returns the dtype."""
-  _check_int("batch", batch)
-  _check_int("kv_heads", kv_heads)
-  _check_int("capacity", capacity)
+  check_int("batch", batch)
+  check_int("kv_heads", kv_heads)
+  check_int("capacity", capacity)
   fmt.validate_head_dim(head_dim)
   dtype = jnp.dtype(dtype)
   if not jnp.issubdtype(dtype, jnp.floating):

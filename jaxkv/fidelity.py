@@ -119,9 +119,7 @@ def kl_divergence(ref_logprobs, logprobs) -> np.ndarray:
   for name, x in (("ref_logprobs", ref), ("logprobs", other)):
     if np.isnan(x).any():
       raise ValueError(f"{name} holds NaN")
-    top = np.max(x, axis=-1, keepdims=True)
-    lse = (top + np.log(np.sum(np.exp(x - np.where(np.isfinite(top), top, 0.0)), axis=-1,
-                               keepdims=True)))[..., 0]
+    lse = np.logaddexp.reduce(x, axis=-1)
     if x.size and np.max(np.abs(lse)) > 1e-3:
       raise ValueError(f"{name} must be normalised log-probabilities over the last axis "
                        f"(logsumexp 0); a row has logsumexp {lse.ravel()[np.argmax(np.abs(lse))]:.4g}")

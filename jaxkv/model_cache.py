@@ -54,8 +54,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.cache import (KVCache, QuantizedKV, ResidualBlockCache, flush_groups, nan_groups,
-                         nonfinite_rows, quantize_kv, shift_residual, stage_residual)
+from jaxkv.cache import (KVCache, QuantizedKV, ResidualBlockCache, check_int, flush_groups,
+                         nan_groups, nonfinite_rows, quantize_kv, shift_residual, stage_residual)
 from jaxkv import vq
 from jaxkv.formats import KVFormat
 from pallas_kernels import residual_write, token_append
@@ -329,9 +329,7 @@ class ModelCache:
     fmt = self.fmt
     window = None
     if max_new is not None:
-      if isinstance(max_new, (bool, np.bool_)) or not isinstance(max_new, (int, np.integer)) \
-          or max_new < 0:
-        raise ValueError(f"max_new={max_new!r} must be an int >= 0")
+      check_int("max_new", max_new, 0)
       max_new = int(max_new)
       g = fmt.token_group
       window = -(-(max_new + fmt.residual) // g) * g

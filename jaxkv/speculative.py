@@ -47,6 +47,7 @@ from jaxkv.decoding import (COMPILER_OPTIONS, SplitModel, _check_ids, _check_tem
                              _is_stop, _pad_id, _scaled_logits, _split, _stop_array)
 from jaxkv.formats import KVFormat
 from jaxkv.sharding import check_mesh
+from jaxkv.cache import check_int
 from jaxkv.model_cache import ModelCache
 from jaxkv.staged_cache import staged_attention, write_staged
 
@@ -412,9 +413,7 @@ def _draft_state(model, draft_weights, group_size: int):
   """The draft's weights as the program takes them: a dict of `QuantizedWeight`, or None
   (``"full"``: the draft is the model itself, reading the draft view of the cache).
   ``group_size`` is checked whatever the weights (an int >= 1)."""
-  if isinstance(group_size, (bool, np.bool_)) or not isinstance(group_size, (int, np.integer)) \
-      or group_size < 1:
-    raise ValueError(f"group_size={group_size!r} must be an int >= 1")
+  check_int("group_size", group_size)
   if isinstance(draft_weights, str):
     if draft_weights not in ("int4", "int8", "full"):
       raise ValueError(f"draft_weights={draft_weights!r} must be 'int4', 'int8', 'full' or a "

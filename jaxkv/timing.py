@@ -19,13 +19,8 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-
-def _check_count(name: str, value, minimum: int) -> None:
-  """ValueError naming ``name`` unless an int (not a bool) >= ``minimum``."""
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-    raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
+from jaxkv.cache import check_int
 
 
 def _lead(big: jax.Array) -> jax.Array:
@@ -86,8 +81,8 @@ def kernel_time(fn: Callable, args_list: Sequence[tuple], *, calls: int = 20,
   args_list = [tuple(a) for a in args_list]
   if not args_list:
     raise ValueError("args_list must hold at least one argument tuple")
-  _check_count("calls", calls, 1)
-  _check_count("warmup", warmup, 0)
+  check_int("calls", calls)
+  check_int("warmup", warmup, 0)
   jitted = jax.jit(fn)
   t0 = time.perf_counter()
   compiled = jitted.lower(*args_list[0]).compile()
@@ -179,8 +174,8 @@ def device_time(fn: Callable, firsts: Sequence, *rest, reps: int = 10, warmup: i
   n = len(firsts)
   if not n:
     raise ValueError("firsts must hold at least one first argument")
-  _check_count("reps", reps, 1)
-  _check_count("warmup", warmup, 0)
+  check_int("reps", reps)
+  check_int("warmup", warmup, 0)
   if hide_dispatch is None:
     hide_dispatch = jax.default_backend() == "gpu"
 

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
+from jaxkv.cache import check_int
 from jaxkv.timing import kernel_time
 
 
@@ -170,8 +171,7 @@ def autotune(q: jax.Array, cache, *, scale: float | None = None,
                     f"{type(cache).__name__}")
   if search not in ("greedy", "grid"):
     raise ValueError(f"search={search!r} must be 'greedy' or 'grid'")
-  if isinstance(max_evals, bool) or not isinstance(max_evals, int) or max_evals < 1:
-    raise ValueError(f"max_evals={max_evals!r} must be an int >= 1")
+  check_int("max_evals", max_evals)
   if candidates is not None:
     candidates = list(candidates)
     if not candidates:  # an empty list ran the whole grid before

@@ -117,7 +117,7 @@ def vq_decode_attention(q: jax.Array, cache: VQCache, *, scale=None,
   NaN rows as `jaxkv.decode_attention`.
   """
   # pylint: disable-next=import-outside-toplevel
-  from jaxkv.attention import _poison, reference_attention
+  from jaxkv.attention import _poison, reference_attention, refuse_unused_config
   view = None
   if not isinstance(cache, VQCache):  # a layer view: its slice gives shapes and codebooks
     view, cache = cache, cache.materialize()  # (slices nothing reads are dropped by XLA)
@@ -128,11 +128,7 @@ def vq_decode_attention(q: jax.Array, cache: VQCache, *, scale=None,
                     f"or a MosaicAttentionConfig (Mosaic) for a VQ cache, got "
                     f"{type(config).__name__}")
   impl = resolve(q, cache, implementation, config)
-  if config is not None and impl == "reference":  # it would be ignored
-    raise ValueError(f"config={config!r} is for a Pallas kernel, but decode_attention runs the "
-                     f"reference for this VQ cache here (implementation={implementation!r} on "
-                     f"{jax.default_backend()}): pass implementation='triton' / 'mosaic' to "
-                     f"use it, or leave config out")
+  refuse_unused_config(config, impl, implementation)
   if impl == "mosaic":
     # pylint: disable-next=import-outside-toplevel
     from pallas_kernels import mosaic_vq_attention

@@ -285,6 +285,20 @@ class MosaicAttentionConfig:
     # ((1, 32768): 24.6 -> 23.7 with 2 stages) and in 128-token blocks with the
     # 2-per-SM split count above.
     shuffle = k_bits == 2 or (k_bits == 4 and block_k == 64) or kivi4_wide
+    if (k_bits, v_bits) == (4, 4) and block_k == 128 and heads > 64:
+      # Over more than 64 pairs, V built early keeps them at 171-172 registers
+      # (2 per SM); where those split counts fill their last wave at 2 per SM
+      # poorly (< 90 %), shuffled scales with V after the softmax run 3 per SM
+      # (163-170 registers), at least 2 splits (H100, whole call us: (48,
+      # 32768) 624.9 (2 splits) vs 659.8 (3, the 2-per-SM count; 1.87 waves of
+      # its 4.36 used), (100, 32768) 1274.0 vs 1324.4; where the count fills
+      # its waves, it stays: (16 / 32 / 64, 32768) 216.0 / 416.0 / 822.9 vs
+      # 219.9 / 424.4 / 833.2 at the best 3-per-SM count;
+      # `attention-ab-kivi4-wide-20261127f-*`)
+      programs, two_per_sm = heads * splits, 2 * num_sms
+      if programs * 10 < -(-programs // two_per_sm) * two_per_sm * 9:
+        splits = max(one_wave_splits(3 * num_sms, heads, blocks), min(2, blocks // 4))
+        early_v, shuffle = False, True
     # Subnormal codes for 4-bit K and V (H100, kernel us, kivi4: 68.4 vs 70.4 at
     # (1, 131072), 132.3 vs 134.8 at (8, 32768), 1291 vs 1342 at (96, 32768)),
     # and with byte masks (one shift per word) for 2-bit too: whole call, H100,
@@ -403,8 +417,9 @@ def _program_start(lengths_gmem, row0_gmem, q_gmem, q_smem, barrier, *, kv_heads
   [1]`` from `stacked_rows`), the
   sequence length, the packed length (the residual rule) and each query row's
   causal limit (row ``r = head * S + s`` sees tokens ``<= length - S + s``); q
-  is copied to smem from its row ``b * H + h`` of ``q_gmem [B * H, ...]``.
-  Returns ``(b, cb, h, j, length, packed, row_limit)``."""
+  is copied to smem from its row ``bh = b * H + h`` of ``q_gmem [B * H, ...]``
+  (also the program's row of the other per-query inputs and, times ``J + 1``,
+  of the partial outputs). Returns ``(bh, cb, h, j, length, packed, row_limit)``."""
   b = lax.axis_index("b")
   h = lax.axis_index("h")
   j = lax.axis_index("j")
@@ -413,9 +428,10 @@ def _program_start(lengths_gmem, row0_gmem, q_gmem, q_smem, barrier, *, kv_heads
   packed = token_group * jnp.maximum(0, (length - residual + token_group) // token_group)
   row = plgpu.broadcasted_iota(jnp.int32, (rows,), 0, layout=row_layout)
   row_limit = length - num_queries + (row % q_rows) % num_queries
-  plgpu.copy_gmem_to_smem(q_gmem.at[b * kv_heads + h], q_smem, barrier)
+  bh = b * kv_heads + h
+  plgpu.copy_gmem_to_smem(q_gmem.at[bh], q_smem, barrier)
   plgpu.barrier_wait(barrier)
-  return b, cb, h, j, length, packed, row_limit
+  return bh, cb, h, j, length, packed, row_limit
 
 
 def _write_partials(acc, l_i, m_i, o_smem, lm_smem, o_gmem, l_gmem, m_gmem, idx, rows=None):
@@ -705,7 +721,7 @@ def mosaic_decode_attention(
     v_refs = refs[3:6]
     kres_gmem, vres_gmem, o_gmem, l_gmem, m_gmem = refs[6:11]
     q_smem, kdq_smem, vdq_smem, o_smem, lm_smem, barrier = refs[11:]
-    b, cb, h, j, length, packed, row_limit = _program_start(
+    bh, cb, h, j, length, packed, row_limit = _program_start(
         lengths_gmem, row0_gmem, q_gmem, q_smem, barrier, kv_heads=kv_heads,
         token_group=token_group,
         residual=residual, num_queries=num_queries, q_rows=q_rows, rows=_M,
@@ -719,7 +735,7 @@ def mosaic_decode_attention(
     def finish(carry):
       acc, m_i, l_i = carry
       _write_partials(acc, l_i, m_i, o_smem, lm_smem, o_gmem, l_gmem, m_gmem,
-                      (b * kv_heads + h) * grid_j + j,
+                      bh * grid_j + j,
                       rows=out_rows)
 
     @pl.when(j < num_splits)
@@ -1181,7 +1197,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     q_smem, pt_smem, flag_smem, barrier, *fold_smems = refs[3:]
     fold_smems = tuple(fold_smems) if fold_kq else None
     # Query rows are the columns of the [bk, N] score tiles here.
-    b, cb, h, j, length, packed, row_limit = _program_start(
+    bh, cb, h, j, length, packed, row_limit = _program_start(
         lengths_gmem, row0_gmem, q_gmem, q_smem, barrier, kv_heads=kv_heads,
         token_group=token_group,
         residual=residual, num_queries=num_queries, q_rows=q_rows, rows=n_rows,
@@ -1190,7 +1206,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     acc0 = plgpu.layout_cast(jnp.zeros((head_dim, n_pv), f32), plgpu.Layout.WGMMA)
     m0 = plgpu.layout_cast(jnp.full((n_rows,), -jnp.inf, f32), plgpu.Layout.WGMMA.reduce(0))
     l0 = plgpu.layout_cast(jnp.zeros((bk, n_rows), f32), plgpu.Layout.WGMMA)
-    q_sum = (_load(qsum_gmem.at[b * kv_heads + h], layout=plgpu.Layout.WGMMA.reduce(0),
+    q_sum = (_load(qsum_gmem.at[bh], layout=plgpu.Layout.WGMMA.reduce(0),
                    optimized=False)
              if fold_k else None)
 
@@ -1210,7 +1226,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       # so the output tiles reuse that shared memory.
       def write(o_smem, lm_smem):
         _write_partials(acc, l_sum, m_i, o_smem, lm_smem, o_gmem, l_gmem, m_gmem,
-                        (b * kv_heads + h) * grid_j + j)
+                        bh * grid_j + j)
 
       pl.run_scoped(write, plgpu.SMEM((head_dim, n_pv), f32), plgpu.SMEM((2, n_rows), f32))
 
@@ -1225,7 +1241,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
         book_smems = scoped[:len(books)]
         vdq_smem = scoped[len(books)] if packed_vdq else None
         if fold_kq:  # q (column order) kept apart: q_smem takes q * scale each step
-          plgpu.copy_gmem_to_smem(q_gmem.at[b * kv_heads + h], fold_smems[0], barrier)
+          plgpu.copy_gmem_to_smem(q_gmem.at[bh], fold_smems[0], barrier)
           plgpu.barrier_wait(barrier)
         for g, sm in zip(book_gmems, book_smems):  # a VQ head's codebooks, once
           plgpu.copy_gmem_to_smem(g.at[h], sm, barrier)
@@ -1255,7 +1271,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     def _residual():
       num_res = length - packed
       if register_k or vq is not None:  # the residual's K rows are in channel order
-        plgpu.copy_gmem_to_smem(qres_gmem.at[b * kv_heads + h], q_smem, barrier)
+        plgpu.copy_gmem_to_smem(qres_gmem.at[bh], q_smem, barrier)
         plgpu.barrier_wait(barrier)
 
       # The residual K and V tiles live in this branch's scope only (the packed

@@ -211,7 +211,8 @@ def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, length
     b = lax.axis_index("b")
     h = lax.axis_index("h")
     j = lax.axis_index("j")
-    cb = (row0_gmem[0] + b) * kv_heads + h  # this (sequence, kv head)'s cache row (`head_rows`)
+    bh = b * kv_heads + h  # this (sequence, kv head)'s row of q, q_res and the partials
+    cb = (row0_gmem[0] + b) * kv_heads + h  # ... and of the cache arrays (`head_rows`)
     length = lengths_gmem[b]
     packed = token_group * jnp.maximum(0, (length - residual + token_group) // token_group)
     row = plgpu.broadcasted_iota(jnp.int32, (n_rows,), 0,
@@ -235,14 +236,14 @@ def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, length
       acc, m_i, l_i = carry
       l_sum = _wg_reduce(l_i, red2.at[wg], "add")
       ma._write_partials(acc, l_sum, m_i, o2.at[wg], lm2.at[wg],  # pylint: disable=protected-access
-                         o_gmem, l_gmem, m_gmem, (b * kv_heads + h) * parts + _WGS * j + wg)
+                         o_gmem, l_gmem, m_gmem, bh * parts + _WGS * j + wg)
 
     @pl.when(j < num_splits)
     def _packed():
       first, num_blocks = ma._split_blocks(packed, j, num_splits, bk)  # pylint: disable=protected-access
 
       def compute_context(pipeline_callback):
-        shared_load(q_gmem.at[b * kv_heads + h], q_smem, 0)
+        shared_load(q_gmem.at[bh], q_smem, 0)
         shared_load(kb_gmem.at[h], kb_smem, 1)
         shared_load(vb_gmem.at[h], vb_smem, 2)
         finish(pipeline_callback(init()))
@@ -267,7 +268,7 @@ def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, length
       def scope(kres2):
         @pl.when(wg < _WGS)
         def _():
-          shared_load(qres_gmem.at[b * kv_heads + h], q_smem, 0)
+          shared_load(qres_gmem.at[bh], q_smem, 0)
           carry = init()
           for r0 in range(0, residual, bk):
             # Residual row r holds token packed + r; warpgroup wg takes 64 of every 128.
