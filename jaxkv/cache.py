@@ -540,14 +540,33 @@ class KVCache(ResidualBlockCache):
 
 
 def write_sinks(sink: jax.Array, new: jax.Array, lengths: jax.Array,
-                num_new: jax.Array) -> jax.Array:
+                num_new: jax.Array, layer=None) -> jax.Array:
   """``sink [B, S, H, D]`` with row ``i < num_new[b]`` of ``new [B, T, H, D]`` written
-  at position ``lengths[b] + i`` where that is ``< S`` (the others are dropped)."""
+  at position ``lengths[b] + i`` where that is ``< S`` (the others are dropped).
+
+  With ``layer`` (an int or traced index), ``sink`` is a stack ``[L, B, S, H, D]``
+  and only that layer's rows are written (a scatter: in place under `jit`).
+  """
+  s = sink.shape[-3]
+  new = new[:, :s]  # only rows i < S can land at a position < S (lengths >= 0)
   t = new.shape[1]
-  pos = lengths[:, None] + jnp.arange(t)[None, :]                      # [B, T]
-  pos = jnp.where(jnp.arange(t)[None, :] < num_new[:, None], pos, sink.shape[1])
-  seq = jnp.arange(new.shape[0])[:, None]
-  return sink.at[seq, pos].set(new.astype(sink.dtype), mode="drop")
+  pos = lengths[:, None] + jnp.arange(t)[None, :]                      # [B, t]
+  pos = jnp.where(jnp.arange(t)[None, :] < num_new[:, None], pos, s)   # s: dropped
+  seq = jnp.arange(new.shape[0])[:, None]                               # [B, 1]
+  index = (seq, pos) if layer is None else (layer, seq, pos)
+  return sink.at[index].set(new.astype(sink.dtype), mode="drop")
+
+
+def sink_rows(rows: jax.Array, sink: jax.Array, lengths: jax.Array, start) -> jax.Array:
+  """Head-major rows ``[B, H, n, D]`` (float32) of positions ``[start, start + n)`` with
+  those ``< min(S, L_b)`` taken from ``sink [B, S, H, D]`` (a block of the packed history)."""
+  s = sink.shape[1]
+  pos = start + jnp.arange(rows.shape[2])[None, :]                      # [1, n]
+  use = (pos < s) & (pos < lengths[:, None])                            # [B, n]
+  idx = jnp.clip(pos, 0, s - 1)
+  exact = jnp.take_along_axis(jnp.swapaxes(sink, 1, 2).astype(jnp.float32),
+                              jnp.broadcast_to(idx, use.shape)[:, None, :, None], axis=2)
+  return jnp.where(use[:, None, :, None], exact, rows)
 
 
 def read_sinks(x: jax.Array, sink: jax.Array, lengths: jax.Array) -> jax.Array:

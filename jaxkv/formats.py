@@ -50,10 +50,11 @@ class KVFormat:
       the upper plane only (`jaxkv.hierarchical`). Both views share one cache.
     sink_tokens: S, the first tokens of each sequence also kept exactly (the
       attention sinks); `KVCache.dequantize` and the attention read them in
-      place of their quantized rows. In ``[0, token_group]``; 0 = none.
-      `KVCache` only for now (reference attention; no kernels, no
-      `ModelCache`): bench/results/vq-NOTES.md, "Design of the sink_tokens
-      feature".
+      place of their quantized rows (the packed rows stay as they are). In
+      ``[0, token_group]``; 0 = none. `KVCache` and `ModelCache` (so the
+      model) store them; the Pallas kernels refuse such formats for now
+      (`decode_attention` with ``implementation=None`` runs the reference):
+      bench/results/vq-NOTES.md, "Design of the sink_tokens feature".
   """
 
   k_bits: int = 16
@@ -157,7 +158,10 @@ class KVFormat:
     """Bytes one token takes in the packed cache (codes + scales/zeros), K and V.
 
     Full-precision sides count ``dtype_bytes`` per element. The residual block
-    (a fixed ``R`` tokens per sequence) is not included. ``view`` (hierarchical
+    (a fixed ``R`` tokens per sequence) is not included, nor are the sink rows
+    (a fixed ``sink_tokens`` full-precision tokens per sequence, K and V:
+    ``2 * sink_tokens * D * dtype_bytes`` bytes per kv head per sequence;
+    `jaxkv.VQFormat.bytes_per_token` spreads them over a sequence length). ``view`` (hierarchical
     formats): ``"target"`` reads both 4-bit planes, ``"draft"`` the upper
     plane only (the same scales and zeros).
     """

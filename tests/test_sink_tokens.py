@@ -7,6 +7,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+import jax
 import jax.numpy as jnp
 
 import jaxkv
@@ -82,7 +83,212 @@ def test_sink_tokens_checked():
       _fmt(sinks=bad)
   with pytest.raises(ValueError, match="not supported with hierarchical"):
     dataclasses.replace(PRESETS["quantspec"], sink_tokens=4)
-  with pytest.raises(ValueError, match="KVCache only for now"):
-    ModelCache.init(_fmt(), 2, 1, 1, 32, 64, jnp.float32)
   assert KVCache.init(_fmt(sinks=0), 1, 1, 32, 64).k_sink is None
+  assert ModelCache.init(_fmt(sinks=0), 2, 1, 1, 32, 64).k_sink is None
+  assert ModelCache.init(_fmt(sinks=3), 2, 1, 1, 32, 64).k_sink.shape == (2, 1, 3, 1, 32)
   assert KVFormat().sink_tokens == 0
+
+
+# ------------------------------------------------------------------ oracles
+def _oracle_kv(fmt, k, v, lengths):
+  """float64 ``(k, v) [B, C, H, D]``: the whole history quantized at once with ``fmt``
+  *without* sinks, rows ``[0, min(S, L_b))`` replaced by the exact K/V."""
+  s = fmt.sink_tokens
+  plain = dataclasses.replace(fmt, sink_tokens=0)
+  b, _, h, d = k.shape
+  cache = KVCache.init(plain, b, h, d, 128, k.dtype).prefill(k, v, lengths)
+  kd, vd = (np.array(x, np.float64) for x in cache.dequantize())
+  for i, n in enumerate(lengths):
+    m = min(s, int(n))
+    kd[i, :m] = np.asarray(k[i, :m], np.float64)
+    vd[i, :m] = np.asarray(v[i, :m], np.float64)
+  return kd, vd
+
+
+def _attend64(q, kd, vd, lengths):
+  """float64 decode attention: query i of ``q [B, Sq, Hq, D]`` sees keys ``[0, L - Sq + i]``."""
+  q = np.asarray(q, np.float64)
+  b, sq, hq, d = q.shape
+  g = hq // kd.shape[2]
+  out = np.zeros(q.shape)
+  for i in range(b):
+    for j in range(sq):
+      n = int(lengths[i]) - sq + j + 1
+      for head in range(hq):
+        sc = kd[i, :n, head // g] @ q[i, j, head] / np.sqrt(d)
+        p = np.exp(sc - sc.max())
+        out[i, j, head] = (p / p.sum()) @ vd[i, :n, head // g]
+  return out
+
+
+def _rows(x, start, n, width):
+  """Rows ``[start_b, start_b + n_b)`` of ``x [B, T, ...]`` right-padded to ``width`` (random
+  padding: rows past ``n_b`` must be ignored)."""
+  pad = np.random.default_rng(99).standard_normal((width, *x.shape[2:]))
+  return jnp.asarray(np.stack([np.concatenate([np.asarray(x[i, start[i]:start[i] + n[i]]),
+                                               pad[n[i]:]]) for i in range(x.shape[0])]),
+                     x.dtype)
+
+
+# ------------------------------------------------------------ ModelCache
+@pytest.mark.parametrize("name,sinks,use_kernel", [("kivi2", 4, False), ("kivi4", 32, False),
+                                                   ("int8", 1, False), ("kivi2", 4, True)])
+def test_model_cache_appends_equal_one_shot_and_the_oracle(name, sinks, use_kernel):
+  """Decode-token appends (the R == G one-token path, with and without the Pallas
+  token-append kernel), ragged chunks crossing S and a flush: every layer's packed
+  storage and sinks bitwise a one-shot `KVCache` prefill's, and `dequantize` equal to
+  the oracle (whole history quantized without sinks, rows [0, S) exact)."""
+  rng = np.random.default_rng(3)
+  layers, b, h, d, t = 2, 3, 2, 32, 75
+  fmt = _fmt(name, sinks)
+  ks = [_kv(rng, b, t, h, d) for _ in range(layers)]
+  lengths = np.asarray([75, 2, 40])
+  cache = ModelCache.init(fmt, layers, b, h, d, 128, jnp.float32, use_kernel=use_kernel)
+  start = np.zeros(b, int)
+  for step in (1, 1, 3, 1, 25, 1, 1, 50):  # a chunk from 3 -> 6 crosses S = 4
+    n = np.clip(lengths - start, 0, step)
+    plan = cache.plan_append(jnp.asarray(n, jnp.int32), max_new=step)
+    for layer, (k, v) in enumerate(ks):
+      cache = cache.append_layer(layer, _rows(k, start, n, step), _rows(v, start, n, step), plan)
+    cache = cache.commit(plan)
+    start += n
+  np.testing.assert_array_equal(np.asarray(cache.lengths), lengths)
+  kd, vd = cache.dequantize()
+  for layer, (k, v) in enumerate(ks):
+    one = KVCache.init(fmt, b, h, d, 128, jnp.float32).prefill(k, v, lengths)
+    got = cache.layer(layer)
+    for a, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(one)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(w))
+    ok, ov = _oracle_kv(fmt, k, v, lengths)
+    np.testing.assert_array_equal(np.asarray(kd[layer], np.float64), ok)
+    np.testing.assert_array_equal(np.asarray(vd[layer], np.float64), ov)
+
+
+@pytest.mark.parametrize("d,group,sq", [(64, 1, 1), (128, 4, 3), (64, 4, 2)])
+def test_layer_view_attention_reads_the_sinks(d, group, sq):
+  """`decode_attention` over a `ModelCache.layer_view` (GQA 1 / 4, q_len 1-3) == float64
+  attention over the oracle K/V; forced kernels raise naming the sinks."""
+  rng = np.random.default_rng(4)
+  b, h, t = 3, 2, 70
+  fmt = _fmt("kivi2", 4)
+  lengths = np.asarray([70, 3 + sq, 45])
+  layers = [_kv(rng, b, t, h, d) for _ in range(2)]
+  cache = ModelCache.from_layers([KVCache.init(fmt, b, h, d, 128, jnp.float32).prefill(
+      k, v, lengths) for k, v in layers])
+  q = jnp.asarray(rng.standard_normal((b, sq, h * group, d)), jnp.float32)
+  for index, (k, v) in enumerate(layers):
+    got = jaxkv.decode_attention(q, cache.layer_view(index))
+    want = _attend64(q, *_oracle_kv(fmt, k, v, lengths), lengths)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2e-5, atol=2e-5)
+  for impl in ("triton", "mosaic", "pallas"):
+    with pytest.raises(ValueError, match="sink_tokens > 0"):
+      jaxkv.decode_attention(q, cache.layer_view(1), implementation=impl)
+
+
+def test_default_dispatch_falls_back_to_the_reference():
+  """On a GPU ``implementation=None`` takes the first Pallas family that serves the
+  input: for a sink format none does, so the reference runs (never a wrong answer)."""
+  from jaxkv import attention  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(5)
+  cache = KVCache.init(_fmt("kivi2", 4), 2, 2, 64, 128, jnp.float32).prefill(
+      *_kv(rng, 2, 50, 2, 64), [50, 9])
+  q = jnp.asarray(rng.standard_normal((2, 1, 8, 64)), jnp.float32)
+  impl, why = attention._best_pallas(q, cache)  # pylint: disable=protected-access
+  assert impl is None and why.count("sink_tokens > 0") == 2, why
+  assert attention.resolve_implementation(q, cache, ("triton", "reference")) == "reference"
+
+
+# ------------------------------------------------------------------- model
+def _small(**kw):
+  from tests.model_fixtures import SMALL  # pylint: disable=import-outside-toplevel
+  return dataclasses.replace(SMALL, **kw)
+
+
+@pytest.mark.parametrize("chunk,impl", [(None, None), (7, "reference"), (5, "xla")])
+def test_model_with_sinks_covering_the_packed_region_is_the_full_forward(chunk, impl):
+  """S = G = R = 16: while L < 2G the packed region is exactly the sink rows, so the
+  cached model (prefill, chunked prefill attending its history, decode steps of 1 and
+  2 tokens) must give the full-precision forward's logits; kivi2 without sinks must not."""
+  from models import llama  # pylint: disable=import-outside-toplevel
+  cfg = _small()
+  model = llama.random_model(cfg, seed=11, dtype=jnp.float32)
+  rng = np.random.default_rng(6)
+  lengths = np.asarray([28, 11, 23])  # chunks of 5 / 7 attend a history with 16 packed rows
+  b, t = 3, 28
+  tokens = rng.integers(3, cfg.vocab_size, (b, t + 3))
+  rows = np.arange(b)
+  full = np.asarray(model(jnp.asarray(tokens, jnp.int32)), np.float64)
+  fmt = dataclasses.replace(PRESETS["kivi2"], token_group=16, residual=16, sink_tokens=16)
+
+  def run(fmt):
+    cache = model.init_cache(fmt, b, 64, dtype=jnp.float32)
+    last, cache = model.prefill(jnp.asarray(tokens[:, :t], jnp.int32), lengths, cache,
+                                chunk_size=chunk, attention_impl=impl)
+    one, cache = model.decode(jnp.asarray(tokens[rows, lengths][:, None], jnp.int32), cache)
+    two = np.stack([tokens[rows, lengths + 1 + i] for i in range(2)], axis=1)
+    logits, cache = model.decode(jnp.asarray(two, jnp.int32), cache)
+    assert cache.fmt == fmt and np.all(np.asarray(cache.lengths) == lengths + 3)
+    return [np.asarray(last), np.asarray(one[:, 0]), *(np.asarray(logits[:, i]) for i in range(2))]
+
+  want = [full[rows, lengths - 1 + i] for i in range(4)]
+  for got, w in zip(run(fmt), want):
+    assert _rel(got, w) < 2e-5
+  plain = run(dataclasses.replace(fmt, sink_tokens=0))
+  assert max(_rel(g, w) for g, w in zip(plain, want)) > 1e-2  # the test can tell
+
+
+def _rel(got, want) -> float:
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def test_model_decode_with_sinks_matches_exact_sink_emulation(monkeypatch):
+  """kivi2 (G = 32) with S = 4 sinks vs the same model on kivi2 without sinks whose
+  decode attention is replaced by float64 numpy attention over the dequantized
+  layer with rows [0, 4) overwritten by the prompt's full-precision K/V (the
+  emulation of bench/sink_fidelity_probe.py): same logits. Without the emulation the
+  plain kivi2 logits differ."""
+  from models import llama  # pylint: disable=import-outside-toplevel
+  cfg = _small(head_dim=64)
+  model = llama.random_model(cfg, seed=12, dtype=jnp.float32)
+  rng = np.random.default_rng(8)
+  b, t, s = 3, 60, 4
+  lengths = np.asarray([60, 37, 45])
+  tokens = rng.integers(3, cfg.vocab_size, (b, t + 4))
+  rows = np.arange(b)
+  _, k_all, v_all = model.forward_kv(jnp.asarray(tokens[:, :t], jnp.int32))
+  exact_k = np.asarray(k_all[:, :, :s], np.float64)                    # [L, B, S, H, D]
+  exact_v = np.asarray(v_all[:, :, :s], np.float64)
+  fmt = _fmt("kivi2", s)
+  steps = [tokens[rows, lengths][:, None],
+           np.stack([tokens[rows, lengths + 1 + i] for i in range(2)], axis=1),
+           tokens[rows, lengths + 3][:, None]]
+
+  def run(fmt):
+    cache = model.init_cache(fmt, b, 128, dtype=jnp.float32)
+    _, cache = model.prefill(jnp.asarray(tokens[:, :t], jnp.int32), lengths, cache)
+    out = []
+    for step in steps:
+      logits, cache = model.decode(jnp.asarray(step, jnp.int32), cache)
+      out.append(np.asarray(logits))
+    return out
+
+  got = run(fmt)
+  plain = run(dataclasses.replace(fmt, sink_tokens=0))
+  real = jaxkv.decode_attention
+
+  def emulated(q, view, implementation=None):
+    del implementation
+    layer = view.materialize()
+    kd, vd = (np.array(x, np.float64) for x in layer.dequantize())
+    index = int(view.index)
+    kd[:, :s], vd[:, :s] = exact_k[index], exact_v[index]
+    return jnp.asarray(_attend64(q, kd, vd, np.asarray(layer.lengths)), q.dtype)
+
+  monkeypatch.setattr(jaxkv, "decode_attention", emulated)
+  want = run(dataclasses.replace(fmt, sink_tokens=0))
+  monkeypatch.setattr(jaxkv, "decode_attention", real)
+  for g, w, p in zip(got, want, plain):
+    assert _rel(g, w) < 1e-4
+    assert _rel(p, w) > 1e-2  # the sinks change the answer: the comparison can tell
+
