@@ -225,7 +225,7 @@ def _blocked(q, cache: KVCache, k_chunk, v_chunk, scale, block_q: int, block_k: 
 
     def hist(j, state):
       kb, vb = _history_rows(cache, "k", j * bk, bk), _history_rows(cache, "v", j * bk, bk)
-      if getattr(cache, "k_sink", None) is not None:  # rows [0, S) exactly (`KVCache.dequantize`)
+      if cache.k_sink is not None:  # rows [0, S) exactly (`KVCache.dequantize`)
         kb = sink_rows(kb, cache.k_sink, cache.lengths, j * bk)
         vb = sink_rows(vb, cache.v_sink, cache.lengths, j * bk)
       mask = (j * bk + jnp.arange(bk)[None, :] < packed[:, None])[:, None, None, None, :]

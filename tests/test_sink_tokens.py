@@ -292,3 +292,171 @@ def test_model_decode_with_sinks_matches_exact_sink_emulation(monkeypatch):
     assert _rel(g, w) < 1e-4
     assert _rel(p, w) > 1e-2  # the sinks change the answer: the comparison can tell
 
+
+# ---------------------------------------------------------------------- VQ
+def _vq_fmt(sinks=4, **kw):
+  from jaxkv import vq  # pylint: disable=import-outside-toplevel
+  return dataclasses.replace(vq.VQ_PRESETS["cq2"], token_group=32, residual=32,
+                             k_index_bits=5, v_index_bits=5, sink_tokens=sinks, **kw)
+
+
+def _vq_books(fmt, layers, h, d, seed):
+  """Random (finite, non-zero) ``[L, Hkv, S, n, E, v]`` codebooks of every layer."""
+  from jaxkv import vq  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(seed)
+  sides = [jnp.asarray(rng.standard_normal((layers, *fmt.codebook_shape(side, h, d))) * 0.8,
+                       fmt.codebook_dtype) for side in ("k", "v")]
+  return vq.VQCodebooks(k=sides[0], v=sides[1], fmt=dataclasses.replace(fmt, sink_tokens=0))
+
+
+def _vq_oracle_kv(fmt, books, layer, k, v, lengths):
+  """float64 ``(k, v)``: one-shot VQ without sinks, rows ``[0, min(S, L_b))`` exact."""
+  plain = dataclasses.replace(fmt, sink_tokens=0)
+  b, _, h, d = k.shape
+  cache = jaxkv.VQCache.init(plain, books, b, h, d, 128, k.dtype, layer=layer)
+  kd, vd = (np.array(x, np.float64) for x in cache.prefill(k, v, lengths).dequantize())
+  for i, n in enumerate(lengths):
+    m = min(fmt.sink_tokens, int(n))
+    kd[i, :m], vd[i, :m] = np.asarray(k[i, :m]), np.asarray(v[i, :m])
+  return kd, vd
+
+
+def test_vq_caches_store_and_read_the_sinks():
+  """`VQCache` and `VQModelCache` (codebooks learned for the format without sinks):
+  ragged token / chunk appends crossing S bitwise equal one prefill per layer, and
+  `dequantize` equal to the oracle; attention over a layer view (GQA 4, q_len 2) equals
+  float64 attention over it; every VQ kernel refuses the format with the reason."""
+  rng = np.random.default_rng(21)
+  layers, b, h, d, t = 2, 3, 2, 64, 70
+  fmt = _vq_fmt(4)
+  books = _vq_books(fmt, layers, h, d, 22)
+  data = [_kv(rng, b, t, h, d) for _ in range(layers)]
+  lengths = np.asarray([70, 3, 38])
+  cache = jaxkv.VQModelCache.init(fmt, layers, b, h, d, 128, jnp.float32, codebooks=books)
+  assert cache.k_sink.shape == (layers, b, 4, h, d)
+  start = np.zeros(b, int)
+  for step in (1, 2, 1, 30, 1, 40):
+    n = np.clip(lengths - start, 0, step)
+    plan = cache.plan_append(jnp.asarray(n, jnp.int32), max_new=step)
+    for layer, (k, v) in enumerate(data):
+      cache = cache.append_layer(layer, _rows(k, start, n, step), _rows(v, start, n, step), plan)
+    cache = cache.commit(plan)
+    start += n
+  kd, vd = cache.dequantize()
+  q = jnp.asarray(rng.standard_normal((b, 2, 4 * h, d)), jnp.float32)
+  for layer, (k, v) in enumerate(data):
+    one = jaxkv.VQCache.init(fmt, books, b, h, d, 128, jnp.float32, layer=layer).prefill(
+        k, v, lengths)
+    for a, w in zip(jax.tree_util.tree_leaves(cache.layer(layer)),
+                    jax.tree_util.tree_leaves(one)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(w))
+    ok, ov = _vq_oracle_kv(fmt, books, layer, k, v, lengths)
+    np.testing.assert_array_equal(np.asarray(kd[layer], np.float64), ok)
+    np.testing.assert_array_equal(np.asarray(vd[layer], np.float64), ov)
+    got = jaxkv.decode_attention(q, cache.layer_view(layer))
+    np.testing.assert_allclose(np.asarray(got, np.float64), _attend64(q, ok, ov, lengths),
+                               rtol=2e-5, atol=2e-5)
+    for impl in ("triton", "mosaic", "pallas"):
+      with pytest.raises(ValueError, match="sink_tokens > 0"):
+        jaxkv.decode_attention(q, one, implementation=impl)
+
+
+@pytest.mark.parametrize("vq_cache", [False, True])
+def test_chunk_attention_paths_read_the_sinks(vq_cache):
+  """A prefill chunk over a history with sinks: the blocked ("xla") path, which reads
+  the packed rows itself, equals the dense reference over `dequantize()` (sinks
+  included) and differs from the same history without sinks."""
+  rng = np.random.default_rng(23)
+  b, h, d, t, c = 2, 2, 64, 80, 5
+  k, v = _kv(rng, b, t, h, d)
+  lengths = np.asarray([80, 45])
+
+  def history(sinks):
+    if vq_cache:
+      fmt = _vq_fmt(sinks)
+      books = _vq_books(fmt, 1, h, d, 24)
+      return jaxkv.VQCache.init(fmt, books, b, h, d, 128, jnp.float32, layer=0).prefill(
+          k, v, lengths)
+    return KVCache.init(_fmt("kivi2", sinks), b, h, d, 128, jnp.float32).prefill(k, v, lengths)
+
+  q = jnp.asarray(rng.standard_normal((b, c, 2 * h, d)) * 2.0, jnp.float32)
+  kc, vc = _kv(rng, b, c, h, d)
+  with_s, without = history(4), history(0)
+  ref = jaxkv.chunk_attention(q, with_s, kc, vc, implementation="reference")
+  xla = jaxkv.chunk_attention(q, with_s, kc, vc, implementation="xla", block_k=32)
+  np.testing.assert_allclose(np.asarray(xla), np.asarray(ref), rtol=1e-5, atol=1e-5)
+  plain = jaxkv.chunk_attention(q, without, kc, vc, implementation="xla", block_k=32)
+  assert np.abs(np.asarray(plain) - np.asarray(ref)).max() > 1e-3
+
+
+def test_vq_format_sinks_checked_and_counted():
+  from jaxkv import vq  # pylint: disable=import-outside-toplevel
+  for bad in (-1, 129, 1.5, True, "4"):
+    with pytest.raises(ValueError, match=f"sink_tokens={bad!r} must be an int in"):
+      dataclasses.replace(vq.VQ_PRESETS["cq2"], sink_tokens=bad)
+  cq2, s4 = vq.VQ_PRESETS["cq2"], vq.VQ_PRESETS["cq2-s4"]
+  assert s4 == dataclasses.replace(cq2, sink_tokens=4) and cq2.sink_tokens == 0
+  assert s4.same_codebooks(cq2) and not s4.same_codebooks(vq.VQ_PRESETS["cq4"])
+  h, d = 3, 64
+  extra = 2 * 4 * d * 2 * h  # K and V, 4 bf16 rows, per sequence
+  assert s4.bytes_per_token(h, d, context=4096) == pytest.approx(
+      cq2.bytes_per_token(h, d, context=4096) + extra / 4096)
+  assert s4.bytes_per_token(h, d, context=8 * 4096, sequence_length=4096) == pytest.approx(
+      cq2.bytes_per_token(h, d, context=8 * 4096) + extra / 4096)
+  with pytest.raises(ValueError, match="sequence_length=0 must be"):
+    s4.bytes_per_token(h, d, sequence_length=0)
+  with pytest.raises(ValueError, match="codebooks were learned for"):
+    jaxkv.VQCache.init(s4, _vq_books(vq.VQ_PRESETS["cq4"], 1, 1, 64, 0), 1, 1, 64, 64, layer=0)
+
+
+def test_calibration_leaves_out_the_sink_rows():
+  """`calibration_kv(..., sink_tokens=S)`: each row's real tokens from position S on, in
+  order (the forward as without it)."""
+  from jaxkv import vq  # pylint: disable=import-outside-toplevel
+  from models import llama  # pylint: disable=import-outside-toplevel
+  model = llama.random_model(_small(), seed=2, dtype=jnp.float32)
+  tokens = np.random.default_rng(25).integers(3, 96, (3, 12))
+  lengths = np.asarray([12, 3, 9])
+  k_all, v_all = vq.calibration_kv(model, tokens, lengths)
+  k_s, v_s = vq.calibration_kv(model, tokens, lengths, sink_tokens=4)
+  keep = [np.arange(12) < n for n in lengths]
+  rows = np.concatenate([np.flatnonzero(m) for m in keep])             # position per sample
+  assert k_all.shape[1] == lengths.sum() and k_s.shape[1] == (12 - 4) + 0 + (9 - 4)
+  np.testing.assert_array_equal(np.asarray(k_s), np.asarray(k_all)[:, rows >= 4])
+  np.testing.assert_array_equal(np.asarray(v_s), np.asarray(v_all)[:, rows >= 4])
+  for bad in (-1, 2.0):
+    with pytest.raises(ValueError, match="sink_tokens=.* must be an int >= 0"):
+      vq.calibration_kv(model, tokens, lengths, sink_tokens=bad)
+
+
+def test_vq_model_with_sinks_covering_the_packed_region_is_the_full_forward():
+  """A VQ format with S = G = R = 16 on the model (codebooks fitted on its own K/V without
+  the sink rows): while L < 2G the cached model's logits are the full forward's."""
+  from jaxkv import vq  # pylint: disable=import-outside-toplevel
+  from models import llama  # pylint: disable=import-outside-toplevel
+  model = llama.random_model(_small(), seed=13, dtype=jnp.float32)
+  rng = np.random.default_rng(26)
+  fmt = vq.VQFormat(k_vector=4, v_vector=4, k_index_bits=4, v_index_bits=4, token_group=16,
+                    residual=16, sink_tokens=16)
+  calib = rng.integers(3, 96, (2, 40))
+  books = vq.fit(*vq.calibration_kv(model, calib, sink_tokens=16), fmt, iters=4)
+  b, t = 2, 24
+  lengths = np.asarray([24, 13])
+  tokens = rng.integers(3, 96, (b, t + 2))
+  rows = np.arange(b)
+  full = np.asarray(model(jnp.asarray(tokens, jnp.int32)), np.float64)
+
+  def run(fmt):
+    cache = model.init_cache(fmt, b, 64, dtype=jnp.float32, codebooks=books)
+    _, cache = model.prefill(jnp.asarray(tokens[:, :t], jnp.int32), lengths, cache,
+                             chunk_size=9)
+    two = np.stack([tokens[rows, lengths + i] for i in range(2)], axis=1)
+    logits, _ = model.decode(jnp.asarray(two, jnp.int32), cache)
+    return np.asarray(logits)
+
+  got = run(fmt)
+  plain = run(dataclasses.replace(fmt, sink_tokens=0))
+  for i in range(2):
+    want = full[rows, lengths + i]
+    assert _rel(got[:, i], want) < 2e-5
+    assert _rel(plain[:, i], want) > 1e-2
