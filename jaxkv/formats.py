@@ -101,7 +101,8 @@ class KVFormat:
                        f"token_group={self.token_group}]")
     object.__setattr__(self, "sink_tokens", int(self.sink_tokens))
     if self.sink_tokens and self.hierarchical:
-      raise ValueError("sink_tokens > 0 is not supported with hierarchical formats yet")
+      raise ValueError(f"sink_tokens={self.sink_tokens} is not supported with hierarchical "
+                       "formats (hierarchical=True) yet")
 
   # ----------------------------------------------------------------- presets
   @classmethod

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -78,10 +79,10 @@ def test_reference_attention_reads_the_sinks_and_kernels_refuse():
 
 
 def test_sink_tokens_checked():
-  for bad in (-1, 33, 2.0, True):
-    with pytest.raises(ValueError, match="sink_tokens=.* must be an int in"):
+  for bad in (-1, 33, 2.0, True, "4", None):
+    with pytest.raises(ValueError, match=f"sink_tokens={re.escape(repr(bad))} must be an int in"):
       _fmt(sinks=bad)
-  with pytest.raises(ValueError, match="not supported with hierarchical"):
+  with pytest.raises(ValueError, match="sink_tokens=4 is not supported with hierarchical"):
     dataclasses.replace(PRESETS["quantspec"], sink_tokens=4)
   assert KVCache.init(_fmt(sinks=0), 1, 1, 32, 64).k_sink is None
   assert ModelCache.init(_fmt(sinks=0), 2, 1, 1, 32, 64).k_sink is None
@@ -326,6 +327,7 @@ def test_vq_caches_store_and_read_the_sinks():
   ragged token / chunk appends crossing S bitwise equal one prefill per layer, and
   `dequantize` equal to the oracle; attention over a layer view (GQA 4, q_len 2) equals
   float64 attention over it; every VQ kernel refuses the format with the reason."""
+  from jaxkv import vq_attention  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(21)
   layers, b, h, d, t = 2, 3, 2, 64, 70
   fmt = _vq_fmt(4)
@@ -359,6 +361,8 @@ def test_vq_caches_store_and_read_the_sinks():
     for impl in ("triton", "mosaic", "pallas"):
       with pytest.raises(ValueError, match="sink_tokens > 0"):
         jaxkv.decode_attention(q, one, implementation=impl)
+    # what implementation=None tries on a GPU: no kernel serves it, the reference runs
+    assert vq_attention.resolve(q, one, ("mosaic", "triton", "reference")) == "reference"
 
 
 @pytest.mark.parametrize("vq_cache", [False, True])
@@ -392,7 +396,7 @@ def test_chunk_attention_paths_read_the_sinks(vq_cache):
 def test_vq_format_sinks_checked_and_counted():
   from jaxkv import vq  # pylint: disable=import-outside-toplevel
   for bad in (-1, 129, 1.5, True, "4"):
-    with pytest.raises(ValueError, match=f"sink_tokens={bad!r} must be an int in"):
+    with pytest.raises(ValueError, match=f"sink_tokens={re.escape(repr(bad))} must be an int in"):
       dataclasses.replace(vq.VQ_PRESETS["cq2"], sink_tokens=bad)
   cq2, s4 = vq.VQ_PRESETS["cq2"], vq.VQ_PRESETS["cq2-s4"]
   assert s4 == dataclasses.replace(cq2, sink_tokens=4) and cq2.sink_tokens == 0
@@ -460,3 +464,27 @@ def test_vq_model_with_sinks_covering_the_packed_region_is_the_full_forward():
     want = full[rows, lengths + i]
     assert _rel(got[:, i], want) < 2e-5
     assert _rel(plain[:, i], want) > 1e-2
+
+
+def test_direct_kernel_calls_refuse_sink_formats():
+  """Below the dispatch too: the Triton entry point (`pallas_kernels.supports`, which
+  `pallas_decode_attention` checks) refuses a sink format instead of reading the sinks'
+  quantized rows, and so does a staged (speculative) attention forced onto it."""
+  import pallas_kernels  # pylint: disable=import-outside-toplevel
+  from jaxkv.staged_cache import StagedCache  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(27)
+  cache = KVCache.init(_fmt("kivi2", 4), 2, 2, 64, 128, jnp.float32).prefill(
+      *_kv(rng, 2, 50, 2, 64), [50, 9])
+  q = jnp.asarray(rng.standard_normal((2, 1, 4, 64)), jnp.float32)
+  ok, why = pallas_kernels.supports(cache.fmt, head_dim=64)
+  assert not ok and "sink_tokens=4" in why
+  with pytest.raises(ValueError, match="sink_tokens=4"):
+    pallas_kernels.pallas_decode_attention(q, cache, interpret=True)
+  staged = StagedCache.wrap(cache, 4).append(*_kv(rng, 2, 1, 2, 64))
+  with pytest.raises(ValueError, match="sink_tokens > 0"):
+    staged.attention(q, implementation="triton")
+  k, v = staged.dequantize()
+  want = _attend64(q, np.asarray(k, np.float64), np.asarray(v, np.float64),
+                   np.asarray(staged.lengths))
+  np.testing.assert_allclose(np.asarray(staged.attention(q), np.float64), want,
+                             rtol=2e-5, atol=2e-5)
