@@ -488,3 +488,41 @@ def test_direct_kernel_calls_refuse_sink_formats():
                    np.asarray(staged.lengths))
   np.testing.assert_allclose(np.asarray(staged.attention(q), np.float64), want,
                              rtol=2e-5, atol=2e-5)
+
+
+def test_generate_and_sharding_specs_carry_the_sinks():
+  """`jaxkv.generate` (the jitted decode loop, cache in its carry) with a sink format gives
+  the tokens of an eager prefill + greedy decode steps on the same format, and
+  `cache_specs` / `shard_cache` place the sink leaves (batch and kv heads as the storage)."""
+  from models import llama  # pylint: disable=import-outside-toplevel
+  from jaxkv import sharding  # pylint: disable=import-outside-toplevel
+  model = llama.random_model(_small(), seed=14, dtype=jnp.float32)
+  fmt = dataclasses.replace(PRESETS["kivi2"], token_group=16, residual=16, sink_tokens=4)
+  rng = np.random.default_rng(28)
+  b, t, n = 2, 30, 5
+  lengths = np.asarray([30, 19])
+  prompts = rng.integers(3, 96, (b, t))
+  out, _, cache = jaxkv.generate(model, prompts, lengths, kv_format=fmt, max_new_tokens=n,
+                                 capacity=64, cache_dtype=jnp.float32, return_cache=True)
+  assert cache.k_sink.shape == (2, b, 4, 2, 32)
+  eager = model.init_cache(fmt, b, 64, dtype=jnp.float32)
+  logits, eager = model.prefill(jnp.asarray(prompts, jnp.int32), lengths, eager)
+  want = []
+  for _ in range(n):
+    nxt = np.asarray(jnp.argmax(logits.reshape(b, -1), axis=-1))
+    want.append(nxt)
+    logits, eager = model.decode(jnp.asarray(nxt[:, None], jnp.int32), eager)
+  np.testing.assert_array_equal(np.asarray(out), np.stack(want, axis=1))
+  # the same rows up to the float rounding of a jitted vs an eager forward
+  np.testing.assert_allclose(np.asarray(cache.k_sink), np.asarray(eager.k_sink), rtol=1e-5,
+                             atol=1e-5)
+  assert np.abs(np.asarray(eager.k_sink)).min(axis=-1).max() > 0  # written, not zeros
+  mesh = sharding.make_mesh(1, 1)
+  specs = sharding.cache_specs(eager, mesh)
+  is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
+  assert jax.tree_util.tree_structure(specs, is_leaf=is_spec) == jax.tree_util.tree_structure(
+      eager)
+  res = specs.k_residual                                    # [L, B, Hkv, R, D]
+  assert specs.k_sink == jax.sharding.PartitionSpec(res[0], res[1], None, res[2], None)
+  placed = sharding.shard_cache(eager, mesh)
+  np.testing.assert_array_equal(np.asarray(placed.v_sink), np.asarray(eager.v_sink))
