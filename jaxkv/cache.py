@@ -427,6 +427,9 @@ class KVCache(ResidualBlockCache):
     use_kernel: quantize with the Pallas pack kernel (static; default: on
       GPU; Pallas interpret mode elsewhere). Results are bitwise identical
       either way.
+    k_sink, v_sink: ``[B, S, Hkv, D]`` exact copies of each sequence's first
+      ``S = fmt.sink_tokens`` tokens (rows past ``L`` zero), or None (S = 0).
+      The packed storage is unchanged; `dequantize` reads these rows instead.
   """
 
   k: QuantizedKV
@@ -439,6 +442,8 @@ class KVCache(ResidualBlockCache):
   fmt: KVFormat = _static()
   capacity: int = _static()
   use_kernel: bool = _static(default=False)
+  k_sink: jax.Array | None = None
+  v_sink: jax.Array | None = None
 
   # ------------------------------------------------------------ construction
   @classmethod
@@ -469,6 +474,7 @@ class KVCache(ResidualBlockCache):
     if use_kernel and fmt.is_quantized:
       _check_pack_kernel(fmt, head_dim)
     res_shape = (batch, kv_heads, fmt.residual, head_dim)
+    sink_shape = (batch, fmt.sink_tokens, kv_heads, head_dim)
     return cls(
         k=_empty_side(fmt, fmt.k_bits, fmt.k_axis, batch, kv_heads, head_dim, storage, dtype),
         v=_empty_side(fmt, fmt.v_bits, "token", batch, kv_heads, head_dim, storage, dtype),
@@ -477,7 +483,9 @@ class KVCache(ResidualBlockCache):
         lengths=jnp.zeros((batch,), jnp.int32),
         overflow=jnp.zeros((batch,), bool),
         nonfinite=jnp.zeros((batch,), bool),
-        fmt=fmt, capacity=int(capacity), use_kernel=bool(use_kernel))
+        fmt=fmt, capacity=int(capacity), use_kernel=bool(use_kernel),
+        k_sink=jnp.zeros(sink_shape, dtype) if fmt.sink_tokens else None,
+        v_sink=jnp.zeros(sink_shape, dtype) if fmt.sink_tokens else None)
 
   @property
   def storage_len(self) -> int:
@@ -509,7 +517,11 @@ class KVCache(ResidualBlockCache):
     nonfinite = (self.nonfinite | nonfinite_rows(k_new, st.num_new)
                  | nonfinite_rows(v_new, st.num_new) | nan_groups(k_side, st.old_packed, st.flush)
                  | nan_groups(v_side, st.old_packed, st.flush))
-    return self._finish(st, nonfinite, k=k_side, v=v_side)
+    sinks = {}
+    if self.k_sink is not None:  # the new rows at positions < S, exactly
+      sinks = dict(k_sink=write_sinks(self.k_sink, k_new, self.lengths, st.num_new),
+                   v_sink=write_sinks(self.v_sink, v_new, self.lengths, st.num_new))
+    return self._finish(st, nonfinite, k=k_side, v=v_side, **sinks)
 
   # ---------------------------------------------------------------- readback
   def dequantize(self, view: str = "target") -> tuple[jax.Array, jax.Array]:
@@ -521,7 +533,51 @@ class KVCache(ResidualBlockCache):
     formats: the upper 4-bit plane only; `jaxkv.hierarchical`).
     """
     hierarchical.check_view(view)
-    return self._assemble(self.k.dequantize(view), self.v.dequantize(view))
+    k, v = self._assemble(self.k.dequantize(view), self.v.dequantize(view))
+    if self.k_sink is None:
+      return k, v
+    return (read_sinks(k, self.k_sink, self.lengths), read_sinks(v, self.v_sink, self.lengths))
+
+
+def write_sinks(sink: jax.Array, new: jax.Array, lengths: jax.Array,
+                num_new: jax.Array, layer=None) -> jax.Array:
+  """``sink [B, S, H, D]`` with row ``i < num_new[b]`` of ``new [B, T, H, D]`` written
+  at position ``lengths[b] + i`` where that is ``< S`` (the others are dropped).
+
+  With ``layer`` (an int or traced index), ``sink`` is a stack ``[L, B, S, H, D]``
+  and only that layer's rows are written (a scatter: in place under `jit`).
+  """
+  s = sink.shape[-3]
+  new = new[:, :s]  # only rows i < S can land at a position < S (lengths >= 0)
+  t = new.shape[1]
+  pos = lengths[:, None] + jnp.arange(t)[None, :]                      # [B, t]
+  pos = jnp.where(jnp.arange(t)[None, :] < num_new[:, None], pos, s)   # s: dropped
+  seq = jnp.arange(new.shape[0])[:, None]                               # [B, 1]
+  index = (seq, pos) if layer is None else (layer, seq, pos)
+  return sink.at[index].set(new.astype(sink.dtype), mode="drop")
+
+
+def sink_rows(rows: jax.Array, sink: jax.Array, lengths: jax.Array, start) -> jax.Array:
+  """Head-major rows ``[B, H, n, D]`` (float32) of positions ``[start, start + n)`` with
+  those ``< min(S, L_b)`` taken from ``sink [B, S, H, D]`` (a block of the packed history)."""
+  s = sink.shape[1]
+  pos = start + jnp.arange(rows.shape[2])[None, :]                      # [1, n]
+  use = (pos < s) & (pos < lengths[:, None])                            # [B, n]
+  idx = jnp.clip(pos, 0, s - 1)
+  exact = jnp.take_along_axis(jnp.swapaxes(sink, 1, 2).astype(jnp.float32),
+                              jnp.broadcast_to(idx, use.shape)[:, None, :, None], axis=2)
+  return jnp.where(use[:, None, :, None], exact, rows)
+
+
+def read_sinks(x: jax.Array, sink: jax.Array, lengths: jax.Array) -> jax.Array:
+  """``x [B, C, H, D]`` (float32) with rows ``[0, min(S, L_b))`` taken from ``sink``."""
+  s = sink.shape[1]
+  pos = jnp.arange(x.shape[1])[None, :]
+  use = (pos < s) & (pos < lengths[:, None])                            # [B, C]
+  idx = jnp.clip(pos, 0, s - 1)
+  rows = jnp.take_along_axis(sink.astype(jnp.float32),
+                             jnp.broadcast_to(idx, use.shape)[:, :, None, None], axis=1)
+  return jnp.where(use[:, :, None, None], rows, x)
 
 
 # ------------------------------------------------- staging (shared helpers)

@@ -45,7 +45,7 @@ import numpy as np
 
 from jaxkv import hierarchical, quant
 from jaxkv.attention import _poison, check_counts, check_scale
-from jaxkv.cache import KVCache, QuantizedKV
+from jaxkv.cache import KVCache, QuantizedKV, sink_rows
 from jaxkv.vq_cache import VQCache
 from pallas_kernels.vq_attention import vq_dequantize
 
@@ -225,6 +225,9 @@ def _blocked(q, cache: KVCache, k_chunk, v_chunk, scale, block_q: int, block_k: 
 
     def hist(j, state):
       kb, vb = _history_rows(cache, "k", j * bk, bk), _history_rows(cache, "v", j * bk, bk)
+      if cache.k_sink is not None:  # rows [0, S) exactly (`KVCache.dequantize`)
+        kb = sink_rows(kb, cache.k_sink, cache.lengths, j * bk)
+        vb = sink_rows(vb, cache.v_sink, cache.lengths, j * bk)
       mask = (j * bk + jnp.arange(bk)[None, :] < packed[:, None])[:, None, None, None, :]
       return _partial(qb, kb, vb, mask, state)
 

@@ -176,7 +176,7 @@ def _fit_codebooks(model, fmt, name: str, tokens, lengths, *, seed: int, hint: s
   import numpy as np  # pylint: disable=import-outside-toplevel
 
   from jaxkv import vq  # pylint: disable=import-outside-toplevel
-  n = int(np.sum(lengths))
+  n = int(np.sum(np.maximum(np.asarray(lengths) - fmt.sink_tokens, 0)))  # sinks left out
   need = max(fmt.spec(side).entries for side in ("k", "v"))
   if n < need:
     raise ValueError(f"{name} fits its codebooks on the prompt's K/V and needs at least {need} "
@@ -184,7 +184,8 @@ def _fit_codebooks(model, fmt, name: str, tokens, lengths, *, seed: int, hint: s
   print(f"fitting {name} codebooks on the prompt's K/V: {n} tokens x "
         f"{model.config.num_layers} layers (k-means)", file=file, flush=True)
   t0 = time.perf_counter()
-  books = vq.fit(*vq.calibration_kv(model, tokens, lengths), fmt, seed=seed)
+  books = vq.fit(*vq.calibration_kv(model, tokens, lengths, sink_tokens=fmt.sink_tokens), fmt,
+                 seed=seed)
   print(f"fitted in {time.perf_counter() - t0:.1f}s", file=file, flush=True)
   return books
 
@@ -447,7 +448,7 @@ def _generate(args) -> int:
   if args.codebooks and args.save_codebooks:
     raise ValueError("--save-codebooks writes codebooks fitted on the prompt; with --codebooks "
                      "nothing is fitted")
-  if books is not None and books.fmt != fmt:
+  if books is not None and not fmt.same_codebooks(books.fmt):
     raise ValueError(f"--codebooks {args.codebooks!r} were learned for {_vq_name(books.fmt)}, "
                      f"not --kv {args.kv}: leave --kv out to decode with their format")
   if args.speculative is not None:

@@ -381,9 +381,12 @@ def evaluate(model, tokenizer, formats: dict[str, KVFormat | vq.VQFormat] | None
       raise ValueError(f"calibration={calibration}: the perplexity windows take the first "
                        f"{start} text tokens and calibration the next {calibration}, but the "
                        f"text has {len(text_ids)}")
-    k_calib, v_calib = vq.calibration_kv(model, calib[None])
+    calib_kv = {}  # per sink_tokens: a format with sinks fits without them
     for name in to_fit:
-      codebooks[name] = vq.fit(k_calib, v_calib, formats[name], seed=0)
+      s = formats[name].sink_tokens
+      if s not in calib_kv:
+        calib_kv[s] = vq.calibration_kv(model, calib[None], sink_tokens=s)
+      codebooks[name] = vq.fit(*calib_kv[s], formats[name], seed=0)
     if log is not None:
       log(f"fitted codebooks of {', '.join(to_fit)} on text tokens [{start}, "
           f"{start + calibration})")

@@ -48,6 +48,13 @@ class KVFormat:
       zero ``min``) and a lower 4-bit code (symmetric, scale ``S_U / 16``)
       of the upper's error, stored as two separate planes so a draft reads
       the upper plane only (`jaxkv.hierarchical`). Both views share one cache.
+    sink_tokens: S, the first tokens of each sequence also kept exactly (the
+      attention sinks); `KVCache.dequantize` and the attention read them in
+      place of their quantized rows (the packed rows stay as they are). In
+      ``[0, token_group]``; 0 = none. `KVCache` and `ModelCache` (so the
+      model) store them; the Pallas kernels refuse such formats for now
+      (`decode_attention` with ``implementation=None`` runs the reference):
+      bench/results/vq-NOTES.md, "Design of the sink_tokens feature".
   """
 
   k_bits: int = 16
@@ -58,6 +65,7 @@ class KVFormat:
   residual: int = 128
   scale_dtype: str = "float16"
   hierarchical: bool = False
+  sink_tokens: int = 0
 
   def __post_init__(self):
     for name in ("k_bits", "v_bits"):
@@ -88,6 +96,13 @@ class KVFormat:
     if self.hierarchical and (self.k_bits, self.v_bits) != (8, 8):
       raise ValueError(f"hierarchical=True needs k_bits=v_bits=8, got k_bits={self.k_bits}, "
                        f"v_bits={self.v_bits}")
+    if not _is_int(self.sink_tokens) or not 0 <= self.sink_tokens <= self.token_group:
+      raise ValueError(f"sink_tokens={self.sink_tokens!r} must be an int in [0, "
+                       f"token_group={self.token_group}]")
+    object.__setattr__(self, "sink_tokens", int(self.sink_tokens))
+    if self.sink_tokens and self.hierarchical:
+      raise ValueError(f"sink_tokens={self.sink_tokens} is not supported with hierarchical "
+                       "formats (hierarchical=True) yet")
 
   # ----------------------------------------------------------------- presets
   @classmethod
@@ -144,7 +159,10 @@ class KVFormat:
     """Bytes one token takes in the packed cache (codes + scales/zeros), K and V.
 
     Full-precision sides count ``dtype_bytes`` per element. The residual block
-    (a fixed ``R`` tokens per sequence) is not included. ``view`` (hierarchical
+    (a fixed ``R`` tokens per sequence) is not included, nor are the sink rows
+    (a fixed ``sink_tokens`` full-precision tokens per sequence, K and V:
+    ``2 * sink_tokens * D * dtype_bytes`` bytes per kv head per sequence;
+    `jaxkv.VQFormat.bytes_per_token` spreads them over a sequence length). ``view`` (hierarchical
     formats): ``"target"`` reads both 4-bit planes, ``"draft"`` the upper
     plane only (the same scales and zeros).
     """

@@ -55,7 +55,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.cache import (KVCache, QuantizedKV, ResidualBlockCache, check_int, flush_groups,
-                         nan_groups, nonfinite_rows, quantize_kv, shift_residual, stage_residual)
+                         nan_groups, nonfinite_rows, quantize_kv, shift_residual, stage_residual,
+                         write_sinks)
 from jaxkv import vq
 from jaxkv.formats import KVFormat
 from pallas_kernels import residual_write, token_append
@@ -162,6 +163,11 @@ class ModelCache:
     nonfinite: ``[B]`` bool, an append stored a NaN/inf K/V value or a NaN group
       (scale overflow) in some layer.
     fmt, capacity, use_kernel: as in `jaxkv.KVCache` (static).
+    k_sink, v_sink: ``[num_layers, B, S, Hkv, D]`` exact copies of each
+      sequence's first ``S = fmt.sink_tokens`` tokens per layer (rows past
+      ``L`` zero), or None (S = 0): as `jaxkv.KVCache.k_sink`. Every append
+      path writes them; `layer` / `dequantize` read them in place of the
+      quantized rows ``[0, S)``.
   """
 
   k: QuantizedKV
@@ -175,6 +181,8 @@ class ModelCache:
   fmt: KVFormat = _static()
   capacity: int = _static()
   use_kernel: bool = _static(default=False)
+  k_sink: jax.Array | None = None
+  v_sink: jax.Array | None = None
 
   # ------------------------------------------------------------ construction
   @classmethod
@@ -196,7 +204,8 @@ class ModelCache:
         k_residual=stacked(one.k_residual), v_residual=stacked(one.v_residual),
         lengths=jnp.zeros((batch,), jnp.int32), overflow=jnp.zeros((batch,), bool),
         invalid=jnp.zeros((batch,), bool), nonfinite=jnp.zeros((batch,), bool),
-        fmt=one.fmt, capacity=one.capacity, use_kernel=one.use_kernel)
+        fmt=one.fmt, capacity=one.capacity, use_kernel=one.use_kernel,
+        **stacked_sinks(one, stacked))
 
   @classmethod
   def from_layers(cls, caches: Sequence[KVCache]) -> "ModelCache":
@@ -216,7 +225,8 @@ class ModelCache:
         overflow=functools.reduce(jnp.logical_or, [c.overflow for c in caches]),
         invalid=jnp.zeros(first.lengths.shape, bool),  # per-layer caches have no such flag
         nonfinite=functools.reduce(jnp.logical_or, [c.nonfinite for c in caches]),
-        fmt=first.fmt, capacity=first.capacity, use_kernel=first.use_kernel)
+        fmt=first.fmt, capacity=first.capacity, use_kernel=first.use_kernel,
+        **stack_sinks(caches))
 
   # -------------------------------------------------------------- properties
   @property
@@ -280,7 +290,8 @@ class ModelCache:
         lengths=self.lengths if plan is None else plan.new_lengths,
         overflow=self.overflow if plan is None else self.overflow | ~plan.fits,
         nonfinite=self.nonfinite,
-        fmt=self.fmt, capacity=self.capacity, use_kernel=self.use_kernel)
+        fmt=self.fmt, capacity=self.capacity, use_kernel=self.use_kernel,
+        **self._layer_sinks(take))
 
   def layer_view(self, index, plan: AppendPlan | None = None) -> "LayerView":
     """Layer ``index`` without slicing it out (what decode attention should get).
@@ -372,8 +383,24 @@ class ModelCache:
     """
     self._check_append(index, k_new, v_new, plan, "append_layer")
     if k_new.shape[1] == 1 and self.fmt.residual == self.fmt.token_group:
-      return self._append_token(index, k_new, v_new, plan)
+      new = self._append_token(index, k_new, v_new, plan)
+      return dataclasses.replace(new, **new._write_sinks(index, k_new, v_new, plan))
     return self.append_layer_with_history(index, k_new, v_new, plan, lazy_flush=True)[0]
+
+  def _write_sinks(self, index, k_new, v_new, plan: AppendPlan) -> dict:
+    """``{k_sink, v_sink}`` with layer ``index``'s new rows at positions ``< S``
+    written (a scatter of at most S rows per sequence, in place), or ``{}`` (S = 0)."""
+    if self.k_sink is None:
+      return {}
+    return {f"{name}_sink": write_sinks(getattr(self, f"{name}_sink"), new, plan.old_lengths,
+                                        plan.num_new, layer=index)
+            for name, new in (("k", k_new), ("v", v_new))}
+
+  def _layer_sinks(self, take) -> dict:
+    """``{k_sink, v_sink}`` of one layer (``take`` slices the layer axis), or ``{}``."""
+    if self.k_sink is None:
+      return {}
+    return dict(k_sink=take(self.k_sink), v_sink=take(self.v_sink))
 
   def _check_append(self, index, k_new, v_new, plan: AppendPlan, what: str) -> None:
     """The Python-level checks of `append_layer` (nothing is added to a trace)."""
@@ -539,6 +566,7 @@ class ModelCache:
       out["k"], out["v"] = jax.lax.cond(jnp.any(plan.flush > 0), write, lambda s: s, sides)
     else:
       out["k"], out["v"] = write(sides)
+    out.update(self._write_sinks(index, k_new, v_new, plan))
     new = dataclasses.replace(self, **out)
     history = dataclasses.replace(new.layer(index), k_residual=old_res["k"],
                                   v_residual=old_res["v"], lengths=self.lengths,
@@ -601,6 +629,21 @@ class ModelCache:
 
 def _is_concrete(x) -> bool:
   return not isinstance(x, jax.core.Tracer)
+
+
+def stacked_sinks(one, stacked) -> dict:
+  """``{k_sink, v_sink}`` of an empty stacked cache (``stacked`` maps one layer's
+  shape to zeros ``[L, ...]``) from one layer's ``one`` (shapes), or ``{}`` (S = 0)."""
+  if one.k_sink is None:
+    return {}
+  return dict(k_sink=stacked(one.k_sink), v_sink=stacked(one.v_sink))
+
+
+def stack_sinks(caches) -> dict:
+  """``{k_sink, v_sink}`` ``[L, B, S, Hkv, D]`` stacked from per-layer caches, or ``{}``."""
+  if caches[0].k_sink is None:
+    return {}
+  return {name: jnp.stack([getattr(c, name) for c in caches]) for name in ("k_sink", "v_sink")}
 
 
 def _scatter_rows(dst, index, src, start, count):

@@ -158,10 +158,11 @@ def cache_specs(cache, mesh: Mesh):
 
   Storage ``[(L,) B, Hkv, C, X]`` (codes, scales, hierarchical planes,
   residual rows): batch over ``"data"``, kv heads over ``"model"`` (each
-  replicated when not divisible); VQ codebooks ``[(L,) Hkv, ...]`` with their
-  kv heads, replicated over ``"data"``; ``[B]`` lengths and
-  flags over ``"data"``; a layer index replicated. Works on arrays and on
-  `jax.ShapeDtypeStruct`s (`jax.eval_shape` output).
+  replicated when not divisible); sink rows ``[(L,) B, S, Hkv, D]`` likewise;
+  VQ codebooks ``[(L,) Hkv, ...]`` with their kv heads, replicated over
+  ``"data"``; ``[B]`` lengths and flags over ``"data"``; a layer index
+  replicated. Works on arrays and on `jax.ShapeDtypeStruct`s
+  (`jax.eval_shape` output).
   """
   from jaxkv.cache import KVCache  # pylint: disable=import-outside-toplevel
   from jaxkv.model_cache import AppendPlan, LayerView, ModelCache  # pylint: disable=import-outside-toplevel
@@ -199,6 +200,10 @@ def cache_specs(cache, mesh: Mesh):
 
   common = dict(k_residual=storage(cache.k_residual), v_residual=storage(cache.v_residual),
                 lengths=per_seq(cache.lengths), **{f: per_seq(getattr(cache, f)) for f in flags})
+  if getattr(cache, "k_sink", None) is not None:  # [(L,) B, S, Hkv, D]: batch and heads as storage
+    n = len(lead)
+    sink = P(*ref[: n + 1], None, ref[n + 1], None)
+    common.update(k_sink=sink, v_sink=sink)
   if isinstance(cache, VQCache):
     # Codebooks [Hkv, S, n, E, v] go with their kv heads, replicated over "data".
     books = P(ref[1], *([None] * (cache.k_codebook.ndim - 1)))

@@ -59,6 +59,13 @@ class VQFormat:
       granularity, as in `jaxkv.KVFormat`.
     residual: R, full-precision residual rows; a multiple of G.
     codebook_dtype: dtype name of the stored centroids.
+    sink_tokens: S, the first tokens of each sequence also kept exactly (the
+      attention sinks) and read in place of their codes, as
+      `jaxkv.KVFormat.sink_tokens`; in ``[0, token_group]``, 0 = none. The
+      codebooks do not depend on it (`same_codebooks`), but they fit better
+      without the sink rows (`calibration_kv`'s ``sink_tokens``;
+      bench/results/vq-NOTES.md, 2026-11-27). The VQ kernels refuse such
+      formats (the reference attention reads the sinks).
   """
 
   k_vector: int = 2
@@ -70,6 +77,7 @@ class VQFormat:
   token_group: int = 128
   residual: int = 128
   codebook_dtype: str = "float16"
+  sink_tokens: int = 0
 
   def __post_init__(self):
     for side in ("k", "v"):
@@ -95,6 +103,10 @@ class VQFormat:
       raise ValueError(
           f"codebook_dtype={self.codebook_dtype!r} must be one of {VALID_CODEBOOK_DTYPES}")
     object.__setattr__(self, "codebook_dtype", cd)
+    if not _is_int(self.sink_tokens) or not 0 <= self.sink_tokens <= self.token_group:
+      raise ValueError(f"sink_tokens={self.sink_tokens!r} must be an int in [0, "
+                       f"token_group={self.token_group}]")
+    object.__setattr__(self, "sink_tokens", int(self.sink_tokens))
 
   @classmethod
   def preset(cls, name: str) -> "VQFormat":
@@ -109,6 +121,13 @@ class VQFormat:
   @property
   def is_quantized(self) -> bool:
     return True
+
+  def same_codebooks(self, other: "VQFormat") -> bool:
+    """Whether codebooks learned for ``other`` serve this format: every field equal
+    but ``sink_tokens`` (the codebooks are the same arrays with or without sinks)."""
+    return (isinstance(other, VQFormat)
+            and dataclasses.replace(self, sink_tokens=0) == dataclasses.replace(other,
+                                                                                sink_tokens=0))
 
   @property
   def hierarchical(self) -> bool:
@@ -150,24 +169,32 @@ class VQFormat:
     return g * jnp.maximum(0, (length - r + g) // g)
 
   def bytes_per_token(self, kv_heads: int, head_dim: int, dtype_bytes: int = 2, *,
-                      context: int = 8192) -> float:
-    """Bytes per token of one layer's packed cache, K and V, codebooks amortized.
+                      context: int = 8192, sequence_length: int | None = None) -> float:
+    """Bytes per token of one layer's packed cache, K and V, codebooks and sinks amortized.
 
     Codes: ``stages * D / vector`` bytes per head per side. The layer's
     codebooks (``stages * D * 2^b`` centroid values per head per side) are
     spread over ``context`` tokens: the tokens the codebooks serve, e.g.
-    batch * sequence length. The residual block is not included, as in
-    `KVFormat.bytes_per_token`; ``dtype_bytes`` is unused (no side is kept in
-    full precision) and accepted for the same signature.
+    batch * sequence length. The sink rows (``sink_tokens`` tokens of
+    ``dtype_bytes`` per value, K and V, per sequence) are spread over
+    ``sequence_length`` tokens (default ``context``: one sequence). The
+    residual block is not included, as in `KVFormat.bytes_per_token`;
+    ``dtype_bytes`` counts only for the sinks.
     """
-    del dtype_bytes
     if not _is_int(kv_heads) or kv_heads < 1:
       raise ValueError(f"kv_heads={kv_heads!r} must be a positive int")
     self.validate_head_dim(head_dim)
     if not _is_int(context) or context <= 0:
       raise ValueError(f"context={context!r} must be a positive int")
+    sequence_length = context if sequence_length is None else sequence_length
+    if not _is_int(sequence_length) or sequence_length <= 0:
+      raise ValueError(f"sequence_length={sequence_length!r} must be a positive int or None")
+    if (isinstance(dtype_bytes, (bool, np.bool_))
+        or not isinstance(dtype_bytes, (int, float, np.integer, np.floating))
+        or not 0 < dtype_bytes < float("inf")):
+      raise ValueError(f"dtype_bytes={dtype_bytes!r} must be a positive number")
     cb_bytes = np.dtype(self.codebook_dtype).itemsize
-    total = 0.0
+    total = 2 * self.sink_tokens * head_dim * dtype_bytes / sequence_length
     for side in ("k", "v"):
       spec = self.spec(side)
       total += spec.code_width(head_dim)
@@ -178,8 +205,12 @@ class VQFormat:
 VQ_PRESETS: dict[str, VQFormat] = {
     "cq4": VQFormat(k_vector=2, v_vector=2),   # 2 channels per 8-bit index: 4 bits/channel
     "cq2": VQFormat(k_vector=4, v_vector=4),   # 4 channels per 8-bit index: 2 bits/channel
+    # cq2 with each sequence's first 4 tokens exact (reference attention only for now):
+    # half cq2's KL on SmolLM2 at 4096 tokens (bench/results/vq-NOTES.md, 2026-11-27).
+    "cq2-s4": VQFormat(k_vector=4, v_vector=4, sink_tokens=4),
 }
-"""Named VQ formats (VQ-LLM's CQ-4 and CQ-2; R = G = 128 as KIVI)."""
+"""Named VQ formats (VQ-LLM's CQ-4 and CQ-2; R = G = 128 as KIVI; ``cq2-s4``: cq2 with
+4 exact sink tokens, codebooks shared with cq2)."""
 
 
 def is_vq_format(fmt) -> bool:
@@ -532,7 +563,8 @@ def _forward_kv(graphdef, state, tokens):
   return nnx.merge(graphdef, state).forward_kv(tokens)[1:]
 
 
-def calibration_kv(model, tokens, lengths=None) -> tuple[jax.Array, jax.Array]:
+def calibration_kv(model, tokens, lengths=None, *,
+                   sink_tokens: int = 0) -> tuple[jax.Array, jax.Array]:
   """Every layer's K/V of the real tokens of right-padded prompts: what `fit` learns from.
 
   One jitted full-precision causal forward (``model.forward_kv``,
@@ -549,8 +581,14 @@ def calibration_kv(model, tokens, lengths=None) -> tuple[jax.Array, jax.Array]:
     tokens: ``[B, T]`` int token ids, row ``b`` right-padded after
       ``lengths[b]`` real tokens (in ``[0, vocab)``; padding may be any id).
     lengths: ``[B]`` ints in ``[1, T]``; None = every token is real.
+    sink_tokens: leave out each row's first ``sink_tokens`` tokens (an int
+      >= 0; e.g. ``fmt.sink_tokens``): a format with sinks never reads their
+      codes, and its codebooks fit the other tokens better without the
+      outlier sink vectors (bench/results/vq-NOTES.md, 2026-11-27). The
+      forward still sees them (the other tokens' K/V depend on them).
   Returns:
-    ``(k, v)``, each ``[L, N, Hkv, D]`` with ``N = sum(lengths)`` (row-major).
+    ``(k, v)``, each ``[L, N, Hkv, D]`` with ``N = sum(max(lengths -
+    sink_tokens, 0))`` (row-major).
   """
   tokens = np.asarray(tokens)
   if tokens.ndim != 2:
@@ -562,6 +600,8 @@ def calibration_kv(model, tokens, lengths=None) -> tuple[jax.Array, jax.Array]:
   if lengths.shape != (b,) or not np.issubdtype(lengths.dtype, np.integer) \
       or lengths.min(initial=1) < 1 or lengths.max(initial=t) > t:
     raise ValueError(f"lengths={lengths.tolist()} must be {b} ints in [1, T={t}]")
+  if not _is_int(sink_tokens) or sink_tokens < 0:
+    raise ValueError(f"sink_tokens={sink_tokens!r} must be an int >= 0")
   real = np.arange(t)[None, :] < lengths[:, None]                        # [B, T]
   vocab = getattr(getattr(model, "config", None), "vocab_size", None)
   if vocab is not None:  # the real tokens only: padding may hold any id
@@ -570,4 +610,5 @@ def calibration_kv(model, tokens, lengths=None) -> tuple[jax.Array, jax.Array]:
   tokens = tokens.astype(np.int32)
   graphdef, state = nnx.split(model)
   k, v = _forward_kv(graphdef, state, jnp.asarray(tokens))
-  return k[:, real], v[:, real]
+  keep = real & (np.arange(t)[None, :] >= sink_tokens)                   # [B, T]
+  return k[:, keep], v[:, keep]

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from jaxkv import vq
 from jaxkv.cache import (STORAGE_ALIGN, ResidualBlockCache, _static, check_dims,
-                         nonfinite_rows)
+                         nonfinite_rows, read_sinks, write_sinks)
 from jaxkv.model_cache import check_layer_index
 from pallas_kernels.vq_attention import vq_dequantize
 
@@ -48,6 +48,10 @@ class VQCache(ResidualBlockCache):
     nonfinite: ``[B]`` bool, set when an update under `jit` held a NaN/inf.
     fmt: the `VQFormat` (static).
     capacity: tokens per sequence the cache can hold (static).
+    k_sink, v_sink: ``[B, S, Hkv, D]`` exact copies of each sequence's first
+      ``S = fmt.sink_tokens`` tokens (rows past ``L`` zero), or None (S = 0);
+      `dequantize` reads them in place of those tokens' centroids (as
+      `jaxkv.KVCache.k_sink`).
   """
 
   k_codes: jax.Array
@@ -61,6 +65,8 @@ class VQCache(ResidualBlockCache):
   nonfinite: jax.Array
   fmt: vq.VQFormat = _static()
   capacity: int = _static()
+  k_sink: jax.Array | None = None
+  v_sink: jax.Array | None = None
 
   _NAME = "VQ cache"
 
@@ -84,7 +90,7 @@ class VQCache(ResidualBlockCache):
     fmt = vq.as_vq_format(fmt)
     dtype = check_dims(fmt, batch, kv_heads, head_dim, capacity, dtype)
     if isinstance(codebooks, vq.VQCodebooks):
-      if codebooks.fmt != fmt:
+      if not fmt.same_codebooks(codebooks.fmt):
         raise ValueError(f"codebooks were learned for {codebooks.fmt}, not {fmt}")
       if layer is None:
         raise ValueError("layer=None: pass the layer index of these VQCodebooks")
@@ -98,6 +104,7 @@ class VQCache(ResidualBlockCache):
     align = max(STORAGE_ALIGN, fmt.token_group)
     storage = -(-capacity // align) * align
     res_shape = (batch, kv_heads, fmt.residual, head_dim)
+    sink_shape = (batch, fmt.sink_tokens, kv_heads, head_dim)
 
     def codes(side):
       return jnp.zeros((batch, kv_heads, storage, fmt.spec(side).code_width(head_dim)), jnp.uint8)
@@ -106,7 +113,9 @@ class VQCache(ResidualBlockCache):
         k_codes=codes("k"), v_codes=codes("v"), k_codebook=k_cb, v_codebook=v_cb,
         k_residual=jnp.zeros(res_shape, dtype), v_residual=jnp.zeros(res_shape, dtype),
         lengths=jnp.zeros((batch,), jnp.int32), overflow=jnp.zeros((batch,), bool),
-        nonfinite=jnp.zeros((batch,), bool), fmt=fmt, capacity=int(capacity))
+        nonfinite=jnp.zeros((batch,), bool), fmt=fmt, capacity=int(capacity),
+        k_sink=jnp.zeros(sink_shape, dtype) if fmt.sink_tokens else None,
+        v_sink=jnp.zeros(sink_shape, dtype) if fmt.sink_tokens else None)
 
   # -------------------------------------------------------------- properties
   @property
@@ -136,19 +145,27 @@ class VQCache(ResidualBlockCache):
                                     (self.k_codes, self.v_codes))
     nonfinite = (self.nonfinite | nonfinite_rows(k_new, st.num_new)
                  | nonfinite_rows(v_new, st.num_new))
-    return self._finish(st, nonfinite, k_codes=k_codes, v_codes=v_codes)
+    sinks = {}
+    if self.k_sink is not None:  # the new rows at positions < S, exactly
+      sinks = dict(k_sink=write_sinks(self.k_sink, k_new, self.lengths, st.num_new),
+                   v_sink=write_sinks(self.v_sink, v_new, self.lengths, st.num_new))
+    return self._finish(st, nonfinite, k_codes=k_codes, v_codes=v_codes, **sinks)
 
   # ---------------------------------------------------------------- readback
   def dequantize(self) -> tuple[jax.Array, jax.Array]:
     """Returns ``(k, v)``, each float32 ``[B, capacity, Hkv, D]``, zero past ``lengths``.
 
     Tokens ``[0, packed_len)`` are the summed centroids of their codes;
-    ``[packed_len, L)`` the exact residual values. Attention over the cache
-    must match attention over these.
+    ``[packed_len, L)`` the exact residual values; with sinks, tokens
+    ``[0, min(S, L))`` their exact copies. Attention over the cache must
+    match attention over these.
     """
     c = self.capacity  # gather centroids only for rows a token can occupy
-    return self._assemble(vq_dequantize(self.k_codes[:, :, :c], self.k_codebook),
+    k, v = self._assemble(vq_dequantize(self.k_codes[:, :, :c], self.k_codebook),
                           vq_dequantize(self.v_codes[:, :, :c], self.v_codebook))
+    if self.k_sink is None:
+      return k, v
+    return (read_sinks(k, self.k_sink, self.lengths), read_sinks(v, self.v_sink, self.lengths))
 
 
 # Float32 distances one quantization step may hold ([B, H, chunk, n, E]).

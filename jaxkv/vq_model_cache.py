@@ -32,7 +32,7 @@ import numpy as np
 from jaxkv import vq
 from jaxkv.cache import STORAGE_ALIGN, check_dims
 from jaxkv.model_cache import (AppendPlan, LayerView, ModelCache, _scatter_rows,
-                               check_layer_index, check_layers)
+                               check_layer_index, check_layers, stack_sinks)
 from jaxkv.vq_cache import VQCache, _quantize_groups
 
 
@@ -70,7 +70,7 @@ def stacked_codebooks(fmt: vq.VQFormat, codebooks, num_layers: int, kv_heads: in
     raise ValueError(f"a VQ format ({fmt}) needs codebooks=: every layer's jaxkv.VQCodebooks "
                      "(learn them with jaxkv.vq.fit on calibration K/V)")
   if isinstance(codebooks, vq.VQCodebooks):
-    if codebooks.fmt != fmt:
+    if not fmt.same_codebooks(codebooks.fmt):
       raise ValueError(f"codebooks were learned for {codebooks.fmt}, not {fmt}")
     k_books, v_books = codebooks.k, codebooks.v
   elif isinstance(codebooks, (tuple, list)) and len(codebooks) == 2:
@@ -112,6 +112,8 @@ class VQModelCache(ModelCache):
     capacity: tokens per sequence (static).
     use_kernel: write decode rows into the residual with the Pallas
       `residual_write` kernel off GPU too (static; as `ModelCache`).
+    k_sink, v_sink: ``[L, B, S, Hkv, D]`` exact sink rows or None (S = 0), as
+      `jaxkv.ModelCache` (written by its append paths).
   """
 
   # ------------------------------------------------------------ construction
@@ -138,6 +140,7 @@ class VQModelCache(ModelCache):
     align = max(STORAGE_ALIGN, fmt.token_group)
     storage = -(-capacity // align) * align
     res_shape = (num_layers, batch, kv_heads, fmt.residual, head_dim)
+    sink_shape = (num_layers, batch, fmt.sink_tokens, kv_heads, head_dim)
 
     def side(name, books):
       width = fmt.spec(name).code_width(head_dim)
@@ -148,7 +151,9 @@ class VQModelCache(ModelCache):
         k_residual=jnp.zeros(res_shape, dtype), v_residual=jnp.zeros(res_shape, dtype),
         lengths=jnp.zeros((batch,), jnp.int32), overflow=jnp.zeros((batch,), bool),
         invalid=jnp.zeros((batch,), bool), nonfinite=jnp.zeros((batch,), bool),
-        fmt=fmt, capacity=int(capacity), use_kernel=bool(use_kernel))
+        fmt=fmt, capacity=int(capacity), use_kernel=bool(use_kernel),
+        k_sink=jnp.zeros(sink_shape, dtype) if fmt.sink_tokens else None,
+        v_sink=jnp.zeros(sink_shape, dtype) if fmt.sink_tokens else None)
 
   @classmethod
   def from_layers(cls, caches: Sequence[VQCache]) -> "VQModelCache":
@@ -166,7 +171,7 @@ class VQModelCache(ModelCache):
         lengths=first.lengths, overflow=jnp.any(stack("overflow"), axis=0),
         invalid=jnp.zeros(first.lengths.shape, bool),  # per-layer caches have no such flag
         nonfinite=jnp.any(stack("nonfinite"), axis=0),
-        fmt=first.fmt, capacity=first.capacity)
+        fmt=first.fmt, capacity=first.capacity, **stack_sinks(caches))
 
   @property
   def codebooks(self) -> vq.VQCodebooks:
@@ -189,7 +194,8 @@ class VQModelCache(ModelCache):
         k_residual=take(self.k_residual), v_residual=take(self.v_residual),
         lengths=self.lengths if plan is None else plan.new_lengths,
         overflow=self.overflow if plan is None else self.overflow | ~plan.fits,
-        nonfinite=self.nonfinite, fmt=self.fmt, capacity=self.capacity)
+        nonfinite=self.nonfinite, fmt=self.fmt, capacity=self.capacity,
+        **self._layer_sinks(take))
 
   def layer_view(self, index, plan: AppendPlan | None = None) -> LayerView:
     """Layer ``index`` as (stacked storage, index): what `jaxkv.decode_attention` gets.

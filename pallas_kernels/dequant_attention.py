@@ -1204,6 +1204,9 @@ def supports(fmt: CacheFormat, *, head_dim: int, num_q_heads: int | None = None,
              kv_heads: int | None = None, num_queries: int | None = None,
              capacity: int | None = None) -> tuple[bool, str]:
   """Whether the kernels handle this format and shape; ``(False, reason)`` if not."""
+  if getattr(fmt, "sink_tokens", 0):  # they would read the sinks' quantized rows: wrong answers
+    return False, (f"sink_tokens={fmt.sink_tokens}: the kernels do not read the exact sink rows "
+                   "(k_sink, v_sink) yet; the reference does")
   if not _triton.is_pow2(head_dim) or not 32 <= head_dim <= 256:
     return False, f"head_dim={head_dim} must be a power of two in [32, 256]"
   try:

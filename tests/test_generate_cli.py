@@ -243,7 +243,8 @@ def test_generate_command_vq(checkpoint, tmp_path, capsys):
       (["--kv", "cq4"], "cq4 fits its codebooks on the prompt's K/V and needs at least 256 "
                         "prompt tokens (one per codebook entry), got 3"),
       (["--kv", "cq4", "--codebooks", path], "were learned for cq2, not --kv cq4"),
-      (["--kv", "kivi4", "--codebooks", path], "are for VQ formats (cq4, cq2), got --kv kivi4"),
+      (["--kv", "kivi4", "--codebooks", path],
+       "are for VQ formats (cq4, cq2, cq2-s4), got --kv kivi4"),
       (["--codebooks", str(tmp_path / "none.npz")], "none.npz': no such file")):
     assert cli.main(short + extra) == 2
     assert message in capsys.readouterr().err
