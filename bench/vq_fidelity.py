@@ -21,6 +21,7 @@ Writes ``vq-fidelity-<platform>.json`` and prints a Markdown table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -75,7 +76,12 @@ def main(argv=None) -> int:
                  help="calibrate on rows of this many tokens (default: the evaluated window, "
                       "prompt + steps), so the keys sit at the positions the windows use "
                       "(post-RoPE codebooks depend on them); 0 = one row of --calib tokens")
-  p.add_argument("--formats", default=",".join(FORMATS))
+  p.add_argument("--formats", default=",".join(FORMATS),
+                 help="presets (VQ ones include sink variants such as cq2-s4); a KV preset "
+                      "with '-sN' appended keeps its first N tokens exact (sink_tokens=N)")
+  p.add_argument("--offset", type=int, default=0,
+                 help="first token of the first window in the reference text (the windows "
+                      "must end before the calibration tokens, the text's last --calib)")
   p.add_argument("--amortize", type=int, default=8192,
                  help="tokens the VQ codebooks are amortized over in bytes/token")
   p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
@@ -90,7 +96,12 @@ def main(argv=None) -> int:
   tokens = np.asarray(load_tokenizer(path).encode(fidelity.reference_text()), np.int32)
   graphdef, state = nnx.split(model)
   span = args.prompt + args.steps + 1
-  windows = np.stack([tokens[j * span:(j + 1) * span] for j in range(args.windows)])
+  end = args.offset + args.windows * span
+  if args.offset < 0 or end > len(tokens) - args.calib:
+    p.error(f"--offset {args.offset}: the windows end at token {end}, past the start of "
+            f"the calibration tokens ({len(tokens) - args.calib} of {len(tokens)})")
+  windows = np.stack([tokens[args.offset + j * span:args.offset + (j + 1) * span]
+                      for j in range(args.windows)])
   calib = tokens[-args.calib:][None]  # the end of the text: disjoint from the windows
   w = args.prompt + args.steps if args.calib_window is None else args.calib_window
   if w:  # rows of w tokens: keys at positions 0..w-1, the positions the windows use
@@ -102,6 +113,13 @@ def main(argv=None) -> int:
         f"{len(tokens)} text tokens", flush=True)
 
   k_calib, v_calib = vq.calibration_kv(model, calib)  # [L, N, Hkv, D]
+
+  def without_sinks(x, sinks):  # each calibration row's first `sinks` tokens left out
+    if not sinks:              # (what `vq.calibration_kv(..., sink_tokens=)` returns)
+      return x
+    per_row = x.reshape(x.shape[0], calib.shape[0], calib.shape[1], *x.shape[2:])
+    return per_row[:, :, sinks:].reshape(x.shape[0], -1, *x.shape[2:])
+
   prompt = jnp.asarray(windows[:, :args.prompt])
   inputs = jnp.asarray(windows[:, args.prompt:args.prompt + args.steps].T)   # [steps, B]
   targets = windows[:, args.prompt + 1:args.prompt + args.steps + 1]         # [B, steps]
@@ -113,13 +131,21 @@ def main(argv=None) -> int:
     t1 = time.perf_counter()
     if name in vq.VQ_PRESETS:
       fmt = vq.VQ_PRESETS[name]
-      books = vq.fit(k_calib, v_calib, fmt, seed=0, iters=args.iters)
+      books = vq.fit(without_sinks(k_calib, fmt.sink_tokens),
+                     without_sinks(v_calib, fmt.sink_tokens), fmt, seed=0, iters=args.iters)
       cache = model.init_cache(fmt, b, capacity, jnp.bfloat16, codebooks=books)
-      bpt = fmt.bytes_per_token(cfg.num_kv_heads, cfg.head_dim, context=args.amortize)
+      bpt = fmt.bytes_per_token(cfg.num_kv_heads, cfg.head_dim, context=args.amortize,
+                                sequence_length=capacity)  # sinks over the window
     else:
-      fmt = jaxkv.KVFormat.preset(name)
+      base, _, sinks = name.rpartition("-s")
+      if base and sinks.isdigit() and base in jaxkv.PRESETS:  # e.g. kivi2-g32-s4
+        fmt = dataclasses.replace(jaxkv.KVFormat.preset(base), sink_tokens=int(sinks))
+      else:
+        fmt = jaxkv.KVFormat.preset(name)
       cache = model.init_cache(fmt, b, capacity, jnp.bfloat16, use_kernel=False)
-      bpt = fmt.bytes_per_token(cfg.num_kv_heads, cfg.head_dim)
+      # KVFormat.bytes_per_token leaves the sinks out: bf16 K and V rows over the window
+      bpt = (fmt.bytes_per_token(cfg.num_kv_heads, cfg.head_dim)
+             + 2 * fmt.sink_tokens * cfg.num_kv_heads * cfg.head_dim * 2 / capacity)
     logp = np.asarray(_forced_logp(graphdef, state, cache, prompt, inputs))  # [steps, B, V]
     target_lp = np.take_along_axis(logp, targets.T[:, :, None], axis=-1)[..., 0]
     if ref_logp is None:

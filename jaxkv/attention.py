@@ -158,14 +158,16 @@ def _check_q_cache(q, cache: KVCache):
     raise TypeError(f"q.dtype={q.dtype} must be floating")
 
 
-_SINKS_WHY = ("sink_tokens > 0: the kernels do not read the exact sink rows yet (the "
-              "reference does)")
+def sinks_refusal(fmt, kernels: str = "kernels") -> str:
+  """Why the Pallas ``kernels`` refuse a format with ``sink_tokens > 0`` (naming the value)."""
+  return (f"sink_tokens={fmt.sink_tokens}: the {kernels} do not read the exact sink rows yet "
+          "(the reference does)")
 
 
 def _triton_supported(q, cache, view: str = "target") -> tuple[bool, str]:
   del view  # the Triton family reads both views of every format it takes
   if getattr(cache.fmt, "sink_tokens", 0):
-    return False, _SINKS_WHY
+    return False, sinks_refusal(cache.fmt)
   import pallas_kernels  # pylint: disable=import-outside-toplevel
   return pallas_kernels.supports(cache.fmt, head_dim=cache.head_dim,
                                  num_q_heads=q.shape[2], kv_heads=cache.kv_heads,
@@ -192,7 +194,7 @@ def is_hopper() -> bool:
 
 def _mosaic_supported(q, cache, config=None, view: str = "target") -> tuple[bool, str]:
   if getattr(cache.fmt, "sink_tokens", 0):
-    return False, _SINKS_WHY
+    return False, sinks_refusal(cache.fmt)
   if cache.fmt.hierarchical and view != "draft":
     return False, ("the Mosaic GPU kernels read only the draft view of hierarchical "
                    "(quantspec) caches")

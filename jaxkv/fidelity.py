@@ -330,7 +330,7 @@ def _format_fields(fmt) -> dict:
     return dataclasses.asdict(fmt)
   return dict(k_bits=fmt.k_bits, v_bits=fmt.v_bits, k_axis=fmt.k_axis,
               token_group=fmt.token_group, channel_group=fmt.channel_group,
-              residual=fmt.residual)
+              residual=fmt.residual, sink_tokens=fmt.sink_tokens)
 
 
 def evaluate(model, tokenizer, formats: dict[str, KVFormat | vq.VQFormat] | None = None, *,

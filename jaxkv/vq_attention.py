@@ -47,14 +47,11 @@ def _check_q(q, cache: VQCache):
     raise TypeError(f"q.dtype={q.dtype} must be floating")
 
 
-_SINKS_WHY = ("sink_tokens > 0: the VQ kernels do not read the exact sink rows yet (the "
-              "reference does)")
-
-
 def kernel_supports(q, cache: VQCache) -> tuple[bool, str]:
   """Whether the fused VQ kernel serves this query and cache."""
+  from jaxkv.attention import sinks_refusal  # pylint: disable=import-outside-toplevel
   if cache.fmt.sink_tokens:
-    return False, _SINKS_WHY
+    return False, sinks_refusal(cache.fmt, "VQ kernels")
   return vq_kernel.supports(
       head_dim=cache.head_dim, k_spec=cache.fmt.spec("k"), v_spec=cache.fmt.spec("v"),
       num_q_heads=q.shape[2], kv_heads=cache.kv_heads, num_queries=q.shape[1],
@@ -64,10 +61,10 @@ def kernel_supports(q, cache: VQCache) -> tuple[bool, str]:
 def mosaic_supports(q, cache: VQCache, config=None) -> tuple[bool, str]:
   """Whether the Hopper VQ kernel serves this query and cache (on this machine)."""
   # pylint: disable-next=import-outside-toplevel
-  from jaxkv.attention import is_hopper
+  from jaxkv.attention import is_hopper, sinks_refusal
   from pallas_kernels import mosaic_vq_attention  # pylint: disable=import-outside-toplevel
   if cache.fmt.sink_tokens:
-    return False, _SINKS_WHY
+    return False, sinks_refusal(cache.fmt, "VQ kernels")
   if not is_hopper():
     return False, "the Mosaic GPU kernels need a Hopper (sm_90) GPU"
   return mosaic_vq_attention.supports(

@@ -195,10 +195,16 @@ class MosaicAttentionConfig:
     k8v4 gained 2-5 %), but 2 for kivi4 (and V built after the softmax in
     128-token blocks at <= 64 (sequence, kv head) pairs); K scale pairs shared
     by warp shuffles (``shuffle_scales``) for 2-bit and 4-bit K (in 128-token
-    blocks only over at most 64 (sequence, kv head) pairs).
+    blocks only over at most 64 (sequence, kv head) pairs). Over more than 64
+    pairs, kivi4 whose 4-per-SM split count would fill its last wave at the 2
+    per SM it runs at (V built early: 171-172 registers) under 90 % takes V
+    after the softmax and shuffled scales instead (163-170 registers: 3 per
+    SM) with at least 2 splits (the packed programs are counted; the short
+    residual program of each pair is not).
 
     Programs: the split counts assume 4 per SM for 4-bit K and V (3 in
-    128-token blocks over 9-64 (sequence, kv head) pairs, 2 over <= 8), 3 for
+    128-token blocks over 9-64 (sequence, kv head) pairs and in the late-V case
+    above, 2 over <= 8), 3 for
     8-bit K with 4-bit V and for 2-bit K and V (over at most 8 pairs only
     where every split keeps >= 8 blocks), 2 otherwise. Nsight Compute (H100, (1, 131072),
     2026-11-26) finds kivi4 at 4 per SM in 64-token blocks (120 registers,
