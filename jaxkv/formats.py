@@ -26,6 +26,14 @@ def _is_int(x) -> bool:
   return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
+def check_dtype_bytes(dtype_bytes) -> None:
+  """``dtype_bytes`` of a bytes-per-token count: a positive finite real (not a bool)."""
+  if (isinstance(dtype_bytes, (bool, np.bool_))
+      or not isinstance(dtype_bytes, (int, float, np.integer, np.floating))
+      or not 0 < dtype_bytes < float("inf")):
+    raise ValueError(f"dtype_bytes={dtype_bytes!r} must be a positive number")
+
+
 @dataclasses.dataclass(frozen=True)
 class KVFormat:
   """Storage format of a quantized KV cache.
@@ -172,10 +180,7 @@ class KVFormat:
       raise ValueError("view='draft' needs a hierarchical format (KVFormat.preset('quantspec'))")
     if not _is_int(kv_heads) or kv_heads <= 0:
       raise ValueError(f"kv_heads={kv_heads!r} must be a positive int")
-    if (isinstance(dtype_bytes, (bool, np.bool_))
-        or not isinstance(dtype_bytes, (int, float, np.integer, np.floating))
-        or not 0 < dtype_bytes < float("inf")):
-      raise ValueError(f"dtype_bytes={dtype_bytes!r} must be a positive number")
+    check_dtype_bytes(dtype_bytes)
     self.validate_head_dim(head_dim)
     sbytes = np.dtype(self.scale_dtype).itemsize
     gd = self.channel_group_for(head_dim)

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxkv.formats import check_dtype_bytes
 from pallas_kernels._triton import is_pow2 as _is_pow2
 from pallas_kernels.vq_attention import VQSideSpec
 
@@ -189,10 +190,7 @@ class VQFormat:
     sequence_length = context if sequence_length is None else sequence_length
     if not _is_int(sequence_length) or sequence_length <= 0:
       raise ValueError(f"sequence_length={sequence_length!r} must be a positive int or None")
-    if (isinstance(dtype_bytes, (bool, np.bool_))
-        or not isinstance(dtype_bytes, (int, float, np.integer, np.floating))
-        or not 0 < dtype_bytes < float("inf")):
-      raise ValueError(f"dtype_bytes={dtype_bytes!r} must be a positive number")
+    check_dtype_bytes(dtype_bytes)
     cb_bytes = np.dtype(self.codebook_dtype).itemsize
     total = 2 * self.sink_tokens * head_dim * dtype_bytes / sequence_length
     for side in ("k", "v"):

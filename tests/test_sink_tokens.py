@@ -131,6 +131,20 @@ def _rows(x, start, n, width):
                      x.dtype)
 
 
+def _append_in_steps(cache, layers, lengths, steps):
+  """``cache`` (a model cache) after appending every layer's ``(k, v) [B, T, H, D]``
+  in chunks of ``steps`` tokens (each sequence up to its ``lengths``)."""
+  start = np.zeros(len(lengths), int)
+  for step in steps:
+    n = np.clip(lengths - start, 0, step)
+    plan = cache.plan_append(jnp.asarray(n, jnp.int32), max_new=step)
+    for layer, (k, v) in enumerate(layers):
+      cache = cache.append_layer(layer, _rows(k, start, n, step), _rows(v, start, n, step), plan)
+    cache = cache.commit(plan)
+    start += n
+  return cache
+
+
 # ------------------------------------------------------------ ModelCache
 @pytest.mark.parametrize("name,sinks,use_kernel", [("kivi2", 4, False), ("kivi4", 32, False),
                                                    ("int8", 1, False), ("kivi2", 4, True)])
@@ -145,14 +159,8 @@ def test_model_cache_appends_equal_one_shot_and_the_oracle(name, sinks, use_kern
   ks = [_kv(rng, b, t, h, d) for _ in range(layers)]
   lengths = np.asarray([75, 2, 40])
   cache = ModelCache.init(fmt, layers, b, h, d, 128, jnp.float32, use_kernel=use_kernel)
-  start = np.zeros(b, int)
-  for step in (1, 1, 3, 1, 25, 1, 1, 50):  # a chunk from 3 -> 6 crosses S = 4
-    n = np.clip(lengths - start, 0, step)
-    plan = cache.plan_append(jnp.asarray(n, jnp.int32), max_new=step)
-    for layer, (k, v) in enumerate(ks):
-      cache = cache.append_layer(layer, _rows(k, start, n, step), _rows(v, start, n, step), plan)
-    cache = cache.commit(plan)
-    start += n
+  # a chunk from 3 -> 6 crosses S = 4
+  cache = _append_in_steps(cache, ks, lengths, (1, 1, 3, 1, 25, 1, 1, 50))
   np.testing.assert_array_equal(np.asarray(cache.lengths), lengths)
   kd, vd = cache.dequantize()
   for layer, (k, v) in enumerate(ks):
@@ -336,14 +344,7 @@ def test_vq_caches_store_and_read_the_sinks():
   lengths = np.asarray([70, 3, 38])
   cache = jaxkv.VQModelCache.init(fmt, layers, b, h, d, 128, jnp.float32, codebooks=books)
   assert cache.k_sink.shape == (layers, b, 4, h, d)
-  start = np.zeros(b, int)
-  for step in (1, 2, 1, 30, 1, 40):
-    n = np.clip(lengths - start, 0, step)
-    plan = cache.plan_append(jnp.asarray(n, jnp.int32), max_new=step)
-    for layer, (k, v) in enumerate(data):
-      cache = cache.append_layer(layer, _rows(k, start, n, step), _rows(v, start, n, step), plan)
-    cache = cache.commit(plan)
-    start += n
+  cache = _append_in_steps(cache, data, lengths, (1, 2, 1, 30, 1, 40))
   kd, vd = cache.dequantize()
   q = jnp.asarray(rng.standard_normal((b, 2, 4 * h, d)), jnp.float32)
   for layer, (k, v) in enumerate(data):
