@@ -474,7 +474,6 @@ class KVCache(ResidualBlockCache):
     if use_kernel and fmt.is_quantized:
       _check_pack_kernel(fmt, head_dim)
     res_shape = (batch, kv_heads, fmt.residual, head_dim)
-    sink_shape = (batch, fmt.sink_tokens, kv_heads, head_dim)
     return cls(
         k=_empty_side(fmt, fmt.k_bits, fmt.k_axis, batch, kv_heads, head_dim, storage, dtype),
         v=_empty_side(fmt, fmt.v_bits, "token", batch, kv_heads, head_dim, storage, dtype),
@@ -484,8 +483,7 @@ class KVCache(ResidualBlockCache):
         overflow=jnp.zeros((batch,), bool),
         nonfinite=jnp.zeros((batch,), bool),
         fmt=fmt, capacity=int(capacity), use_kernel=bool(use_kernel),
-        k_sink=jnp.zeros(sink_shape, dtype) if fmt.sink_tokens else None,
-        v_sink=jnp.zeros(sink_shape, dtype) if fmt.sink_tokens else None)
+        **empty_sinks(fmt, (batch, fmt.sink_tokens, kv_heads, head_dim), dtype))
 
   @property
   def storage_len(self) -> int:
@@ -517,11 +515,8 @@ class KVCache(ResidualBlockCache):
     nonfinite = (self.nonfinite | nonfinite_rows(k_new, st.num_new)
                  | nonfinite_rows(v_new, st.num_new) | nan_groups(k_side, st.old_packed, st.flush)
                  | nan_groups(v_side, st.old_packed, st.flush))
-    sinks = {}
-    if self.k_sink is not None:  # the new rows at positions < S, exactly
-      sinks = dict(k_sink=write_sinks(self.k_sink, k_new, self.lengths, st.num_new),
-                   v_sink=write_sinks(self.v_sink, v_new, self.lengths, st.num_new))
-    return self._finish(st, nonfinite, k=k_side, v=v_side, **sinks)
+    return self._finish(st, nonfinite, k=k_side, v=v_side,
+                        **appended_sinks(self, k_new, v_new, self.lengths, st.num_new))
 
   # ---------------------------------------------------------------- readback
   def dequantize(self, view: str = "target") -> tuple[jax.Array, jax.Array]:
@@ -533,10 +528,31 @@ class KVCache(ResidualBlockCache):
     formats: the upper 4-bit plane only; `jaxkv.hierarchical`).
     """
     hierarchical.check_view(view)
-    k, v = self._assemble(self.k.dequantize(view), self.v.dequantize(view))
-    if self.k_sink is None:
-      return k, v
-    return (read_sinks(k, self.k_sink, self.lengths), read_sinks(v, self.v_sink, self.lengths))
+    return with_sinks(self, *self._assemble(self.k.dequantize(view), self.v.dequantize(view)))
+
+
+def empty_sinks(fmt, shape, dtype) -> dict:
+  """``{k_sink, v_sink}`` zeros of ``shape`` (``[(L,) B, S, Hkv, D]``), or ``{}``
+  when ``fmt.sink_tokens`` is 0 (the fields stay None)."""
+  if not fmt.sink_tokens:
+    return {}
+  return dict(k_sink=jnp.zeros(shape, dtype), v_sink=jnp.zeros(shape, dtype))
+
+
+def appended_sinks(cache, k_new, v_new, lengths, num_new, layer=None) -> dict:
+  """``{k_sink, v_sink}`` of ``cache`` with the new rows at positions ``< S``
+  written (`write_sinks`), or ``{}`` for a cache without sinks."""
+  if cache.k_sink is None:
+    return {}
+  return dict(k_sink=write_sinks(cache.k_sink, k_new, lengths, num_new, layer),
+              v_sink=write_sinks(cache.v_sink, v_new, lengths, num_new, layer))
+
+
+def with_sinks(cache, k, v) -> tuple[jax.Array, jax.Array]:
+  """Dequantized ``k, v [B, C, Hkv, D]`` of ``cache`` with its exact sink rows read in."""
+  if cache.k_sink is None:
+    return k, v
+  return read_sinks(k, cache.k_sink, cache.lengths), read_sinks(v, cache.v_sink, cache.lengths)
 
 
 def write_sinks(sink: jax.Array, new: jax.Array, lengths: jax.Array,

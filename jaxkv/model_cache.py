@@ -56,7 +56,7 @@ import numpy as np
 
 from jaxkv.cache import (KVCache, QuantizedKV, ResidualBlockCache, check_int, flush_groups,
                          nan_groups, nonfinite_rows, quantize_kv, shift_residual, stage_residual,
-                         write_sinks)
+                         appended_sinks)
 from jaxkv import vq
 from jaxkv.formats import KVFormat
 from pallas_kernels import residual_write, token_append
@@ -390,11 +390,7 @@ class ModelCache:
   def _write_sinks(self, index, k_new, v_new, plan: AppendPlan) -> dict:
     """``{k_sink, v_sink}`` with layer ``index``'s new rows at positions ``< S``
     written (a scatter of at most S rows per sequence, in place), or ``{}`` (S = 0)."""
-    if self.k_sink is None:
-      return {}
-    return {f"{name}_sink": write_sinks(getattr(self, f"{name}_sink"), new, plan.old_lengths,
-                                        plan.num_new, layer=index)
-            for name, new in (("k", k_new), ("v", v_new))}
+    return appended_sinks(self, k_new, v_new, plan.old_lengths, plan.num_new, layer=index)
 
   def _layer_sinks(self, take) -> dict:
     """``{k_sink, v_sink}`` of one layer (``take`` slices the layer axis), or ``{}``."""

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from jaxkv import vq
 from jaxkv.cache import (STORAGE_ALIGN, ResidualBlockCache, _static, check_dims,
-                         nonfinite_rows, read_sinks, write_sinks)
+                         appended_sinks, empty_sinks, nonfinite_rows, with_sinks)
 from jaxkv.model_cache import check_layer_index
 from pallas_kernels.vq_attention import vq_dequantize
 
@@ -104,7 +104,6 @@ class VQCache(ResidualBlockCache):
     align = max(STORAGE_ALIGN, fmt.token_group)
     storage = -(-capacity // align) * align
     res_shape = (batch, kv_heads, fmt.residual, head_dim)
-    sink_shape = (batch, fmt.sink_tokens, kv_heads, head_dim)
 
     def codes(side):
       return jnp.zeros((batch, kv_heads, storage, fmt.spec(side).code_width(head_dim)), jnp.uint8)
@@ -114,8 +113,7 @@ class VQCache(ResidualBlockCache):
         k_residual=jnp.zeros(res_shape, dtype), v_residual=jnp.zeros(res_shape, dtype),
         lengths=jnp.zeros((batch,), jnp.int32), overflow=jnp.zeros((batch,), bool),
         nonfinite=jnp.zeros((batch,), bool), fmt=fmt, capacity=int(capacity),
-        k_sink=jnp.zeros(sink_shape, dtype) if fmt.sink_tokens else None,
-        v_sink=jnp.zeros(sink_shape, dtype) if fmt.sink_tokens else None)
+        **empty_sinks(fmt, (batch, fmt.sink_tokens, kv_heads, head_dim), dtype))
 
   # -------------------------------------------------------------- properties
   @property
@@ -145,11 +143,8 @@ class VQCache(ResidualBlockCache):
                                     (self.k_codes, self.v_codes))
     nonfinite = (self.nonfinite | nonfinite_rows(k_new, st.num_new)
                  | nonfinite_rows(v_new, st.num_new))
-    sinks = {}
-    if self.k_sink is not None:  # the new rows at positions < S, exactly
-      sinks = dict(k_sink=write_sinks(self.k_sink, k_new, self.lengths, st.num_new),
-                   v_sink=write_sinks(self.v_sink, v_new, self.lengths, st.num_new))
-    return self._finish(st, nonfinite, k_codes=k_codes, v_codes=v_codes, **sinks)
+    return self._finish(st, nonfinite, k_codes=k_codes, v_codes=v_codes,
+                        **appended_sinks(self, k_new, v_new, self.lengths, st.num_new))
 
   # ---------------------------------------------------------------- readback
   def dequantize(self) -> tuple[jax.Array, jax.Array]:
@@ -161,11 +156,8 @@ class VQCache(ResidualBlockCache):
     match attention over these.
     """
     c = self.capacity  # gather centroids only for rows a token can occupy
-    k, v = self._assemble(vq_dequantize(self.k_codes[:, :, :c], self.k_codebook),
-                          vq_dequantize(self.v_codes[:, :, :c], self.v_codebook))
-    if self.k_sink is None:
-      return k, v
-    return (read_sinks(k, self.k_sink, self.lengths), read_sinks(v, self.v_sink, self.lengths))
+    return with_sinks(self, *self._assemble(vq_dequantize(self.k_codes[:, :, :c], self.k_codebook),
+                                            vq_dequantize(self.v_codes[:, :, :c], self.v_codebook)))
 
 
 # Float32 distances one quantization step may hold ([B, H, chunk, n, E]).

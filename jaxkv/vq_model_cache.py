@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import vq
-from jaxkv.cache import STORAGE_ALIGN, check_dims
+from jaxkv.cache import STORAGE_ALIGN, check_dims, empty_sinks
 from jaxkv.model_cache import (AppendPlan, LayerView, ModelCache, _scatter_rows,
                                check_layer_index, check_layers, stack_sinks)
 from jaxkv.vq_cache import VQCache, _quantize_groups
@@ -140,7 +140,6 @@ class VQModelCache(ModelCache):
     align = max(STORAGE_ALIGN, fmt.token_group)
     storage = -(-capacity // align) * align
     res_shape = (num_layers, batch, kv_heads, fmt.residual, head_dim)
-    sink_shape = (num_layers, batch, fmt.sink_tokens, kv_heads, head_dim)
 
     def side(name, books):
       width = fmt.spec(name).code_width(head_dim)
@@ -152,8 +151,7 @@ class VQModelCache(ModelCache):
         lengths=jnp.zeros((batch,), jnp.int32), overflow=jnp.zeros((batch,), bool),
         invalid=jnp.zeros((batch,), bool), nonfinite=jnp.zeros((batch,), bool),
         fmt=fmt, capacity=int(capacity), use_kernel=bool(use_kernel),
-        k_sink=jnp.zeros(sink_shape, dtype) if fmt.sink_tokens else None,
-        v_sink=jnp.zeros(sink_shape, dtype) if fmt.sink_tokens else None)
+        **empty_sinks(fmt, (num_layers, batch, fmt.sink_tokens, kv_heads, head_dim), dtype))
 
   @classmethod
   def from_layers(cls, caches: Sequence[VQCache]) -> "VQModelCache":
