@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import jaxkv
 from jaxkv import KVCache, ModelCache
 from jaxkv.formats import KVFormat, PRESETS
+from tests.model_fixtures import SMALL, full_f32_matmuls  # noqa: F401  (autouse fixture)
 
 
 def _fmt(name="kivi2", sinks=4, **kw):
@@ -209,7 +210,6 @@ def test_default_dispatch_falls_back_to_the_reference():
 
 # ------------------------------------------------------------------- model
 def _small(**kw):
-  from tests.model_fixtures import SMALL  # pylint: disable=import-outside-toplevel
   return dataclasses.replace(SMALL, **kw)
 
 
