@@ -159,14 +159,6 @@ def _check_q_cache(q, cache: KVCache):
     raise TypeError(f"q.dtype={q.dtype} must be floating")
 
 
-def sinks_refusal(fmt, kernels: str = "kernels") -> str:
-  """Why the Pallas ``kernels`` refuse a format with ``sink_tokens > 0`` (naming the
-  value): the paths that do not attend the sink prefix themselves
-  (`jaxkv.sink_attention`) yet, e.g. staged attention."""
-  return (f"sink_tokens={fmt.sink_tokens}: the {kernels} do not read the exact sink rows yet "
-          "(the reference does)")
-
-
 def _triton_supported(q, cache, view: str = "target") -> tuple[bool, str]:
   del view  # the Triton family reads both views of every format it takes
   import pallas_kernels  # pylint: disable=import-outside-toplevel
