@@ -458,6 +458,8 @@ def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None
     (float32 accumulation), query i of sequence b seeing keys
     ``[0, L_b - S + i]``. NaN for query rows holding a NaN/inf and for every
     query of a sequence flagged ``cache.nonfinite`` (README "Input policy").
+    A format with ``sink_tokens`` runs the kernels from a skip on and the
+    prefix exactly in XLA (`jaxkv.sink_attention`).
   """
   from jaxkv.model_cache import LayerView  # pylint: disable=import-outside-toplevel
   from jaxkv.vq_cache import VQCache  # pylint: disable=import-outside-toplevel

@@ -235,6 +235,28 @@ def test_supports_and_skip_checks():
   assert attention.resolve_implementation(q, cache, ("triton", "reference")) == "triton"
 
 
+def test_autotune_times_the_sink_path(monkeypatch):
+  """`jaxkv.autotune` on a sink cache times what `decode_attention` runs (the kernel
+  from its skip on plus the exact prefix): its calls equal the oracle."""
+  from jaxkv import tuning  # pylint: disable=import-outside-toplevel
+  fmt = _kv_fmt("kivi2-g32")
+  q, k, v = _data("autotune", 2, 2, 2, 64, 1, 100, jnp.float32)
+  cache = jaxkv.KVCache.init(fmt, 2, 2, 64, 256, jnp.float32).prefill(k, v, [100, 40])
+  want = _oracle(q, *cache.dequantize(), [100, 40])[0]
+  seen = []
+
+  def fake_time(fn, args, calls):
+    del calls
+    seen.append(fn(*args[0]))
+    return {"kernel": 1.0}
+
+  monkeypatch.setattr(tuning, "kernel_time", fake_time)
+  config = DecodeAttentionConfig(block_k=32, num_splits=2)
+  assert jaxkv.autotune(q, cache, candidates=[config]) == config
+  (out,) = seen
+  _check(out, want, jnp.float32, "autotune's call")  # its first args are q itself
+
+
 # ------------------------------------------------------------------- Mosaic
 MOSAIC_CASES = [
     # (format, B, Hkv, Hq/Hkv, D, q_len, lengths, capacity, config, layer view)
