@@ -235,6 +235,29 @@ def test_supports_and_skip_checks():
   assert attention.resolve_implementation(q, cache, ("triton", "reference")) == "triton"
 
 
+def test_triton_kernels_with_skip_lower_for_cuda():
+  """The compiled (non-interpret) Triton kernels with ``skip_tokens`` and
+  ``return_lse`` lower to Triton custom calls (the GPU path, checked on CPU)."""
+  import pallas_kernels  # pylint: disable=import-outside-toplevel
+  from pallas_kernels import vq_attention as vk  # pylint: disable=import-outside-toplevel
+  q = jnp.ones((2, 1, 8, 128), jnp.bfloat16)
+  cache = jaxkv.KVCache.init(_kv_fmt("kivi2"), 2, 2, 128, 512, jnp.bfloat16)
+  kv = lambda q, c: pallas_kernels.pallas_decode_attention(  # noqa: E731
+      q, c, config=DecodeAttentionConfig(block_k=32, num_splits=4), interpret=False,
+      return_lse=True, skip_tokens=32)
+  fmt = vq.VQ_PRESETS["cq2-s4"]
+  vc = jaxkv.VQCache.init(fmt, _vq_books(fmt, 1, 2, 128, 3), 2, 2, 128, 512, jnp.bfloat16,
+                         layer=0)
+  vqk = lambda q, c: vk.vq_decode_attention(  # noqa: E731
+      q, c.k_codes, c.k_codebook, c.v_codes, c.v_codebook, c.k_residual, c.v_residual,
+      c.lengths, k_spec=fmt.spec("k"), v_spec=fmt.spec("v"), token_group=fmt.token_group,
+      config=VQAttentionConfig(block_k=64, num_splits=4), interpret=False, return_lse=True,
+      skip_tokens=64)
+  for fn, c in ((kv, cache), (vqk, vc)):
+    assert "__gpu$xla.gpu.triton" in jax.jit(fn).trace(q, c).lower(
+        lowering_platforms=("cuda",)).as_text()
+
+
 def test_autotune_times_the_sink_path(monkeypatch):
   """`jaxkv.autotune` on a sink cache times what `decode_attention` runs (the kernel
   from its skip on plus the exact prefix): its calls equal the oracle."""
