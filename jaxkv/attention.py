@@ -17,6 +17,7 @@ sequence whose cache holds a non-finite value (``cache.nonfinite``) is NaN.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 from typing import Sequence
 
@@ -26,7 +27,7 @@ import numpy as np
 
 from jaxkv import hierarchical
 from jaxkv.cache import KVCache
-from pallas_kernels._triton import check_counts
+from pallas_kernels._triton import check_counts, sink_skip
 
 IMPLEMENTATIONS = ("reference", "xla", "triton", "mosaic", "pallas")
 
@@ -158,20 +159,15 @@ def _check_q_cache(q, cache: KVCache):
     raise TypeError(f"q.dtype={q.dtype} must be floating")
 
 
-def sinks_refusal(fmt, kernels: str = "kernels") -> str:
-  """Why the Pallas ``kernels`` refuse a format with ``sink_tokens > 0`` (naming the value)."""
-  return (f"sink_tokens={fmt.sink_tokens}: the {kernels} do not read the exact sink rows yet "
-          "(the reference does)")
-
-
 def _triton_supported(q, cache, view: str = "target") -> tuple[bool, str]:
   del view  # the Triton family reads both views of every format it takes
-  if getattr(cache.fmt, "sink_tokens", 0):
-    return False, sinks_refusal(cache.fmt)
   import pallas_kernels  # pylint: disable=import-outside-toplevel
+  # A sink format: `decode_attention` attends the prefix [0, skip) itself
+  # (`jaxkv.sink_attention`, skip a multiple of the config's block_k >= S).
   return pallas_kernels.supports(cache.fmt, head_dim=cache.head_dim,
                                  num_q_heads=q.shape[2], kv_heads=cache.kv_heads,
-                                 num_queries=q.shape[1])
+                                 num_queries=q.shape[1],
+                                 skip_tokens=getattr(cache.fmt, "sink_tokens", 0))
 
 
 def _mosaic_specs(cache, view: str = "target"):
@@ -193,8 +189,6 @@ def is_hopper() -> bool:
 
 
 def _mosaic_supported(q, cache, config=None, view: str = "target") -> tuple[bool, str]:
-  if getattr(cache.fmt, "sink_tokens", 0):
-    return False, sinks_refusal(cache.fmt)
   if cache.fmt.hierarchical and view != "draft":
     return False, ("the Mosaic GPU kernels read only the draft view of hierarchical "
                    "(quantspec) caches")
@@ -209,10 +203,11 @@ def _mosaic_supported(q, cache, config=None, view: str = "target") -> tuple[bool
   from pallas_kernels import mosaic_attention  # pylint: disable=import-outside-toplevel
   k_side, v_side = _mosaic_specs(cache, view)
   block_k = (config if config is not None else _mosaic_default(cache, view)).block_k
+  sinks = cache.fmt.sink_tokens
   return mosaic_attention.supports(
       k_side, v_side, head_dim=cache.head_dim, q_rows=q.shape[2] // cache.kv_heads * q.shape[1],
       dtype=cache.dtype, token_group=cache.fmt.token_group, residual=cache.fmt.residual,
-      block_k=block_k)
+      block_k=block_k, sink_tokens=sinks, skip_tokens=sink_skip(sinks, block_k))
 
 
 _SUPPORTED = {"triton": _triton_supported, "mosaic": _mosaic_supported}
@@ -393,8 +388,18 @@ def _mosaic_default(cache, view: str = "target"):
       v_bits=v_side.bits, token_group=fmt.token_group, residual=fmt.residual)
 
 
+def _triton_default(q, cache, view: str = "target"):
+  """The Triton config a call without ``config=`` runs for this query and cache
+  (`pallas_kernels.default_config` on the layer's shapes)."""
+  import pallas_kernels  # pylint: disable=import-outside-toplevel
+  return pallas_kernels.default_config(
+      cache.fmt, batch=cache.batch, q_heads=q.shape[2], kv_heads=cache.kv_heads,
+      head_dim=cache.head_dim, num_queries=q.shape[1], capacity=cache.storage_len,
+      itemsize=jnp.dtype(cache.dtype).itemsize, view=view)[0]
+
+
 def _mosaic_attention(q, cache, *, scale, config, layer=None, view: str = "target",
-                      return_lse: bool = False, seq_bad=None):
+                      return_lse: bool = False, seq_bad=None, skip_tokens: int = 0):
   """The Mosaic kernel over a `KVCache`, or over layer ``layer`` of a
   `ModelCache`'s stacked arrays (read in place); ``view="draft"`` of a
   hierarchical cache reads the upper plane of each code row in place."""
@@ -406,7 +411,20 @@ def _mosaic_attention(q, cache, *, scale, config, layer=None, view: str = "targe
       cache.v.zero, cache.k_residual, cache.v_residual, cache.lengths,
       k_side=k_side, v_side=v_side, token_group=cache.fmt.token_group,
       residual=cache.fmt.residual, sm_scale=sm_scale, config=config, layer=layer,
-      return_lse=return_lse, seq_bad=seq_bad)
+      return_lse=return_lse, seq_bad=seq_bad, skip_tokens=skip_tokens)
+
+
+def _kernel_attention(impl: str, q, cache, *, scale, config, layer, view: str,
+                      return_lse: bool = False, seq_bad=None, skip_tokens: int = 0):
+  """The ``impl`` ("triton" / "mosaic") kernel over a `KVCache` or layer ``layer``
+  of a `ModelCache`'s stacked arrays (`decode_attention` after dispatch)."""
+  kw = dict(scale=scale, config=config, layer=layer, view=view, return_lse=return_lse,
+            seq_bad=seq_bad, skip_tokens=skip_tokens)
+  if impl == "mosaic":
+    return _mosaic_attention(q, cache, **kw)
+  import pallas_kernels  # pylint: disable=import-outside-toplevel
+  return pallas_kernels.pallas_decode_attention(
+      q, cache, interpret=jax.default_backend() != "gpu", **kw)
 
 
 def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None,
@@ -440,6 +458,8 @@ def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None
     (float32 accumulation), query i of sequence b seeing keys
     ``[0, L_b - S + i]``. NaN for query rows holding a NaN/inf and for every
     query of a sequence flagged ``cache.nonfinite`` (README "Input policy").
+    A format with ``sink_tokens`` runs the kernels from a skip on and the
+    prefix exactly in XLA (`jaxkv.sink_attention`).
   """
   from jaxkv.model_cache import LayerView  # pylint: disable=import-outside-toplevel
   from jaxkv.vq_cache import VQCache  # pylint: disable=import-outside-toplevel
@@ -464,6 +484,9 @@ def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None
   refuse_unused_config(config, impl, implementation)
   if impl == "mosaic":  # resolved on the layer's shapes, before any unwrapping
     config = config if config is not None else _mosaic_default(cache, view)
+  sinks = cache.fmt.sink_tokens if impl in ("triton", "mosaic") else 0
+  if sinks and config is None:  # the block the skip is a multiple of
+    config = _triton_default(q, cache, view)
   layer = None
   if isinstance(cache, LayerView):
     if impl in ("triton", "mosaic"):  # the kernels read the layer of the stacked arrays in place
@@ -472,16 +495,17 @@ def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None
     else:
       cache = cache.materialize()
   nonfinite = cache.nonfinite if hasattr(cache, "nonfinite") else jnp.zeros_like(cache.overflow)
-  # The kernels' combine writes the NaN rows of the input policy (`_poison`)
-  # itself: no select kernel after the call.
-  if impl == "mosaic":
-    return _mosaic_attention(q, cache, scale=scale, config=config, layer=layer, view=view,
-                             seq_bad=nonfinite)
-  if impl == "triton":
-    import pallas_kernels  # pylint: disable=import-outside-toplevel
-    return pallas_kernels.pallas_decode_attention(
-        q, cache, scale=scale, config=config, interpret=jax.default_backend() != "gpu",
-        layer=layer, view=view, seq_bad=nonfinite)
+  if impl in ("triton", "mosaic"):
+    kernel = functools.partial(_kernel_attention, impl, q, cache, scale=scale, config=config,
+                               layer=layer, view=view)
+    if sinks:  # the kernel from skip on, the prefix [0, skip) exactly, merged
+      from jaxkv.sink_attention import sink_decode_attention  # pylint: disable=import-outside-toplevel
+      return sink_decode_attention(
+          q, cache, lambda skip: kernel(return_lse=True, skip_tokens=skip),
+          skip=sink_skip(sinks, config.block_k), scale=scale, seq_bad=nonfinite, layer=layer)
+    # The kernels' combine writes the NaN rows of the input policy (`_poison`)
+    # itself: no select kernel after the call.
+    return kernel(seq_bad=nonfinite)
   k, v = cache.dequantize(view)
   out = reference_attention(q, k, v, cache.lengths, scale=scale)
   return _poison(out, q, nonfinite)

@@ -18,6 +18,7 @@ with the decode causal rule over the total length.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,7 @@ import numpy as np
 from jaxkv import hierarchical
 from jaxkv.attention import check_scale, reference_attention
 from jaxkv.cache import KVCache, nonfinite_rows
+from pallas_kernels._triton import sink_skip
 
 
 def _is_concrete(x) -> bool:
@@ -158,56 +160,50 @@ def _staged_implementation(q, cache, implementation, view: str = "target") -> st
 def _staged_attention_kernel(q, cache, k_stage, v_stage, staged, *, view, scale,
                              mosaic: bool = False):
   """A Pallas kernel (Triton, or Mosaic with ``mosaic``) over the committed
-  tokens, merged (log-sum-exp) with the staged rows."""
-  import pallas_kernels  # pylint: disable=import-outside-toplevel
+  tokens, merged (log-sum-exp) with the staged rows. A sink format's committed
+  tokens are the kernel from its skip on plus the exact prefix
+  (`jaxkv.sink_attention`)."""
   from jaxkv import attention  # pylint: disable=import-outside-toplevel
   from jaxkv.attention import _poison  # pylint: disable=import-outside-toplevel
   from jaxkv.model_cache import LayerView  # pylint: disable=import-outside-toplevel
+  from jaxkv.sink_attention import lse_attention, merge_lse, sink_decode_attention  # pylint: disable=import-outside-toplevel
   b, s, hq, d = q.shape
   hkv = cache.kv_heads
   g = hq // hkv
   scale = d ** -0.5 if scale is None else scale
   q_fold = _fold_queries(q, hkv)
   config = attention._mosaic_default(cache, view) if mosaic else None  # on the layer's shapes
+  sinks = cache.fmt.sink_tokens
+  if sinks and config is None:  # the block the skip is a multiple of
+    config = attention._triton_default(q_fold, cache, view)
   layer = None
   if isinstance(cache, LayerView):  # read the layer of the stacked arrays in place
     layer = cache.index
     cache = dataclasses.replace(cache.stacked, lengths=cache.lengths, overflow=cache.overflow)
-  if mosaic:
-    o_c, lse_c = attention._mosaic_attention(q_fold, cache, scale=scale, config=config,
-                                             layer=layer, view=view, return_lse=True)
+  kernel = functools.partial(attention._kernel_attention, "mosaic" if mosaic else "triton",
+                             q_fold, cache, scale=scale, config=config, layer=layer, view=view,
+                             return_lse=True)
+  if sinks:
+    o_c, lse_c = sink_decode_attention(
+        q_fold, cache, lambda skip: kernel(skip_tokens=skip),
+        skip=sink_skip(sinks, config.block_k), scale=scale, seq_bad=jnp.zeros((b,), bool),
+        layer=layer, return_lse=True)
   else:
-    o_c, lse_c = pallas_kernels.pallas_decode_attention(
-        q_fold, cache, scale=scale, interpret=jax.default_backend() != "gpu",
-        layer=layer, view=view, return_lse=True)
+    o_c, lse_c = kernel()
   o_c = o_c.astype(jnp.float32).reshape(b, hkv, s, g, d).transpose(0, 2, 1, 3, 4)  # [B,S,H,G,D]
   lse_c = lse_c.reshape(b, hkv, s, g).transpose(0, 2, 1, 3)                       # [B,S,H,G]
   # The staged rows: query i sees rows [0, staged - S + i].
-  hi = jax.lax.Precision.HIGHEST
-  qf = q.astype(jnp.float32).reshape(b, s, hkv, g, d)
-  logits = jnp.einsum("bshgd,bphd->bshgp", qf, k_stage.astype(jnp.float32), precision=hi) * scale
   rows = jnp.arange(k_stage.shape[1])
   limit = staged[:, None] - s + jnp.arange(s)[None, :]                              # [B, S]
-  visible = (rows[None, None, :] <= limit[:, :, None])[:, :, None, None, :]         # [B,S,1,1,P]
-  logits = jnp.where(visible, logits, -jnp.inf)
-  m_s = jnp.max(logits, axis=-1)
-  m_s = jnp.where(jnp.isfinite(m_s), m_s, 0.0)
-  p = jnp.where(visible, jnp.exp(logits - m_s[..., None]), 0.0)
-  l_s = jnp.sum(p, axis=-1)
-  o_s = jnp.einsum("bshgp,bphd->bshgd", p, v_stage.astype(jnp.float32), precision=hi)
-  lse_s = jnp.where(l_s > 0, m_s + jnp.log(jnp.where(l_s > 0, l_s, 1.0)), -jnp.inf)
+  o_s, lse_s = lse_attention(q, jnp.swapaxes(k_stage, 1, 2), jnp.swapaxes(v_stage, 1, 2),
+                             rows[None, None, :] <= limit[:, :, None], scale)
   # Merge the two softmax blocks by their log-sum-exps.
-  m = jnp.maximum(lse_c, lse_s)
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  w_c, w_s = jnp.exp(lse_c - m), jnp.exp(lse_s - m)          # o_s is unnormalized (sum p)
-  den = w_c + w_s
-  out = (o_c * w_c[..., None] + o_s * (w_s / jnp.where(l_s > 0, l_s, 1.0))[..., None])
-  out = jnp.where((den > 0)[..., None], out / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+  out, _ = merge_lse(o_c.reshape(b, s, hq, d), lse_c.reshape(b, s, hq), o_s, lse_s)
   stage_rows = rows[None, :] < staged[:, None]                                      # [B, P]
   stage_bad = jnp.any(stage_rows[:, :, None, None]
                       & ~(jnp.isfinite(k_stage) & jnp.isfinite(v_stage)), axis=(1, 2, 3))
   nonfinite = cache.nonfinite if hasattr(cache, "nonfinite") else jnp.zeros((b,), bool)
-  return _poison(out.reshape(b, s, hq, d), q, nonfinite | stage_bad).astype(q.dtype)
+  return _poison(out, q, nonfinite | stage_bad).astype(q.dtype)
 
 
 @jax.tree_util.register_dataclass

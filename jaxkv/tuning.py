@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import pallas_kernels as pk
 from jaxkv.cache import check_int
 from jaxkv.timing import kernel_time
+from pallas_kernels._triton import sink_skip
 
 
 def _default(q, cache, *, use_table: bool) -> pk.DecodeAttentionConfig:
@@ -136,7 +137,16 @@ def save_config(path: str, q, cache, config: pk.DecodeAttentionConfig) -> None:
 
 
 def _attend(q, cache, *, scale, config, interpret):
-  return pk.pallas_decode_attention(q, cache, scale=scale, config=config, interpret=interpret)
+  """What `jaxkv.decode_attention` runs with ``config``: for a sink format the
+  kernel from its skip on plus the exact prefix (`jaxkv.sink_attention`)."""
+  attend = functools.partial(pk.pallas_decode_attention, q, cache, scale=scale, config=config,
+                             interpret=interpret)
+  if not cache.fmt.sink_tokens:
+    return attend()
+  from jaxkv.sink_attention import sink_decode_attention  # pylint: disable=import-outside-toplevel
+  return sink_decode_attention(q, cache, lambda skip: attend(return_lse=True, skip_tokens=skip),
+                               skip=sink_skip(cache.fmt.sink_tokens, config.block_k),
+                               scale=scale, seq_bad=cache.nonfinite)
 
 
 def autotune(q: jax.Array, cache, *, scale: float | None = None,

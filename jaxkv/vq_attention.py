@@ -14,6 +14,7 @@ attention on an H100, 1.0-1.3x on an H200, 4-7x the Triton VQ kernel;
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import jax
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 from jaxkv.vq_cache import VQCache
 from pallas_kernels import mosaic_attention as mosaic_kernel
 from pallas_kernels import vq_attention as vq_kernel
+from pallas_kernels._triton import sink_skip
 
 _NAMES = ("reference", "xla", "triton", "mosaic", "pallas")
 
@@ -48,30 +50,45 @@ def _check_q(q, cache: VQCache):
 
 
 def kernel_supports(q, cache: VQCache) -> tuple[bool, str]:
-  """Whether the fused VQ kernel serves this query and cache."""
-  from jaxkv.attention import sinks_refusal  # pylint: disable=import-outside-toplevel
-  if cache.fmt.sink_tokens:
-    return False, sinks_refusal(cache.fmt, "VQ kernels")
+  """Whether the fused VQ kernel serves this query and cache (a sink format: with
+  the prefix attended beside it, `jaxkv.sink_attention`)."""
+  sinks = cache.fmt.sink_tokens
   return vq_kernel.supports(
       head_dim=cache.head_dim, k_spec=cache.fmt.spec("k"), v_spec=cache.fmt.spec("v"),
       num_q_heads=q.shape[2], kv_heads=cache.kv_heads, num_queries=q.shape[1],
-      residual=cache.fmt.residual, capacity=cache.storage_len)
+      residual=cache.fmt.residual, capacity=cache.storage_len, sink_tokens=sinks,
+      skip_tokens=sinks)
 
 
 def mosaic_supports(q, cache: VQCache, config=None) -> tuple[bool, str]:
   """Whether the Hopper VQ kernel serves this query and cache (on this machine)."""
-  # pylint: disable-next=import-outside-toplevel
-  from jaxkv.attention import is_hopper, sinks_refusal
+  from jaxkv.attention import is_hopper  # pylint: disable=import-outside-toplevel
   from pallas_kernels import mosaic_vq_attention  # pylint: disable=import-outside-toplevel
-  if cache.fmt.sink_tokens:
-    return False, sinks_refusal(cache.fmt, "VQ kernels")
   if not is_hopper():
     return False, "the Mosaic GPU kernels need a Hopper (sm_90) GPU"
+  block_k = 64 if config is None else config.block_k
+  sinks = cache.fmt.sink_tokens
   return mosaic_vq_attention.supports(
       head_dim=cache.head_dim, k_spec=cache.fmt.spec("k"), v_spec=cache.fmt.spec("v"),
       q_rows=q.shape[1] * q.shape[2] // cache.kv_heads, dtype=cache.k_residual.dtype,
       token_group=cache.fmt.token_group, residual=cache.fmt.residual,
-      capacity=cache.storage_len, block_k=64 if config is None else config.block_k)
+      capacity=cache.storage_len, block_k=block_k, sink_tokens=sinks,
+      skip_tokens=sink_skip(sinks, block_k))
+
+
+def _kernel_config(q, cache: VQCache, impl: str, config):
+  """The config the ``impl`` VQ kernel runs (``config`` or the kernel's own default)."""
+  if config is not None:
+    return config
+  if impl == "triton":
+    return vq_kernel.VQAttentionConfig.default(batch=cache.batch, tokens=cache.storage_len,
+                                               kv_heads=cache.kv_heads)
+  from pallas_kernels import mosaic_vq_attention  # pylint: disable=import-outside-toplevel
+  return mosaic_vq_attention.auto_config(
+      q_rows=q.shape[1] * q.shape[2] // cache.kv_heads, head_dim=cache.head_dim,
+      k_spec=cache.fmt.spec("k"), v_spec=cache.fmt.spec("v"), dtype=cache.k_residual.dtype,
+      batch=cache.batch, capacity=cache.storage_len, kv_heads=cache.kv_heads,
+      token_group=cache.fmt.token_group, residual=cache.fmt.residual)
 
 
 def resolve(q, cache: VQCache, implementation, config=None) -> str:
@@ -109,6 +126,29 @@ def resolve(q, cache: VQCache, implementation, config=None) -> str:
                    + "; ".join(reasons))
 
 
+def _kernel(impl: str, q, cache: VQCache, view=None, skip_tokens: int = 0, *, scale, config,
+            return_lse: bool = False):
+  """The ``impl`` ("mosaic" / "triton") VQ kernel over ``cache``; the Mosaic one reads
+  the stacked codes and residuals of a layer ``view`` (`LayerView`) in place."""
+  kw = dict(k_spec=cache.fmt.spec("k"), v_spec=cache.fmt.spec("v"),
+            token_group=cache.fmt.token_group, scale=scale, config=config,
+            return_lse=return_lse, skip_tokens=skip_tokens)
+  if impl == "triton":
+    return vq_kernel.vq_decode_attention(
+        q, cache.k_codes, cache.k_codebook, cache.v_codes, cache.v_codebook, cache.k_residual,
+        cache.v_residual, cache.lengths, interpret=jax.default_backend() != "gpu", **kw)
+  from pallas_kernels import mosaic_vq_attention  # pylint: disable=import-outside-toplevel
+  k_codes, v_codes, k_res, v_res, layer = (cache.k_codes, cache.v_codes, cache.k_residual,
+                                           cache.v_residual, None)
+  if view is not None:  # the stacked codes and residuals, read in place
+    st = view.stacked
+    k_codes, v_codes, k_res, v_res = st.k.codes, st.v.codes, st.k_residual, st.v_residual
+    layer = view.index
+  return mosaic_vq_attention.mosaic_vq_decode_attention(
+      q, k_codes, cache.k_codebook, v_codes, cache.v_codebook, k_res, v_res, cache.lengths,
+      layer=layer, **kw)
+
+
 def vq_decode_attention(q: jax.Array, cache: VQCache, *, scale=None,
                         implementation: str | Sequence[str] | None = None,
                         config: vq_kernel.VQAttentionConfig | None = None) -> jax.Array:
@@ -134,25 +174,17 @@ def vq_decode_attention(q: jax.Array, cache: VQCache, *, scale=None,
                     f"{type(config).__name__}")
   impl = resolve(q, cache, implementation, config)
   refuse_unused_config(config, impl, implementation)
-  if impl == "mosaic":
-    # pylint: disable-next=import-outside-toplevel
-    from pallas_kernels import mosaic_vq_attention
-    k_codes, v_codes, k_res, v_res, layer = (cache.k_codes, cache.v_codes, cache.k_residual,
-                                             cache.v_residual, None)
-    if view is not None:  # the stacked codes and residuals, read in place
-      st = view.stacked
-      k_codes, v_codes, k_res, v_res = st.k.codes, st.v.codes, st.k_residual, st.v_residual
-      layer = view.index
-    out = mosaic_vq_attention.mosaic_vq_decode_attention(
-        q, k_codes, cache.k_codebook, v_codes, cache.v_codebook, k_res, v_res, cache.lengths,
-        k_spec=cache.fmt.spec("k"), v_spec=cache.fmt.spec("v"),
-        token_group=cache.fmt.token_group, scale=scale, config=config, layer=layer)
-  elif impl == "triton":
-    out = vq_kernel.vq_decode_attention(
-        q, cache.k_codes, cache.k_codebook, cache.v_codes, cache.v_codebook, cache.k_residual,
-        cache.v_residual, cache.lengths, k_spec=cache.fmt.spec("k"), v_spec=cache.fmt.spec("v"),
-        token_group=cache.fmt.token_group, scale=scale, config=config,
-        interpret=jax.default_backend() != "gpu")
+  if impl in ("mosaic", "triton") and cache.fmt.sink_tokens:
+    # the kernel from skip on, the prefix [0, skip) exactly, merged (`jaxkv.sink_attention`)
+    from jaxkv.sink_attention import sink_decode_attention  # pylint: disable=import-outside-toplevel
+    config = _kernel_config(q, cache, impl, config)
+    return sink_decode_attention(
+        q, cache, functools.partial(_kernel, impl, q, cache, view, scale=scale, config=config,
+                                    return_lse=True),
+        skip=sink_skip(cache.fmt.sink_tokens, config.block_k), scale=scale,
+        seq_bad=cache.nonfinite)
+  if impl in ("mosaic", "triton"):
+    out = _kernel(impl, q, cache, view, scale=scale, config=config)
   else:
     k, v = cache.dequantize()
     out = reference_attention(q, k, v, cache.lengths, scale=scale)

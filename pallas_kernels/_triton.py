@@ -150,3 +150,49 @@ def compute_capability() -> tuple[int, int]:
 def num_sms() -> int:
   """Streaming multiprocessors of the default device (132 on H100/H200)."""
   return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+
+
+# ------------------------------------------------------------- sink formats
+# A format with ``sink_tokens = S`` keeps its first S tokens exactly beside the
+# packed storage. The split-K kernels (Triton and Mosaic) then attend only the
+# packed tokens ``[skip, packed)`` and the caller attends the prefix
+# ``[0, min(skip, packed))`` exactly (`jaxkv.sink_attention`), ``skip`` the
+# smallest multiple of the kernel's token block >= S: every block a kernel
+# reads still starts on a block (TMA tiles stay aligned, per-channel K steps
+# never cross a token group).
+def sink_skip(sink_tokens: int, block: int) -> int:
+  """Packed tokens a kernel of ``block``-token steps leaves to the caller for
+  ``sink_tokens`` S: ``ceil(S / block) * block`` (0 for S = 0)."""
+  return -(-int(sink_tokens) // block) * block
+
+
+def skip_refusal(sink_tokens: int, skip_tokens: int, block: int | None = None,
+                 block_name: str = "block_k") -> str:
+  """Why a kernel cannot run with ``skip_tokens`` (empty when it can): a format
+  with ``sink_tokens`` S needs ``skip_tokens >= S`` (the sinks' packed rows
+  hold only their quantized values), a multiple of the kernel's ``block``."""
+  if not is_int(skip_tokens) or skip_tokens < 0:
+    return f"skip_tokens={skip_tokens!r} must be an int >= 0"
+  if skip_tokens < sink_tokens:
+    return (f"sink_tokens={sink_tokens}: the kernels read no exact sink rows; pass "
+            f"skip_tokens >= {sink_tokens} and attend the prefix exactly "
+            f"(jaxkv.decode_attention does), got skip_tokens={skip_tokens}")
+  if block is not None and skip_tokens % block:
+    return f"skip_tokens={skip_tokens} must be a multiple of {block_name}={block}"
+  return ""
+
+
+def split_range(packed, split, num_splits: int, block: int, skip: int = 0):
+  """``(start, stop)``: split ``split``'s slice of the packed tokens ``[lo, packed)``,
+  ``lo = min(skip, packed)``, in whole ``block``s (``per_split`` a multiple of
+  ``block``; empty past ``packed``). ``skip = 0`` traces exactly the ops of a
+  kernel without sinks."""
+  from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
+  if not skip:
+    per_split = pl.cdiv(pl.cdiv(packed, num_splits), block) * block
+    start = split * per_split
+  else:
+    lo = jnp.minimum(skip, packed)
+    per_split = pl.cdiv(pl.cdiv(packed - lo, num_splits), block) * block
+    start = lo + split * per_split
+  return start, jnp.minimum(start + per_split, packed)

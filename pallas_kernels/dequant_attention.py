@@ -437,6 +437,7 @@ def _split_kernel(
     fast_exp: bool = False,
     unpack_sub: bool = False,
     lazy_rescale: bool = False,
+    skip_tokens: int = 0,
 ):
   rows, head_dim = o_ref.shape
   q_rows = q_ref.shape[0]
@@ -712,10 +713,9 @@ def _split_kernel(
       aff = nxt
     return state, aff
 
-  # This split's slice of the packed region (a multiple of block_k tokens).
-  per_split = pl.cdiv(pl.cdiv(packed, num_splits), block_k) * block_k
-  start = split * per_split
-  stop = jnp.minimum(start + per_split, packed)
+  # This split's slice of the packed region (a multiple of block_k tokens);
+  # with ``skip_tokens`` the caller attends [0, min(skip, packed)) itself.
+  start, stop = _triton.split_range(packed, split, num_splits, block_k, skip_tokens)
   num_blocks = jnp.maximum(0, pl.cdiv(stop - start, block_k))
   sums_shape = (rows, sub_k) if defer_sums else (rows,)
   carry = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros(sums_shape, jnp.float32),
@@ -905,7 +905,8 @@ def default_config(fmt: CacheFormat, *, batch: int, q_heads: int, kv_heads: int,
 
 
 def _check_operands(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_residual,
-                    v_residual, lengths, *, fmt, scale, config, layer, view, seq_bad) -> None:
+                    v_residual, lengths, *, fmt, scale, config, layer, view, seq_bad,
+                    skip_tokens=0) -> None:
   """`dequant_decode_attention`'s argument checks, in Python before any tracing:
   every operand's shape and dtype against q's ``[B, ., ., D]``, K's ``[B, H, C]``
   and the format, and concrete ``lengths`` / ``scale`` / ``layer`` values
@@ -937,7 +938,8 @@ def _check_operands(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res
     raise ValueError(f"lengths must be an integer [{batch}] array, got "
                      f"{getattr(lengths, 'shape', None)} {getattr(lengths, 'dtype', '')}")
   ok, why = supports(fmt, head_dim=head_dim, num_q_heads=q_heads, kv_heads=kv_heads,
-                     num_queries=num_queries, capacity=capacity)
+                     num_queries=num_queries, capacity=capacity, skip_tokens=skip_tokens,
+                     block_k=None if config is None else config.block_k)
   if not ok:
     raise ValueError(why)
   # Every operand against K's [(L,) B, H, C] and the format.
@@ -1016,6 +1018,7 @@ def dequant_decode_attention(
     view: str = "target",
     return_lse: bool = False,
     seq_bad: jax.Array | None = None,
+    skip_tokens: int = 0,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Decode attention of S new queries over a packed cache (raw arrays).
 
@@ -1045,6 +1048,11 @@ def dequant_decode_attention(
     seq_bad: optional ``[B]`` bool: the combine kernel writes NaN for every
       query of a flagged sequence and for query rows holding a NaN/inf (the
       README's input policy, without a select kernel after the call).
+    skip_tokens: static; attend only the packed tokens ``[skip_tokens,
+      packed_len)`` (and the residual): the caller attends the prefix
+      ``[0, min(skip_tokens, packed_len))`` itself and merges by ``return_lse``
+      (`jaxkv.sink_attention`). A multiple of ``config.block_k``, at least the
+      format's ``sink_tokens``. 0 (the default) traces the kernel unchanged.
 
   Returns:
     ``[B, S, Hq, D]`` in q's dtype; with ``return_lse`` also ``[B, S, Hq]``
@@ -1052,20 +1060,20 @@ def dequant_decode_attention(
   """
   _check_operands(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_residual,
                   v_residual, lengths, fmt=fmt, scale=scale, config=config, layer=layer,
-                  view=view, seq_bad=seq_bad)
+                  view=view, seq_bad=seq_bad, skip_tokens=skip_tokens)
   return _dequant_decode_attention(
       q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_residual, v_residual, lengths,
       fmt=fmt, scale=scale, config=config, interpret=interpret, layer=layer, view=view,
-      return_lse=return_lse, seq_bad=seq_bad)
+      return_lse=return_lse, seq_bad=seq_bad, skip_tokens=int(skip_tokens))
 
 
 @functools.partial(
-    jax.jit, static_argnames=("fmt", "config", "interpret", "view", "return_lse"))
+    jax.jit, static_argnames=("fmt", "config", "interpret", "view", "return_lse", "skip_tokens"))
 def _dequant_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_residual,
                               v_residual, lengths, *, fmt: CacheFormat, scale=None,
                               config: DecodeAttentionConfig | None = None,
                               interpret: bool = False, layer=None, view: str = "target",
-                              return_lse: bool = False, seq_bad=None):
+                              return_lse: bool = False, seq_bad=None, skip_tokens: int = 0):
   """`dequant_decode_attention` after its checks (`_check_operands`)."""
   stacked = layer is not None
   lead = 1 if stacked else 0
@@ -1086,6 +1094,9 @@ def _dequant_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_z
   block_k = config.block_k
   if capacity % block_k:
     raise ValueError(f"cache capacity {capacity} must be a multiple of block_k={block_k}")
+  why = _triton.skip_refusal(getattr(fmt, "sink_tokens", 0), skip_tokens, block_k)
+  if why:
+    raise ValueError(why)
   # Residual rows per unrolled step: at most 8 steps, tiles of >= 32 rows.
   res_block = min(residual & -residual, max(32, residual // 8))
 
@@ -1123,7 +1134,7 @@ def _dequant_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_z
       block_k=block_k, res_block=res_block, use_asm=not interpret,
       defer_sums=config.defer_sums, prefetch=config.prefetch, fast_exp=config.fast_exp,
       unpack_sub=config.unpack_sub and _triton.compute_capability() >= (9, 0),
-      lazy_rescale=config.lazy_rescale)
+      lazy_rescale=config.lazy_rescale, skip_tokens=skip_tokens)
   num_k, num_v = len(k_arrays), len(v_arrays)
 
   def kernel_with_nones(lengths_ref, scale_ref, layer_ref, q_ref, *refs):
@@ -1202,11 +1213,17 @@ def _dequant_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_z
 
 def supports(fmt: CacheFormat, *, head_dim: int, num_q_heads: int | None = None,
              kv_heads: int | None = None, num_queries: int | None = None,
-             capacity: int | None = None) -> tuple[bool, str]:
-  """Whether the kernels handle this format and shape; ``(False, reason)`` if not."""
-  if getattr(fmt, "sink_tokens", 0):  # they would read the sinks' quantized rows: wrong answers
-    return False, (f"sink_tokens={fmt.sink_tokens}: the kernels do not read the exact sink rows "
-                   "(k_sink, v_sink) yet; the reference does")
+             capacity: int | None = None, skip_tokens: int = 0,
+             block_k: int | None = None) -> tuple[bool, str]:
+  """Whether the kernels handle this format and shape; ``(False, reason)`` if not.
+
+  A format with ``sink_tokens`` S needs ``skip_tokens >= S`` (a multiple of
+  ``block_k`` when given): the kernels would read the sinks' quantized rows,
+  so the caller attends the prefix exactly (`_triton.skip_refusal`).
+  """
+  why = _triton.skip_refusal(getattr(fmt, "sink_tokens", 0), skip_tokens, block_k)
+  if why:
+    return False, why
   if not _triton.is_pow2(head_dim) or not 32 <= head_dim <= 256:
     return False, f"head_dim={head_dim} must be a power of two in [32, 256]"
   try:
@@ -1292,7 +1309,7 @@ def pallas_decode_attention(q: jax.Array, cache, *, scale: float | jax.Array | N
                             config: DecodeAttentionConfig | None = None,
                             interpret: bool = False, layer=None,
                             view: str = "target", return_lse: bool = False,
-                            seq_bad: jax.Array | None = None):
+                            seq_bad: jax.Array | None = None, skip_tokens: int = 0):
   """`dequant_decode_attention` over a `jaxkv.cache.KVCache`.
 
   Args:
@@ -1307,6 +1324,7 @@ def pallas_decode_attention(q: jax.Array, cache, *, scale: float | jax.Array | N
     return_lse: also return each query's log-sum-exp (`dequant_decode_attention`).
     seq_bad: ``[B]`` flags whose sequences come out NaN, as NaN/inf query rows
       (`dequant_decode_attention`).
+    skip_tokens: packed tokens left to the caller (`dequant_decode_attention`).
 
   Returns:
     ``[B, S, Hq, D]`` in q's dtype (and ``[B, S, Hq]`` float32 with ``return_lse``).
@@ -1316,4 +1334,4 @@ def pallas_decode_attention(q: jax.Array, cache, *, scale: float | jax.Array | N
       q, cache.k.codes, cache.k.scale, cache.k.zero, cache.v.codes, cache.v.scale,
       cache.v.zero, cache.k_residual, cache.v_residual, cache.lengths,
       fmt=cache.fmt, scale=scale, config=config, interpret=interpret, layer=layer, view=view,
-      return_lse=return_lse, seq_bad=seq_bad)
+      return_lse=return_lse, seq_bad=seq_bad, skip_tokens=skip_tokens)

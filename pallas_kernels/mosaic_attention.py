@@ -383,11 +383,11 @@ def _side_specs(side: SideSpec, width: int, head_dim: int, bk: int, values_trans
   return specs
 
 
-def _split_blocks(packed, j, num_splits: int, bk: int):
-  """``(first, num_blocks)``: the ``bk``-token blocks of split ``j`` of the packed region."""
-  per_split = pl.cdiv(pl.cdiv(packed, num_splits), bk) * bk
-  start = j * per_split
-  stop = jnp.minimum(start + per_split, packed)
+def _split_blocks(packed, j, num_splits: int, bk: int, skip: int = 0):
+  """``(first, num_blocks)``: the ``bk``-token blocks of split ``j`` of the packed
+  region ``[min(skip, packed), packed)`` (``skip``: a multiple of ``bk`` the
+  caller attends itself, sink formats; `_triton.split_range`)."""
+  start, stop = _triton.split_range(packed, j, num_splits, bk, skip)
   return start // bk, jnp.maximum(0, pl.cdiv(stop - start, bk))
 
 
@@ -398,11 +398,11 @@ def _shifted(spec, first):
 
 
 def _run_split(step, specs, gmem_refs, *, packed, j, num_splits: int, bk: int,
-               max_concurrent_steps: int, init_carry):
+               max_concurrent_steps: int, init_carry, skip: int = 0):
   """Pipelines split ``j``'s packed blocks through ``step(tiles, carry, token0)``
   (`plgpu.emit_pipeline` over TMA tiles of ``specs`` from ``gmem_refs``); returns
-  the final carry."""
-  first, num_blocks = _split_blocks(packed, j, num_splits, bk)
+  the final carry. ``skip``: packed tokens left to the caller (`_split_blocks`)."""
+  first, num_blocks = _split_blocks(packed, j, num_splits, bk, skip)
 
   def body(idx, *tiles_and_carry):
     *tiles, carry = tiles_and_carry
@@ -509,8 +509,14 @@ def unpack_rows(out, num_queries: int, q_heads: int):
 
 
 def supports(k_side: SideSpec, v_side: SideSpec, *, head_dim: int, q_rows: int,
-             dtype, token_group: int, residual: int, block_k: int = 64) -> tuple[bool, str]:
-  """Whether the Mosaic kernel serves this case; ``(False, reason)`` if not."""
+             dtype, token_group: int, residual: int, block_k: int = 64,
+             sink_tokens: int = 0, skip_tokens: int = 0) -> tuple[bool, str]:
+  """Whether the Mosaic kernel serves this case; ``(False, reason)`` if not (a
+  format with ``sink_tokens`` needs ``skip_tokens`` >= them, a multiple of
+  ``block_k``: `_triton.skip_refusal`)."""
+  why = _triton.skip_refusal(sink_tokens, skip_tokens, block_k)
+  if why:
+    return False, why
   if plgpu is None:
     return False, "jax.experimental.pallas.mosaic_gpu is not importable"
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
@@ -596,7 +602,7 @@ def _attend_block(q_smem, kdq_smem, vdq_smem, carry, *, token0, valid_below, row
 
 @functools.partial(
     jax.jit, static_argnames=("k_side", "v_side", "token_group", "residual", "config",
-                              "return_lse"))
+                              "return_lse", "skip_tokens"))
 def mosaic_decode_attention(
     q: jax.Array,           # [B, S, Hq, D]
     k_codes: jax.Array,     # [B, H, C, D*kb/8] uint8 | [B, H, C, D]
@@ -618,6 +624,7 @@ def mosaic_decode_attention(
     layer: jax.Array | int | None = None,
     return_lse: bool = False,
     seq_bad: jax.Array | None = None,
+    skip_tokens: int = 0,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Decode attention of S new queries over a packed cache (Hopper kernel).
 
@@ -637,6 +644,10 @@ def mosaic_decode_attention(
   ``seq_bad``: optional ``[B]`` flags: NaN for every query of a flagged
   sequence and for NaN/inf query rows, written by the combine kernel
   (`dequant_attention.dequant_decode_attention`'s ``seq_bad``).
+  ``skip_tokens``: attend only the packed tokens ``[skip_tokens, packed_len)``
+  (and the residual); the caller attends the prefix (sink formats,
+  `jaxkv.sink_attention`). A multiple of ``config.block_k``; 0 traces the
+  kernel unchanged.
   Returns ``[B, S, Hq, D]`` in q's dtype (and the log-sum-exp).
   """
   batch, num_queries, q_heads, head_dim = q.shape
@@ -651,6 +662,9 @@ def mosaic_decode_attention(
   bk = config.block_k
   if capacity % bk:
     raise ValueError(f"cache capacity {capacity} must be a multiple of block_k={bk}")
+  why = _triton.skip_refusal(0, skip_tokens, bk)
+  if why:
+    raise ValueError(why)
   num_splits = config.num_splits
   grid_j = num_splits + 1  # the last program of each (b, h) takes the residual
 
@@ -690,7 +704,8 @@ def mosaic_decode_attention(
         qh, q_res, arrays_of(k_codes, k_scale, k_zero, k_side),
         arrays_of(v_codes, v_scale, v_zero, v_side), k_residual, v_residual, lengths,
         k_side=k_side, v_side=v_side, token_group=token_group, residual=residual,
-        num_queries=num_queries, q_rows=q_rows, config=config, dtype=dtype, row0=row0)
+        num_queries=num_queries, q_rows=q_rows, config=config, dtype=dtype, row0=row0,
+        skip_tokens=skip_tokens)
     # One combine kernel reads the O^T partials as they are: with register_v
     # the packed programs' rows are in the MMA's V column order (channel c at
     # row argsort(perm)[c]), the residual program's in channel order.
@@ -767,7 +782,7 @@ def mosaic_decode_attention(
       finish(_run_split(step, k_specs + v_specs, gm, packed=packed, j=j,
                         num_splits=num_splits, bk=bk,
                         max_concurrent_steps=config.max_concurrent_steps,
-                        init_carry=(acc0, m0, l0)))
+                        init_carry=(acc0, m0, l0), skip=skip_tokens))
 
     @pl.when(j == num_splits)
     def _residual():
@@ -1021,8 +1036,11 @@ def unflatten_partials(parts, batch: int, kv_heads: int) -> list:
 
 
 def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v_side,
-                   token_group, residual, num_queries, q_rows, config, dtype, row0, vq=None):
+                   token_group, residual, num_queries, q_rows, config, dtype, row0, vq=None,
+                   skip_tokens: int = 0):
   """The v2 kernel; returns partials ``o [B,H,J+1,D,N_pv], l, m [B,H,J+1,N]``.
+
+  ``skip_tokens``: packed tokens left to the caller (`_split_blocks`).
 
   ``row0``: ``[1]`` int32, the cache arrays' row of sequence 0 (`stacked_rows`).
 
@@ -1267,7 +1285,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
         return _run_split(step, k_specs + v_specs, gm, packed=packed, j=j,
                           num_splits=num_splits, bk=bk,
                           max_concurrent_steps=config.max_concurrent_steps,
-                          init_carry=(acc0, m0, l0, l0))
+                          init_carry=(acc0, m0, l0, l0), skip=skip_tokens)
 
       scoped = [plgpu.SMEM(book.shape[1:], dtype) for book in books]
       scoped += [vdq_type] if packed_vdq else []

@@ -63,8 +63,14 @@ _SMEM_FOR_BOOKS = 160 * 1024
 
 def supports(*, head_dim: int, k_spec: VQSideSpec, v_spec: VQSideSpec, q_rows: int, dtype,
              token_group: int, residual: int, capacity: int | None = None,
-             block_k: int = 64) -> tuple[bool, str]:
-  """Whether the Mosaic VQ kernel serves this case; ``(False, reason)`` if not."""
+             block_k: int = 64, sink_tokens: int = 0,
+             skip_tokens: int = 0) -> tuple[bool, str]:
+  """Whether the Mosaic VQ kernel serves this case; ``(False, reason)`` if not (a
+  format with ``sink_tokens`` needs ``skip_tokens`` >= them, a multiple of
+  ``block_k``: `_triton.skip_refusal`)."""
+  why = _triton.skip_refusal(sink_tokens, skip_tokens, block_k)
+  if why:
+    return False, why
   if ma.plgpu is None:
     return False, "jax.experimental.pallas.mosaic_gpu is not importable"
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
@@ -151,8 +157,9 @@ def _two_wg_smem(head_dim: int, n_pv: int, n_rows: int, book_elems: int, stages:
 
 def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, lengths, books, *,
                  token_group, residual, num_queries, q_rows, num_splits, stages, dtype,
-                 row0, early_v=True, lazy_max=True):
+                 row0, early_v=True, lazy_max=True, skip_tokens: int = 0):
   """Partials ``o [B,H,2(J+1),D,N_pv], l, m [B,H,2(J+1),N]`` (``J = num_splits``).
+  ``skip_tokens``: packed tokens left to the caller (`mosaic_attention._split_blocks`).
 
   ``row0``: ``[1]`` int32, the cache arrays' row of sequence 0
   (`mosaic_attention.stacked_rows`)."""
@@ -240,7 +247,8 @@ def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, length
 
     @pl.when(j < num_splits)
     def _packed():
-      first, num_blocks = ma._split_blocks(packed, j, num_splits, bk)  # pylint: disable=protected-access
+      first, num_blocks = ma._split_blocks(  # pylint: disable=protected-access
+          packed, j, num_splits, bk, skip_tokens)
 
       def compute_context(pipeline_callback):
         shared_load(q_gmem.at[bh], q_smem, 0)
@@ -340,7 +348,8 @@ def auto_config(*, q_rows: int, head_dim: int, k_spec: VQSideSpec, v_spec: VQSid
                         two_warpgroups=two, stages=stages)
 
 
-@functools.partial(jax.jit, static_argnames=("k_spec", "v_spec", "token_group", "config"))
+@functools.partial(jax.jit, static_argnames=("k_spec", "v_spec", "token_group", "config",
+                                             "return_lse", "skip_tokens"))
 def mosaic_vq_decode_attention(
     q: jax.Array,           # [B, S, Hq, D]
     k_codes: jax.Array,     # [B, H, C, nk] uint8 ([L, B, ...] with ``layer``)
@@ -357,7 +366,9 @@ def mosaic_vq_decode_attention(
     scale: float | jax.Array | None = None,
     config: ma.MosaicAttentionConfig | None = None,
     layer: jax.Array | int | None = None,
-) -> jax.Array:
+    return_lse: bool = False,
+    skip_tokens: int = 0,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Decode attention of S new queries over a VQ cache (Hopper kernel).
 
   Same arguments and result as `vq_attention.vq_decode_attention` (raw VQ
@@ -370,7 +381,10 @@ def mosaic_vq_decode_attention(
   (``[L, B, H, ...]``, a `jaxkv.VQModelCache`; the codebooks are the layer's
   own ``[H, ...]``), the (possibly traced) layer to read in place
   (`mosaic_attention.stacked_rows`).
-  Returns ``[B, S, Hq, D]`` in q's dtype. ValueError when `supports` refuses.
+  ``return_lse`` / ``skip_tokens`` as `mosaic_attention.mosaic_decode_attention`'s
+  (the merged log-sum-exp; packed tokens left to the caller, sink formats).
+  Returns ``[B, S, Hq, D]`` in q's dtype (and the ``[B, S, Hq]`` log-sum-exp).
+  ValueError when `supports` refuses.
   """
   batch, num_queries, q_heads, head_dim = q.shape
   (k_codes, v_codes, k_residual, v_residual), row0 = ma.stacked_rows(
@@ -401,7 +415,8 @@ def mosaic_vq_decode_attention(
   ok, why = supports(head_dim=head_dim, k_spec=k_spec, v_spec=v_spec, q_rows=q_rows,
                      dtype=dtype, token_group=token_group, residual=residual,
                      capacity=capacity, block_k=config.block_k)
-  if not ok:
+  why = why or _triton.skip_refusal(0, skip_tokens, config.block_k)
+  if why:
     raise ValueError(f"Mosaic VQ kernel: {why}")
   books = []
   for name, cb, codes, spec in (("k", k_codebook, k_codes, k_spec),
@@ -426,7 +441,8 @@ def mosaic_vq_decode_attention(
         qh[..., perm], qh, k_codes, v_codes, k_residual, v_residual, lengths.astype(jnp.int32),
         tuple(books), token_group=token_group, residual=residual, num_queries=num_queries,
         q_rows=q_rows, num_splits=config.num_splits, stages=config.max_concurrent_steps,
-        dtype=dtype, early_v=config.early_v, lazy_max=config.lazy_max, row0=row0)
+        dtype=dtype, early_v=config.early_v, lazy_max=config.lazy_max, row0=row0,
+        skip_tokens=skip_tokens)
     tail = _WGS  # the residual program's partials, one per compute warpgroup
   else:
     placeholder = SideSpec(16)  # the side specs of the quantized formats do not apply
@@ -434,11 +450,16 @@ def mosaic_vq_decode_attention(
         qh[..., perm], qh, [k_codes], [v_codes], k_residual, v_residual,
         lengths.astype(jnp.int32), k_side=placeholder, v_side=placeholder,
         token_group=token_group, residual=residual, num_queries=num_queries, q_rows=q_rows,
-        config=config, dtype=dtype, vq=tuple(books), row0=row0)
+        config=config, dtype=dtype, vq=tuple(books), row0=row0, skip_tokens=skip_tokens)
     tail = 1
   out = combine_t.combine_t(o_part, l_part, m_part, rows=_triton.next_pow2(q_rows),
                             packed_rows=np.argsort(perm), out_dtype=q.dtype, plain_tail=tail)
-  return ma.unpack_rows(out, num_queries, q_heads)
+  out = ma.unpack_rows(out, num_queries, q_heads)
+  if not return_lse:
+    return out
+  lse = ma.partials_lse(l_part[..., :q_rows], m_part[..., :q_rows])   # [B, H, q_rows]
+  lse = lse.reshape(batch, kv_heads, group_q, num_queries).transpose(0, 3, 1, 2)
+  return out, lse.reshape(batch, num_queries, q_heads)
 
 
 __all__ = ["auto_config", "default_config", "mosaic_vq_decode_attention", "supports"]

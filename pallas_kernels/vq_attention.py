@@ -154,8 +154,14 @@ class VQAttentionConfig:
 def supports(*, head_dim: int, k_spec: VQSideSpec, v_spec: VQSideSpec,
              num_q_heads: int | None = None, kv_heads: int | None = None,
              num_queries: int | None = None, residual: int | None = None,
-             capacity: int | None = None) -> tuple[bool, str]:
-  """Whether the kernel handles this shape; ``(False, reason)`` if not."""
+             capacity: int | None = None, sink_tokens: int = 0, skip_tokens: int = 0,
+             block_k: int | None = None) -> tuple[bool, str]:
+  """Whether the kernel handles this shape; ``(False, reason)`` if not (a format
+  with ``sink_tokens`` needs ``skip_tokens`` >= them, a multiple of ``block_k``:
+  `_triton.skip_refusal`)."""
+  why = _triton.skip_refusal(sink_tokens, skip_tokens, block_k)
+  if why:
+    return False, why
   if not _triton.is_pow2(head_dim) or not 32 <= head_dim <= 256:
     return False, f"head_dim={head_dim} must be a power of two in [32, 256]"
   for name, spec in (("K", k_spec), ("V", v_spec)):
@@ -301,6 +307,7 @@ def _vq_split_kernel(
     num_splits: int,
     block_k: int,
     res_block: int,
+    skip_tokens: int = 0,
 ):
   rows, head_dim = o_ref.shape
   dtype = k_res_ref.dtype
@@ -345,10 +352,9 @@ def _vq_split_kernel(
     v = [jnp.where(in_packed[:, None], v_l, 0.0) for v_l in v]
     return m, l, accumulate(acc, alpha, p, v)
 
-  # This split's slice of the packed region (a multiple of block_k tokens).
-  per_split = pl.cdiv(pl.cdiv(packed, num_splits), block_k) * block_k
-  start = split * per_split
-  stop = jnp.minimum(start + per_split, packed)
+  # This split's slice of the packed region (a multiple of block_k tokens);
+  # with ``skip_tokens`` the caller attends [0, min(skip, packed)) itself.
+  start, stop = _triton.split_range(packed, split, num_splits, block_k, skip_tokens)
   num_blocks = jnp.maximum(0, pl.cdiv(stop - start, block_k))
   carry = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
            tuple(jnp.zeros((rows, v_width), jnp.float32) for _ in range(v_layout.planes)))
@@ -381,23 +387,29 @@ def _vq_split_kernel(
   m_ref[...] = m
 
 
-def combine_splits(o, l, m):
+def combine_splits(o, l, m, return_lse: bool = False):
   """Log-sum-exp merge of the J split partials into ``[..., M, D]``.
 
   ``o [..., J, M, D]`` unnormalized outputs, ``l, m [..., J, M]`` sums and
   maxima. A row with no visible key (every ``l == 0``) gives zeros; a NaN
-  stays NaN.
+  stays NaN. ``return_lse``: also each row's log-sum-exp ``[..., M]`` (-inf
+  where no key is visible).
   """
   m_all = jnp.max(m, axis=-2, keepdims=True)
   m_all = jnp.where(m_all == -jnp.inf, 0.0, m_all)
   w = jnp.exp(m - m_all)                                   # [..., J, M]
   num = jnp.sum(w[..., None] * o, axis=-3)
   den = jnp.sum(w * l, axis=-2)
-  return jnp.where((den == 0)[..., None], 0.0, num / jnp.where(den == 0, 1.0, den)[..., None])
+  out = jnp.where((den == 0)[..., None], 0.0, num / jnp.where(den == 0, 1.0, den)[..., None])
+  if not return_lse:
+    return out
+  lse = m_all[..., 0, :] + jnp.log(jnp.where(den == 0, 1.0, den))
+  return out, jnp.where(den == 0, -jnp.inf, lse)
 
 
 @functools.partial(
-    jax.jit, static_argnames=("k_spec", "v_spec", "token_group", "config", "interpret"))
+    jax.jit, static_argnames=("k_spec", "v_spec", "token_group", "config", "interpret",
+                              "return_lse", "skip_tokens"))
 def vq_decode_attention(
     q: jax.Array,           # [B, S, Hq, D]
     k_codes: jax.Array,     # [B, H, C, Sk*nk] uint8
@@ -414,7 +426,9 @@ def vq_decode_attention(
     scale: float | jax.Array | None = None,
     config: VQAttentionConfig | None = None,
     interpret: bool = False,
-) -> jax.Array:
+    return_lse: bool = False,
+    skip_tokens: int = 0,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Decode attention of S new queries over a VQ cache (raw arrays).
 
   Args:
@@ -428,9 +442,16 @@ def vq_decode_attention(
     scale: softmax scale, default ``D ** -0.5`` (a float or a scalar array).
     config: launch parameters; `VQAttentionConfig.default` when None.
     interpret: run in Pallas interpret mode (CPU).
+    return_lse: also return each query's log-sum-exp of its scaled scores
+      (``[B, S, Hq]`` float32, -inf where no key is visible), as
+      `dequant_attention.dequant_decode_attention`'s.
+    skip_tokens: static; attend only the packed tokens ``[skip_tokens,
+      packed_len)`` (and the residual): the caller attends the prefix itself
+      (sink formats, `jaxkv.sink_attention`). A multiple of ``config.block_k``;
+      0 traces the kernel unchanged.
 
   Returns:
-    ``[B, S, Hq, D]`` in q's dtype.
+    ``[B, S, Hq, D]`` in q's dtype (and the log-sum-exp with ``return_lse``).
   """
   batch, num_queries, q_heads, head_dim = q.shape
   kv_heads, capacity = k_codes.shape[1], k_codes.shape[2]
@@ -449,6 +470,9 @@ def vq_decode_attention(
   block_k = config.block_k
   if capacity % block_k:
     raise ValueError(f"cache capacity {capacity} must be a multiple of block_k={block_k}")
+  why = _triton.skip_refusal(0, skip_tokens, block_k)
+  if why:
+    raise ValueError(why)
   res_block = min(residual & -residual, 64)
   group_q = q_heads // kv_heads
   q_rows = group_q * num_queries
@@ -479,7 +503,7 @@ def vq_decode_attention(
   kernel = functools.partial(
       _vq_split_kernel, k_layout=k_layout, v_layout=v_layout, token_group=token_group,
       residual=residual, num_queries=num_queries, num_splits=num_parts, block_k=block_k,
-      res_block=res_block)
+      res_block=res_block, skip_tokens=skip_tokens)
   o_part, l_part, m_part = pl.pallas_call(
       kernel,
       grid=(batch, kv_heads, num_parts),
@@ -503,10 +527,15 @@ def vq_decode_attention(
   )(lengths.astype(jnp.int32), jnp.broadcast_to(sm_scale, (batch,)), qh, k_codes, k_flat,
     v_codes, v_flat, k_residual, v_residual)
 
-  out = combine_splits(o_part, l_part, m_part)[:, :, :q_rows]  # [B, H, q_rows, D] V's planes
-  out = _from_planes(out, v_layout.planes)
+  combined = combine_splits(o_part, l_part, m_part, return_lse=return_lse)
+  out, lse = combined if return_lse else (combined, None)
+  out = _from_planes(out[:, :, :q_rows], v_layout.planes)          # [B, H, q_rows, D]
   out = out.reshape(batch, kv_heads, group_q, num_queries, head_dim)
-  return out.transpose(0, 3, 1, 2, 4).reshape(batch, num_queries, q_heads, head_dim).astype(q.dtype)
+  out = out.transpose(0, 3, 1, 2, 4).reshape(batch, num_queries, q_heads, head_dim).astype(q.dtype)
+  if not return_lse:
+    return out
+  lse = lse[:, :, :q_rows].reshape(batch, kv_heads, group_q, num_queries)
+  return out, lse.transpose(0, 3, 1, 2).reshape(batch, num_queries, q_heads)
 
 
 def vq_decode_attention_reference(

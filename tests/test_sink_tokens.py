@@ -1,5 +1,6 @@
-"""`KVFormat.sink_tokens`: the first S tokens kept exactly beside the packed storage
-(`KVCache` and the reference attention only, for now). CPU."""
+"""`KVFormat.sink_tokens`: the first S tokens kept exactly beside the packed storage:
+caches, the reference attention, models and dispatch. CPU. The kernel path of sink
+formats (kernel from a skip on + exact prefix) is tests/test_sink_kernels.py."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def test_sinks_exact_and_the_rest_as_without_them(name):
   np.testing.assert_array_equal(np.asarray(one.k_sink[1, 3:]), 0)  # past L = 3: zero
 
 
-def test_reference_attention_reads_the_sinks_and_kernels_refuse():
+def test_reference_attention_reads_the_sinks():
   rng = np.random.default_rng(2)
   b, h, g, d = 2, 2, 2, 32
   k, v = _kv(rng, b, 70, h, d)
@@ -74,9 +75,6 @@ def test_reference_attention_reads_the_sinks_and_kernels_refuse():
       p = np.exp(sc - sc.max())
       want = (p / p.sum()) @ vd[i, :n, kv_h]
       np.testing.assert_allclose(got[i, 0, head], want, rtol=1e-5, atol=1e-5)
-  for impl in ("triton", "mosaic"):
-    with pytest.raises(ValueError, match=r"sink_tokens=[1-9][0-9]*: the"):
-      jaxkv.decode_attention(q, cache, implementation=impl)
 
 
 def test_sink_tokens_checked():
@@ -177,7 +175,7 @@ def test_model_cache_appends_equal_one_shot_and_the_oracle(name, sinks, use_kern
 @pytest.mark.parametrize("d,group,sq", [(64, 1, 1), (128, 4, 3), (64, 4, 2)])
 def test_layer_view_attention_reads_the_sinks(d, group, sq):
   """`decode_attention` over a `ModelCache.layer_view` (GQA 1 / 4, q_len 1-3) == float64
-  attention over the oracle K/V; forced kernels raise naming the sinks."""
+  attention over the oracle K/V (the kernels: tests/test_sink_kernels.py)."""
   rng = np.random.default_rng(4)
   b, h, t = 3, 2, 70
   fmt = _fmt("kivi2", 4)
@@ -190,22 +188,20 @@ def test_layer_view_attention_reads_the_sinks(d, group, sq):
     got = jaxkv.decode_attention(q, cache.layer_view(index))
     want = _attend64(q, *_oracle_kv(fmt, k, v, lengths), lengths)
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2e-5, atol=2e-5)
-  for impl in ("triton", "mosaic", "pallas"):
-    with pytest.raises(ValueError, match=r"sink_tokens=[1-9][0-9]*: the"):
-      jaxkv.decode_attention(q, cache.layer_view(1), implementation=impl)
 
 
-def test_default_dispatch_falls_back_to_the_reference():
+def test_default_dispatch_takes_the_kernels():
   """On a GPU ``implementation=None`` takes the first Pallas family that serves the
-  input: for a sink format none does, so the reference runs (never a wrong answer)."""
+  input: sink formats too (kernel + exact prefix); off Hopper that is Triton."""
   from jaxkv import attention  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(5)
   cache = KVCache.init(_fmt("kivi2", 4), 2, 2, 64, 128, jnp.float32).prefill(
       *_kv(rng, 2, 50, 2, 64), [50, 9])
   q = jnp.asarray(rng.standard_normal((2, 1, 8, 64)), jnp.float32)
   impl, why = attention._best_pallas(q, cache)  # pylint: disable=protected-access
-  assert impl is None and why.count("sink_tokens=4: the") == 2, why
-  assert attention.resolve_implementation(q, cache, ("triton", "reference")) == "reference"
+  assert impl == ("mosaic" if attention.is_hopper() else "triton"), why
+  assert "sink_tokens" not in why
+  assert attention.resolve_implementation(q, cache, ("triton", "reference")) == "triton"
 
 
 # ------------------------------------------------------------------- model
@@ -334,8 +330,8 @@ def test_vq_caches_store_and_read_the_sinks():
   """`VQCache` and `VQModelCache` (codebooks learned for the format without sinks):
   ragged token / chunk appends crossing S bitwise equal one prefill per layer, and
   `dequantize` equal to the oracle; attention over a layer view (GQA 4, q_len 2) equals
-  float64 attention over it; every VQ kernel refuses the format with the reason."""
-  from jaxkv import vq_attention  # pylint: disable=import-outside-toplevel
+  float64 attention over it; the dispatch serves the format with a VQ kernel."""
+  from jaxkv import attention, vq_attention  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(21)
   layers, b, h, d, t = 2, 3, 2, 64, 70
   fmt = _vq_fmt(4)
@@ -359,11 +355,9 @@ def test_vq_caches_store_and_read_the_sinks():
     got = jaxkv.decode_attention(q, cache.layer_view(layer))
     np.testing.assert_allclose(np.asarray(got, np.float64), _attend64(q, ok, ov, lengths),
                                rtol=2e-5, atol=2e-5)
-    for impl in ("triton", "mosaic", "pallas"):
-      with pytest.raises(ValueError, match=r"sink_tokens=[1-9][0-9]*: the"):
-        jaxkv.decode_attention(q, one, implementation=impl)
-    # what implementation=None tries on a GPU: no kernel serves it, the reference runs
-    assert vq_attention.resolve(q, one, ("mosaic", "triton", "reference")) == "reference"
+    # what implementation=None tries on a GPU: a kernel (with the exact prefix beside it)
+    assert vq_attention.resolve(q, one, ("mosaic", "triton", "reference")) == (
+        "mosaic" if attention.is_hopper() else "triton")
 
 
 @pytest.mark.parametrize("vq_cache", [False, True])
@@ -467,28 +461,29 @@ def test_vq_model_with_sinks_covering_the_packed_region_is_the_full_forward():
     assert _rel(plain[:, i], want) > 1e-2
 
 
-def test_direct_kernel_calls_refuse_sink_formats():
-  """Below the dispatch too: the Triton entry point (`pallas_kernels.supports`, which
-  `pallas_decode_attention` checks) refuses a sink format instead of reading the sinks'
-  quantized rows, and so does a staged (speculative) attention forced onto it."""
+def test_direct_kernel_calls_refuse_sink_formats_and_staged_attention_reads_them():
+  """Below the dispatch the Triton entry point (`pallas_kernels.supports`, which
+  `pallas_decode_attention` checks) refuses a sink format without ``skip_tokens``
+  instead of reading the sinks' quantized rows; a staged (speculative) attention
+  forced onto the kernel (its skip + the exact prefix + the staged rows) equals
+  float64 attention over the oracle."""
   import pallas_kernels  # pylint: disable=import-outside-toplevel
   from jaxkv.staged_cache import StagedCache  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(27)
-  cache = KVCache.init(_fmt("kivi2", 4), 2, 2, 64, 128, jnp.float32).prefill(
-      *_kv(rng, 2, 50, 2, 64), [50, 9])
-  q = jnp.asarray(rng.standard_normal((2, 1, 4, 64)), jnp.float32)
+  cache = KVCache.init(_fmt("kivi2", 4), 2, 2, 64, 256, jnp.float32).prefill(
+      *_kv(rng, 2, 200, 2, 64), [200, 9])
+  q = jnp.asarray(rng.standard_normal((2, 2, 4, 64)), jnp.float32)
   ok, why = pallas_kernels.supports(cache.fmt, head_dim=64)
   assert not ok and "sink_tokens=4" in why
   with pytest.raises(ValueError, match="sink_tokens=4"):
     pallas_kernels.pallas_decode_attention(q, cache, interpret=True)
-  staged = StagedCache.wrap(cache, 4).append(*_kv(rng, 2, 1, 2, 64))
-  with pytest.raises(ValueError, match=r"sink_tokens=[1-9][0-9]*: the"):
-    staged.attention(q, implementation="triton")
+  staged = StagedCache.wrap(cache, 4).append(*_kv(rng, 2, 3, 2, 64))
   k, v = staged.dequantize()
   want = _attend64(q, np.asarray(k, np.float64), np.asarray(v, np.float64),
                    np.asarray(staged.lengths))
-  np.testing.assert_allclose(np.asarray(staged.attention(q), np.float64), want,
-                             rtol=2e-5, atol=2e-5)
+  for impl in ("triton", None):
+    np.testing.assert_allclose(np.asarray(staged.attention(q, implementation=impl), np.float64),
+                               want, rtol=2e-5, atol=2e-5)
 
 
 def test_generate_and_sharding_specs_carry_the_sinks():

@@ -1,0 +1,139 @@
+"""Decode attention over caches with exact sink tokens (`KVFormat.sink_tokens` S > 0).
+
+The packed storage of a sink format still holds the first S tokens quantized;
+their exact values sit beside it (``k_sink, v_sink``). The split-K kernels
+(Triton and Mosaic, KV and VQ) do not read those rows. Instead ("option 1" of
+bench/results/vq-NOTES.md, sink tokens):
+
+* the kernel attends the packed tokens ``[skip, packed_len)`` and the
+  residual, ``skip`` the smallest multiple of its token block >= S
+  (`pallas_kernels._triton.sink_skip`: block starts stay aligned), and
+  returns its log-sum-exp;
+* this module attends the prefix ``[0, min(skip, packed_len))`` exactly in
+  XLA (float32): rows ``[0, S)`` from the sink rows, rows ``[S, skip)``
+  dequantized from the packed storage (`jaxkv.cache.sink_rows`);
+* the two softmax blocks are merged by their log-sum-exps (`merge_lse`, as
+  `jaxkv.staged_cache` merges the staged rows).
+
+The result is attention over ``cache.dequantize()`` (DESIGN.md, "Attention").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv.cache import QuantizedKV, sink_rows
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+def lse_attention(q, k, v, visible, scale):
+  """Softmax attention of ``q [B, S, Hq, D]`` over the rows of ``k, v [B, Hkv, n, D]``
+  (float32, GQA: ``Hq / Hkv`` query heads per kv head) where ``visible [B, S, n]``.
+
+  Returns ``(out [B, S, Hq, D], lse [B, S, Hq])`` float32: the normalized output
+  and the log-sum-exp of the scaled scores; a query that sees no row gives
+  zeros and ``lse = -inf``. ``v`` must be finite wherever no query sees it.
+  """
+  b, s, hq, d = q.shape
+  hkv = k.shape[1]
+  qf = q.astype(jnp.float32).reshape(b, s, hkv, hq // hkv, d)
+  logits = jnp.einsum("bshgd,bhnd->bshgn", qf, k.astype(jnp.float32), precision=_HI) * scale
+  vis = visible[:, :, None, None, :]                                     # [B, S, 1, 1, n]
+  logits = jnp.where(vis, logits, -jnp.inf)
+  m = jnp.max(logits, axis=-1)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.where(vis, jnp.exp(logits - m[..., None]), 0.0)
+  l = jnp.sum(p, axis=-1)                                                # [B, S, Hkv, G]
+  o = jnp.einsum("bshgn,bhnd->bshgd", p, v.astype(jnp.float32), precision=_HI)
+  safe = jnp.where(l > 0, l, 1.0)
+  lse = jnp.where(l > 0, m + jnp.log(safe), -jnp.inf)
+  return (o / safe[..., None]).reshape(b, s, hq, d), lse.reshape(b, s, hq)
+
+
+def merge_lse(o_a, lse_a, o_b, lse_b):
+  """Merges two normalized softmax blocks ``(o [..., D], lse [...])`` over disjoint
+  keys into one ``(o, lse)`` (float32); a row empty in both stays zeros / -inf."""
+  m = jnp.maximum(lse_a, lse_b)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  w_a, w_b = jnp.exp(lse_a - m), jnp.exp(lse_b - m)
+  den = w_a + w_b
+  safe = jnp.where(den > 0, den, 1.0)
+  out = (o_a.astype(jnp.float32) * w_a[..., None] + o_b.astype(jnp.float32) * w_b[..., None])
+  out = jnp.where((den > 0)[..., None], out / safe[..., None], 0.0)
+  return out, jnp.where(den > 0, m + jnp.log(safe), -jnp.inf)
+
+
+def _leading_rows(x, n: int, layer):
+  """Rows ``[0, n)`` (axis -2) of ``x [B, H, C, X]``, or of layer ``layer`` of
+  ``x [L, B, H, C, X]`` (one dynamic slice: only those rows are read)."""
+  if layer is None:
+    return x[:, :, :n]
+  return jax.lax.dynamic_slice(x, (layer, 0, 0, 0, 0), (1, *x.shape[1:3], n, x.shape[-1]))[0]
+
+
+def _side_rows(side: QuantizedKV, n: int, layer) -> jax.Array:
+  """Packed rows ``[0, n)`` of a `QuantizedKV` as float32 ``[B, H, n, D]`` (whole
+  token groups read for per-channel scales)."""
+  per_channel = side.bits < 16 and side.axis == "channel"
+  n_read = -(-n // side.group) * side.group if per_channel else n
+  n_affine = n_read // side.group if per_channel else n_read
+  take = lambda x, rows: None if x is None else _leading_rows(x, rows, layer)  # noqa: E731
+  part = dataclasses.replace(side, codes=take(side.codes, n_read),
+                             scale=take(side.scale, n_affine), zero=take(side.zero, n_affine))
+  return part.dequantize()[:, :, :n]
+
+
+def prefix_rows(cache, n: int, layer=None) -> tuple[jax.Array, jax.Array]:
+  """K and V of tokens ``[0, n)`` as float32 ``[B, Hkv, n, D]``: the exact sink rows
+  ``[0, min(S, L_b))``, the packed storage dequantized after them (garbage past
+  ``packed_len``). ``cache``: a `KVCache` or `jaxkv.VQCache`, or (with ``layer``)
+  a `ModelCache`'s stacked arrays read at that layer."""
+  from jaxkv.vq_cache import VQCache  # pylint: disable=import-outside-toplevel
+  if isinstance(cache, VQCache):
+    from pallas_kernels.vq_attention import vq_dequantize  # pylint: disable=import-outside-toplevel
+    k = vq_dequantize(cache.k_codes[:, :, :n], cache.k_codebook)
+    v = vq_dequantize(cache.v_codes[:, :, :n], cache.v_codebook)
+  else:
+    k, v = _side_rows(cache.k, n, layer), _side_rows(cache.v, n, layer)
+  k_sink, v_sink = (x if layer is None else x[layer] for x in (cache.k_sink, cache.v_sink))
+  return sink_rows(k, k_sink, cache.lengths, 0), sink_rows(v, v_sink, cache.lengths, 0)
+
+
+def prefix_attention(q, cache, skip: int, *, scale, layer=None):
+  """Exact attention of ``q [B, S, Hq, D]`` over the tokens ``[0, min(skip,
+  packed_len))`` of ``cache`` (`prefix_rows`), with the kernels' causal rule
+  (query ``s`` sees tokens ``<= L - S + s``). Returns ``(out, lse)`` as
+  `lse_attention`; a sequence whose prefix is empty gives zeros / -inf."""
+  storage = (cache.k_codes if hasattr(cache, "k_codes") else cache.k.codes).shape[-2]
+  n = min(skip, storage)
+  k, v = prefix_rows(cache, n, layer)
+  s = q.shape[1]
+  rows = jnp.arange(n)
+  in_packed = rows[None, :] < cache.fmt.packed_len(cache.lengths)[:, None]           # [B, n]
+  limit = cache.lengths[:, None] - s + jnp.arange(s)[None, :]                       # [B, S]
+  visible = in_packed[:, None, :] & (rows[None, None, :] <= limit[:, :, None])       # [B, S, n]
+  v = jnp.where(in_packed[:, None, :, None], v, 0.0)  # stale rows past packed_len never reach o
+  return lse_attention(q, k, v, visible, scale)
+
+
+def sink_decode_attention(q, cache, kernel, *, skip: int, scale, seq_bad, layer=None,
+                          return_lse: bool = False):
+  """Decode attention over a sink-format cache: ``kernel(skip)`` -> ``(out, lse)``
+  (a split-K kernel over ``[skip, packed_len)`` and the residual) merged with
+  `prefix_attention`; NaN rows as `jaxkv.decode_attention` (README "Input
+  policy": NaN/inf query rows and sequences flagged ``seq_bad [B]``).
+
+  Returns ``[B, S, Hq, D]`` in q's dtype (and the merged ``[B, S, Hq]``
+  float32 log-sum-exp with ``return_lse``).
+  """
+  from jaxkv.attention import _poison  # pylint: disable=import-outside-toplevel
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  o_kernel, lse_kernel = kernel(skip)
+  o_prefix, lse_prefix = prefix_attention(q, cache, skip, scale=scale, layer=layer)
+  out, lse = merge_lse(o_kernel, lse_kernel, o_prefix, lse_prefix)
+  out = _poison(out, q, seq_bad).astype(q.dtype)
+  return (out, lse) if return_lse else out
