@@ -21,7 +21,7 @@ JAXKV_TEST_GPU=1 timeout "$ttest" python3 -m pytest -q -p no:cacheprovider "${pa
   tests/test_layer_view.py tests/test_quant.py tests/test_unpack_asm.py \
   tests/test_autotune.py tests/test_cache.py tests/test_model_cache.py tests/test_vq_attention.py \
   tests/test_quantspec.py tests/test_chunked_prefill.py tests/test_mosaic_dequant.py tests/test_combine_t.py \
-  tests/test_mosaic_vq_attention.py tests/test_vq_model.py tests/test_sink_kernels.py 2>&1 \
+  tests/test_mosaic_vq_attention.py tests/test_vq_model.py tests/test_sink_kernels.py tests/test_sink_tokens.py 2>&1 \
   | tee "$out/gpu_tests.log" | tail -25
 echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$out/gpu_tests.log"
 # Several GPUs: the sharded checks (tests/sharding_checks.py) on all of them.
