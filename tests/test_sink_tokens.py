@@ -192,14 +192,16 @@ def test_layer_view_attention_reads_the_sinks(d, group, sq):
 
 def test_default_dispatch_takes_the_kernels():
   """On a GPU ``implementation=None`` takes the first Pallas family that serves the
-  input: sink formats too (kernel + exact prefix); off Hopper that is Triton."""
+  input: sink formats too (kernel + exact prefix), the family their sink-free twin gets."""
   from jaxkv import attention  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(5)
   cache = KVCache.init(_fmt("kivi2", 4), 2, 2, 64, 128, jnp.float32).prefill(
       *_kv(rng, 2, 50, 2, 64), [50, 9])
   q = jnp.asarray(rng.standard_normal((2, 1, 8, 64)), jnp.float32)
   impl, why = attention._best_pallas(q, cache)  # pylint: disable=protected-access
-  assert impl == ("mosaic" if attention.is_hopper() else "triton"), why
+  plain = KVCache.init(_fmt("kivi2", 0), 2, 2, 64, 128, jnp.float32)
+  # the family the same cache without sinks gets (Triton here: Mosaic needs 16-bit caches)
+  assert impl == attention._best_pallas(q, plain)[0] == "triton", why  # pylint: disable=protected-access
   assert "sink_tokens" not in why
   assert attention.resolve_implementation(q, cache, ("triton", "reference")) == "triton"
 
@@ -356,8 +358,11 @@ def test_vq_caches_store_and_read_the_sinks():
     np.testing.assert_allclose(np.asarray(got, np.float64), _attend64(q, ok, ov, lengths),
                                rtol=2e-5, atol=2e-5)
     # what implementation=None tries on a GPU: a kernel (with the exact prefix beside it)
-    assert vq_attention.resolve(q, one, ("mosaic", "triton", "reference")) == (
-        "mosaic" if attention.is_hopper() else "triton")
+    # (the family the format without sinks gets: Triton for these float32 caches)
+    plain = jaxkv.VQCache.init(dataclasses.replace(fmt, sink_tokens=0), books, b, h, d, 128,
+                               jnp.float32, layer=layer)
+    assert (vq_attention.resolve(q, one, ("mosaic", "triton", "reference"))
+            == vq_attention.resolve(q, plain, ("mosaic", "triton", "reference")) == "triton")
 
 
 @pytest.mark.parametrize("vq_cache", [False, True])
