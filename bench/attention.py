@@ -261,20 +261,21 @@ def candidate_configs(fmt, b, t, hq, hkv, d, limit, s=1):
 
 # ---------------------------------------------------------------------- main
 def filled_cache(name, key, b, t, hkv, d):
-  """A cache of format ``name`` (``cq4``/``cq2``/``quantspec:<view>``) holding T random tokens."""
+  """A cache of format ``name`` (a preset name such as ``cq2``, ``quantspec:<view>``,
+  or a `KVFormat` / `VQFormat`) holding T random tokens (VQ: random codebooks)."""
   kk, kv, kc = jax.random.split(key, 3)
   k = jax.random.normal(kk, (b, t, hkv, d), jnp.bfloat16)
   v = jax.random.normal(kv, (b, t, hkv, d), jnp.bfloat16)
   lengths = jnp.full((b,), t, jnp.int32)
-  fmt_name = name.split(":")[0]
-  if fmt_name in jaxkv.VQ_PRESETS:
-    fmt = jaxkv.VQ_PRESETS[fmt_name]
+  fmt = name.split(":")[0] if isinstance(name, str) else name
+  fmt = jaxkv.VQ_PRESETS.get(fmt, fmt) if isinstance(fmt, str) else fmt
+  if isinstance(fmt, jaxkv.VQFormat):
     k1, k2 = jax.random.split(kc)
     books = (jax.random.normal(k1, fmt.codebook_shape("k", hkv, d), fmt.codebook_dtype),
              jax.random.normal(k2, fmt.codebook_shape("v", hkv, d), fmt.codebook_dtype))
     cache = jaxkv.VQCache.init(fmt, books, b, hkv, d, t)
   else:
-    cache = jaxkv.KVCache.init(fmt_name, b, hkv, d, t)
+    cache = jaxkv.KVCache.init(fmt, b, hkv, d, t)
   return jax.jit(lambda c, k, v, n: c.prefill(k, v, n))(cache, k, v, lengths)
 
 

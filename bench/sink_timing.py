@@ -42,20 +42,6 @@ def format_of(name: str):
   return PRESETS[name]
 
 
-def filled(fmt, key, b, t, hkv, d):
-  kk, kv, kc = jax.random.split(key, 3)
-  k = jax.random.normal(kk, (b, t, hkv, d), jnp.bfloat16)
-  v = jax.random.normal(kv, (b, t, hkv, d), jnp.bfloat16)
-  if isinstance(fmt, jaxkv.VQFormat):
-    k1, k2 = jax.random.split(kc)
-    books = (jax.random.normal(k1, fmt.codebook_shape("k", hkv, d), fmt.codebook_dtype),
-             jax.random.normal(k2, fmt.codebook_shape("v", hkv, d), fmt.codebook_dtype))
-    cache = jaxkv.VQCache.init(fmt, books, b, hkv, d, t)
-  else:
-    cache = jaxkv.KVCache.init(fmt, b, hkv, d, t)
-  return jax.jit(lambda c, k, v, n: c.prefill(k, v, n))(cache, k, v, jnp.full((b,), t, jnp.int32))
-
-
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--formats", default="kivi2,kivi2-g32,kivi2-g32-s4,cq2,cq2-s4")
@@ -76,7 +62,7 @@ def main(argv=None) -> int:
     print(f"== B={b} T={t}: cuDNN bf16 {cudnn:.1f} us", flush=True)
     for name in a.formats.split(","):
       fmt = format_of(name)
-      cache = filled(fmt, jax.random.PRNGKey(4), b, t, hkv, d)
+      cache = A.filled_cache(fmt, jax.random.PRNGKey(4), b, t, hkv, d)
       try:
         impl = jaxkv.attention.resolve_implementation(q, cache, None)
       except Exception:  # pylint: disable=broad-except  (VQ caches dispatch on their own)
