@@ -146,8 +146,12 @@ def prefix_attention(q, cache, skip: int, *, scale, layer=None):
   return lse_attention(q, k, v, visible, scale)
 
 
-def _on_gpu() -> bool:
+def _on_gpu() -> bool:  # the default of ``use_kernel`` (tests patch it)
   return jax.default_backend() == "gpu"
+
+
+def _interpret() -> bool:  # Pallas interpret mode off a GPU (tests lowering for CUDA patch it)
+  return jax.default_backend() != "gpu"
 
 
 def sink_decode_attention(q, cache, kernel, *, skip: int, scale, seq_bad, layer=None,
@@ -175,7 +179,7 @@ def sink_decode_attention(q, cache, kernel, *, skip: int, scale, seq_bad, layer=
     out, lse = sink_prefix.sink_prefix_attention(
         q, prefix_rows(cache, n, layer), cache.lengths, cache.fmt.packed_len(cache.lengths),
         o_kernel, lse_kernel, scale=scale, seq_bad=seq_bad,
-        interpret=jax.default_backend() != "gpu")
+        interpret=_interpret())
     return (out, lse) if return_lse else out
   o_prefix, lse_prefix = prefix_attention(q, cache, skip, scale=scale, layer=layer)
   out, lse = merge_lse(o_kernel, lse_kernel, o_prefix, lse_prefix)

@@ -313,7 +313,7 @@ def test_mosaic_sink_attention(name, b, hkv, group, d, s, lengths, capacity, con
   """On Hopper: `decode_attention(implementation="mosaic")` with 4 sinks (KVCache and,
   with ``layer_view``, a layer view at a traced index) == the float64 oracle.
   Elsewhere the same calls lower for CUDA (Mosaic kernel with ``skip_tokens``,
-  prefix and merge)."""
+  prefix and merge; the direct call with the GPU's fused prefix kernel)."""
   fmt = dataclasses.replace(KVFormat.preset(name), sink_tokens=4)
   q, k, v = _data(name, b, hkv, group, d, s, max(lengths), jnp.bfloat16)
   one = jaxkv.KVCache.init(fmt, b, hkv, d, capacity, jnp.bfloat16, use_kernel=False).prefill(
@@ -325,7 +325,11 @@ def test_mosaic_sink_attention(name, b, hkv, group, d, s, lengths, capacity, con
                                                         implementation="mosaic", config=config))
   if not ON_HOPPER:
     monkeypatch.setattr(attention, "is_hopper", lambda: True)
-    assert "mosaic_gpu" in direct.trace(q, one).lower(lowering_platforms=("cuda",)).as_text()
+    # the GPU path of the prefix too: the compiled `pallas_kernels.sink_prefix` kernel
+    monkeypatch.setattr(sink_attention, "_on_gpu", lambda: True)
+    monkeypatch.setattr(sink_attention, "_interpret", lambda: False)
+    text = direct.trace(q, one).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "jaxkv_sink_prefix" in text and "xla.gpu.triton" in text
     if layer_view:
       assert "mosaic_gpu" in view.trace(q, stacked, jnp.int32(1)).lower(
           lowering_platforms=("cuda",)).as_text()
