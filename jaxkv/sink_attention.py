@@ -9,11 +9,15 @@ bench/results/vq-NOTES.md, sink tokens):
   residual, ``skip`` the smallest multiple of its token block >= S
   (`pallas_kernels._triton.sink_skip`: block starts stay aligned), and
   returns its log-sum-exp;
-* this module attends the prefix ``[0, min(skip, packed_len))`` exactly in
-  XLA (float32): rows ``[0, S)`` from the sink rows, rows ``[S, skip)``
-  dequantized from the packed storage (`jaxkv.cache.sink_rows`);
+* this module attends the prefix ``[0, min(skip, packed_len))`` exactly
+  (float32): rows ``[0, S)`` from the sink rows, rows ``[S, skip)``
+  dequantized from the packed storage (`prefix_rows`);
 * the two softmax blocks are merged by their log-sum-exps (`merge_lse`, as
   `jaxkv.staged_cache` merges the staged rows).
+
+On a GPU the prefix attention, the merge and the input policy's NaN rows run
+in one Pallas Triton launch (`pallas_kernels.sink_prefix`) after one XLA
+fusion that builds the prefix rows; elsewhere (and as its reference) in jnp.
 
 The result is attention over ``cache.dequantize()`` (DESIGN.md, "Attention").
 """
@@ -25,7 +29,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxkv.cache import QuantizedKV, sink_rows
+from jaxkv.cache import QuantizedKV
+from pallas_kernels import sink_prefix
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -87,11 +92,25 @@ def _side_rows(side: QuantizedKV, n: int, layer) -> jax.Array:
   return part.dequantize()[:, :, :n]
 
 
-def prefix_rows(cache, n: int, layer=None) -> tuple[jax.Array, jax.Array]:
-  """K and V of tokens ``[0, n)`` as float32 ``[B, Hkv, n, D]``: the exact sink rows
-  ``[0, min(S, L_b))``, the packed storage dequantized after them (garbage past
-  ``packed_len``). ``cache``: a `KVCache` or `jaxkv.VQCache`, or (with ``layer``)
-  a `ModelCache`'s stacked arrays read at that layer."""
+def _overlay_sinks(rows: jax.Array, sink: jax.Array, lengths: jax.Array) -> jax.Array:
+  """``rows [B, H, n, D]`` (float32) with rows ``[0, min(S, L_b))`` taken from ``sink
+  [B, S, H, D]``: a static slice and pad, no gather (`jaxkv.cache.sink_rows` at
+  start 0), so it fuses with the dequantization."""
+  n, s = rows.shape[2], sink.shape[1]
+  exact = jnp.swapaxes(sink[:, :min(s, n)], 1, 2).astype(jnp.float32)  # [B, H, min(S, n), D]
+  exact = jnp.pad(exact, ((0, 0), (0, 0), (0, n - exact.shape[2]), (0, 0)))
+  pos = jnp.arange(n)[None, :]
+  use = (pos < s) & (pos < lengths[:, None])                            # [B, n]
+  return jnp.where(use[:, None, :, None], exact, rows)
+
+
+def prefix_rows(cache, n: int, layer=None) -> jax.Array:
+  """K and V of tokens ``[0, n)`` as one float32 ``[B, Hkv, 2, n, D]`` (K at index 0):
+  the exact sink rows ``[0, min(S, L_b))``, the packed storage dequantized after
+  them (garbage past ``packed_len``); elementwise ops, a slice and a pad per side
+  and a stack, which XLA fuses into one kernel. ``cache``: a `KVCache` or
+  `jaxkv.VQCache`, or (with ``layer``) a `ModelCache`'s stacked arrays read at
+  that layer."""
   from jaxkv.vq_cache import VQCache  # pylint: disable=import-outside-toplevel
   if isinstance(cache, VQCache):
     from pallas_kernels.vq_attention import vq_dequantize  # pylint: disable=import-outside-toplevel
@@ -100,7 +119,14 @@ def prefix_rows(cache, n: int, layer=None) -> tuple[jax.Array, jax.Array]:
   else:
     k, v = _side_rows(cache.k, n, layer), _side_rows(cache.v, n, layer)
   k_sink, v_sink = (x if layer is None else x[layer] for x in (cache.k_sink, cache.v_sink))
-  return sink_rows(k, k_sink, cache.lengths, 0), sink_rows(v, v_sink, cache.lengths, 0)
+  return jnp.stack([_overlay_sinks(k.astype(jnp.float32), k_sink, cache.lengths),
+                    _overlay_sinks(v.astype(jnp.float32), v_sink, cache.lengths)], axis=2)
+
+
+def _prefix_len(cache, skip: int) -> int:
+  """Static rows of the prefix: ``min(skip, storage)``."""
+  storage = (cache.k_codes if hasattr(cache, "k_codes") else cache.k.codes).shape[-2]
+  return min(skip, storage)
 
 
 def prefix_attention(q, cache, skip: int, *, scale, layer=None):
@@ -108,9 +134,9 @@ def prefix_attention(q, cache, skip: int, *, scale, layer=None):
   packed_len))`` of ``cache`` (`prefix_rows`), with the kernels' causal rule
   (query ``s`` sees tokens ``<= L - S + s``). Returns ``(out, lse)`` as
   `lse_attention`; a sequence whose prefix is empty gives zeros / -inf."""
-  storage = (cache.k_codes if hasattr(cache, "k_codes") else cache.k.codes).shape[-2]
-  n = min(skip, storage)
-  k, v = prefix_rows(cache, n, layer)
+  n = _prefix_len(cache, skip)
+  kv = prefix_rows(cache, n, layer)                                     # [B, Hkv, 2, n, D]
+  k, v = kv[:, :, 0], kv[:, :, 1]
   s = q.shape[1]
   rows = jnp.arange(n)
   in_packed = rows[None, :] < cache.fmt.packed_len(cache.lengths)[:, None]           # [B, n]
@@ -120,12 +146,25 @@ def prefix_attention(q, cache, skip: int, *, scale, layer=None):
   return lse_attention(q, k, v, visible, scale)
 
 
+def _on_gpu() -> bool:  # the default of ``use_kernel`` (tests patch it)
+  return jax.default_backend() == "gpu"
+
+
+def _interpret() -> bool:  # Pallas interpret mode off a GPU (tests lowering for CUDA patch it)
+  return jax.default_backend() != "gpu"
+
+
 def sink_decode_attention(q, cache, kernel, *, skip: int, scale, seq_bad, layer=None,
-                          return_lse: bool = False):
+                          return_lse: bool = False, use_kernel: bool | None = None):
   """Decode attention over a sink-format cache: ``kernel(skip)`` -> ``(out, lse)``
   (a split-K kernel over ``[skip, packed_len)`` and the residual) merged with
   `prefix_attention`; NaN rows as `jaxkv.decode_attention` (README "Input
   policy": NaN/inf query rows and sequences flagged ``seq_bad [B]``).
+
+  ``use_kernel`` (default: on a GPU): the prefix, merge and NaN rows in one
+  Pallas launch (`pallas_kernels.sink_prefix`; interpret mode off a GPU)
+  after one XLA fusion building the rows; else the jnp path here (its
+  reference: `prefix_attention`, `merge_lse`, `_poison`).
 
   Returns ``[B, S, Hq, D]`` in q's dtype (and the merged ``[B, S, Hq]``
   float32 log-sum-exp with ``return_lse``).
@@ -133,6 +172,15 @@ def sink_decode_attention(q, cache, kernel, *, skip: int, scale, seq_bad, layer=
   from jaxkv.attention import _poison  # pylint: disable=import-outside-toplevel
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   o_kernel, lse_kernel = kernel(skip)
+  use_kernel = _on_gpu() if use_kernel is None else use_kernel
+  n = _prefix_len(cache, skip)
+  if use_kernel and n > 0 and sink_prefix.supported(q.shape[-1]):
+    # one XLA fusion builds the rows, one launch attends them, merges and poisons
+    out, lse = sink_prefix.sink_prefix_attention(
+        q, prefix_rows(cache, n, layer), cache.lengths, cache.fmt.packed_len(cache.lengths),
+        o_kernel, lse_kernel, scale=scale, seq_bad=seq_bad,
+        interpret=_interpret())
+    return (out, lse) if return_lse else out
   o_prefix, lse_prefix = prefix_attention(q, cache, skip, scale=scale, layer=layer)
   out, lse = merge_lse(o_kernel, lse_kernel, o_prefix, lse_prefix)
   out = _poison(out, q, seq_bad).astype(q.dtype)

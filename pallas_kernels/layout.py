@@ -136,8 +136,12 @@ def unpack(packed: jax.Array, bits: int) -> jax.Array:
   if bits == 8:
     return packed
   mask = jnp.uint8((1 << bits) - 1)
-  parts = [(packed >> jnp.uint8(i * bits)) & mask for i in range(8 // bits)]
-  return jnp.concatenate(parts, axis=-1)
+  # code i * W + w is bits [i*bits, (i+1)*bits) of byte w: one broadcast shift
+  # (elementwise, so XLA fuses it with its consumer; a concatenate of the
+  # planes can stay a kernel of its own)
+  shifts = jnp.arange(0, 8, bits, dtype=jnp.uint8)[:, None]            # [8 // bits, 1]
+  parts = (packed[..., None, :] >> shifts) & mask                      # [..., 8 // bits, W]
+  return parts.reshape(*packed.shape[:-1], -1)
 
 
 def _quantize_groups(x: jax.Array, bits: int, axis: int, scale_dtype):

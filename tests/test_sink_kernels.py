@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv import attention, vq
+from jaxkv import attention, sink_attention, vq
 from jaxkv.formats import KVFormat
 from jaxkv.sink_attention import sink_decode_attention
 from pallas_kernels import DecodeAttentionConfig
@@ -129,17 +129,21 @@ def test_triton_sink_attention(name, b, hkv, group, d, s, lengths, capacity, con
       fmt, sink_tokens=0), k_sink=None, v_sink=None), implementation="reference")
   assert np.abs(np.asarray(plain, np.float64) - want).max() > 1e-3  # the sinks matter
   block = (config or attention._triton_default(q, cache)).block_k  # pylint: disable=protected-access
-  kernel = lambda skip: attention._kernel_attention(  # pylint: disable=protected-access
+  skip = _triton.sink_skip(4, block)
+  o_k, lse_k = attention._kernel_attention(  # pylint: disable=protected-access
       "triton", q, cache, scale=None, config=config, layer=None, view="target",
       return_lse=True, skip_tokens=skip)
-  out, got_lse = sink_decode_attention(q, cache, kernel, skip=_triton.sink_skip(4, block),
-                                       scale=None, seq_bad=cache.nonfinite, return_lse=True)
-  _check(out, want, jnp.float32)
   seen = np.isfinite(want_lse)
   assert not seen.all()  # a sequence of length 0
-  np.testing.assert_array_equal(np.isfinite(np.asarray(got_lse)), seen)
-  np.testing.assert_allclose(np.asarray(got_lse, np.float64)[seen], want_lse[seen], atol=2e-5,
-                             rtol=2e-5)
+  # the jnp prefix + merge, and the fused kernel (`pallas_kernels.sink_prefix`, interpret)
+  for use_kernel in (False, True):
+    out, got_lse = sink_decode_attention(q, cache, lambda _: (o_k, lse_k), skip=skip,
+                                         scale=None, seq_bad=cache.nonfinite, return_lse=True,
+                                         use_kernel=use_kernel)
+    _check(out, want, jnp.float32, f"{use_kernel=}")
+    np.testing.assert_array_equal(np.isfinite(np.asarray(got_lse)), seen)
+    np.testing.assert_allclose(np.asarray(got_lse, np.float64)[seen], want_lse[seen], atol=2e-5,
+                               rtol=2e-5)
 
 
 def test_triton_layer_view_at_a_traced_layer():
@@ -158,9 +162,14 @@ def test_triton_layer_view_at_a_traced_layer():
          jnp.bfloat16)
 
 
-def test_triton_sink_input_policy():
+@pytest.mark.parametrize("fused", [False, True])
+def test_triton_sink_input_policy(fused, monkeypatch):
   """README "Input policy": an inf query row and every query of a flagged sequence
-  are NaN, the rest equal the oracle; a sequence of length 0 gives zeros."""
+  are NaN, the rest equal the oracle; a sequence of length 0 gives zeros. With
+  ``fused`` `decode_attention` takes the GPU path of the prefix (one
+  `pallas_kernels.sink_prefix` launch, here in interpret mode)."""
+  if fused:
+    monkeypatch.setattr(sink_attention, "_on_gpu", lambda: True)
   fmt = _kv_fmt("kivi2-g32")
   b, hkv, g, d = 3, 2, 2, 64
   q, k, v = _data("policy", b, hkv, g, d, 1, 90, jnp.float32)
@@ -171,7 +180,10 @@ def test_triton_sink_input_policy():
   assert np.asarray(cache.nonfinite).tolist() == [False, False, True]
   q = q.at[1, 0, 3, 5].set(jnp.inf)
   config = DecodeAttentionConfig(block_k=16, num_splits=2)
-  got = np.asarray(jaxkv.decode_attention(q, cache, implementation="triton", config=config))
+  run = lambda q, c: jaxkv.decode_attention(q, c, implementation="triton", config=config)  # noqa: E731
+  # the fused path: the prefix kernel and no XLA log-sum-exp merge
+  assert ("jaxkv_sink_prefix" in str(jax.make_jaxpr(run)(q, cache))) == fused
+  got = np.asarray(run(q, cache))
   bad = np.zeros(got.shape, bool)
   bad[2], bad[1, 0, 3] = True, True
   np.testing.assert_array_equal(np.isnan(got), bad)
@@ -191,9 +203,14 @@ VQ_CASES = [
 
 @pytest.mark.parametrize("name,b,hkv,group,d,s,lengths,capacity,config,view", VQ_CASES,
                          ids=[f"{c[0]}_b{c[1]}_g{c[3]}_d{c[4]}_s{c[5]}" for c in VQ_CASES])
-def test_triton_vq_sink_attention(name, b, hkv, group, d, s, lengths, capacity, config, view):
+def test_triton_vq_sink_attention(name, b, hkv, group, d, s, lengths, capacity, config, view,
+                                  monkeypatch):
   """The Triton VQ kernel with the prefix: `VQCache` and (``view``) a `VQModelCache`
-  layer view at a traced index == the float64 oracle over ``dequantize()``."""
+  layer view at a traced index == the float64 oracle over ``dequantize()``.
+  Without ``view``, the GPU path of the prefix (one `pallas_kernels.sink_prefix`
+  launch, here in interpret mode)."""
+  if not view:
+    monkeypatch.setattr(sink_attention, "_on_gpu", lambda: True)
   fmt = vq.VQ_PRESETS[name]
   books = _vq_books(fmt, 2, hkv, d, zlib.crc32(name.encode()) + b)
   q, k, v = _data(name, b, hkv, group, d, s, max(lengths), jnp.float32)
@@ -296,7 +313,7 @@ def test_mosaic_sink_attention(name, b, hkv, group, d, s, lengths, capacity, con
   """On Hopper: `decode_attention(implementation="mosaic")` with 4 sinks (KVCache and,
   with ``layer_view``, a layer view at a traced index) == the float64 oracle.
   Elsewhere the same calls lower for CUDA (Mosaic kernel with ``skip_tokens``,
-  prefix and merge)."""
+  prefix and merge; the direct call with the GPU's fused prefix kernel)."""
   fmt = dataclasses.replace(KVFormat.preset(name), sink_tokens=4)
   q, k, v = _data(name, b, hkv, group, d, s, max(lengths), jnp.bfloat16)
   one = jaxkv.KVCache.init(fmt, b, hkv, d, capacity, jnp.bfloat16, use_kernel=False).prefill(
@@ -308,7 +325,11 @@ def test_mosaic_sink_attention(name, b, hkv, group, d, s, lengths, capacity, con
                                                         implementation="mosaic", config=config))
   if not ON_HOPPER:
     monkeypatch.setattr(attention, "is_hopper", lambda: True)
-    assert "mosaic_gpu" in direct.trace(q, one).lower(lowering_platforms=("cuda",)).as_text()
+    # the GPU path of the prefix too: the compiled `pallas_kernels.sink_prefix` kernel
+    monkeypatch.setattr(sink_attention, "_on_gpu", lambda: True)
+    monkeypatch.setattr(sink_attention, "_interpret", lambda: False)
+    text = direct.trace(q, one).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "jaxkv_sink_prefix" in text and "xla.gpu.triton" in text
     if layer_view:
       assert "mosaic_gpu" in view.trace(q, stacked, jnp.int32(1)).lower(
           lowering_platforms=("cuda",)).as_text()
