@@ -60,9 +60,9 @@ class KVFormat:
       attention sinks); `KVCache.dequantize` and the attention read them in
       place of their quantized rows (the packed rows stay as they are). In
       ``[0, token_group]``; 0 = none. `KVCache` and `ModelCache` (so the
-      model) store them; the Pallas kernels refuse such formats for now
-      (`decode_attention` with ``implementation=None`` runs the reference):
-      bench/results/vq-NOTES.md, "Design of the sink_tokens feature".
+      model) store them; the kernels attend the packed rows from a block
+      past the sinks and an exact prefix attention the rest, merged by
+      log-sum-exp (`jaxkv.sink_attention`; bench/results/vq-NOTES.md).
   """
 
   k_bits: int = 16

@@ -113,6 +113,9 @@ def prefix_rows(cache, n: int, layer=None) -> jax.Array:
   that layer."""
   from jaxkv.vq_cache import VQCache  # pylint: disable=import-outside-toplevel
   if isinstance(cache, VQCache):
+    if layer is not None:  # VQ layer views reach here materialized (`vq_decode_attention`)
+      raise TypeError("prefix_rows reads a VQ cache's own layer only: pass a VQCache "
+                      f"with layer=None, got layer={layer!r}")
     from pallas_kernels.vq_attention import vq_dequantize  # pylint: disable=import-outside-toplevel
     k = vq_dequantize(cache.k_codes[:, :, :n], cache.k_codebook)
     v = vq_dequantize(cache.v_codes[:, :, :n], cache.v_codebook)
@@ -150,6 +153,13 @@ def _on_gpu() -> bool:  # the default of ``use_kernel`` (tests patch it)
   return jax.default_backend() == "gpu"
 
 
+# Prefix rows up to which the fused kernel is the default on a GPU. Measured on
+# an H200 (2026-11-27, bench/results/vq-NOTES.md): 64 rows (kivi2-g32-s4, Triton
+# block 64) 7.9 us, faster than the ~10 us of the jnp path's XLA kernels; 128
+# rows (cq2-s4, Mosaic VQ block 128) 19.4 us, slower than their ~16 us.
+PREFIX_KERNEL_MAX_ROWS = 64
+
+
 def _interpret() -> bool:  # Pallas interpret mode off a GPU (tests lowering for CUDA patch it)
   return jax.default_backend() != "gpu"
 
@@ -161,7 +171,8 @@ def sink_decode_attention(q, cache, kernel, *, skip: int, scale, seq_bad, layer=
   `prefix_attention`; NaN rows as `jaxkv.decode_attention` (README "Input
   policy": NaN/inf query rows and sequences flagged ``seq_bad [B]``).
 
-  ``use_kernel`` (default: on a GPU): the prefix, merge and NaN rows in one
+  ``use_kernel`` (default: on a GPU for prefixes of at most
+  `PREFIX_KERNEL_MAX_ROWS` rows): the prefix, merge and NaN rows in one
   Pallas launch (`pallas_kernels.sink_prefix`; interpret mode off a GPU)
   after one XLA fusion building the rows; else the jnp path here (its
   reference: `prefix_attention`, `merge_lse`, `_poison`).
@@ -172,8 +183,9 @@ def sink_decode_attention(q, cache, kernel, *, skip: int, scale, seq_bad, layer=
   from jaxkv.attention import _poison  # pylint: disable=import-outside-toplevel
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   o_kernel, lse_kernel = kernel(skip)
-  use_kernel = _on_gpu() if use_kernel is None else use_kernel
   n = _prefix_len(cache, skip)
+  if use_kernel is None:
+    use_kernel = _on_gpu() and n <= PREFIX_KERNEL_MAX_ROWS
   if use_kernel and n > 0 and sink_prefix.supported(q.shape[-1]):
     # one XLA fusion builds the rows, one launch attends them, merges and poisons
     out, lse = sink_prefix.sink_prefix_attention(

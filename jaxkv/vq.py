@@ -65,8 +65,8 @@ class VQFormat:
       `jaxkv.KVFormat.sink_tokens`; in ``[0, token_group]``, 0 = none. The
       codebooks do not depend on it (`same_codebooks`), but they fit better
       without the sink rows (`calibration_kv`'s ``sink_tokens``;
-      bench/results/vq-NOTES.md, 2026-11-27). The VQ kernels refuse such
-      formats (the reference attention reads the sinks).
+      bench/results/vq-NOTES.md, 2026-11-27). The VQ kernels serve such
+      formats with an exact prefix beside them (`jaxkv.sink_attention`).
   """
 
   k_vector: int = 2

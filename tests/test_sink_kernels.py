@@ -168,8 +168,7 @@ def test_triton_sink_input_policy(fused, monkeypatch):
   are NaN, the rest equal the oracle; a sequence of length 0 gives zeros. With
   ``fused`` `decode_attention` takes the GPU path of the prefix (one
   `pallas_kernels.sink_prefix` launch, here in interpret mode)."""
-  if fused:
-    monkeypatch.setattr(sink_attention, "_on_gpu", lambda: True)
+  monkeypatch.setattr(sink_attention, "_on_gpu", lambda: fused)  # on a GPU too
   fmt = _kv_fmt("kivi2-g32")
   b, hkv, g, d = 3, 2, 2, 64
   q, k, v = _data("policy", b, hkv, g, d, 1, 90, jnp.float32)
@@ -327,6 +326,7 @@ def test_mosaic_sink_attention(name, b, hkv, group, d, s, lengths, capacity, con
     monkeypatch.setattr(attention, "is_hopper", lambda: True)
     # the GPU path of the prefix too: the compiled `pallas_kernels.sink_prefix` kernel
     monkeypatch.setattr(sink_attention, "_on_gpu", lambda: True)
+    monkeypatch.setattr(sink_attention, "PREFIX_KERNEL_MAX_ROWS", 1 << 30)  # skip 128 here
     monkeypatch.setattr(sink_attention, "_interpret", lambda: False)
     text = direct.trace(q, one).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and "jaxkv_sink_prefix" in text and "xla.gpu.triton" in text
