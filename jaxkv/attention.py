@@ -501,8 +501,7 @@ def decode_attention(q: jax.Array, cache: KVCache, *, scale: float | None = None
     if sinks:  # the kernel from skip on, the prefix [0, skip) exactly, merged
       from jaxkv.sink_attention import sink_decode_attention  # pylint: disable=import-outside-toplevel
       return sink_decode_attention(
-          q, cache, lambda skip: kernel(return_lse=True, skip_tokens=skip),
-          skip=sink_skip(sinks, config.block_k), scale=scale, seq_bad=nonfinite, layer=layer)
+          q, cache, kernel, block=config.block_k, scale=scale, seq_bad=nonfinite, layer=layer)
     # The kernels' combine writes the NaN rows of the input policy (`_poison`)
     # itself: no select kernel after the call.
     return kernel(seq_bad=nonfinite)

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from jaxkv.cache import QuantizedKV
 from pallas_kernels import sink_prefix
+from pallas_kernels._triton import sink_skip
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -164,10 +165,12 @@ def _interpret() -> bool:  # Pallas interpret mode off a GPU (tests lowering for
   return jax.default_backend() != "gpu"
 
 
-def sink_decode_attention(q, cache, kernel, *, skip: int, scale, seq_bad, layer=None,
+def sink_decode_attention(q, cache, kernel, *, block: int, scale, seq_bad, layer=None,
                           return_lse: bool = False, use_kernel: bool | None = None):
-  """Decode attention over a sink-format cache: ``kernel(skip)`` -> ``(out, lse)``
-  (a split-K kernel over ``[skip, packed_len)`` and the residual) merged with
+  """Decode attention over a sink-format cache: ``kernel(return_lse=True,
+  skip_tokens=skip)`` -> ``(out, lse)`` (a split-K kernel of ``block``-token
+  steps over ``[skip, packed_len)`` and the residual, ``skip =
+  sink_skip(S, block)``) merged with
   `prefix_attention`; NaN rows as `jaxkv.decode_attention` (README "Input
   policy": NaN/inf query rows and sequences flagged ``seq_bad [B]``).
 
@@ -182,7 +185,8 @@ def sink_decode_attention(q, cache, kernel, *, skip: int, scale, seq_bad, layer=
   """
   from jaxkv.attention import _poison  # pylint: disable=import-outside-toplevel
   scale = q.shape[-1] ** -0.5 if scale is None else scale
-  o_kernel, lse_kernel = kernel(skip)
+  skip = sink_skip(cache.fmt.sink_tokens, block)
+  o_kernel, lse_kernel = kernel(return_lse=True, skip_tokens=skip)
   n = _prefix_len(cache, skip)
   if use_kernel is None:
     use_kernel = _on_gpu() and n <= PREFIX_KERNEL_MAX_ROWS

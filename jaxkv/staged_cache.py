@@ -27,7 +27,6 @@ import numpy as np
 from jaxkv import hierarchical
 from jaxkv.attention import check_scale, reference_attention
 from jaxkv.cache import KVCache, nonfinite_rows
-from pallas_kernels._triton import sink_skip
 
 
 def _is_concrete(x) -> bool:
@@ -185,8 +184,7 @@ def _staged_attention_kernel(q, cache, k_stage, v_stage, staged, *, view, scale,
                              return_lse=True)
   if sinks:
     o_c, lse_c = sink_decode_attention(
-        q_fold, cache, lambda skip: kernel(skip_tokens=skip),
-        skip=sink_skip(sinks, config.block_k), scale=scale, seq_bad=jnp.zeros((b,), bool),
+        q_fold, cache, kernel, block=config.block_k, scale=scale, seq_bad=jnp.zeros((b,), bool),
         layer=layer, return_lse=True)
   else:
     o_c, lse_c = kernel()

@@ -27,7 +27,6 @@ import jax.numpy as jnp
 import pallas_kernels as pk
 from jaxkv.cache import check_int
 from jaxkv.timing import kernel_time
-from pallas_kernels._triton import sink_skip
 
 
 def _default(q, cache, *, use_table: bool) -> pk.DecodeAttentionConfig:
@@ -144,9 +143,8 @@ def _attend(q, cache, *, scale, config, interpret):
   if not cache.fmt.sink_tokens:
     return attend()
   from jaxkv.sink_attention import sink_decode_attention  # pylint: disable=import-outside-toplevel
-  return sink_decode_attention(q, cache, lambda skip: attend(return_lse=True, skip_tokens=skip),
-                               skip=sink_skip(cache.fmt.sink_tokens, config.block_k),
-                               scale=scale, seq_bad=cache.nonfinite)
+  return sink_decode_attention(q, cache, attend, block=config.block_k, scale=scale,
+                               seq_bad=cache.nonfinite)
 
 
 def autotune(q: jax.Array, cache, *, scale: float | None = None,

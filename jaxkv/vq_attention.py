@@ -179,10 +179,8 @@ def vq_decode_attention(q: jax.Array, cache: VQCache, *, scale=None,
     from jaxkv.sink_attention import sink_decode_attention  # pylint: disable=import-outside-toplevel
     config = _kernel_config(q, cache, impl, config)
     return sink_decode_attention(
-        q, cache, functools.partial(_kernel, impl, q, cache, view, scale=scale, config=config,
-                                    return_lse=True),
-        skip=sink_skip(cache.fmt.sink_tokens, config.block_k), scale=scale,
-        seq_bad=cache.nonfinite)
+        q, cache, functools.partial(_kernel, impl, q, cache, view, scale=scale, config=config),
+        block=config.block_k, scale=scale, seq_bad=cache.nonfinite)
   if impl in ("mosaic", "triton"):
     out = _kernel(impl, q, cache, view, scale=scale, config=config)
   else:

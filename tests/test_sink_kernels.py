@@ -137,7 +137,7 @@ def test_triton_sink_attention(name, b, hkv, group, d, s, lengths, capacity, con
   assert not seen.all()  # a sequence of length 0
   # the jnp prefix + merge, and the fused kernel (`pallas_kernels.sink_prefix`, interpret)
   for use_kernel in (False, True):
-    out, got_lse = sink_decode_attention(q, cache, lambda _: (o_k, lse_k), skip=skip,
+    out, got_lse = sink_decode_attention(q, cache, lambda **_: (o_k, lse_k), block=block,
                                          scale=None, seq_bad=cache.nonfinite, return_lse=True,
                                          use_kernel=use_kernel)
     _check(out, want, jnp.float32, f"{use_kernel=}")
