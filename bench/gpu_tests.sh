@@ -5,7 +5,9 @@
 # benchmark. Usage (GPU machine, repo root):
 #   bash bench/gpu_tests.sh OUTDIR [TEST_TIMEOUT_S] [-- BENCH COMMAND...]
 # e.g. bash bench/gpu_tests.sh $OUT 300 -- python3 bench/attention.py --shapes 2 --out $OUT
-# Uses pytest-xdist when importable to compile cases in parallel.
+# Uses pytest-xdist when importable to compile cases in parallel (the GPU image
+# lacks it: build .whl/site with bench/fetch_wheels.sh and carry .whl). The log
+# names every test's outcome (-v), so a run cut by its timeout shows what ran.
 set -uo pipefail
 out=${1:-/tmp/jaxkv-gpu}; ttest=${2:-540}
 shift $(( $# < 2 ? $# : 2 ))
@@ -15,14 +17,14 @@ export PYTHONPATH=".:.whl/site" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE
 nvidia-smi -L | tee "$out/gpu.txt"
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$out/gpu.txt"
 par=()
-if python3 -c "import xdist" 2>/dev/null; then par=(-n 8); fi
-JAXKV_TEST_GPU=1 timeout "$ttest" python3 -m pytest -q -p no:cacheprovider "${par[@]}" \
+if python3 -c "import xdist" 2>/dev/null; then par=(-n 8 --dist worksteal); fi
+JAXKV_TEST_GPU=1 timeout "$ttest" python3 -m pytest -v -p no:cacheprovider "${par[@]}" \
   --durations=10 tests/test_pallas_kernels.py tests/test_mosaic_attention.py \
   tests/test_layer_view.py tests/test_quant.py tests/test_unpack_asm.py \
   tests/test_autotune.py tests/test_cache.py tests/test_model_cache.py tests/test_vq_attention.py \
   tests/test_quantspec.py tests/test_chunked_prefill.py tests/test_mosaic_dequant.py tests/test_combine_t.py \
   tests/test_mosaic_vq_attention.py tests/test_vq_model.py tests/test_sink_kernels.py tests/test_sink_tokens.py 2>&1 \
-  | tee "$out/gpu_tests.log" | tail -25
+  | tee "$out/gpu_tests.log" | grep -v "PASSED\|SKIPPED\|Warning\|warner" | tail -25
 echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$out/gpu_tests.log"
 # Several GPUs: the sharded checks (tests/sharding_checks.py) on all of them.
 ngpu=$(nvidia-smi -L | grep -c "^GPU")
