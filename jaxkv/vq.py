@@ -537,6 +537,8 @@ def fit(k_samples, v_samples, fmt: VQFormat | str, *, seed: int = 0, iters: int 
     raise ValueError(f"iters={iters!r} must be an int >= 0")
   if not _is_int(batch_size) or batch_size < 1:
     raise ValueError(f"batch_size={batch_size!r} must be an int >= 1")
+  if not _is_int(seed) or not -2**63 <= seed < 2**63:  # JAX's own errors named no argument
+    raise ValueError(f"seed={seed!r} must be an int in int64 range")
   key = jax.random.PRNGKey(seed)
   per_side = {"k": [], "v": []}
   for layer in range(layers):

@@ -147,14 +147,17 @@ class VQCache(ResidualBlockCache):
                         **appended_sinks(self, k_new, v_new, self.lengths, st.num_new))
 
   # ---------------------------------------------------------------- readback
-  def dequantize(self) -> tuple[jax.Array, jax.Array]:
+  def dequantize(self, view: str = "target") -> tuple[jax.Array, jax.Array]:
     """Returns ``(k, v)``, each float32 ``[B, capacity, Hkv, D]``, zero past ``lengths``.
 
     Tokens ``[0, packed_len)`` are the summed centroids of their codes;
     ``[packed_len, L)`` the exact residual values; with sinks, tokens
     ``[0, min(S, L))`` their exact copies. Attention over the cache must
-    match attention over these.
+    match attention over these. ``view``: only ``"target"`` (the `KVCache`
+    signature; a VQ cache has no draft view).
     """
+    if view != "target":
+      raise ValueError(f"view={view!r}: a VQ cache has only the 'target' view")
     c = self.capacity  # gather centroids only for rows a token can occupy
     return with_sinks(self, *self._assemble(vq_dequantize(self.k_codes[:, :, :c], self.k_codebook),
                                             vq_dequantize(self.v_codes[:, :, :c], self.v_codebook)))

@@ -720,6 +720,7 @@ class Llama(nnx.Module):
       an empty prompt), cache)``. Under `jit`, out-of-range ids or lengths set
       ``cache.invalid`` for their sequences (lengths are clipped to [0, T]).
     """
+    jaxkv.sharding.check_mesh(mesh, optional=True)
     if isinstance(tokens, (list, tuple)):
       tokens = np.asarray(tokens)
     if getattr(tokens, "ndim", None) != 2:
@@ -835,6 +836,7 @@ class Llama(nnx.Module):
       ``(logits [B, S, vocab] float32, cache)`` with every (active) sequence
       grown by S (out-of-range ids under `jit` set ``cache.invalid``).
     """
+    jaxkv.sharding.check_mesh(mesh, optional=True)
     tokens = check_token_ids("tokens", tokens, self.config.vocab_size,
                              real=None if active is None else _active_rows(active, tokens))
     b, s = tokens.shape
@@ -900,6 +902,7 @@ def random_model(config: LlamaConfig | str, *, seed: int = 0, dtype=jnp.bfloat16
       (same distributions); for one device's values on a mesh use
       ``models.sharding.shard_model(random_model(config), mesh)``.
   """
+  jaxkv.sharding.check_mesh(mesh, optional=True)
   if isinstance(config, str):
     config = LlamaConfig.named(config)
   build = lambda: Llama(config, dtype=dtype, rngs=nnx.Rngs(params=seed))  # noqa: E731
@@ -934,6 +937,7 @@ def from_pretrained(path, dtype=None, *, mesh=None) -> Llama:
   checkpoints tensor by tensor from host memory onto their shards; GGUF files
   are loaded first, then placed (`models.sharding.shard_model`).
   """
+  jaxkv.sharding.check_mesh(mesh, optional=True)
   if str(path).endswith(".gguf"):
     from models.gguf import load_gguf  # pylint: disable=import-outside-toplevel
     model = load_gguf(path, dtype=dtype)

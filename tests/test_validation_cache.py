@@ -5,6 +5,7 @@ compiled here except one tiny traced-index lookup)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -298,3 +299,52 @@ def test_vq_attention_refuses_a_config_the_reference_would_ignore():
   for impl in (None, "reference"):
     with pytest.raises(ValueError, match="is for a Pallas kernel, but decode_attention runs"):
       jaxkv.decode_attention(q, cache, implementation=impl, config=VQAttentionConfig())
+
+
+def test_vq_fit_seed_must_be_an_int():
+  # Before: a float seed failed inside jit ("PRNG key seed must be an integer; got
+  # JitTracer"), 2**70 with "Python int too large to convert to C long", True was taken as 1.
+  x = np.random.default_rng(0).standard_normal((1, 16, H, D)).astype(np.float32)
+  for bad in (1.5, True, 2**70, "0"):
+    with pytest.raises(ValueError, match=re.escape(f"seed={bad!r} must be an int in int64")):
+      vq.fit(x, x, VQF, iters=0, seed=bad)
+  assert vq.fit(x, x, VQF, iters=0, seed=np.int64(-3)).k.shape[0] == 1
+
+
+def test_vq_cache_dequantize_takes_the_kvcache_view_argument():
+  # Before: VQCache.dequantize(view=...) was a bare "unexpected keyword argument" TypeError,
+  # unlike KVCache / VQModelCache / decode_attention.
+  cache = VQCache.init(VQF, _books(layers=1), batch=B, kv_heads=H, head_dim=D, capacity=32,
+                       dtype=jnp.float32, layer=0)
+  cache = cache.prefill(_kv(20), _kv(20, seed=1), [20, 3])
+  k, v = cache.dequantize()
+  k_t, v_t = cache.dequantize(view="target")
+  np.testing.assert_array_equal(np.asarray(k_t), np.asarray(k))
+  np.testing.assert_array_equal(np.asarray(v_t), np.asarray(v))
+  with pytest.raises(ValueError, match=r"view='draft': a VQ cache has only the 'target' view"):
+    cache.dequantize(view="draft")
+
+
+@pytest.mark.parametrize("mesh", [None, "data=1,model=1"], ids=repr)
+def test_mesh_arguments_are_checked(model, mesh):
+  # Before: AttributeError "'str' object has no attribute 'shape'" (or 'NoneType') from
+  # inside the sharding code.
+  from models.sharding import shard_model  # pylint: disable=import-outside-toplevel
+  match = r"mesh must be a jax.sharding.Mesh"
+  cache = model.init_cache("bf16", 2, 16)
+  tokens = np.ones((2, 3), np.int32)
+  if mesh is not None:  # optional there: None is "no mesh"
+    with pytest.raises(TypeError, match=match):
+      model.prefill(tokens, np.asarray([3, 2]), cache, mesh=mesh)
+    with pytest.raises(TypeError, match=match):
+      model.decode(tokens[:, :1], cache, mesh=mesh)
+    with pytest.raises(TypeError, match=match):
+      llama.random_model(CFG, mesh=mesh)
+    with pytest.raises(TypeError, match=match):
+      llama.from_pretrained("/nonexistent", mesh=mesh)
+  with pytest.raises(TypeError, match=match):
+    jaxkv.sharding.init_sharded(lambda: model.init_cache("bf16", 2, 16), mesh)
+  with pytest.raises(TypeError, match=match):
+    shard_model(model, mesh)
+  with pytest.raises(TypeError, match=match):
+    jaxkv.sharded_decode_attention(jnp.ones((2, 1, 4, 32)), cache.layer(0), mesh)
