@@ -378,6 +378,10 @@ class VQCodebooks:
   v: jax.Array
   fmt: VQFormat = dataclasses.field(metadata=dict(static=True))
 
+  def __post_init__(self):  # the static field only: k / v may be tracers or tree placeholders
+    if not isinstance(self.fmt, VQFormat):
+      raise TypeError(f"fmt={self.fmt!r} must be a VQFormat (e.g. VQFormat.preset('cq2'))")
+
   @property
   def num_layers(self) -> int:
     return self.k.shape[0]

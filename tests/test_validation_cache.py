@@ -348,3 +348,36 @@ def test_mesh_arguments_are_checked(model, mesh):
     shard_model(model, mesh)
   with pytest.raises(TypeError, match=match):
     jaxkv.sharded_decode_attention(jnp.ones((2, 1, 4, 32)), cache.layer(0), mesh)
+
+
+def test_vq_codebooks_fmt_must_be_a_vqformat():
+  # Before: a preset name was accepted, then failed later as "codebooks were learned for
+  # cq2, not VQFormat(...)" and `save` as "asdict() should be called on dataclass instances".
+  books = _books(layers=1)
+  with pytest.raises(TypeError, match=r"fmt='cq2' must be a VQFormat"):
+    vq.VQCodebooks(books.k, books.v, "cq2")
+  doubled = jax.tree_util.tree_map(lambda x: 2 * x, books)  # tree ops still rebuild it
+  assert doubled.fmt == books.fmt
+
+
+def test_model_attention_impl_and_random_model_arguments(model):
+  # Before: jax's "Unsupported implementation option: bogus" (no argument named); an int
+  # dtype built a model of truncated weights; a float seed failed in nnx ("Invalid rng
+  # value"), and so did a numpy int seed.
+  tokens = np.ones((1, 4), np.int32)
+  with pytest.raises(ValueError, match=r"attention_impl='bogus' must be None, 'xla' or 'cudnn'"):
+    model(tokens, attention_impl="bogus")
+  with pytest.raises(ValueError, match=r"attention_impl='bogus' must be None, 'xla' or 'cudnn'"):
+    model.forward_kv(tokens, attention_impl="bogus")
+  x = jnp.ones((1, 4, 2, 8))
+  with pytest.raises(ValueError, match=r"implementation='bogus' must be None, 'xla' or 'cudnn'"):
+    llama.causal_attention(x, x, x, implementation="bogus")
+  cfg = dataclasses.replace(CFG, num_layers=1)
+  with pytest.raises(TypeError, match=r"dtype=int32 must be a floating dtype"):
+    llama.random_model(cfg, dtype=jnp.int32)
+  for bad in (1.5, True, 2**64):
+    with pytest.raises(ValueError, match=re.escape(f"seed={bad!r} must be an int")):
+      llama.random_model(cfg, seed=bad)
+  a = llama.random_model(cfg, seed=np.int64(2), dtype=jnp.float32)
+  b = llama.random_model(cfg, seed=2, dtype=jnp.float32)
+  np.testing.assert_array_equal(np.asarray(a.embed_tokens[...]), np.asarray(b.embed_tokens[...]))
