@@ -234,6 +234,10 @@ def squared_distances(x: jax.Array, codebook: jax.Array) -> jax.Array:
   ``|x|^2 - 2 x.c + |c|^2`` expansion: exact differences, no cancellation).
   Leading dims of ``codebook`` broadcast against those of ``x``.
   """
+  xs, cs = tuple(getattr(x, "shape", ())), tuple(getattr(codebook, "shape", ()))
+  if not xs or len(cs) < 2 or cs[-1] != xs[-1]:  # a wider codebook summed only x's channels
+    raise ValueError(f"codebook.shape={cs} must be [..., E, v] with v = x.shape[-1] "
+                     f"(x.shape={xs})")
   x = x.astype(jnp.float32)
   c = codebook.astype(jnp.float32)
   d = None
@@ -261,7 +265,10 @@ def quantize(x: jax.Array, codebook: jax.Array) -> jax.Array:
   """
   if getattr(codebook, "ndim", None) != 5:
     raise ValueError(f"codebook must be [H, S, n, E, v], got shape {getattr(codebook, 'shape', None)}")
-  h, stages, n, _, vec = codebook.shape
+  h, stages, n, entries, vec = codebook.shape
+  if entries > 256:  # the uint8 codes would wrap
+    raise ValueError(f"codebook.shape={codebook.shape}: {entries} entries do not fit uint8 "
+                     "codes (at most 256)")
   if getattr(x, "ndim", None) != 4 or x.shape[1] != h or x.shape[3] != n * vec:
     raise ValueError(f"x.shape={getattr(x, 'shape', None)} must be [B, {h}, T, {n * vec}] "
                      f"for codebook.shape={codebook.shape}")

@@ -381,3 +381,17 @@ def test_model_attention_impl_and_random_model_arguments(model):
   a = llama.random_model(cfg, seed=np.int64(2), dtype=jnp.float32)
   b = llama.random_model(cfg, seed=2, dtype=jnp.float32)
   np.testing.assert_array_equal(np.asarray(a.embed_tokens[...]), np.asarray(b.embed_tokens[...]))
+
+
+def test_vq_nearest_centroid_and_quantize_check_codebook_shapes():
+  # Before: a codebook of wider vectors than x summed only x's channels (a wrong index,
+  # silently), and more than 256 entries wrapped in the uint8 codes.
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((3, 2)), jnp.float32)
+  with pytest.raises(ValueError, match=r"codebook.shape=\(5, 4\) must be \[..., E, v\]"):
+    vq.nearest_centroid(x, jnp.asarray(rng.standard_normal((5, 4)), jnp.float32))
+  with pytest.raises(ValueError, match=r"512 entries do not fit uint8 codes"):
+    vq.quantize(jnp.ones((1, 1, 2, 4)), jnp.asarray(rng.standard_normal((1, 1, 1, 512, 4))))
+  books = jnp.asarray(rng.standard_normal((5, 2)), jnp.float32)
+  want = np.argmin(((np.asarray(x)[:, None] - np.asarray(books)[None]) ** 2).sum(-1), -1)
+  np.testing.assert_array_equal(np.asarray(vq.nearest_centroid(x, books)), want)
