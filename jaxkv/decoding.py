@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 
 from jaxkv import vq
+from jaxkv.attention import check_implementation
 from jaxkv.formats import KVFormat
 from jaxkv.sharding import check_mesh
 
@@ -422,6 +423,10 @@ def _settings(model, max_new_tokens, sampler, temperature, top_k, top_p, impleme
       raise ValueError(f"top_p={top_p!r} must be in (0, 1]")
     if top_k is not None and not 1 <= top_k <= model.config.vocab_size:
       raise ValueError(f"top_k={top_k!r} must be in [1, {model.config.vocab_size}]")
+  if progress is not None and not callable(progress):  # jax.debug.callback named no argument
+    raise TypeError(f"progress={progress!r} must be a callable or None")
+  if implementation is not None and not isinstance(implementation, str):
+    implementation = check_implementation(implementation)  # a list: hashable static setting
   return GenerateSettings(
       max_new_tokens=int(max_new_tokens), sampler=sampler,
       top_k=None if sampler != "sample" or top_k is None else int(top_k),
@@ -493,6 +498,9 @@ def decode_steps(model, tokens, cache, num_steps: int, *, sampler: str | Callabl
     raise ValueError(f"tokens.shape={getattr(tokens, 'shape', None)} must be [B]")
   _check_ids("tokens", tokens, model.config.vocab_size)
   tokens = jnp.asarray(tokens, jnp.int32)
+  if not isinstance(getattr(cache, "batch", None), int):  # before: AttributeError on .batch
+    raise TypeError(f"cache must be the model's cache (model.init_cache), got "
+                    f"{type(cache).__name__}")
   if tokens.shape[0] != cache.batch:
     raise ValueError(f"tokens.shape={tokens.shape} must be [{cache.batch}] (the cache batch)")
   settings = _settings(model, num_steps, sampler, temperature, top_k, top_p, implementation,

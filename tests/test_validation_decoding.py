@@ -334,3 +334,22 @@ def test_raw_uint32_key_still_accepted(model):
   want, _ = generate(model, tokens, lengths, **kw,
                      rng=jax.random.wrap_key_data(jax.random.PRNGKey(1)))
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_generate_takes_a_sequence_of_implementations_and_checks_progress(model):
+  # Before: a list (what decode_attention takes) failed as "Non-hashable static arguments";
+  # progress=5 failed inside jax.debug.callback; decode_steps(cache=None) was an
+  # AttributeError on .batch.
+  tokens, lengths = _prompts()
+  kw = dict(kv_format="kivi4", max_new_tokens=3)
+  want, want_n = generate(model, tokens, lengths, **kw, implementation="reference")
+  got, got_n = generate(model, tokens, lengths, **kw, implementation=["reference"])
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(got_n), np.asarray(want_n))
+  with pytest.raises(TypeError, match=r"implementation=\[3\] must hold only str names"):
+    generate(model, tokens, lengths, **kw, implementation=[3])
+  with pytest.raises(TypeError, match=r"progress=5 must be a callable or None"):
+    generate(model, tokens, lengths, **kw, progress=5)
+  for bad in (None, (1, 2)):
+    with pytest.raises(TypeError, match=r"cache must be the model's cache"):
+      decode_steps(model, jnp.asarray([5, 6]), bad, 2)
