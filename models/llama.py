@@ -953,8 +953,8 @@ def from_pretrained(path, dtype=None, *, mesh=None) -> Llama:
   are loaded first, then placed (`models.sharding.shard_model`).
   """
   jaxkv.sharding.check_mesh(mesh, optional=True)
-  if str(path).endswith(".gguf"):
-    from models.gguf import load_gguf  # pylint: disable=import-outside-toplevel
+  from models.gguf import is_gguf_file, load_gguf  # pylint: disable=import-outside-toplevel
+  if is_gguf_file(path):
     model = load_gguf(path, dtype=dtype)
     if mesh is not None:
       from models.sharding import shard_model  # pylint: disable=import-outside-toplevel
