@@ -97,6 +97,9 @@ class VQCache(ResidualBlockCache):
       codebooks.validate()
       check_layer_index(layer, codebooks.num_layers, "layer")
       codebooks = codebooks.layer(layer)
+    elif layer is not None:  # it would be ignored: a pair is one layer's codebooks already
+      raise ValueError(f"layer={layer!r} is only for VQCodebooks: a (k_codebook, v_codebook) "
+                       "pair is one layer's codebooks already")
     if not isinstance(codebooks, (tuple, list)) or len(codebooks) != 2:
       raise TypeError(f"codebooks must be a VQCodebooks or a (k_codebook, v_codebook) pair, "
                       f"got {type(codebooks).__name__}")

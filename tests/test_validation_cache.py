@@ -395,3 +395,15 @@ def test_vq_nearest_centroid_and_quantize_check_codebook_shapes():
   books = jnp.asarray(rng.standard_normal((5, 2)), jnp.float32)
   want = np.argmin(((np.asarray(x)[:, None] - np.asarray(books)[None]) ** 2).sum(-1), -1)
   np.testing.assert_array_equal(np.asarray(vq.nearest_centroid(x, books)), want)
+
+
+def test_vq_cache_init_refuses_a_layer_it_would_ignore():
+  # Before: layer= with a (k, v) pair was silently ignored (the pair's layer was used).
+  books = _books()
+  pair = books.layer(1)
+  kw = dict(batch=B, kv_heads=H, head_dim=D, capacity=32, dtype=jnp.float32)
+  with pytest.raises(ValueError, match=r"layer=0 is only for VQCodebooks"):
+    VQCache.init(VQF, pair, **kw, layer=0)
+  a = VQCache.init(VQF, pair, **kw)
+  b = VQCache.init(VQF, books, **kw, layer=1)
+  np.testing.assert_array_equal(np.asarray(a.k_codebook), np.asarray(b.k_codebook))
