@@ -413,21 +413,29 @@ def _check_spec_args(gamma, sampler, temperature) -> np.float32:
   return _check_temperature(temperature) if sampler == "sample" else np.float32(1.0)
 
 
+DEFAULT_GROUP_SIZE = 128  # draft weight groups (input rows) of 'int4' / 'int8'
+
+
 def _draft_state(model, draft_weights, group_size: int):
   """The draft's weights as the program takes them: a dict of `QuantizedWeight`, or None
   (``"full"``: the draft is the model itself, reading the draft view of the cache).
-  ``group_size`` is checked whatever the weights (an int >= 1)."""
+  ``group_size`` is checked whatever the weights (an int >= 1), and refused unless it is
+  the default where the weights would ignore it (``"full"``, a dict)."""
   check_int("group_size", group_size)
+  if isinstance(draft_weights, str) and draft_weights not in ("int4", "int8", "full"):
+    raise ValueError(f"draft_weights={draft_weights!r} must be 'int4', 'int8', 'full' or a "
+                     "dict from model.quantize_weights()")
+  if not (draft_weights is None or isinstance(draft_weights, (str, dict))):
+    raise TypeError(f"draft_weights must be a string or a dict, got {type(draft_weights).__name__}")
+  if draft_weights not in ("int4", "int8") and group_size != DEFAULT_GROUP_SIZE:
+    shown = "a dict" if isinstance(draft_weights, dict) else repr(draft_weights)
+    raise ValueError(f"group_size={group_size} would be ignored with draft_weights={shown}: it "
+                     "sets the groups of 'int4' / 'int8' (a dict is quantized already)")
   if isinstance(draft_weights, str):
-    if draft_weights not in ("int4", "int8", "full"):
-      raise ValueError(f"draft_weights={draft_weights!r} must be 'int4', 'int8', 'full' or a "
-                       "dict from model.quantize_weights()")
     if draft_weights == "full":
       return None
     model = model.model if isinstance(model, SplitModel) else model
     return model.quantize_weights(bits=int(draft_weights[3:]), group_size=group_size)
-  if draft_weights is not None and not isinstance(draft_weights, dict):
-    raise TypeError(f"draft_weights must be a string or a dict, got {type(draft_weights).__name__}")
   return draft_weights
 
 

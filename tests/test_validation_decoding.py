@@ -353,3 +353,23 @@ def test_generate_takes_a_sequence_of_implementations_and_checks_progress(model)
   for bad in (None, (1, 2)):
     with pytest.raises(TypeError, match=r"cache must be the model's cache"):
       decode_steps(model, jnp.asarray([5, 6]), bad, 2)
+
+
+def test_speculative_group_size_is_refused_where_the_draft_weights_ignore_it(model):
+  # Before: group_size=64 with draft_weights="full" or a dict of quantized weights was
+  # silently ignored (the dict keeps its own groups).
+  tokens, lengths = _prompts()
+  kw = dict(kv_format=QS_SMALL, max_new_tokens=2, gamma=2)
+  weights = model.quantize_weights(group_size=32)
+  for draft, shown in (("full", "'full'"), (weights, "a dict")):
+    with pytest.raises(ValueError, match=re.escape(f"group_size=64 would be ignored with "
+                                                   f"draft_weights={shown}")):
+      speculative_generate(model, tokens, lengths, **kw, draft_weights=draft, group_size=64)
+    with pytest.raises(ValueError, match=r"group_size=64 would be ignored"):
+      speculative_steps(model, jnp.asarray([5, 6]), model.init_cache(QS_SMALL, 2, 16), 1,
+                        gamma=2, draft_weights=draft, group_size=64)
+  with pytest.raises(TypeError, match=r"draft_weights must be a string or a dict, got int"):
+    speculative_generate(model, tokens, lengths, **kw, draft_weights=5, group_size=64)
+  # where it applies, and at its default with a dict, it is taken
+  speculative_generate(model, tokens, lengths, **kw, draft_weights="int4", group_size=32)
+  speculative_generate(model, tokens, lengths, **kw, draft_weights=weights)
