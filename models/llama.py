@@ -854,7 +854,9 @@ class Llama(nnx.Module):
     if s < 1:
       raise ValueError(f"tokens.shape={tokens.shape}: decode needs at least one token per row")
     self._check_cache(cache, b)
-    cache.check_room(s, "tokens")
+    # Only active sequences grow: a full, finished one must not block the others.
+    concrete = active is not None and not isinstance(active, jax.core.Tracer)
+    cache.check_room(np.where(np.asarray(active), s, 0) if concrete else s, "tokens")
     on = jnp.ones((b,), bool) if active is None else jnp.asarray(active)
     cache = cache.flag_invalid(self._invalid_ids(tokens) & on)
     positions = cache.lengths[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]

@@ -407,3 +407,21 @@ def test_vq_cache_init_refuses_a_layer_it_would_ignore():
   a = VQCache.init(VQF, pair, **kw)
   b = VQCache.init(VQF, books, **kw, layer=1)
   np.testing.assert_array_equal(np.asarray(a.k_codebook), np.asarray(b.k_codebook))
+
+
+def test_decode_checks_room_only_for_active_sequences(model):
+  # Before: a full sequence that is inactive (finished) made model.decode refuse the
+  # others ("sequences [0] would grow past capacity") though it appends nothing.
+  tokens = np.random.default_rng(0).integers(3, CFG.vocab_size, (2, 8)).astype(np.int32)
+  cache = model.init_cache("bf16", 2, 8, jnp.float32)
+  _, cache = model.prefill(tokens, np.asarray([8, 5]), cache)
+  nxt = np.asarray([[1], [2]], np.int32)
+  logits, out = model.decode(nxt, cache, active=np.asarray([False, True]))
+  np.testing.assert_array_equal(np.asarray(out.lengths), [8, 6])
+  assert not np.asarray(out.overflow).any()
+  with jax.default_matmul_precision("highest"):  # oracle: the full forward of sequence 1
+    want = model(np.concatenate([tokens[1:, :5], nxt[1:]], axis=1))[0, -1]
+  got = np.asarray(logits[1, 0])
+  assert np.abs(got - np.asarray(want)).max() <= 1e-4 * np.abs(np.asarray(want)).max()
+  with pytest.raises(ValueError, match=r"tokens: sequences \[0\] would grow past capacity=8"):
+    model.decode(nxt, cache, active=np.asarray([True, False]))
