@@ -372,8 +372,9 @@ def _demo_random(args) -> int:
 # ----------------------------------------------------------------- generate
 def _load_tokenizer(path):
   """`models.tokenizer.Tokenizer` of a checkpoint, or None when it has none."""
+  from models.gguf import is_gguf_file  # pylint: disable=import-outside-toplevel
   from models.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
-  if not str(path).endswith(".gguf") and not os.path.isfile(os.path.join(path, "tokenizer.json")):
+  if not is_gguf_file(path) and not os.path.isfile(os.path.join(path, "tokenizer.json")):
     return None
   return load_tokenizer(path)
 

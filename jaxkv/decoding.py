@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 
 from jaxkv import vq
+from jaxkv.attention import check_implementation
 from jaxkv.formats import KVFormat
 from jaxkv.sharding import check_mesh
 
@@ -422,6 +423,10 @@ def _settings(model, max_new_tokens, sampler, temperature, top_k, top_p, impleme
       raise ValueError(f"top_p={top_p!r} must be in (0, 1]")
     if top_k is not None and not 1 <= top_k <= model.config.vocab_size:
       raise ValueError(f"top_k={top_k!r} must be in [1, {model.config.vocab_size}]")
+  if progress is not None and not callable(progress):  # jax.debug.callback named no argument
+    raise TypeError(f"progress={progress!r} must be a callable or None")
+  if implementation is not None and not isinstance(implementation, str):
+    implementation = check_implementation(implementation)  # a list: hashable static setting
   return GenerateSettings(
       max_new_tokens=int(max_new_tokens), sampler=sampler,
       top_k=None if sampler != "sample" or top_k is None else int(top_k),
@@ -493,6 +498,9 @@ def decode_steps(model, tokens, cache, num_steps: int, *, sampler: str | Callabl
     raise ValueError(f"tokens.shape={getattr(tokens, 'shape', None)} must be [B]")
   _check_ids("tokens", tokens, model.config.vocab_size)
   tokens = jnp.asarray(tokens, jnp.int32)
+  if not isinstance(getattr(cache, "batch", None), int):  # before: AttributeError on .batch
+    raise TypeError(f"cache must be the model's cache (model.init_cache), got "
+                    f"{type(cache).__name__}")
   if tokens.shape[0] != cache.batch:
     raise ValueError(f"tokens.shape={tokens.shape} must be [{cache.batch}] (the cache batch)")
   settings = _settings(model, num_steps, sampler, temperature, top_k, top_p, implementation,
@@ -500,7 +508,7 @@ def decode_steps(model, tokens, cache, num_steps: int, *, sampler: str | Callabl
   if hasattr(cache, "check_room"):  # every step appends one token per sequence
     cache.check_room(num_steps, "num_steps")
   graphdef, state = _split(model)
-  rng = jax.random.key(0) if rng is None else rng
+  rng = _check_rng(rng)
   stops = _stop_array(stop_tokens, tokens.shape[0])
   return _decode_steps_program(graphdef, state, tokens, cache, rng, stops,
                                _program_temperature(settings, temperature),
@@ -514,6 +522,23 @@ def _pad_id(pad_token_id) -> np.int32:
       or not -2**31 <= int(pad_token_id) < 2**31):
     raise ValueError(f"pad_token_id={pad_token_id!r} must be an int in int32 range")
   return np.int32(pad_token_id)
+
+
+def _check_rng(rng) -> jax.Array:
+  """The PRNG key the program takes (``jax.random.key(0)`` for None). TypeError naming
+  ``rng`` unless it is one key: a typed key scalar (``jax.random.key``) or a raw
+  uint32 key (``jax.random.PRNGKey``); JAX's own error named no argument."""
+  if rng is None:
+    return jax.random.key(0)
+  dtype, shape = getattr(rng, "dtype", None), tuple(getattr(rng, "shape", (None,)))
+  if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
+    one = shape == ()
+  else:
+    one = dtype == np.uint32 and len(shape) == 1
+  if not one:
+    raise TypeError(f"rng must be one PRNG key (jax.random.key(seed)), got {type(rng).__name__} "
+                    f"of shape {getattr(rng, 'shape', None)}, dtype {dtype}")
+  return rng
 
 
 def _program_temperature(settings: GenerateSettings, temperature) -> np.float32:
@@ -650,6 +675,8 @@ def generate(model, prompt_tokens, prompt_lengths, *, kv_format: KVFormat | str 
   if getattr(prompt_tokens, "ndim", None) != 2:
     raise ValueError(f"prompt_tokens.shape={getattr(prompt_tokens, 'shape', None)} must be [B, T]")
   batch, prompt_len = prompt_tokens.shape
+  if batch < 1:
+    raise ValueError(f"prompt_tokens.shape={prompt_tokens.shape}: need at least one sequence")
   if isinstance(prompt_lengths, (list, tuple)):
     prompt_lengths = np.asarray(prompt_lengths)
   if not isinstance(prompt_lengths, jax.core.Tracer):  # numpy or concrete jax array
@@ -684,7 +711,7 @@ def generate(model, prompt_tokens, prompt_lengths, *, kv_format: KVFormat | str 
     raise ValueError(f"capacity={capacity} < prompt length {prompt_len} + "
                      f"max_new_tokens {max_new_tokens} - 1")
 
-  rng = jax.random.key(0) if rng is None else rng
+  rng = _check_rng(rng)
   stops = jnp.asarray(_stop_array(stop_tokens, batch))
   if mesh is None:
     cache = model.init_cache(kv_format, batch, capacity, dtype=cache_dtype, **extra)

@@ -140,7 +140,7 @@ class KVFormat:
 
   def validate_head_dim(self, head_dim: int) -> None:
     """Raises ValueError if this format cannot store heads of ``head_dim``."""
-    if not isinstance(head_dim, (int, np.integer)) or head_dim <= 0:
+    if not _is_int(head_dim) or head_dim <= 0:  # a bool is no head size (True == 1)
       raise ValueError(f"head_dim={head_dim!r} must be a positive int")
     self.channel_group_for(head_dim)
     for name, bits in (("k_bits", self.k_bits), ("v_bits", self.v_bits)):

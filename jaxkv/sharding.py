@@ -238,6 +238,7 @@ def init_sharded(init_fn: Callable[[], Any], mesh: Mesh):
   never the whole cache, e.g.
   ``init_sharded(lambda: model.init_cache("kivi4", 64, 131072), mesh)``.
   """
+  check_mesh(mesh)
   shapes = jax.eval_shape(init_fn)
   return jax.jit(init_fn, out_shardings=cache_shardings(shapes, mesh))()
 
@@ -303,6 +304,7 @@ def sharded_decode_attention(q: jax.Array, cache, mesh: Mesh, **kwargs) -> jax.A
     ``[B, S, Hq, D]`` sharded like the cache's batch and heads.
   """
   from jaxkv.attention import decode_attention  # pylint: disable=import-outside-toplevel
+  check_mesh(mesh)
   act = heads_spec(cache, mesh)
   scale = kwargs.pop("scale", None)
   if isinstance(scale, jax.Array):

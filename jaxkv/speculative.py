@@ -43,8 +43,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxkv.decoding import (COMPILER_OPTIONS, SplitModel, _check_ids, _check_temperature,
-                             _is_stop, _pad_id, _scaled_logits, _split, _stop_array)
+from jaxkv.decoding import (COMPILER_OPTIONS, SplitModel, _check_ids, _check_rng,
+                             _check_temperature, _is_stop, _pad_id, _scaled_logits, _split,
+                             _stop_array)
 from jaxkv.formats import KVFormat
 from jaxkv.sharding import check_mesh
 from jaxkv.cache import check_int
@@ -352,6 +353,8 @@ def speculative_generate(model, prompt_tokens, prompt_lengths, *, max_new_tokens
   if getattr(prompt_tokens, "ndim", None) != 2:
     raise ValueError(f"prompt_tokens.shape={getattr(prompt_tokens, 'shape', None)} must be [B, T]")
   b, t = prompt_tokens.shape
+  if b < 1:
+    raise ValueError(f"prompt_tokens.shape={prompt_tokens.shape}: need at least one sequence")
   lengths = np.asarray(prompt_lengths)
   if lengths.shape != (b,) or not np.issubdtype(lengths.dtype, np.integer):
     raise ValueError(f"prompt_lengths (shape {lengths.shape}, dtype {lengths.dtype}) must be "
@@ -364,6 +367,7 @@ def speculative_generate(model, prompt_tokens, prompt_lengths, *, max_new_tokens
       or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
   temperature = _check_spec_args(gamma, sampler, temperature)
+  rng = _check_rng(rng)
   if isinstance(kv_format, str):
     kv_format = KVFormat.preset(kv_format)
   if not isinstance(kv_format, KVFormat):
@@ -387,7 +391,7 @@ def speculative_generate(model, prompt_tokens, prompt_lengths, *, max_new_tokens
   settings = SpecSettings(int(max_new_tokens), int(gamma), sampler, mesh)
   tokens, num, verifs, accepted, cache = _speculative_program(
       graphdef, state, draft_weights, jnp.asarray(prompt_tokens, jnp.int32),
-      jnp.asarray(lengths, jnp.int32), cache, jax.random.key(0) if rng is None else rng,
+      jnp.asarray(lengths, jnp.int32), cache, rng,
       _stop_array(stop_tokens, b), temperature,
       _pad_id(pad_token_id), settings=settings)
   stats = _round_stats(verifs, accepted, np.asarray(num) - 1, gamma)  # the first: prefill's
@@ -409,21 +413,29 @@ def _check_spec_args(gamma, sampler, temperature) -> np.float32:
   return _check_temperature(temperature) if sampler == "sample" else np.float32(1.0)
 
 
+DEFAULT_GROUP_SIZE = 128  # draft weight groups (input rows) of 'int4' / 'int8'
+
+
 def _draft_state(model, draft_weights, group_size: int):
   """The draft's weights as the program takes them: a dict of `QuantizedWeight`, or None
   (``"full"``: the draft is the model itself, reading the draft view of the cache).
-  ``group_size`` is checked whatever the weights (an int >= 1)."""
+  ``group_size`` is checked whatever the weights (an int >= 1), and refused unless it is
+  the default where the weights would ignore it (``"full"``, a dict)."""
   check_int("group_size", group_size)
+  if isinstance(draft_weights, str) and draft_weights not in ("int4", "int8", "full"):
+    raise ValueError(f"draft_weights={draft_weights!r} must be 'int4', 'int8', 'full' or a "
+                     "dict from model.quantize_weights()")
+  if not (draft_weights is None or isinstance(draft_weights, (str, dict))):
+    raise TypeError(f"draft_weights must be a string or a dict, got {type(draft_weights).__name__}")
+  if draft_weights not in ("int4", "int8") and group_size != DEFAULT_GROUP_SIZE:
+    shown = "a dict" if isinstance(draft_weights, dict) else repr(draft_weights)
+    raise ValueError(f"group_size={group_size} would be ignored with draft_weights={shown}: it "
+                     "sets the groups of 'int4' / 'int8' (a dict is quantized already)")
   if isinstance(draft_weights, str):
-    if draft_weights not in ("int4", "int8", "full"):
-      raise ValueError(f"draft_weights={draft_weights!r} must be 'int4', 'int8', 'full' or a "
-                       "dict from model.quantize_weights()")
     if draft_weights == "full":
       return None
     model = model.model if isinstance(model, SplitModel) else model
     return model.quantize_weights(bits=int(draft_weights[3:]), group_size=group_size)
-  if draft_weights is not None and not isinstance(draft_weights, dict):
-    raise TypeError(f"draft_weights must be a string or a dict, got {type(draft_weights).__name__}")
   return draft_weights
 
 
@@ -497,6 +509,7 @@ def speculative_steps(model, token, cache, num_rounds: int, *, gamma: int = 4,
       or num_rounds < 1:
     raise ValueError(f"num_rounds={num_rounds!r} must be an int >= 1")
   temperature = _check_spec_args(gamma, sampler, temperature)
+  rng = _check_rng(rng)
   room = int(num_rounds) * (int(gamma) + 1)  # each round commits at most gamma + 1 tokens
   if not isinstance(cache.lengths, jax.core.Tracer):
     longest = int(np.max(np.asarray(cache.lengths)))
@@ -509,7 +522,7 @@ def speculative_steps(model, token, cache, num_rounds: int, *, gamma: int = 4,
   settings = SpecSettings(room, int(gamma), sampler, mesh)
   tokens, counts, verifs, accepted, cache = _speculative_steps_program(
       graphdef, state, draft_state, jnp.asarray(token, jnp.int32), cache,
-      jax.random.key(0) if rng is None else rng, _stop_array(stop_tokens, cache.batch),
+      rng, _stop_array(stop_tokens, cache.batch),
       temperature, _pad_id(pad_token_id), settings=settings,
       num_rounds=int(num_rounds))
   return tokens, counts, _round_stats(verifs, accepted, counts, gamma), cache

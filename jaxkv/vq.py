@@ -234,6 +234,10 @@ def squared_distances(x: jax.Array, codebook: jax.Array) -> jax.Array:
   ``|x|^2 - 2 x.c + |c|^2`` expansion: exact differences, no cancellation).
   Leading dims of ``codebook`` broadcast against those of ``x``.
   """
+  xs, cs = tuple(getattr(x, "shape", ())), tuple(getattr(codebook, "shape", ()))
+  if not xs or len(cs) < 2 or cs[-1] != xs[-1]:  # a wider codebook summed only x's channels
+    raise ValueError(f"codebook.shape={cs} must be [..., E, v] with v = x.shape[-1] "
+                     f"(x.shape={xs})")
   x = x.astype(jnp.float32)
   c = codebook.astype(jnp.float32)
   d = None
@@ -261,7 +265,10 @@ def quantize(x: jax.Array, codebook: jax.Array) -> jax.Array:
   """
   if getattr(codebook, "ndim", None) != 5:
     raise ValueError(f"codebook must be [H, S, n, E, v], got shape {getattr(codebook, 'shape', None)}")
-  h, stages, n, _, vec = codebook.shape
+  h, stages, n, entries, vec = codebook.shape
+  if entries > 256:  # the uint8 codes would wrap
+    raise ValueError(f"codebook.shape={codebook.shape}: {entries} entries do not fit uint8 "
+                     "codes (at most 256)")
   if getattr(x, "ndim", None) != 4 or x.shape[1] != h or x.shape[3] != n * vec:
     raise ValueError(f"x.shape={getattr(x, 'shape', None)} must be [B, {h}, T, {n * vec}] "
                      f"for codebook.shape={codebook.shape}")
@@ -377,6 +384,10 @@ class VQCodebooks:
   k: jax.Array
   v: jax.Array
   fmt: VQFormat = dataclasses.field(metadata=dict(static=True))
+
+  def __post_init__(self):  # the static field only: k / v may be tracers or tree placeholders
+    if not isinstance(self.fmt, VQFormat):
+      raise TypeError(f"fmt={self.fmt!r} must be a VQFormat (e.g. VQFormat.preset('cq2'))")
 
   @property
   def num_layers(self) -> int:
@@ -537,6 +548,8 @@ def fit(k_samples, v_samples, fmt: VQFormat | str, *, seed: int = 0, iters: int 
     raise ValueError(f"iters={iters!r} must be an int >= 0")
   if not _is_int(batch_size) or batch_size < 1:
     raise ValueError(f"batch_size={batch_size!r} must be an int >= 1")
+  if not _is_int(seed) or not -2**63 <= seed < 2**63:  # JAX's own errors named no argument
+    raise ValueError(f"seed={seed!r} must be an int in int64 range")
   key = jax.random.PRNGKey(seed)
   per_side = {"k": [], "v": []}
   for layer in range(layers):

@@ -97,6 +97,9 @@ class VQCache(ResidualBlockCache):
       codebooks.validate()
       check_layer_index(layer, codebooks.num_layers, "layer")
       codebooks = codebooks.layer(layer)
+    elif layer is not None:  # it would be ignored: a pair is one layer's codebooks already
+      raise ValueError(f"layer={layer!r} is only for VQCodebooks: a (k_codebook, v_codebook) "
+                       "pair is one layer's codebooks already")
     if not isinstance(codebooks, (tuple, list)) or len(codebooks) != 2:
       raise TypeError(f"codebooks must be a VQCodebooks or a (k_codebook, v_codebook) pair, "
                       f"got {type(codebooks).__name__}")
@@ -147,14 +150,17 @@ class VQCache(ResidualBlockCache):
                         **appended_sinks(self, k_new, v_new, self.lengths, st.num_new))
 
   # ---------------------------------------------------------------- readback
-  def dequantize(self) -> tuple[jax.Array, jax.Array]:
+  def dequantize(self, view: str = "target") -> tuple[jax.Array, jax.Array]:
     """Returns ``(k, v)``, each float32 ``[B, capacity, Hkv, D]``, zero past ``lengths``.
 
     Tokens ``[0, packed_len)`` are the summed centroids of their codes;
     ``[packed_len, L)`` the exact residual values; with sinks, tokens
     ``[0, min(S, L))`` their exact copies. Attention over the cache must
-    match attention over these.
+    match attention over these. ``view``: only ``"target"`` (the `KVCache`
+    signature; a VQ cache has no draft view).
     """
+    if view != "target":
+      raise ValueError(f"view={view!r}: a VQ cache has only the 'target' view")
     c = self.capacity  # gather centroids only for rows a token can occupy
     return with_sinks(self, *self._assemble(vq_dequantize(self.k_codes[:, :, :c], self.k_codebook),
                                             vq_dequantize(self.v_codes[:, :, :c], self.v_codebook)))

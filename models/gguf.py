@@ -66,6 +66,18 @@ def find_smollm2() -> str | None:
 
 
 # ------------------------------------------------------------- dequantize
+def is_gguf_file(path) -> bool:
+  """A ``.gguf`` name (any case), or a file that starts with the GGUF magic (a GGUF
+  file named otherwise went to the HF loader: "has no config.json")."""
+  name = os.fspath(path)
+  if str(name).lower().endswith(".gguf"):
+    return True
+  if not os.path.isfile(name):
+    return False
+  with open(name, "rb") as f:
+    return f.read(4) == b"GGUF"
+
+
 def _type_name(ggml_type: int) -> str:
   try:
     import gguf  # pylint: disable=import-outside-toplevel

@@ -308,6 +308,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   Returns:
     ``[B, T, Hq, D]`` in q's dtype.
   """
+  check_causal_implementation(implementation)
   if implementation is None:
     implementation = "xla"
     if jax.default_backend() == "gpu" and _cudnn_compiles(
@@ -317,6 +318,13 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
       except Exception:  # pylint: disable=broad-except  # shape cuDNN rejects
         pass
   return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+
+
+def check_causal_implementation(value, name: str = "implementation") -> None:
+  """ValueError naming ``name`` unless ``value`` is a `causal_attention` implementation
+  (jax's own error, "Unsupported implementation option", named no argument)."""
+  if value is not None and value not in ("xla", "cudnn"):
+    raise ValueError(f"{name}={value!r} must be None, 'xla' or 'cudnn'")
 
 
 @functools.lru_cache(maxsize=None)
@@ -537,6 +545,8 @@ class Llama(nnx.Module):
     c = config
     self.config = c
     self.dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(self.dtype, jnp.floating):  # int weights: a model of garbage
+      raise TypeError(f"dtype={self.dtype} must be a floating dtype (float32, bfloat16, float16)")
     self.embed_tokens = _normal_param(rngs, (c.vocab_size, c.hidden_size), 1.0, dtype)
 
     self.layers = _ModuleList([DecoderLayer(c, dtype=dtype, rngs=rngs)
@@ -662,6 +672,7 @@ class Llama(nnx.Module):
   def _forward(self, tokens, positions, attention_impl, *, keep_kv: bool):
     """`__call__` / `forward_kv` (``keep_kv=False``: no layer's K/V is kept, so an
     eager forward holds one layer's at a time)."""
+    check_causal_implementation(attention_impl, "attention_impl")
     tokens = check_token_ids("tokens", tokens, self.config.vocab_size)
     b, t = tokens.shape
     if positions is None:
@@ -720,6 +731,7 @@ class Llama(nnx.Module):
       an empty prompt), cache)``. Under `jit`, out-of-range ids or lengths set
       ``cache.invalid`` for their sequences (lengths are clipped to [0, T]).
     """
+    jaxkv.sharding.check_mesh(mesh, optional=True)
     if isinstance(tokens, (list, tuple)):
       tokens = np.asarray(tokens)
     if getattr(tokens, "ndim", None) != 2:
@@ -835,13 +847,16 @@ class Llama(nnx.Module):
       ``(logits [B, S, vocab] float32, cache)`` with every (active) sequence
       grown by S (out-of-range ids under `jit` set ``cache.invalid``).
     """
+    jaxkv.sharding.check_mesh(mesh, optional=True)
     tokens = check_token_ids("tokens", tokens, self.config.vocab_size,
                              real=None if active is None else _active_rows(active, tokens))
     b, s = tokens.shape
     if s < 1:
       raise ValueError(f"tokens.shape={tokens.shape}: decode needs at least one token per row")
     self._check_cache(cache, b)
-    cache.check_room(s, "tokens")
+    # Only active sequences grow: a full, finished one must not block the others.
+    concrete = active is not None and not isinstance(active, jax.core.Tracer)
+    cache.check_room(np.where(np.asarray(active), s, 0) if concrete else s, "tokens")
     on = jnp.ones((b,), bool) if active is None else jnp.asarray(active)
     cache = cache.flag_invalid(self._invalid_ids(tokens) & on)
     positions = cache.lengths[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]
@@ -900,6 +915,11 @@ def random_model(config: LlamaConfig | str, *, seed: int = 0, dtype=jnp.bfloat16
       (same distributions); for one device's values on a mesh use
       ``models.sharding.shard_model(random_model(config), mesh)``.
   """
+  jaxkv.sharding.check_mesh(mesh, optional=True)
+  if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) \
+      or not -2**63 <= seed < 2**63:  # nnx's own error named no argument
+    raise ValueError(f"seed={seed!r} must be an int in int64 range")
+  seed = int(seed)  # nnx.Rngs refuses numpy ints
   if isinstance(config, str):
     config = LlamaConfig.named(config)
   build = lambda: Llama(config, dtype=dtype, rngs=nnx.Rngs(params=seed))  # noqa: E731
@@ -934,8 +954,9 @@ def from_pretrained(path, dtype=None, *, mesh=None) -> Llama:
   checkpoints tensor by tensor from host memory onto their shards; GGUF files
   are loaded first, then placed (`models.sharding.shard_model`).
   """
-  if str(path).endswith(".gguf"):
-    from models.gguf import load_gguf  # pylint: disable=import-outside-toplevel
+  jaxkv.sharding.check_mesh(mesh, optional=True)
+  from models.gguf import is_gguf_file, load_gguf  # pylint: disable=import-outside-toplevel
+  if is_gguf_file(path):
     model = load_gguf(path, dtype=dtype)
     if mesh is not None:
       from models.sharding import shard_model  # pylint: disable=import-outside-toplevel

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxkv.sharding import logical_spec, named, shard_map
+from jaxkv.sharding import check_mesh, logical_spec, named, shard_map
 
 # Parameter path (joined with "/", a layer's index dropped: "layers/3/mlp/..."
 # is "layers/mlp/...") -> logical axes of the stored array.
@@ -104,6 +104,7 @@ def shard_model(model, mesh: Mesh):
   Returns:
     ``model``, its parameters now `NamedSharding`-placed arrays.
   """
+  check_mesh(mesh)
   params = nnx.state(model, nnx.Param)
   nnx.update(model, jax.device_put(params, named(mesh, param_specs(model, mesh))))
   return model

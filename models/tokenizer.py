@@ -228,8 +228,9 @@ def load_tokenizer(path) -> Tokenizer:
   Raises:
     ValueError: no tokenizer there, or one this module cannot build (named).
   """
+  from models.gguf import is_gguf_file  # pylint: disable=import-outside-toplevel
   path = os.fspath(path)
-  if path.endswith(".gguf"):
+  if is_gguf_file(path):
     return tokenizer_from_gguf(path)
   return tokenizer_from_hf_dir(path)
 

@@ -66,6 +66,7 @@ def quantize(x: jax.Array, *, axis: str, group: int, scale_dtype="float16"):
     packed upper plane, ``[D/2, D)`` the packed lower plane; scale/zero as
     `jaxkv.quant.quantize` returns them for 4 bits.
   """
+  quant.check_group("group", group)  # before `d % group` (0: ZeroDivisionError)
   *lead, t, d = x.shape
   xf = x.astype(jnp.float32)
   if d % 2:
@@ -95,6 +96,30 @@ def planes(codes: jax.Array) -> tuple[jax.Array, jax.Array]:
   return quant.unpack(codes[..., :half], 4), quant.unpack(codes[..., half:], 4)
 
 
+def _check_target_operands(codes, scale, zero, axis: str) -> None:
+  """The target view's operands as `quantize` returns them (no broadcasting): the
+  draft view gets these checks from `quant.dequantize`; here a scale of the other
+  axis broadcast silently into a wrong result before."""
+  if axis not in ("token", "channel"):
+    raise ValueError(f"axis={axis!r} must be 'token' or 'channel'")
+  if getattr(codes, "dtype", None) != jnp.uint8 or codes.ndim < 2 or codes.shape[-1] % 2:
+    raise ValueError(f"codes (shape {getattr(codes, 'shape', None)}, dtype "
+                     f"{getattr(codes, 'dtype', None)}) must be uint8 [..., T, D], D even")
+  quant._check_scale_zero(codes, scale, zero)  # pylint: disable=protected-access
+  *lead, t, d = codes.shape
+  if axis == "token":
+    ng = scale.shape[-1]
+    if ng < 1 or d % ng or scale.shape != (*lead, t, ng):
+      raise ValueError(f"scale.shape={scale.shape} must be {(*lead, t)} + (D // Gd,) with "
+                       f"D={d} a multiple of Gd, for codes.shape={codes.shape}, axis='token'")
+  else:
+    ng = scale.shape[-2]
+    if ng < 1 or t % ng or scale.shape != (*lead, ng, d):
+      raise ValueError(f"scale.shape={scale.shape} must be {tuple(lead)} + (T // G, D={d}) "
+                       f"with T={t} a multiple of G, for codes.shape={codes.shape}, "
+                       "axis='channel'")
+
+
 def dequantize(codes: jax.Array, scale: jax.Array, zero: jax.Array, *, axis: str,
                view: str = "target") -> jax.Array:
   """Inverse of `quantize` in one view: float32 ``[..., T, D]``.
@@ -105,6 +130,7 @@ def dequantize(codes: jax.Array, scale: jax.Array, zero: jax.Array, *, axis: str
   half = codes.shape[-1] // 2
   if view == "draft":
     return quant.dequantize(codes[..., :half], scale, zero, 4, axis=axis)
+  _check_target_operands(codes, scale, zero, axis)
   upper, lower = planes(codes)
   code8 = 16.0 * upper.astype(jnp.float32) + (lower.astype(jnp.float32) - 8.0)  # [-8, 247]
   fine = scale.astype(jnp.float32) * jnp.float32(1.0 / 16.0)

@@ -16,10 +16,13 @@ Logit tolerance: ``max|ours - hf| <= 1e-4 * max|hf|`` (float32 both sides).
 
 from __future__ import annotations
 
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 gguf = pytest.importorskip("gguf")
 
@@ -278,3 +281,20 @@ def test_smollm2_greedy_chat_answer():
   got, _ = generate(ours, ids, [ids.shape[1]], kv_format="bf16", max_new_tokens=steps)
   np.testing.assert_array_equal(np.asarray(got[0]), want)
   assert tok.decode(want).startswith("The capital of France is Paris.")
+
+
+@pytest.mark.parametrize("name", ["tiny.GGUF", "tiny.bin", "tiny"])
+def test_from_pretrained_finds_a_gguf_file_by_its_magic(tmp_path, name):
+  # Before: a GGUF file not named *.gguf went to the HF loader: "... has no config.json".
+  want_path, path = str(tmp_path / "tiny.gguf"), str(tmp_path / name)
+  write_synthetic_gguf(want_path, seed=4, tied=True)
+  shutil.copyfile(want_path, path)
+  want, got = llama.from_pretrained(want_path), llama.from_pretrained(path)
+  assert got.config == want.config
+  for a, b in zip(jax.tree_util.tree_leaves(nnx.state(want)),
+                  jax.tree_util.tree_leaves(nnx.state(got))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  not_gguf = tmp_path / "weights.bin"
+  not_gguf.write_bytes(b"not a gguf file")
+  with pytest.raises(ValueError, match="has no config.json"):  # still the HF loader's error
+    llama.from_pretrained(str(not_gguf))

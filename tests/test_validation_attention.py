@@ -8,6 +8,7 @@ where a good argument must still be accepted.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,7 @@ import pytest
 
 import jaxkv
 import pallas_kernels as pk
-from jaxkv import quant
+from jaxkv import hierarchical, quant
 from jaxkv.chunked_attention import chunk_attention
 from jaxkv.formats import PRESETS, VALID_SCALE_DTYPES
 from pallas_kernels import layout
@@ -337,3 +338,23 @@ def test_kernel_entry_points_refuse_what_they_would_ignore(case):
     timing.device_time(lambda x: x, [jnp.ones(2)], reps=0)
   with pytest.raises(ValueError, match="calls=2.5 must be an int >= 1"):
     timing.kernel_time(lambda x: x, [(jnp.ones(2),)], calls=2.5)
+
+
+def test_hierarchical_dequantize_checks_scale_shape_and_group():
+  # Before: the target view broadcast a scale of the other axis into a wrong [..., T, D]
+  # result (the draft view already refused it), and group=0 was a ZeroDivisionError.
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 16, 8)), jnp.float32)
+  for axis, other in (("token", "channel"), ("channel", "token")):
+    codes, scale, zero = hierarchical.quantize(x, axis=axis, group=8, scale_dtype="float16")
+    for view in ("target", "draft"):
+      with pytest.raises(ValueError, match=r"scale\.shape=\("):
+        hierarchical.dequantize(codes, scale, zero, axis=other, view=view)
+    with pytest.raises(ValueError, match=r"scale.shape=\(.* must have the rank of codes"):
+      hierarchical.dequantize(codes, scale[0], zero[0], axis=axis)
+    # the right operands: within the target view's bound S_U / 16 (+ rounding of S_U)
+    got = hierarchical.dequantize(codes, scale, zero, axis=axis)
+    bound = np.asarray(scale, np.float32).max() / 16
+    assert np.abs(np.asarray(got) - np.asarray(x)).max() <= bound * 1.01
+  for bad in (0, -1, True):
+    with pytest.raises(ValueError, match=re.escape(f"group={bad!r} must be a positive int")):
+      hierarchical.quantize(x, axis="token", group=bad, scale_dtype="float16")

@@ -5,6 +5,7 @@ compiled here except one tiny traced-index lookup)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -298,3 +299,129 @@ def test_vq_attention_refuses_a_config_the_reference_would_ignore():
   for impl in (None, "reference"):
     with pytest.raises(ValueError, match="is for a Pallas kernel, but decode_attention runs"):
       jaxkv.decode_attention(q, cache, implementation=impl, config=VQAttentionConfig())
+
+
+def test_vq_fit_seed_must_be_an_int():
+  # Before: a float seed failed inside jit ("PRNG key seed must be an integer; got
+  # JitTracer"), 2**70 with "Python int too large to convert to C long", True was taken as 1.
+  x = np.random.default_rng(0).standard_normal((1, 16, H, D)).astype(np.float32)
+  for bad in (1.5, True, 2**70, "0"):
+    with pytest.raises(ValueError, match=re.escape(f"seed={bad!r} must be an int in int64")):
+      vq.fit(x, x, VQF, iters=0, seed=bad)
+  assert vq.fit(x, x, VQF, iters=0, seed=np.int64(-3)).k.shape[0] == 1
+
+
+def test_vq_cache_dequantize_takes_the_kvcache_view_argument():
+  # Before: VQCache.dequantize(view=...) was a bare "unexpected keyword argument" TypeError,
+  # unlike KVCache / VQModelCache / decode_attention.
+  cache = VQCache.init(VQF, _books(layers=1), batch=B, kv_heads=H, head_dim=D, capacity=32,
+                       dtype=jnp.float32, layer=0)
+  cache = cache.prefill(_kv(20), _kv(20, seed=1), [20, 3])
+  k, v = cache.dequantize()
+  k_t, v_t = cache.dequantize(view="target")
+  np.testing.assert_array_equal(np.asarray(k_t), np.asarray(k))
+  np.testing.assert_array_equal(np.asarray(v_t), np.asarray(v))
+  with pytest.raises(ValueError, match=r"view='draft': a VQ cache has only the 'target' view"):
+    cache.dequantize(view="draft")
+
+
+@pytest.mark.parametrize("mesh", [None, "data=1,model=1"], ids=repr)
+def test_mesh_arguments_are_checked(model, mesh):
+  # Before: AttributeError "'str' object has no attribute 'shape'" (or 'NoneType') from
+  # inside the sharding code.
+  from models.sharding import shard_model  # pylint: disable=import-outside-toplevel
+  match = r"mesh must be a jax.sharding.Mesh"
+  cache = model.init_cache("bf16", 2, 16)
+  tokens = np.ones((2, 3), np.int32)
+  if mesh is not None:  # optional there: None is "no mesh"
+    with pytest.raises(TypeError, match=match):
+      model.prefill(tokens, np.asarray([3, 2]), cache, mesh=mesh)
+    with pytest.raises(TypeError, match=match):
+      model.decode(tokens[:, :1], cache, mesh=mesh)
+    with pytest.raises(TypeError, match=match):
+      llama.random_model(CFG, mesh=mesh)
+    with pytest.raises(TypeError, match=match):
+      llama.from_pretrained("/nonexistent", mesh=mesh)
+  with pytest.raises(TypeError, match=match):
+    jaxkv.sharding.init_sharded(lambda: model.init_cache("bf16", 2, 16), mesh)
+  with pytest.raises(TypeError, match=match):
+    shard_model(model, mesh)
+  with pytest.raises(TypeError, match=match):
+    jaxkv.sharded_decode_attention(jnp.ones((2, 1, 4, 32)), cache.layer(0), mesh)
+
+
+def test_vq_codebooks_fmt_must_be_a_vqformat():
+  # Before: a preset name was accepted, then failed later as "codebooks were learned for
+  # cq2, not VQFormat(...)" and `save` as "asdict() should be called on dataclass instances".
+  books = _books(layers=1)
+  with pytest.raises(TypeError, match=r"fmt='cq2' must be a VQFormat"):
+    vq.VQCodebooks(books.k, books.v, "cq2")
+  doubled = jax.tree_util.tree_map(lambda x: 2 * x, books)  # tree ops still rebuild it
+  assert doubled.fmt == books.fmt
+
+
+def test_model_attention_impl_and_random_model_arguments(model):
+  # Before: jax's "Unsupported implementation option: bogus" (no argument named); an int
+  # dtype built a model of truncated weights; a float seed failed in nnx ("Invalid rng
+  # value"), and so did a numpy int seed.
+  tokens = np.ones((1, 4), np.int32)
+  with pytest.raises(ValueError, match=r"attention_impl='bogus' must be None, 'xla' or 'cudnn'"):
+    model(tokens, attention_impl="bogus")
+  with pytest.raises(ValueError, match=r"attention_impl='bogus' must be None, 'xla' or 'cudnn'"):
+    model.forward_kv(tokens, attention_impl="bogus")
+  x = jnp.ones((1, 4, 2, 8))
+  with pytest.raises(ValueError, match=r"implementation='bogus' must be None, 'xla' or 'cudnn'"):
+    llama.causal_attention(x, x, x, implementation="bogus")
+  cfg = dataclasses.replace(CFG, num_layers=1)
+  with pytest.raises(TypeError, match=r"dtype=int32 must be a floating dtype"):
+    llama.random_model(cfg, dtype=jnp.int32)
+  for bad in (1.5, True, 2**64):
+    with pytest.raises(ValueError, match=re.escape(f"seed={bad!r} must be an int")):
+      llama.random_model(cfg, seed=bad)
+  a = llama.random_model(cfg, seed=np.int64(2), dtype=jnp.float32)
+  b = llama.random_model(cfg, seed=2, dtype=jnp.float32)
+  np.testing.assert_array_equal(np.asarray(a.embed_tokens[...]), np.asarray(b.embed_tokens[...]))
+
+
+def test_vq_nearest_centroid_and_quantize_check_codebook_shapes():
+  # Before: a codebook of wider vectors than x summed only x's channels (a wrong index,
+  # silently), and more than 256 entries wrapped in the uint8 codes.
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((3, 2)), jnp.float32)
+  with pytest.raises(ValueError, match=r"codebook.shape=\(5, 4\) must be \[..., E, v\]"):
+    vq.nearest_centroid(x, jnp.asarray(rng.standard_normal((5, 4)), jnp.float32))
+  with pytest.raises(ValueError, match=r"512 entries do not fit uint8 codes"):
+    vq.quantize(jnp.ones((1, 1, 2, 4)), jnp.asarray(rng.standard_normal((1, 1, 1, 512, 4))))
+  books = jnp.asarray(rng.standard_normal((5, 2)), jnp.float32)
+  want = np.argmin(((np.asarray(x)[:, None] - np.asarray(books)[None]) ** 2).sum(-1), -1)
+  np.testing.assert_array_equal(np.asarray(vq.nearest_centroid(x, books)), want)
+
+
+def test_vq_cache_init_refuses_a_layer_it_would_ignore():
+  # Before: layer= with a (k, v) pair was silently ignored (the pair's layer was used).
+  books = _books()
+  pair = books.layer(1)
+  kw = dict(batch=B, kv_heads=H, head_dim=D, capacity=32, dtype=jnp.float32)
+  with pytest.raises(ValueError, match=r"layer=0 is only for VQCodebooks"):
+    VQCache.init(VQF, pair, **kw, layer=0)
+  a = VQCache.init(VQF, pair, **kw)
+  b = VQCache.init(VQF, books, **kw, layer=1)
+  np.testing.assert_array_equal(np.asarray(a.k_codebook), np.asarray(b.k_codebook))
+
+
+def test_decode_checks_room_only_for_active_sequences(model):
+  # Before: a full sequence that is inactive (finished) made model.decode refuse the
+  # others ("sequences [0] would grow past capacity") though it appends nothing.
+  tokens = np.random.default_rng(0).integers(3, CFG.vocab_size, (2, 8)).astype(np.int32)
+  cache = model.init_cache("bf16", 2, 8, jnp.float32)
+  _, cache = model.prefill(tokens, np.asarray([8, 5]), cache)
+  nxt = np.asarray([[1], [2]], np.int32)
+  logits, out = model.decode(nxt, cache, active=np.asarray([False, True]))
+  np.testing.assert_array_equal(np.asarray(out.lengths), [8, 6])
+  assert not np.asarray(out.overflow).any()
+  with jax.default_matmul_precision("highest"):  # oracle: the full forward of sequence 1
+    want = model(np.concatenate([tokens[1:, :5], nxt[1:]], axis=1))[0, -1]
+  got = np.asarray(logits[1, 0])
+  assert np.abs(got - np.asarray(want)).max() <= 1e-4 * np.abs(np.asarray(want)).max()
+  with pytest.raises(ValueError, match=r"tokens: sequences \[0\] would grow past capacity=8"):
+    model.decode(nxt, cache, active=np.asarray([True, False]))

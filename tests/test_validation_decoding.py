@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxkv
 from jaxkv import cli
 from jaxkv.decoding import _stop_array, decode_steps, generate, sample_logits
 from jaxkv.formats import KVFormat
@@ -286,3 +287,89 @@ def test_speculative_generate_takes_a_split_model_and_checks_group_size(model):
   for bad in (-3, 0, 2.5, True):
     with pytest.raises(ValueError, match=re.escape(f"group_size={bad!r} must be an int >= 1")):
       speculative_generate(model, tokens, lengths, **dict(kw, group_size=bad))
+
+
+def test_head_dim_must_not_be_a_bool():
+  # True == 1: a bf16 cache of head_dim 1 was built before.
+  with pytest.raises(ValueError, match=r"head_dim=True must be a positive int"):
+    jaxkv.KVCache.init("bf16", 1, 1, True, 16)
+  with pytest.raises(ValueError, match=r"head_dim=True must be a positive int"):
+    KVFormat.preset("bf16").bytes_per_token(1, True)
+
+
+def test_empty_batch_is_refused_naming_prompt_tokens(model):
+  # Before: numpy's "zero-size array to reduction operation minimum" from the lengths check.
+  tokens, lengths = _prompts()
+  with pytest.raises(ValueError, match=r"prompt_tokens.shape=\(0, 8\): need at least one"):
+    generate(model, tokens[:0], lengths[:0], max_new_tokens=2)
+  with pytest.raises(ValueError, match=r"prompt_tokens.shape=\(0, 8\): need at least one"):
+    speculative_generate(model, tokens[:0], lengths[:0], kv_format=QS_SMALL, max_new_tokens=2)
+
+
+BAD_RNGS = [0, "key", np.zeros(2, np.int32), jax.random.split(jax.random.key(0), 2)]
+
+
+@pytest.mark.parametrize("rng", BAD_RNGS, ids=lambda r: f"{type(r).__name__}{np.shape(r)}")
+def test_rng_must_be_one_prng_key(model, rng):
+  # Before: JAX's "invalid PRNG key data" / "split accepts a single key" from inside the
+  # program, naming no argument. Checked before anything is built or traced.
+  tokens, lengths = _prompts()
+  match = r"rng must be one PRNG key"
+  with pytest.raises(TypeError, match=match):
+    generate(model, tokens, lengths, max_new_tokens=2, sampler="sample", rng=rng)
+  with pytest.raises(TypeError, match=match):
+    decode_steps(model, jnp.asarray([5, 6]), model.init_cache("bf16", 2, 16), 2, rng=rng)
+  with pytest.raises(TypeError, match=match):
+    speculative_generate(model, tokens, lengths, kv_format=QS_SMALL, max_new_tokens=2, rng=rng,
+                         draft_weights="full")
+  with pytest.raises(TypeError, match=match):
+    speculative_steps(model, jnp.asarray([5, 6]), model.init_cache(QS_SMALL, 2, 16), 1,
+                      gamma=2, rng=rng, draft_weights="full")
+
+
+def test_raw_uint32_key_still_accepted(model):
+  tokens, lengths = _prompts()
+  kw = dict(max_new_tokens=2, sampler="sample")
+  got, _ = generate(model, tokens, lengths, **kw, rng=jax.random.PRNGKey(1))
+  want, _ = generate(model, tokens, lengths, **kw,
+                     rng=jax.random.wrap_key_data(jax.random.PRNGKey(1)))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_generate_takes_a_sequence_of_implementations_and_checks_progress(model):
+  # Before: a list (what decode_attention takes) failed as "Non-hashable static arguments";
+  # progress=5 failed inside jax.debug.callback; decode_steps(cache=None) was an
+  # AttributeError on .batch.
+  tokens, lengths = _prompts()
+  kw = dict(kv_format="kivi4", max_new_tokens=3)
+  want, want_n = generate(model, tokens, lengths, **kw, implementation="reference")
+  got, got_n = generate(model, tokens, lengths, **kw, implementation=["reference"])
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(got_n), np.asarray(want_n))
+  with pytest.raises(TypeError, match=r"implementation=\[3\] must hold only str names"):
+    generate(model, tokens, lengths, **kw, implementation=[3])
+  with pytest.raises(TypeError, match=r"progress=5 must be a callable or None"):
+    generate(model, tokens, lengths, **kw, progress=5)
+  for bad in (None, (1, 2)):
+    with pytest.raises(TypeError, match=r"cache must be the model's cache"):
+      decode_steps(model, jnp.asarray([5, 6]), bad, 2)
+
+
+def test_speculative_group_size_is_refused_where_the_draft_weights_ignore_it(model):
+  # Before: group_size=64 with draft_weights="full" or a dict of quantized weights was
+  # silently ignored (the dict keeps its own groups).
+  tokens, lengths = _prompts()
+  kw = dict(kv_format=QS_SMALL, max_new_tokens=2, gamma=2)
+  weights = model.quantize_weights(group_size=32)
+  for draft, shown in (("full", "'full'"), (weights, "a dict")):
+    with pytest.raises(ValueError, match=re.escape(f"group_size=64 would be ignored with "
+                                                   f"draft_weights={shown}")):
+      speculative_generate(model, tokens, lengths, **kw, draft_weights=draft, group_size=64)
+    with pytest.raises(ValueError, match=r"group_size=64 would be ignored"):
+      speculative_steps(model, jnp.asarray([5, 6]), model.init_cache(QS_SMALL, 2, 16), 1,
+                        gamma=2, draft_weights=draft, group_size=64)
+  with pytest.raises(TypeError, match=r"draft_weights must be a string or a dict, got int"):
+    speculative_generate(model, tokens, lengths, **kw, draft_weights=5, group_size=64)
+  # where it applies, and at its default with a dict, it is taken
+  speculative_generate(model, tokens, lengths, **kw, draft_weights="int4", group_size=32)
+  speculative_generate(model, tokens, lengths, **kw, draft_weights=weights)
