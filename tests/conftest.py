@@ -14,6 +14,18 @@ from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# On CPU, compile time dominates the suite (interpret-mode kernels lower to
+# large programs): cheap LLVM passes cut it by about a fifth. XLA's HLO passes
+# still run, so the programs compute the same thing; the flags only change how
+# hard LLVM optimizes the generated CPU code. Set before JAX starts its
+# backend; flags the caller set win, and GPU runs are left alone.
+_CHEAP_CPU_FLAGS = ("--xla_backend_optimization_level=0",
+                    "--xla_llvm_disable_expensive_passes=true")
+if os.environ.get("JAXKV_TEST_GPU", "0") != "1":
+  _flags = os.environ.get("XLA_FLAGS", "")
+  _flags += "".join(f" {f}" for f in _CHEAP_CPU_FLAGS if f.split("=")[0] not in _flags)
+  os.environ["XLA_FLAGS"] = _flags.strip()
+
 _SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True,
                           suppress_health_check=_SLOW_OK)
