@@ -456,12 +456,14 @@ def test_vq_model_with_sinks_covering_the_packed_region_is_the_full_forward():
   rows = np.arange(b)
   full = np.asarray(model(jnp.asarray(tokens, jnp.int32)), np.float64)
 
+  prefill = jax.jit(lambda x, n, c: model.prefill(x, n, c, chunk_size=9))  # (not eager: faster)
+  decode = jax.jit(model.decode)
+
   def run(fmt):
     cache = model.init_cache(fmt, b, 64, dtype=jnp.float32, codebooks=books)
-    _, cache = model.prefill(jnp.asarray(tokens[:, :t], jnp.int32), lengths, cache,
-                             chunk_size=9)
+    _, cache = prefill(jnp.asarray(tokens[:, :t], jnp.int32), jnp.asarray(lengths), cache)
     two = np.stack([tokens[rows, lengths + i] for i in range(2)], axis=1)
-    logits, _ = model.decode(jnp.asarray(two, jnp.int32), cache)
+    logits, _ = decode(jnp.asarray(two, jnp.int32), cache)
     return np.asarray(logits)
 
   got = run(fmt)
