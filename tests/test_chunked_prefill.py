@@ -126,20 +126,22 @@ def test_multi_turn_prefill_decode_prefill_decode(model):
   len1 = np.array([20, 9])
   turn2 = rng.integers(0, CFG.vocab_size, (b, 26))
   len2 = np.array([11, 26])
+  # Jitted prefill / decode steps (eager per-op dispatch is slow on CPU).
+  prefill = jax.jit(model.prefill, static_argnames="chunk_size")
   cache = model.init_cache("bf16", b, 96, dtype=jnp.float32)
-  logits, cache = model.prefill(turn1, len1, cache)
+  logits, cache = prefill(jnp.asarray(turn1, jnp.int32), jnp.asarray(len1), cache)
   seqs = [list(turn1[i, :len1[i]]) for i in range(b)]
   got = [logits]
   out, _, cache = jaxkv.decode_steps(model, jnp.argmax(logits, -1), cache, 3)
   for i in range(b):
     seqs[i] += [int(jnp.argmax(logits[i]))] + list(np.asarray(out[i, :2]))
   # decode_steps fed argmax, out[0], out[1] (now in the cache); out[2] is not fed.
-  logits, cache = model.prefill(turn2, len2, cache, chunk_size=8)
+  logits, cache = prefill(jnp.asarray(turn2, jnp.int32), jnp.asarray(len2), cache, chunk_size=8)
   got.append(logits)
   for i in range(b):
     seqs[i] += list(turn2[i, :len2[i]])
   nxt = jnp.asarray([5, 6], jnp.int32)
-  step_logits, cache = model.decode(nxt[:, None], cache)
+  step_logits, cache = jax.jit(model.decode)(nxt[:, None], cache)
   for i in range(b):
     seqs[i] += [int(nxt[i])]
     full = np.asarray(model(jnp.asarray([seqs[i]], jnp.int32)))[0]

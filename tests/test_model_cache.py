@@ -124,8 +124,11 @@ def test_one_token_append_flags_nonfinite_tokens(use_kernel):
   np.testing.assert_array_equal(np.asarray(cache.nonfinite), [True, True, False, False])
 
 
-@pytest.mark.parametrize("use_kernel,max_new", [(False, None), (True, None), (False, "chunk"),
-                                                 (True, "chunk")])
+# The two axes are independent (the pack kernel or jnp quantizes; `commit` flags the
+# sequence whatever quantized): CI runs each value of each axis once, the full run all four.
+@pytest.mark.parametrize("use_kernel,max_new", [
+    (False, None), pytest.param(True, None, marks=pytest.mark.slow),
+    pytest.param(False, "chunk", marks=pytest.mark.slow), (True, "chunk")])
 def test_groups_stored_as_nan_are_flagged_like_per_layer_caches(use_kernel, max_new):
   """Finite values whose group's float16 scale overflows are stored as a NaN group;
   `commit` flags the sequence ``nonfinite`` (over all layers, both sides, in one

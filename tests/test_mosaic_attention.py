@@ -31,9 +31,9 @@ ON_HOPPER = is_hopper()
 # (format, B, Hkv, Hq/Hkv, D, S, lengths, capacity, dtype)
 CASES = [
     ("kivi4", 2, 2, 4, 128, 1, (300, 129), 512, jnp.bfloat16),   # mid-group end
-    ("kivi4", 2, 1, 8, 128, 1, (512, 60), 512, jnp.bfloat16),    # full / empty packed
+    ("kivi4", 2, 1, 8, 128, 1, (512, 60), 512, jnp.bfloat16),    # full / empty packed (slow)
     ("kivi4", 1, 2, 3, 64, 4, (451,), 512, jnp.bfloat16),        # GQA 3, S 4, D 64
-    ("kivi4", 1, 2, 6, 128, 8, (777,), 1024, jnp.float16),       # GQA 6, S 8, f16
+    ("kivi4", 1, 2, 6, 128, 8, (777,), 1024, jnp.float16),       # GQA 6, S 8, f16 (slow)
     ("kivi2", 2, 1, 8, 128, 1, (511, 250), 512, jnp.bfloat16),
     ("kivi2", 1, 4, 1, 128, 2, (1000,), 1024, jnp.float16),      # GQA 1
     ("int8", 2, 2, 4, 128, 1, (300, 7), 512, jnp.bfloat16),
@@ -42,9 +42,15 @@ CASES = [
     ("bf16", 2, 2, 4, 128, 1, (300, 129), 512, jnp.bfloat16),
     ("kivi4-r2g", 1, 2, 4, 128, 1, (700,), 1024, jnp.bfloat16),  # R = 2G
     # K growing along the sequence: the lazy running max must move mid-split.
-    ("kivi4-grow", 1, 2, 4, 128, 1, (1000,), 1024, jnp.bfloat16),
+    ("kivi4-grow", 1, 2, 4, 128, 1, (1000,), 1024, jnp.bfloat16),  # (slow)
     ("k8v4-grow", 2, 1, 4, 64, 2, (900, 700), 1024, jnp.float16),
 ]
+# Off Hopper a case only lowers its configs for CUDA, so the lengths and the data
+# (full / empty packed, growing K) are never run, and these cases lower the same
+# programs as kept ones (GQA 8 D 128: kivi2; S > 1 with f16: kivi2, int8,
+# k8v4-grow; kivi4 D 128 bf16 at GQA 4: the first case). They stay in the full
+# run (`pytest tests`), which is what runs them on Hopper.
+_SLOW_CASES = {1, 3, 11}
 _TOL = {jnp.bfloat16: 2e-2, jnp.float16: 4e-3}  # max |out - oracle| / max |oracle|
 
 
@@ -125,9 +131,10 @@ def _checked_outputs(q, cache, lengths, configs, dtype):
 
 
 @pytest.mark.parametrize(
-    "name,b,hkv,group,d,s,lengths,capacity,dtype", CASES,
-    ids=[f"{n}_{b=}_{hkv=}_{g=}_{d=}_{s=}_{jnp.dtype(dt).name}"
-         for n, b, hkv, g, d, s, _, _, dt in CASES])
+    "name,b,hkv,group,d,s,lengths,capacity,dtype",
+    [pytest.param(*c, marks=[pytest.mark.slow] if i in _SLOW_CASES else [],
+                  id=f"{c[0]}_b={c[1]}_hkv={c[2]}_g={c[3]}_d={c[4]}_s={c[5]}_{jnp.dtype(c[8]).name}")
+     for i, c in enumerate(CASES)])
 def test_mosaic_attention(name, b, hkv, group, d, s, lengths, capacity, dtype):
   fmt = _fmt(name)
   ok, why = ma.supports(SideSpec.of(fmt, "k", d), SideSpec.of(fmt, "v", d), head_dim=d,

@@ -158,6 +158,16 @@ ATTN_CASES = [
 ]
 
 
+# The bf16 cases whose float32 twins (above) run the same shapes and kernel paths at
+# the tight tolerance: in the full run (`pytest tests`) only. bf16 operands stay covered
+# by the other bf16 cases (kivi4-g32, kivi2, int4-token-g4(-g32), bf16).
+_SLOW_ATTN = {ATTN_CASES.index(c) for c in [
+    ("kivi4", 2, 1, 8, 128, 1, (512, 60), 512, jnp.bfloat16),
+    ("int8", 1, 1, 4, 128, 8, (520,), 768, jnp.bfloat16),
+    ("k8v4", 2, 2, 1, 128, 4, (256, 5), 512, jnp.bfloat16),
+    ("kivi2-g32", 1, 2, 1, 64, 7, (256,), 256, jnp.bfloat16)]}
+
+
 def _oracle(q, cache, scale=None):
   """Float64 numpy attention over `cache.dequantize()` (the contract)."""
   k, v = (np.asarray(x, np.float64) for x in cache.dequantize())
@@ -187,9 +197,10 @@ def _make_case(name, batch, kv_heads, group_q, head_dim, num_queries, lengths, c
 
 
 @pytest.mark.parametrize(
-    "name,batch,kv_heads,group_q,head_dim,num_queries,lengths,capacity,dtype", ATTN_CASES,
-    ids=[f"{c[0]}_B{c[1]}_H{c[2]}_gqa{c[3]}_D{c[4]}_S{c[5]}_L{'-'.join(map(str, c[6]))}"
-         f"_{jnp.dtype(c[8]).name}" for c in ATTN_CASES])
+    "name,batch,kv_heads,group_q,head_dim,num_queries,lengths,capacity,dtype",
+    [pytest.param(*c, marks=[pytest.mark.slow] if i in _SLOW_ATTN else [],
+                  id=f"{c[0]}_B{c[1]}_H{c[2]}_gqa{c[3]}_D{c[4]}_S{c[5]}_L{'-'.join(map(str, c[6]))}"
+                     f"_{jnp.dtype(c[8]).name}") for i, c in enumerate(ATTN_CASES)])
 def test_attention_matches_oracle(name, batch, kv_heads, group_q, head_dim, num_queries,
                                   lengths, capacity, dtype):
   q, cache = _make_case(name, batch, kv_heads, group_q, head_dim, num_queries, lengths,
