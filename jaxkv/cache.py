@@ -166,6 +166,13 @@ def _empty_side(fmt: KVFormat, bits: int, axis: str, batch, heads, head_dim, sto
                      bits=bits, axis=axis, group=group, hierarchical=fmt.hierarchical)
 
 
+def check_use_kernel(value) -> None:
+  """TypeError unless ``use_kernel`` is None or a bool (a truthy string such as
+  ``"no"`` would otherwise switch the kernel on)."""
+  if value is not None and not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"use_kernel={value!r} must be None, True or False")
+
+
 def check_int(name, value, minimum=1):
   """ValueError naming ``name`` unless ``value`` is an int (not a bool) >= ``minimum``."""
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
@@ -466,6 +473,7 @@ class KVCache(ResidualBlockCache):
       fmt = KVFormat.preset(fmt)
     if not isinstance(fmt, KVFormat):
       raise TypeError(f"fmt={fmt!r} must be a KVFormat or a preset name")
+    check_use_kernel(use_kernel)
     dtype = check_dims(fmt, batch, kv_heads, head_dim, capacity, dtype)
     align = max(STORAGE_ALIGN, fmt.token_group)
     storage = -(-capacity // align) * align

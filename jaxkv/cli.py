@@ -164,7 +164,9 @@ def _demo(args) -> int:
 def _demo_formats(arg: str) -> list[str]:
   from jaxkv.decoding import as_format  # pylint: disable=import-outside-toplevel
   from jaxkv.formats import PRESETS  # pylint: disable=import-outside-toplevel
-  names = list(PRESETS) if arg == "all" else [n for n in arg.split(",") if n]
+  names = list(PRESETS) if arg == "all" else [n.strip() for n in arg.split(",")]
+  if "" in names:
+    raise ValueError(f"--formats {arg!r}: an empty name (a stray comma?)")
   for name in names:
     as_format(name)  # ValueError for unknown names
   return ["bf16"] + [n for n in names if n != "bf16"]
@@ -396,7 +398,7 @@ def _parse_ids(text: str, vocab_size: int) -> list[int]:
   ids = []
   for item in text.split(","):
     if not item.strip():
-      continue
+      raise ValueError(f"--prompt-ids {text!r}: an empty item (a stray comma?)")
     try:
       ids.append(int(item))
     except ValueError:

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import vq
-from jaxkv.cache import STORAGE_ALIGN, check_dims, empty_sinks
+from jaxkv.cache import STORAGE_ALIGN, check_dims, check_use_kernel, empty_sinks
 from jaxkv.model_cache import (AppendPlan, LayerView, ModelCache, _scatter_rows,
                                check_layer_index, check_layers, stack_sinks)
 from jaxkv.vq_cache import VQCache, _quantize_groups
@@ -132,6 +132,7 @@ class VQModelCache(ModelCache):
       use_kernel: see the class docstring; None = False.
     """
     fmt = vq.as_vq_format(fmt)
+    check_use_kernel(use_kernel)
     if isinstance(num_layers, bool) or not isinstance(num_layers, (int, np.integer)) \
         or num_layers < 1:
       raise ValueError(f"num_layers={num_layers!r} must be an int >= 1")

@@ -78,6 +78,21 @@ def test_generate_prompt_ids_not_int(checkpoint, capsys):
   assert "'x' is not an integer" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("ids", ["5,,6", "5,6,", ","])
+def test_generate_prompt_ids_empty_item(checkpoint, capsys, ids):
+  """A stray comma is refused, not dropped (the prompt would silently change)."""
+  assert cli.main(["generate", "--model", checkpoint, f"--prompt-ids={ids}"]) == 2
+  assert "an empty item" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("formats", [",,", "kivi4,,int8", "kivi4,"])
+def test_demo_formats_empty_name(monkeypatch, capsys, formats):
+  """--formats with an empty name is refused before any model is built."""
+  monkeypatch.setattr("models.gguf.find_smollm2", lambda: None)
+  assert cli.main(["--formats", formats]) == 2
+  assert "an empty name" in capsys.readouterr().err
+
+
 def test_unknown_command_lists_commands(capsys):
   with pytest.raises(SystemExit) as e:
     cli.main(["generat", "--model", "x"])

@@ -425,3 +425,16 @@ def test_decode_checks_room_only_for_active_sequences(model):
   assert np.abs(got - np.asarray(want)).max() <= 1e-4 * np.abs(np.asarray(want)).max()
   with pytest.raises(ValueError, match=r"tokens: sequences \[0\] would grow past capacity=8"):
     model.decode(nxt, cache, active=np.asarray([True, False]))
+
+
+@pytest.mark.parametrize("value", ["no", 1, 0.0])
+def test_use_kernel_must_be_a_bool(value):
+  """A truthy string would switch the pack kernel on: only None / True / False pass."""
+  with pytest.raises(TypeError, match="use_kernel="):
+    jaxkv.KVCache.init("kivi4", 1, 1, 64, 128, use_kernel=value)
+  with pytest.raises(TypeError, match="use_kernel="):
+    jaxkv.ModelCache.init("kivi4", 2, 1, 1, 64, 128, use_kernel=value)
+  cb = vq.VQFormat.preset("cq4")
+  with pytest.raises(TypeError, match="use_kernel="):
+    jaxkv.VQModelCache.init(cb, 1, 1, 1, 64, 512, use_kernel=value)
+  jaxkv.KVCache.init("kivi4", 1, 1, 64, 128, use_kernel=np.bool_(False))  # numpy bools pass
