@@ -179,6 +179,15 @@ def check_int(name, value, minimum=1):
     raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
 
 
+def check_seed(value, name: str = "seed") -> int:
+  """``value`` as a Python int; ValueError naming ``name`` unless it is an int (not a
+  bool) in int64 range (JAX's and nnx's own errors named no argument)."""
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
+      or not -2**63 <= value < 2**63:
+    raise ValueError(f"{name}={value!r} must be an int in int64 range")
+  return int(value)
+
+
 def check_dims(fmt, batch, kv_heads, head_dim, capacity, dtype):
   """Checks a cache's sizes and dtype before it is built; returns the dtype."""
   check_int("batch", batch)

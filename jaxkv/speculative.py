@@ -52,6 +52,8 @@ from jaxkv.cache import check_int
 from jaxkv.model_cache import ModelCache
 from jaxkv.staged_cache import staged_attention, write_staged
 
+DEFAULT_GROUP_SIZE = 128  # draft weight groups (input rows) of 'int4' / 'int8'
+
 
 @dataclasses.dataclass(frozen=True)
 class SpecSettings:
@@ -317,8 +319,9 @@ def speculative_generate(model, prompt_tokens, prompt_lengths, *, max_new_tokens
                          draft_weights="int4", sampler: str = "greedy",
                          temperature: float = 1.0, stop_tokens=None,
                          rng: jax.Array | None = None, capacity: int | None = None,
-                         cache_dtype=None, pad_token_id: int = 0, group_size: int = 128,
-                         return_cache: bool = False, mesh=None):
+                         cache_dtype=None, pad_token_id: int = 0,
+                         group_size: int = DEFAULT_GROUP_SIZE, return_cache: bool = False,
+                         mesh=None):
   """Self-speculative generation (QuantSpec): draft on 4 bits, verify on 8.
 
   Args:
@@ -413,9 +416,6 @@ def _check_spec_args(gamma, sampler, temperature) -> np.float32:
   return _check_temperature(temperature) if sampler == "sample" else np.float32(1.0)
 
 
-DEFAULT_GROUP_SIZE = 128  # draft weight groups (input rows) of 'int4' / 'int8'
-
-
 def _draft_state(model, draft_weights, group_size: int):
   """The draft's weights as the program takes them: a dict of `QuantizedWeight`, or None
   (``"full"``: the draft is the model itself, reading the draft view of the cache).
@@ -449,8 +449,9 @@ def _round_stats(verifications, accepted, emitted, gamma: int) -> dict:
 
 
 def speculative_steps(model, token, cache, num_rounds: int, *, gamma: int = 4,
-                      draft_weights="int4", group_size: int = 128, sampler: str = "greedy",
-                      temperature: float = 1.0, rng: jax.Array | None = None,
+                      draft_weights="int4", group_size: int = DEFAULT_GROUP_SIZE,
+                      sampler: str = "greedy", temperature: float = 1.0,
+                      rng: jax.Array | None = None,
                       stop_tokens=None, pad_token_id: int = 0, mesh=None):
   """Runs ``num_rounds`` speculative rounds from a cache the caller holds; cache donated.
 

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxkv.cache import check_seed
 from jaxkv.formats import check_dtype_bytes
 from pallas_kernels._triton import is_pow2 as _is_pow2
 from pallas_kernels.vq_attention import VQSideSpec
@@ -548,9 +549,7 @@ def fit(k_samples, v_samples, fmt: VQFormat | str, *, seed: int = 0, iters: int 
     raise ValueError(f"iters={iters!r} must be an int >= 0")
   if not _is_int(batch_size) or batch_size < 1:
     raise ValueError(f"batch_size={batch_size!r} must be an int >= 1")
-  if not _is_int(seed) or not -2**63 <= seed < 2**63:  # JAX's own errors named no argument
-    raise ValueError(f"seed={seed!r} must be an int in int64 range")
-  key = jax.random.PRNGKey(seed)
+  key = jax.random.PRNGKey(check_seed(seed))
   per_side = {"k": [], "v": []}
   for layer in range(layers):
     for side_id, (side, x) in enumerate((("k", k_samples), ("v", v_samples))):

@@ -65,7 +65,6 @@ def find_smollm2() -> str | None:
   return path if os.path.isfile(path) else None
 
 
-# ------------------------------------------------------------- dequantize
 def is_gguf_file(path) -> bool:
   """A ``.gguf`` name (any case), or a file that starts with the GGUF magic (a GGUF
   file named otherwise went to the HF loader: "has no config.json")."""
@@ -78,6 +77,7 @@ def is_gguf_file(path) -> bool:
     return f.read(4) == b"GGUF"
 
 
+# ------------------------------------------------------------- dequantize
 def _type_name(ggml_type: int) -> str:
   try:
     import gguf  # pylint: disable=import-outside-toplevel

@@ -916,10 +916,7 @@ def random_model(config: LlamaConfig | str, *, seed: int = 0, dtype=jnp.bfloat16
       ``models.sharding.shard_model(random_model(config), mesh)``.
   """
   jaxkv.sharding.check_mesh(mesh, optional=True)
-  if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) \
-      or not -2**63 <= seed < 2**63:  # nnx's own error named no argument
-    raise ValueError(f"seed={seed!r} must be an int in int64 range")
-  seed = int(seed)  # nnx.Rngs refuses numpy ints
+  seed = jaxkv.cache.check_seed(seed)  # a Python int: nnx.Rngs refuses numpy ints
   if isinstance(config, str):
     config = LlamaConfig.named(config)
   build = lambda: Llama(config, dtype=dtype, rngs=nnx.Rngs(params=seed))  # noqa: E731
