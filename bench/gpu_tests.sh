@@ -18,12 +18,16 @@ nvidia-smi -L | tee "$out/gpu.txt"
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$out/gpu.txt"
 par=()
 if python3 -c "import xdist" 2>/dev/null; then par=(-n 8 --dist worksteal); fi
+# JAXKV_GPU_TESTS (space-separated files or node ids) runs a part of the list,
+# e.g. to spread the whole list over two calls of a 600 s device limit.
+all_tests="tests/test_pallas_kernels.py tests/test_mosaic_attention.py
+  tests/test_layer_view.py tests/test_quant.py tests/test_unpack_asm.py
+  tests/test_autotune.py tests/test_cache.py tests/test_model_cache.py tests/test_vq_attention.py
+  tests/test_quantspec.py tests/test_chunked_prefill.py tests/test_mosaic_dequant.py tests/test_combine_t.py
+  tests/test_mosaic_vq_attention.py tests/test_vq_model.py tests/test_sink_kernels.py tests/test_sink_tokens.py"
+# shellcheck disable=SC2086  # the list is split on whitespace on purpose
 JAXKV_TEST_GPU=1 timeout "$ttest" python3 -m pytest -v -p no:cacheprovider "${par[@]}" \
-  --durations=10 tests/test_pallas_kernels.py tests/test_mosaic_attention.py \
-  tests/test_layer_view.py tests/test_quant.py tests/test_unpack_asm.py \
-  tests/test_autotune.py tests/test_cache.py tests/test_model_cache.py tests/test_vq_attention.py \
-  tests/test_quantspec.py tests/test_chunked_prefill.py tests/test_mosaic_dequant.py tests/test_combine_t.py \
-  tests/test_mosaic_vq_attention.py tests/test_vq_model.py tests/test_sink_kernels.py tests/test_sink_tokens.py 2>&1 \
+  --durations=10 ${JAXKV_GPU_TESTS:-$all_tests} 2>&1 \
   | tee "$out/gpu_tests.log" | grep -v "PASSED\|SKIPPED\|Warning\|warner" | tail -25
 echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$out/gpu_tests.log"
 # Several GPUs: the sharded checks (tests/sharding_checks.py) on all of them.

@@ -67,10 +67,11 @@ def test_stacked_appends_equal_per_layer_caches(preset):
   assert _leaves_equal(ModelCache.from_layers(per).k, cache.k)
 
 
-@pytest.mark.parametrize("preset,use_kernel", [
-    ("kivi4", False), ("kivi4", True), ("bf16", True), ("int8", False), ("int8", True),
-    ("kivi2", True), ("k8v4", True), ("int4-token-g4", True)])
-def test_one_token_appends_across_flushes_equal_per_layer_caches(preset, use_kernel):
+@pytest.mark.parametrize("preset,use_kernel,h", [
+    ("kivi4", False, 2), ("kivi4", True, 2), ("bf16", True, 2), ("int8", False, 2),
+    ("int8", True, 2), ("kivi2", True, 2), ("k8v4", True, 2), ("int4-token-g4", True, 2),
+    ("kivi4", True, 3)])  # 3 kv heads: the kernel's per-head loops (not a power of two)
+def test_one_token_appends_across_flushes_equal_per_layer_caches(preset, use_kernel, h):
   """T=1 appends (the R == G decode path) through group flushes, ragged, skipped, overflowing.
 
   The oracle is the per-layer `KVCache` (its general stage-and-shift append),
@@ -79,8 +80,8 @@ def test_one_token_appends_across_flushes_equal_per_layer_caches(preset, use_ker
   """
   fmt = jaxkv.KVFormat.preset(preset)
   assert fmt.residual == fmt.token_group  # the fast path's condition
-  rng = np.random.default_rng(zlib.crc32(b"one-token" + preset.encode()))
-  layers, b, h, d, cap = 2, 4, 2, 32, 257
+  rng = np.random.default_rng(zlib.crc32(b"one-token" + preset.encode() + bytes([h])))
+  layers, b, d, cap = 2, 4, 32, 257
   cache = ModelCache.init(preset, layers, b, h, d, cap, jnp.float32, use_kernel=use_kernel)
   per = [KVCache.init(preset, b, h, d, cap, jnp.float32) for _ in range(layers)]
   # G - 2 and 2G - 2 tokens: sequences 0 and 1 flush on the 2nd / 3rd step;
