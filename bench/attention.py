@@ -111,6 +111,11 @@ def tokamax_bf16(q, k, v, lengths, *, implementation):
   tokamax is not a dependency: `bench/fetch_wheels.sh` puts its wheel and its
   pure-Python dependencies under .whl/site for the GPU machine.
   """
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  if not flags.FLAGS.is_parsed():
+    # tokamax reads absl flags; parsed from this script's argv they fail on its
+    # own options ("Unknown command line flag 'shapes'"), so parse none.
+    flags.FLAGS(sys.argv[:1])
   import tokamax  # pylint: disable=import-outside-toplevel
   s = q.shape[1]
   return tokamax.dot_product_attention(

@@ -8,6 +8,7 @@
 # Uses pytest-xdist when importable to compile cases in parallel (the GPU image
 # lacks it: build .whl/site with bench/fetch_wheels.sh and carry .whl). The log
 # names every test's outcome (-v), so a run cut by its timeout shows what ran.
+# JAXKV_GPU_WORKERS sets the xdist worker count (default 8).
 set -uo pipefail
 out=${1:-/tmp/jaxkv-gpu}; ttest=${2:-540}
 shift $(( $# < 2 ? $# : 2 ))
@@ -17,7 +18,7 @@ export PYTHONPATH=".:.whl/site" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE
 nvidia-smi -L | tee "$out/gpu.txt"
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$out/gpu.txt"
 par=()
-if python3 -c "import xdist" 2>/dev/null; then par=(-n 8 --dist worksteal); fi
+if python3 -c "import xdist" 2>/dev/null; then par=(-n "${JAXKV_GPU_WORKERS:-8}" --dist worksteal); fi
 # JAXKV_GPU_TESTS (space-separated files or node ids) runs a part of the list,
 # e.g. to spread the whole list over two calls of a 600 s device limit.
 all_tests="tests/test_pallas_kernels.py tests/test_mosaic_attention.py
