@@ -173,7 +173,7 @@ def _triton_supported(q, cache, view: str = "target") -> tuple[bool, str]:
 def _mosaic_specs(cache, view: str = "target"):
   """The Mosaic kernel's K and V `SideSpec`: the storage's, or for the draft
   view of a hierarchical cache its upper plane, a plain 4-bit side with the
-  stored scale and zero (the first half of each code row)."""
+  stored scale and zero (the upper-plane rows of the plane-blocked codes)."""
   from pallas_kernels.side_spec import SideSpec  # pylint: disable=import-outside-toplevel
   k_side = SideSpec.of(cache.fmt, "k", cache.head_dim)
   v_side = SideSpec.of(cache.fmt, "v", cache.head_dim)
@@ -203,6 +203,9 @@ def _mosaic_supported(q, cache, config=None, view: str = "target") -> tuple[bool
   from pallas_kernels import mosaic_attention  # pylint: disable=import-outside-toplevel
   k_side, v_side = _mosaic_specs(cache, view)
   block_k = (config if config is not None else _mosaic_default(cache, view)).block_k
+  if cache.fmt.hierarchical and cache.fmt.token_group % block_k:
+    return False, (f"the Mosaic draft view reads plane blocks of token_group="
+                   f"{cache.fmt.token_group} tokens: not a multiple of block_k={block_k}")
   sinks = cache.fmt.sink_tokens
   return mosaic_attention.supports(
       k_side, v_side, head_dim=cache.head_dim, q_rows=q.shape[2] // cache.kv_heads * q.shape[1],
@@ -402,7 +405,7 @@ def _mosaic_attention(q, cache, *, scale, config, layer=None, view: str = "targe
                       return_lse: bool = False, seq_bad=None, skip_tokens: int = 0):
   """The Mosaic kernel over a `KVCache`, or over layer ``layer`` of a
   `ModelCache`'s stacked arrays (read in place); ``view="draft"`` of a
-  hierarchical cache reads the upper plane of each code row in place."""
+  hierarchical cache reads the upper planes of its plane-blocked codes in place."""
   from pallas_kernels import mosaic_attention  # pylint: disable=import-outside-toplevel
   k_side, v_side = _mosaic_specs(cache, view)
   sm_scale = cache.head_dim ** -0.5 if scale is None else scale
@@ -411,7 +414,8 @@ def _mosaic_attention(q, cache, *, scale, config, layer=None, view: str = "targe
       cache.v.zero, cache.k_residual, cache.v_residual, cache.lengths,
       k_side=k_side, v_side=v_side, token_group=cache.fmt.token_group,
       residual=cache.fmt.residual, sm_scale=sm_scale, config=config, layer=layer,
-      return_lse=return_lse, seq_bad=seq_bad, skip_tokens=skip_tokens)
+      return_lse=return_lse, seq_bad=seq_bad, skip_tokens=skip_tokens,
+      plane_block=cache.fmt.token_group if cache.fmt.hierarchical else 0)
 
 
 def _kernel_attention(impl: str, q, cache, *, scale, config, layer, view: str,

@@ -62,8 +62,9 @@ class QuantizedKV:
   ``bits == 16``: ``codes`` holds the values ``[B, H, C, D]`` in the cache
   dtype and ``scale``/``zero`` are None.
   ``hierarchical`` (QuantSpec, ``bits == 8``): ``codes [B, H, C, D]`` holds two
-  4-bit planes per row, upper then lower (`jaxkv.hierarchical`), with the
-  4-bit scale/zero of the upper code.
+  4-bit planes per token, plane-blocked by ``plane_block`` tokens (the
+  format's G: each block's upper planes, then its lower planes;
+  `jaxkv.hierarchical`), with the 4-bit scale/zero of the upper code.
   """
 
   codes: jax.Array
@@ -73,6 +74,7 @@ class QuantizedKV:
   axis: str = _static()   # "token" or "channel"
   group: int = _static()  # Gd (channels) for "token", G (tokens) for "channel"
   hierarchical: bool = _static(default=False)
+  plane_block: int = _static(default=0)  # hierarchical: tokens per plane block (G)
 
   @property
   def head_dim(self) -> int:
@@ -89,7 +91,8 @@ class QuantizedKV:
     if self.bits == 16:
       return x.astype(self.codes.dtype), None, None
     if self.hierarchical:  # no pack kernel for two planes yet: the jnp reference
-      return hierarchical.quantize(x, axis=self.axis, group=self.group, scale_dtype=scale_dtype)
+      return hierarchical.quantize(x, axis=self.axis, group=self.group, block=self.plane_block,
+                                   scale_dtype=scale_dtype)
     if use_kernel:
       # Compiled on a GPU, Pallas interpret mode elsewhere (same bits, slowly).
       from pallas_kernels import quantize_pack
@@ -116,7 +119,7 @@ class QuantizedKV:
     hierarchical.check_view(view)
     if self.hierarchical:
       return hierarchical.dequantize(self.codes, self.scale, self.zero, axis=self.axis,
-                                     view=view)
+                                     block=self.plane_block, view=view)
     if view == "draft":
       raise ValueError("view='draft' needs a hierarchical format (KVFormat.preset('quantspec'))")
     if self.bits == 16:
@@ -163,7 +166,8 @@ def _empty_side(fmt: KVFormat, bits: int, axis: str, batch, heads, head_dim, sto
     group = fmt.channel_group_for(head_dim)
     sshape = (batch, heads, storage, head_dim // group)
   return QuantizedKV(codes, jnp.zeros(sshape, sdt), jnp.zeros(sshape, sdt),
-                     bits=bits, axis=axis, group=group, hierarchical=fmt.hierarchical)
+                     bits=bits, axis=axis, group=group, hierarchical=fmt.hierarchical,
+                     plane_block=fmt.token_group if fmt.hierarchical else 0)
 
 
 def check_use_kernel(value) -> None:

@@ -360,12 +360,15 @@ class _Side:
   bits: int
   axis: str      # "token" or "channel"
   group: int     # Gd for "token", G for "channel"; 1 when bits == 16
-  # QuantSpec target view (`jaxkv.hierarchical`): ``bits == 4`` plane geometry,
-  # codes [C, D] hold the upper plane in bytes [0, D/2) and the lower in
-  # [D/2, D); each element becomes the 8-bit code c8 = 16 C_U + C_L + 8 with
-  # scale S_U / 16 and zero min - S_U / 2. A draft view is a plain 4-bit side
-  # over the same array (it never reads bytes past D/2).
+  # QuantSpec target view (`jaxkv.hierarchical`): ``bits == 4`` plane geometry;
+  # each element becomes the 8-bit code c8 = 16 C_U + C_L + 8 with scale
+  # S_U / 16 and zero min - S_U / 2. A draft view is a plain 4-bit side.
   hier: bool = False
+  # Either view of a hierarchical cache: its codes are plane-blocked by this
+  # many tokens and the kernel gets them as [2C, D/2] rows: token t's upper
+  # plane at row `hierarchical.plane_row(t, plane_block)`, its lower plane
+  # plane_block rows further (a step never crosses a plane block).
+  plane_block: int = 0
 
   @property
   def code_bits(self) -> int:
@@ -518,6 +521,8 @@ def _split_kernel(
   defer_sums = defer_sums and v_groups <= 2
 
   def unpack(ref, tok, bcol, w, side, dt):
+    if side.plane_block:  # the upper-plane rows of the step's tokens (one plane block)
+      tok = pl.ds(hierarchical.plane_row(tok.start, side.plane_block), tok.size)
     if not side.hier:
       return _unpack_planes(ref[tok, pl.ds(bcol, w)], side.bits, dt, use_asm, unpack_sub)
     # Target view: byte j of a plane holds elements j (low nibble) and j + D/2
@@ -527,7 +532,7 @@ def _split_kernel(
     # them (`_unpack_asm` with ``hier_plane``). Composing with uint8 tensor
     # ops instead made the target view 1.7x slower than int8.
     upper = ref[tok, pl.ds(bcol, w)]
-    lower = ref[tok, pl.ds(head_dim // 2 + bcol, w)]
+    lower = ref[pl.ds(tok.start + side.plane_block, tok.size), pl.ds(bcol, w)]
     if use_asm and dt == jnp.float16:
       out = []
       for plane in range(2):
@@ -686,9 +691,13 @@ def _split_kernel(
         new_accs[idx] = accs[idx] + part
     return m_new, l, new_accs, new_zaccs
 
-  # Per-channel K: a step never crosses a token group (one scale row per step).
+  # Per-channel K: a step never crosses a token group (one scale row per step);
+  # plane-blocked codes: nor a plane block (contiguous rows per plane).
+  blocked = max(k_side.plane_block, v_side.plane_block)
   sub_k = (min(token_group, block_k) if k_side.axis == "channel" and k_side.bits < 16
            else block_k)
+  if blocked:
+    sub_k = min(sub_k, blocked)
 
   # Every packed step is whole and precedes every query row's causal limit
   # when the splits' blocks tile the packed region (a multiple of G) and the
@@ -851,8 +860,8 @@ def _sides(fmt: CacheFormat, head_dim: int, draft: bool) -> tuple[_Side, _Side]:
             _Side(fmt.k_bits, fmt.k_axis, fmt.token_group if fmt.k_axis == "channel" else gd))
   v_side = _Side(16, "token", 1) if fmt.v_bits == 16 else _Side(fmt.v_bits, "token", gd)
   if fmt.hierarchical:  # 4-bit plane geometry; the target view combines both planes
-    k_side = _Side(4, k_side.axis, k_side.group, hier=not draft)
-    v_side = _Side(4, "token", gd, hier=not draft)
+    k_side = _Side(4, k_side.axis, k_side.group, hier=not draft, plane_block=fmt.token_group)
+    v_side = _Side(4, "token", gd, hier=not draft, plane_block=fmt.token_group)
   return k_side, v_side
 
 
@@ -1117,6 +1126,9 @@ def _dequant_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_z
     return pl.BlockSpec((x.shape[0], None, None, *x.shape[3:]),
                         lambda b, h, j, _n=x.ndim - 3: (0, b, h) + (0,) * _n)
 
+  if fmt.hierarchical:  # plane-blocked codes as rows of one plane: [.., 2C, D/2] (free)
+    k_codes, v_codes = (c.reshape(*c.shape[:-2], 2 * c.shape[-2], c.shape[-1] // 2)
+                        for c in (k_codes, v_codes))
   k_arrays = _side_arrays(k_codes, k_scale, k_zero, fmt.k_bits)
   v_arrays = _side_arrays(v_codes, v_scale, v_zero, fmt.v_bits)
   cache_arrays = [*k_arrays, *v_arrays, k_residual, v_residual]
@@ -1272,7 +1284,7 @@ def dequant_decode_attention_reference(
     if bits == 16:
       return codes.astype(jnp.float32)
     if fmt.hierarchical:
-      return hierarchical.dequantize(codes, sc, zr, axis=axis, view=view)
+      return hierarchical.dequantize(codes, sc, zr, axis=axis, block=fmt.token_group, view=view)
     return quant.dequantize(codes, sc, zr, bits, axis=axis)
 
   k = side(k_codes, k_scale, k_zero, fmt.k_bits, fmt.k_axis)

@@ -16,13 +16,20 @@ gets the same bits. Error bounds (up to the rounding of the stored scale):
 draft ``|x - x_hat| <= S_U / 2``; target ``<= S_U / 32``, or ``<= S_U / 16``
 where ``C_L`` clips at +7.
 
-Storage: one uint8 array ``[..., T, D]`` per side whose row holds the two
-planes apart: bytes ``[0, D/2)`` the upper codes, bytes ``[D/2, D)`` the
-lower codes stored as ``C_L + 8`` in ``[0, 15]``, each plane in the planar
-4-bit layout of `jaxkv.quant`. The draft view reads the first half of each
-row only (a plain 4-bit side with the same scale and zero); the target view
-combines the planes into the 8-bit code ``c8 = 16 C_U + C_L + 8`` with
-scale ``S_U / 16`` and zero ``min - S_U / 2``.
+Storage: one uint8 array ``[..., T, D]`` per side holding both planes, each
+in the planar 4-bit layout of `jaxkv.quant` (``D/2`` bytes per token), the
+lower codes stored as ``C_L + 8`` in ``[0, 15]``, **plane-blocked**: in
+every block of ``block`` tokens (the format's token group G), the block's
+``block * D`` bytes are the upper planes of its tokens (``block`` rows of
+``D/2`` bytes) followed by their lower planes. Seen as ``[..., 2T, D/2]``
+(a free reshape), token ``t``'s upper plane is row ``2 block (t // block) +
+t % block`` (`plane_row`) and its lower plane ``block`` rows further. So the
+draft view reads whole contiguous runs of ``block * D/2`` bytes (a plain
+4-bit side: the same scale and zero) and never the lower plane; the target
+view combines the planes into the 8-bit code ``c8 = 16 C_U + C_L + 8`` with
+scale ``S_U / 16`` and zero ``min - S_U / 2``. A cache writes whole token
+groups at group-aligned rows (the residual rule), so the row writes of
+`jaxkv.KVCache` keep this layout.
 """
 
 from __future__ import annotations
@@ -53,24 +60,27 @@ def _quantize_groups(xg: jax.Array, axis: int, scale_dtype):
   return upper, lower.astype(jnp.uint8), scale, zero
 
 
-def quantize(x: jax.Array, *, axis: str, group: int, scale_dtype="float16"):
+def quantize(x: jax.Array, *, axis: str, group: int, block: int, scale_dtype="float16"):
   """Hierarchically quantizes ``x [..., T, D]`` and packs both planes.
 
   Args:
     x: ``[..., T, D]`` floats (``D`` even; ``T % group == 0`` for ``axis="channel"``).
     axis: ``"channel"`` (one scale per channel per ``group`` tokens) or ``"token"``.
     group: group size along the reduced axis.
+    block: tokens per plane block (the module docstring); ``T % block == 0``.
     scale_dtype: dtype of the stored ``S_U`` and zero.
   Returns:
-    ``(codes [..., T, D] uint8, scale, zero)``: codes bytes ``[0, D/2)`` the
-    packed upper plane, ``[D/2, D)`` the packed lower plane; scale/zero as
-    `jaxkv.quant.quantize` returns them for 4 bits.
+    ``(codes [..., T, D] uint8, scale, zero)``: codes plane-blocked; scale/zero
+    as `jaxkv.quant.quantize` returns them for 4 bits.
   """
   quant.check_group("group", group)  # before `d % group` (0: ZeroDivisionError)
+  quant.check_group("block", block)
   *lead, t, d = x.shape
   xf = x.astype(jnp.float32)
   if d % 2:
     raise ValueError(f"head_dim={d} must be even for hierarchical codes")
+  if t % block:
+    raise ValueError(f"num tokens {t} must be a multiple of the plane block={block}")
   if axis == "token":
     if d % group:
       raise ValueError(f"head_dim={d} must be divisible by {group=}")
@@ -83,17 +93,33 @@ def quantize(x: jax.Array, *, axis: str, group: int, scale_dtype="float16"):
     upper, lower, scale, zero = _quantize_groups(xg, -2, scale_dtype)
   else:
     raise ValueError(f"axis={axis!r} must be 'token' or 'channel'")
-  upper = upper.reshape(*lead, t, d)
-  lower = lower.reshape(*lead, t, d)
-  codes = jnp.concatenate([quant.pack(upper, 4, check=False), quant.pack(lower, 4, check=False)],
-                          axis=-1)
+  packed = [quant.pack(p.reshape(*lead, t, d), 4, check=False).reshape(
+      *lead, t // block, 1, block, d // 2) for p in (upper, lower)]
+  codes = jnp.concatenate(packed, axis=-3).reshape(*lead, t, d)  # [.., T/B, 2, B, D/2]
   return codes, scale, zero
 
 
-def planes(codes: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """``codes [..., D]`` uint8 -> unpacked ``(upper [..., D] in [0, 15], lower C_L + 8)``."""
-  half = codes.shape[-1] // 2
-  return quant.unpack(codes[..., :half], 4), quant.unpack(codes[..., half:], 4)
+def plane_row(t, block: int):
+  """Row of token ``t``'s upper plane in the ``[..., 2T, D/2]`` view of the
+  codes (int or array); its lower plane is ``block`` rows further."""
+  return 2 * block * (t // block) + t % block
+
+
+def packed_planes(codes: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+  """``codes [..., T, D]`` uint8 (plane-blocked) -> the packed ``(upper, lower)``
+  planes ``[..., T, D/2]`` in token order."""
+  *lead, t, d = codes.shape
+  quant.check_group("block", block)
+  if t % block or d % 2:
+    raise ValueError(f"codes.shape={codes.shape}: T must be a multiple of the plane "
+                     f"block={block} and D even")
+  blocks = codes.reshape(*lead, t // block, 2, block, d // 2)
+  return tuple(blocks[..., i, :, :].reshape(*lead, t, d // 2) for i in range(2))
+
+
+def planes(codes: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+  """``codes [..., T, D]`` uint8 -> unpacked ``(upper [..., T, D] in [0, 15], lower C_L + 8)``."""
+  return tuple(quant.unpack(p, 4) for p in packed_planes(codes, block))
 
 
 def _check_target_operands(codes, scale, zero, axis: str) -> None:
@@ -121,18 +147,26 @@ def _check_target_operands(codes, scale, zero, axis: str) -> None:
 
 
 def dequantize(codes: jax.Array, scale: jax.Array, zero: jax.Array, *, axis: str,
-               view: str = "target") -> jax.Array:
+               block: int, view: str = "target") -> jax.Array:
   """Inverse of `quantize` in one view: float32 ``[..., T, D]``.
 
-  ``view="draft"`` reads only the upper plane (bytes ``[0, D/2)``).
+  ``view="draft"`` reads only the upper plane.
   """
   check_view(view)
-  half = codes.shape[-1] // 2
-  if view == "draft":
-    return quant.dequantize(codes[..., :half], scale, zero, 4, axis=axis)
-  _check_target_operands(codes, scale, zero, axis)
-  upper, lower = planes(codes)
-  code8 = 16.0 * upper.astype(jnp.float32) + (lower.astype(jnp.float32) - 8.0)  # [-8, 247]
+  if view == "target":
+    _check_target_operands(codes, scale, zero, axis)
+  upper, lower = packed_planes(codes, block)
+  return dequantize_planes(upper, None if view == "draft" else lower, scale, zero, axis=axis)
+
+
+def dequantize_planes(upper: jax.Array, lower: jax.Array | None, scale: jax.Array,
+                      zero: jax.Array, *, axis: str) -> jax.Array:
+  """Float32 ``[..., T, D]`` from packed planes ``[..., T, D/2]`` in token order
+  (`packed_planes`): the draft view when ``lower`` is None, else the target view."""
+  if lower is None:
+    return quant.dequantize(upper, scale, zero, 4, axis=axis)
+  code8 = (16.0 * quant.unpack(upper, 4).astype(jnp.float32)
+           + (quant.unpack(lower, 4).astype(jnp.float32) - 8.0))  # [-8, 247]
   fine = scale.astype(jnp.float32) * jnp.float32(1.0 / 16.0)
   if axis == "token":
     *lead, t, d = code8.shape
@@ -149,4 +183,5 @@ def dequantize(codes: jax.Array, scale: jax.Array, zero: jax.Array, *, axis: str
   raise ValueError(f"axis={axis!r} must be 'token' or 'channel'")
 
 
-__all__ = ["VIEWS", "check_view", "dequantize", "planes", "quantize"]
+__all__ = ["VIEWS", "check_view", "dequantize", "dequantize_planes", "packed_planes",
+           "plane_row", "planes", "quantize"]

@@ -343,13 +343,13 @@ def one_wave_splits(slots: int, heads: int, blocks: int, fill_waves: bool = True
 
 def _code_width(side: SideSpec, head_dim: int, codes) -> int:
   """Bytes of a token row a side's code tiles read: ``D bits / 8`` (a 16-bit
-  side: D values). ``codes`` may hold wider rows (``[..., C, W]``, W larger):
-  the tiles then take each row's first bytes, e.g. the upper plane of a
-  hierarchical cache, read in place."""
+  side: D values); ``codes [..., C, W]`` must have rows of exactly that width
+  (a hierarchical cache's plane-blocked codes come as ``[..., 2C, D/2]``
+  rows, `mosaic_decode_attention`'s ``plane_block``)."""
   width = head_dim if side.bits == 16 else head_dim * side.bits // 8
-  if codes.shape[-1] not in ((width,) if side.bits == 16 else (width, 2 * width)):
+  if codes.shape[-1] != width:
     raise ValueError(f"{side.bits}-bit codes of head_dim {head_dim} need rows of {width} "
-                     f"bytes (or {2 * width}: two planes, the first read), got {codes.shape}")
+                     f"bytes, got {codes.shape}")
   return width
 
 
@@ -366,14 +366,28 @@ def _tiled(width_elems: int, itemsize_bits: int):
   return (plgpu.TilingTransform((8, sw * 8 // itemsize_bits)), plgpu.SwizzleTransform(sw))
 
 
+def _plane_blocks(i, plane_block: int, bk: int):
+  """Block ``i`` (``bk`` tokens) of the upper-plane rows of plane-blocked codes
+  seen as ``[2C, D/2]`` rows (`hierarchical.plane_row`; ``bk`` divides
+  ``plane_block``): every plane block's lower half is skipped."""
+  per = plane_block // bk
+  return i + per * (i // per)
+
+
 def _side_specs(side: SideSpec, width: int, head_dim: int, bk: int, values_transforms,
-                plain_codes: bool = False):
+                plain_codes: bool = False, plane_block: int = 0):
   """Pipeline BlockSpecs of one side: code tile ``[bk, width]`` (+ scale, zero),
   or a ``[bk, D]`` value tile (``values_transforms``) for a 16-bit side.
-  ``plain_codes``: the code tile untiled and unswizzled (`mosaic_dequant` reads rows)."""
+  ``plain_codes``: the code tile untiled and unswizzled (`mosaic_dequant` reads rows).
+  ``plane_block``: the codes are a hierarchical cache's plane-blocked rows
+  ``[2C, D/2]`` and the tiles read its upper planes (the draft view)."""
   if side.bits == 16:
     return [plgpu.BlockSpec((bk, head_dim), lambda i: (i, 0), transforms=values_transforms)]
-  specs = [plgpu.BlockSpec((bk, width), lambda i: (i, 0),
+  if plane_block:
+    code_map = lambda i: (_plane_blocks(i, plane_block, bk), 0)  # noqa: E731
+  else:
+    code_map = lambda i: (i, 0)  # noqa: E731
+  specs = [plgpu.BlockSpec((bk, width), code_map,
                            transforms=() if plain_codes else _tiled(width, 8))]
   if side.axis == "token":
     specs += [plgpu.BlockSpec((bk,), lambda i: (i,))] * 2
@@ -602,7 +616,7 @@ def _attend_block(q_smem, kdq_smem, vdq_smem, carry, *, token0, valid_below, row
 
 @functools.partial(
     jax.jit, static_argnames=("k_side", "v_side", "token_group", "residual", "config",
-                              "return_lse", "skip_tokens"))
+                              "return_lse", "skip_tokens", "plane_block"))
 def mosaic_decode_attention(
     q: jax.Array,           # [B, S, Hq, D]
     k_codes: jax.Array,     # [B, H, C, D*kb/8] uint8 | [B, H, C, D]
@@ -625,14 +639,17 @@ def mosaic_decode_attention(
     return_lse: bool = False,
     seq_bad: jax.Array | None = None,
     skip_tokens: int = 0,
+    plane_block: int = 0,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Decode attention of S new queries over a packed cache (Hopper kernel).
 
   Same arguments and result as `dequant_attention.dequant_decode_attention`
-  (raw cache arrays); ``k_side``/``v_side`` describe the storage (code rows
-  may be wider than ``D bits / 8`` bytes: each row's first ``D bits / 8`` are
-  read in place, e.g. the upper 4-bit plane of a hierarchical cache's
-  ``[..., D]`` rows for its draft view);
+  (raw cache arrays); ``k_side``/``v_side`` describe the storage.
+  ``plane_block``: the codes are a hierarchical cache's plane-blocked
+  ``[..., C, D]`` (`jaxkv.hierarchical`, blocks of ``plane_block`` tokens,
+  a multiple of ``config.block_k``) and 4-bit ``k_side``/``v_side`` read
+  their upper planes in place (the draft view): whole contiguous runs of
+  upper-plane rows, never the lower plane;
   ``sm_scale`` may be a traced scalar (it scales q before the kernel).
   ``layer``: with every cache array stacked on a leading layer axis
   (``[L, B, H, ...]``, a `jaxkv.ModelCache`), the (possibly traced) layer to
@@ -662,6 +679,15 @@ def mosaic_decode_attention(
   bk = config.block_k
   if capacity % bk:
     raise ValueError(f"cache capacity {capacity} must be a multiple of block_k={bk}")
+  if plane_block:
+    if plane_block % bk or capacity % plane_block or not config.tokens_m or any(
+        s.bits != 4 for s in (k_side, v_side)):
+      raise ValueError(f"plane_block={plane_block}: the draft view of plane-blocked codes "
+                       f"needs 4-bit sides, tokens_m=True and a block of a multiple of "
+                       f"block_k={bk} dividing the capacity {capacity}")
+    # [B, H, C, D] -> the rows of one plane, [B, H, 2C, D/2] (free)
+    k_codes, v_codes = (c.reshape(*c.shape[:2], 2 * capacity, c.shape[-1] // 2)
+                        for c in (k_codes, v_codes))
   why = _triton.skip_refusal(0, skip_tokens, bk)
   if why:
     raise ValueError(why)
@@ -705,7 +731,7 @@ def mosaic_decode_attention(
         arrays_of(v_codes, v_scale, v_zero, v_side), k_residual, v_residual, lengths,
         k_side=k_side, v_side=v_side, token_group=token_group, residual=residual,
         num_queries=num_queries, q_rows=q_rows, config=config, dtype=dtype, row0=row0,
-        skip_tokens=skip_tokens)
+        skip_tokens=skip_tokens, plane_block=plane_block)
     # One combine kernel reads the O^T partials as they are: with register_v
     # the packed programs' rows are in the MMA's V column order (channel c at
     # row argsort(perm)[c]), the residual program's in channel order.
@@ -1037,10 +1063,12 @@ def unflatten_partials(parts, batch: int, kv_heads: int) -> list:
 
 def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v_side,
                    token_group, residual, num_queries, q_rows, config, dtype, row0, vq=None,
-                   skip_tokens: int = 0):
+                   skip_tokens: int = 0, plane_block: int = 0):
   """The v2 kernel; returns partials ``o [B,H,J+1,D,N_pv], l, m [B,H,J+1,N]``.
 
   ``skip_tokens``: packed tokens left to the caller (`_split_blocks`).
+  ``plane_block``: the code inputs are plane-blocked rows ``[., 2C, D/2]``
+  (`mosaic_decode_attention`); the tiles read the upper planes.
 
   ``row0``: ``[1]`` int32, the cache arrays' row of sequence 0 (`stacked_rows`).
 
@@ -1086,10 +1114,11 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     # Code tiles are D bits/8 bytes of each row: the whole row, or its first
     # half for a hierarchical cache's draft view (the upper 4-bit plane).
     k_specs = _side_specs(k_side, _code_width(k_side, head_dim, k_in[0]), head_dim, bk, q_tf,
-                          plain_codes=register_k)
+                          plain_codes=register_k, plane_block=plane_block)
     # register_vt reads rows with ldmatrix: TMA-swizzled (by row width) or plain tiles
     v_specs = _side_specs(v_side, _code_width(v_side, head_dim, v_in[0]), head_dim, bk, v_tf,
-                          plain_codes=register_v and not (register_vt and config.vt_swizzle))
+                          plain_codes=register_v and not (register_vt and config.vt_swizzle),
+                          plane_block=plane_block)
     fold_k = config.fold_scales and k_side.bits < 16 and k_side.axis == "token"
     fold_v = config.fold_scales and v_side.bits < 16
     books = []

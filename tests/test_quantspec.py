@@ -58,8 +58,9 @@ def _fresh(shape, seed, spread=1.0):
 def test_hierarchical_codes_match_numpy_model_and_error_bounds(axis, group):
   t, d = 256, 64
   x = np.asarray(_fresh((3, t, d), zlib.crc32(f"{axis}{group}".encode()), 1.7), np.float32)
-  codes, scale, zero = hierarchical.quantize(jnp.asarray(x), axis=axis, group=group)
-  upper, lower = (np.asarray(p) for p in hierarchical.planes(codes))
+  block = 64  # tokens per plane block (any divisor of T)
+  codes, scale, zero = hierarchical.quantize(jnp.asarray(x), axis=axis, group=group, block=block)
+  upper, lower = (np.asarray(p) for p in hierarchical.planes(codes, block))
   if axis == "channel":
     xg, red = x.reshape(3, t // group, group, d), -2
   else:
@@ -73,9 +74,10 @@ def test_hierarchical_codes_match_numpy_model_and_error_bounds(axis, group):
   clipped = (c_l == 7).reshape(3, t, d)
   # float32 arithmetic of x_hat: a few ulps of the largest magnitude involved.
   ulp = 4 * np.finfo(np.float32).eps * (np.abs(x) + 16 * s_b)
-  target = np.asarray(hierarchical.dequantize(codes, scale, zero, axis=axis), np.float64)
-  draft = np.asarray(hierarchical.dequantize(codes, scale, zero, axis=axis, view="draft"),
-                     np.float64)
+  target = np.asarray(hierarchical.dequantize(codes, scale, zero, axis=axis, block=block),
+                      np.float64)
+  draft = np.asarray(hierarchical.dequantize(codes, scale, zero, axis=axis, block=block,
+                                             view="draft"), np.float64)
   # The stored (fp16) scale may undershoot the range by its rounding (2^-11 relative):
   # x can sit up to 15 * S_U * 2^-11 past the top code.
   slack = 15 * s_b * 2.0 ** -11 + ulp
@@ -94,14 +96,16 @@ def test_hierarchical_codes_match_numpy_model_and_error_bounds(axis, group):
 
 def test_constant_group_is_exact_and_upper_plane_is_plain_int4():
   x = jnp.full((1, 16, 32), 0.375)
-  codes, scale, zero = hierarchical.quantize(x, axis="channel", group=16)
+  codes, scale, zero = hierarchical.quantize(x, axis="channel", group=16, block=16)
   for view in ("target", "draft"):
     np.testing.assert_array_equal(
-        np.asarray(hierarchical.dequantize(codes, scale, zero, axis="channel", view=view)), 0.375)
+        np.asarray(hierarchical.dequantize(codes, scale, zero, axis="channel", block=16,
+                                           view=view)), 0.375)
   y = _fresh((2, 32, 64), 11)
-  codes, scale, zero = hierarchical.quantize(y, axis="token", group=64)
+  codes, scale, zero = hierarchical.quantize(y, axis="token", group=64, block=16)
   c4, s4, z4 = jaxkv.quant.quantize(y, 4, axis="token", group=64)
-  np.testing.assert_array_equal(np.asarray(codes[..., :32]), np.asarray(c4))
+  np.testing.assert_array_equal(np.asarray(hierarchical.packed_planes(codes, 16)[0]),
+                                np.asarray(c4))
   np.testing.assert_array_equal(np.asarray(scale), np.asarray(s4))
   np.testing.assert_array_equal(np.asarray(zero), np.asarray(z4))
 
@@ -191,6 +195,36 @@ def test_cache_views_match_numpy_model():
       # Residual rows are exact; nothing past the length.
       np.testing.assert_array_equal(kd[bi, p:lengths[bi]], np.asarray(k[bi, p:lengths[bi]]))
       assert not np.any(kd[bi, lengths[bi]:])
+
+
+def _np_pack4(c):
+  """numpy model of the planar 4-bit layout: byte j = c[j] | c[j + D/2] << 4."""
+  c = np.asarray(c, np.uint8)
+  half = c.shape[-1] // 2
+  return c[..., :half] | (c[..., half:] << 4)
+
+
+def test_cache_stores_planes_blocked_by_token_group():
+  """The storage contract the draft-view kernels rely on: in every token group of
+  the packed region, the G upper-plane rows (D/2 bytes each) come first, then
+  the G lower-plane rows (C_L + 8), so the draft view reads contiguous bytes."""
+  b, hkv, d, g = 2, 2, 32, QS_SMALL.token_group
+  k, v = _history(b, 80, hkv, d, 5)
+  cache = jaxkv.KVCache.init(QS_SMALL, b, hkv, d, 96, jnp.float32, use_kernel=False)
+  cache = cache.prefill(k, v, np.asarray([77, 40], np.int32))
+  packed = np.asarray(cache.packed_lens)
+  for bi in range(b):
+    for grp in range(packed[bi] // g):
+      rows = slice(grp * g, (grp + 1) * g)
+      kg = np.asarray(k[bi, rows], np.float32).transpose(1, 0, 2)[:, None]   # [H, 1, G, D]
+      vg = np.asarray(v[bi, rows], np.float32).transpose(1, 0, 2)[..., None, :]
+      for side, (cu, cl, _, _) in ((cache.k, np_hier_groups(kg, -2)),
+                                   (cache.v, np_hier_groups(vg, -1))):
+        stored = np.asarray(side.codes[bi, :, rows]).reshape(hkv, 2, g, d // 2)
+        np.testing.assert_array_equal(stored[:, 0], _np_pack4(cu.reshape(hkv, g, d)))
+        np.testing.assert_array_equal(stored[:, 1], _np_pack4((cl + 8).reshape(hkv, g, d)))
+  with pytest.raises(ValueError, match="multiple of the plane block=16"):
+    hierarchical.quantize(jnp.ones((24, 32)), axis="token", group=32, block=16)
 
 
 _SLOW = pytest.mark.slow
@@ -290,7 +324,7 @@ def test_bad_inputs_name_the_value():
   with pytest.raises(ValueError, match="view='draft' needs a hierarchical format"):
     plain.dequantize("draft")
   with pytest.raises(ValueError, match="head_dim=6 must be divisible by group=4"):
-    hierarchical.quantize(jnp.ones((4, 6)), axis="token", group=4)
+    hierarchical.quantize(jnp.ones((4, 6)), axis="token", group=4, block=4)
 
 
 # ------------------------------------------------- staging for speculation

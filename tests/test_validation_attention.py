@@ -345,16 +345,17 @@ def test_hierarchical_dequantize_checks_scale_shape_and_group():
   # result (the draft view already refused it), and group=0 was a ZeroDivisionError.
   x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 16, 8)), jnp.float32)
   for axis, other in (("token", "channel"), ("channel", "token")):
-    codes, scale, zero = hierarchical.quantize(x, axis=axis, group=8, scale_dtype="float16")
+    codes, scale, zero = hierarchical.quantize(x, axis=axis, group=8, block=8,
+                                               scale_dtype="float16")
     for view in ("target", "draft"):
       with pytest.raises(ValueError, match=r"scale\.shape=\("):
-        hierarchical.dequantize(codes, scale, zero, axis=other, view=view)
+        hierarchical.dequantize(codes, scale, zero, axis=other, block=8, view=view)
     with pytest.raises(ValueError, match=r"scale.shape=\(.* must have the rank of codes"):
-      hierarchical.dequantize(codes, scale[0], zero[0], axis=axis)
+      hierarchical.dequantize(codes, scale[0], zero[0], axis=axis, block=8)
     # the right operands: within the target view's bound S_U / 16 (+ rounding of S_U)
-    got = hierarchical.dequantize(codes, scale, zero, axis=axis)
+    got = hierarchical.dequantize(codes, scale, zero, axis=axis, block=8)
     bound = np.asarray(scale, np.float32).max() / 16
     assert np.abs(np.asarray(got) - np.asarray(x)).max() <= bound * 1.01
   for bad in (0, -1, True):
     with pytest.raises(ValueError, match=re.escape(f"group={bad!r} must be a positive int")):
-      hierarchical.quantize(x, axis="token", group=bad, scale_dtype="float16")
+      hierarchical.quantize(x, axis="token", group=bad, block=8, scale_dtype="float16")
