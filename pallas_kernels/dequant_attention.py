@@ -412,10 +412,10 @@ def _split_kernel(
     lengths_ref,   # [] int32: L_b
     scale_ref,     # [] float32: softmax scale
     q_ref,         # [Mq, D]
-    k_codes_ref,   # [C, D*kb/8] uint8 | [C, D] when 16-bit
+    k_codes_ref,   # [C, D*kb/8] uint8 | [C, D] when 16-bit | [2C, D/2] (hierarchical)
     k_scale_ref,   # [C//G, D] (channel) | [C, D//Gd] (token) | None
     k_zero_ref,    # like k_scale_ref
-    v_codes_ref,   # [C, D*vb/8] uint8 | [C, D] when 16-bit
+    v_codes_ref,   # [C, D*vb/8] uint8 | [C, D] when 16-bit | [2C, D/2] (hierarchical)
     v_scale_ref,   # [C, D//Gd] | None
     v_zero_ref,    # like v_scale_ref
     k_res_ref,     # [R, D]
@@ -705,7 +705,8 @@ def _split_kernel(
   # the token mask (its compares and selects on every score).
   mask_packed = not (token_group % block_k == 0 and residual - token_group >= num_queries - 1)
 
-  # The look-ahead needs a whole step of rows in the per-token arrays.
+  # The look-ahead needs a whole step of rows in the per-token arrays (the
+  # code rows: C, or 2C plane rows for hierarchical codes, both >= G >= sub_k).
   prefetch = prefetch and k_codes_ref.shape[0] >= sub_k
 
   def body(i, carry):
@@ -1255,6 +1256,14 @@ def supports(fmt: CacheFormat, *, head_dim: int, num_q_heads: int | None = None,
                      f"(head_dim={head_dim}, channel_group={gd}) must be powers of two >= 16")
   if fmt.k_bits < 16 and fmt.k_axis == "channel" and not 16 <= fmt.token_group <= 256:
     return False, f"token_group={fmt.token_group} must be in [16, 256] for per-channel K"
+  if getattr(fmt, "hierarchical", False) and fmt.token_group < 16:
+    # a step never crosses a plane block of G tokens: dots of >= 16 tokens
+    return False, (f"token_group={fmt.token_group} must be >= 16 for a hierarchical "
+                   "format (the kernel's steps stay inside a plane block of G tokens)")
+  if (getattr(fmt, "hierarchical", False) and capacity is not None
+      and capacity % fmt.token_group):
+    return False, (f"capacity={capacity} must be a multiple of token_group="
+                   f"{fmt.token_group} (plane-blocked hierarchical codes)")
   res_block = fmt.residual & -fmt.residual
   if res_block < 16:
     return False, f"residual={fmt.residual} must be a multiple of 16"

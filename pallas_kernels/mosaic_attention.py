@@ -619,10 +619,10 @@ def _attend_block(q_smem, kdq_smem, vdq_smem, carry, *, token0, valid_below, row
                               "return_lse", "skip_tokens", "plane_block"))
 def mosaic_decode_attention(
     q: jax.Array,           # [B, S, Hq, D]
-    k_codes: jax.Array,     # [B, H, C, D*kb/8] uint8 | [B, H, C, D]
+    k_codes: jax.Array,     # [B, H, C, D*kb/8] uint8 | [B, H, C, D] (16-bit; plane_block)
     k_scale: jax.Array | None,  # [B, H, C//G, D] | [B, H, C, 1] | None
     k_zero: jax.Array | None,
-    v_codes: jax.Array,     # [B, H, C, D*vb/8] uint8 | [B, H, C, D]
+    v_codes: jax.Array,     # [B, H, C, D*vb/8] uint8 | [B, H, C, D] (16-bit; plane_block)
     v_scale: jax.Array | None,  # [B, H, C, 1] | None
     v_zero: jax.Array | None,
     k_residual: jax.Array,  # [B, H, R, D]
@@ -1111,8 +1111,8 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     register_k = _register_k(config, k_side, head_dim, dtype)
     register_v = _register_v(config, v_side, head_dim, dtype)
     register_vt = _register_vt(config, v_side, head_dim, dtype)
-    # Code tiles are D bits/8 bytes of each row: the whole row, or its first
-    # half for a hierarchical cache's draft view (the upper 4-bit plane).
+    # Code tiles are D bits/8 bytes of each row (a hierarchical cache's draft
+    # view: its upper-plane rows, `plane_block`).
     k_specs = _side_specs(k_side, _code_width(k_side, head_dim, k_in[0]), head_dim, bk, q_tf,
                           plain_codes=register_k, plane_block=plane_block)
     # register_vt reads rows with ldmatrix: TMA-swizzled (by row width) or plain tiles

@@ -407,8 +407,8 @@ def _np_lse(q, k, lengths, scale):
     (1, 2, 4, 128, 5, (900,), 1024),       # q_len 5 (a verification-sized query)
 ])
 def test_mosaic_draft_view_of_quantspec(b, hkv, group, d, s, lengths, capacity):
-  """The draft view of a hierarchical cache on Mosaic (the upper plane of each
-  code row read in place, as a plain 4-bit side) against float64 attention over
+  """The draft view of a hierarchical cache on Mosaic (the upper-plane rows of
+  its plane-blocked codes read in place, as a plain 4-bit side) against float64 attention over
   ``cache.dequantize("draft")``, with the log-sum-exp the staged attention of
   speculative decoding merges; and the staged path through it."""
   from jaxkv import attention

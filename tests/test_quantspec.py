@@ -225,6 +225,13 @@ def test_cache_stores_planes_blocked_by_token_group():
         np.testing.assert_array_equal(stored[:, 1], _np_pack4((cl + 8).reshape(hkv, g, d)))
   with pytest.raises(ValueError, match="multiple of the plane block=16"):
     hierarchical.quantize(jnp.ones((24, 32)), axis="token", group=32, block=16)
+  # The Triton kernel's refusals for plane blocks it cannot read.
+  from pallas_kernels import dequant_attention as da
+  ok, why = da.supports(dataclasses.replace(QS_TOKEN_K, token_group=8, residual=16), head_dim=64)
+  assert not ok and "token_group=8 must be >= 16 for a hierarchical format" in why
+  ok, why = da.supports(QS_SMALL, head_dim=64, capacity=40)
+  assert not ok and "capacity=40 must be a multiple of token_group=16" in why
+  assert da.supports(QS_SMALL, head_dim=64, capacity=48)[0]
 
 
 _SLOW = pytest.mark.slow
