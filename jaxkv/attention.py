@@ -415,7 +415,7 @@ def _mosaic_attention(q, cache, *, scale, config, layer=None, view: str = "targe
       k_side=k_side, v_side=v_side, token_group=cache.fmt.token_group,
       residual=cache.fmt.residual, sm_scale=sm_scale, config=config, layer=layer,
       return_lse=return_lse, seq_bad=seq_bad, skip_tokens=skip_tokens,
-      plane_block=cache.fmt.token_group if cache.fmt.hierarchical else 0)
+      plane_block=cache.fmt.plane_block)
 
 
 def _kernel_attention(impl: str, q, cache, *, scale, config, layer, view: str,

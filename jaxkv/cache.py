@@ -167,7 +167,7 @@ def _empty_side(fmt: KVFormat, bits: int, axis: str, batch, heads, head_dim, sto
     sshape = (batch, heads, storage, head_dim // group)
   return QuantizedKV(codes, jnp.zeros(sshape, sdt), jnp.zeros(sshape, sdt),
                      bits=bits, axis=axis, group=group, hierarchical=fmt.hierarchical,
-                     plane_block=fmt.token_group if fmt.hierarchical else 0)
+                     plane_block=fmt.plane_block)
 
 
 def check_use_kernel(value) -> None:

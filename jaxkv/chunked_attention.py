@@ -161,14 +161,10 @@ def _history_rows(cache, side: str, start, n: int) -> jax.Array:
 
 
 def _dequant_rows(side: QuantizedKV, start, n: int) -> jax.Array:
-  """Rows ``[start, start + n)`` of a packed side as float32 ``[B, H, n, D]``."""
-  if side.hierarchical:  # the planes of tokens [start, start + n) (plane-blocked rows)
-    b, h, c, d = side.codes.shape
-    rows = hierarchical.plane_row(start + jnp.arange(n), side.plane_block)   # [n]
-    halves = side.codes.reshape(b, h, 2 * c, d // 2)
-    upper, lower = (jnp.take(halves, r, axis=2) for r in (rows, rows + side.plane_block))
-  else:
-    codes = jax.lax.dynamic_slice_in_dim(side.codes, start, n, axis=2)
+  """Rows ``[start, start + n)`` of a packed side as float32 ``[B, H, n, D]``
+  (``start`` and ``n`` multiples of G, so a hierarchical side's slice holds whole
+  plane blocks)."""
+  codes = jax.lax.dynamic_slice_in_dim(side.codes, start, n, axis=2)
   if side.bits == 16:
     return codes.astype(jnp.float32)
   if side.axis == "channel":
@@ -177,8 +173,8 @@ def _dequant_rows(side: QuantizedKV, start, n: int) -> jax.Array:
     s0, ns = start, n
   scale = jax.lax.dynamic_slice_in_dim(side.scale, s0, ns, axis=2)
   zero = jax.lax.dynamic_slice_in_dim(side.zero, s0, ns, axis=2)
-  if side.hierarchical:  # prefill attends to the target view
-    return hierarchical.dequantize_planes(upper, lower, scale, zero, axis=side.axis)
+  if side.hierarchical:  # prefill attends to the target view; whole plane blocks
+    return hierarchical.dequantize(codes, scale, zero, axis=side.axis, block=side.plane_block)
   return quant.dequantize(codes, scale, zero, side.bits, axis=side.axis)
 
 

@@ -131,6 +131,12 @@ class KVFormat:
   def is_quantized(self) -> bool:
     return self.k_bits < 16 or self.v_bits < 16
 
+  @property
+  def plane_block(self) -> int:
+    """Tokens per plane block of a hierarchical format's codes (its G,
+    `jaxkv.hierarchical`); 0 for every other format."""
+    return self.token_group if self.hierarchical else 0
+
   def channel_group_for(self, head_dim: int) -> int:
     """Channels per per-token group for a head of ``head_dim`` channels."""
     gd = head_dim if self.channel_group is None else self.channel_group

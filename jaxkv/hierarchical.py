@@ -8,11 +8,11 @@ same bits; see its docstring for the exact rule); this is its public name.
 from pallas_kernels.hierarchical import VIEWS
 from pallas_kernels.hierarchical import check_view
 from pallas_kernels.hierarchical import dequantize
-from pallas_kernels.hierarchical import dequantize_planes
 from pallas_kernels.hierarchical import packed_planes
 from pallas_kernels.hierarchical import plane_row
+from pallas_kernels.hierarchical import plane_view
 from pallas_kernels.hierarchical import planes
 from pallas_kernels.hierarchical import quantize
 
-__all__ = ["VIEWS", "check_view", "dequantize", "dequantize_planes", "packed_planes",
-           "plane_row", "planes", "quantize"]
+__all__ = ["VIEWS", "check_view", "dequantize", "packed_planes", "plane_row", "plane_view",
+           "planes", "quantize"]

@@ -861,8 +861,8 @@ def _sides(fmt: CacheFormat, head_dim: int, draft: bool) -> tuple[_Side, _Side]:
             _Side(fmt.k_bits, fmt.k_axis, fmt.token_group if fmt.k_axis == "channel" else gd))
   v_side = _Side(16, "token", 1) if fmt.v_bits == 16 else _Side(fmt.v_bits, "token", gd)
   if fmt.hierarchical:  # 4-bit plane geometry; the target view combines both planes
-    k_side = _Side(4, k_side.axis, k_side.group, hier=not draft, plane_block=fmt.token_group)
-    v_side = _Side(4, "token", gd, hier=not draft, plane_block=fmt.token_group)
+    k_side = _Side(4, k_side.axis, k_side.group, hier=not draft, plane_block=fmt.plane_block)
+    v_side = _Side(4, "token", gd, hier=not draft, plane_block=fmt.plane_block)
   return k_side, v_side
 
 
@@ -1128,8 +1128,7 @@ def _dequant_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_z
                         lambda b, h, j, _n=x.ndim - 3: (0, b, h) + (0,) * _n)
 
   if fmt.hierarchical:  # plane-blocked codes as rows of one plane: [.., 2C, D/2] (free)
-    k_codes, v_codes = (c.reshape(*c.shape[:-2], 2 * c.shape[-2], c.shape[-1] // 2)
-                        for c in (k_codes, v_codes))
+    k_codes, v_codes = hierarchical.plane_view(k_codes), hierarchical.plane_view(v_codes)
   k_arrays = _side_arrays(k_codes, k_scale, k_zero, fmt.k_bits)
   v_arrays = _side_arrays(v_codes, v_scale, v_zero, fmt.v_bits)
   cache_arrays = [*k_arrays, *v_arrays, k_residual, v_residual]
@@ -1293,7 +1292,7 @@ def dequant_decode_attention_reference(
     if bits == 16:
       return codes.astype(jnp.float32)
     if fmt.hierarchical:
-      return hierarchical.dequantize(codes, sc, zr, axis=axis, block=fmt.token_group, view=view)
+      return hierarchical.dequantize(codes, sc, zr, axis=axis, block=fmt.plane_block, view=view)
     return quant.dequantize(codes, sc, zr, bits, axis=axis)
 
   k = side(k_codes, k_scale, k_zero, fmt.k_bits, fmt.k_axis)

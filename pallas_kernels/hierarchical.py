@@ -105,6 +105,13 @@ def plane_row(t, block: int):
   return 2 * block * (t // block) + t % block
 
 
+def plane_view(codes: jax.Array) -> jax.Array:
+  """``codes [..., T, D]`` as the ``[..., 2T, D/2]`` rows of one plane each (a free
+  reshape); with plane-blocked codes token ``t``'s upper plane is row `plane_row`."""
+  *lead, t, d = codes.shape
+  return codes.reshape(*lead, 2 * t, d // 2)
+
+
 def packed_planes(codes: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
   """``codes [..., T, D]`` uint8 (plane-blocked) -> the packed ``(upper, lower)``
   planes ``[..., T, D/2]`` in token order."""
@@ -156,10 +163,10 @@ def dequantize(codes: jax.Array, scale: jax.Array, zero: jax.Array, *, axis: str
   if view == "target":
     _check_target_operands(codes, scale, zero, axis)
   upper, lower = packed_planes(codes, block)
-  return dequantize_planes(upper, None if view == "draft" else lower, scale, zero, axis=axis)
+  return _dequantize_planes(upper, None if view == "draft" else lower, scale, zero, axis=axis)
 
 
-def dequantize_planes(upper: jax.Array, lower: jax.Array | None, scale: jax.Array,
+def _dequantize_planes(upper: jax.Array, lower: jax.Array | None, scale: jax.Array,
                       zero: jax.Array, *, axis: str) -> jax.Array:
   """Float32 ``[..., T, D]`` from packed planes ``[..., T, D/2]`` in token order
   (`packed_planes`): the draft view when ``lower`` is None, else the target view."""
@@ -183,5 +190,5 @@ def dequantize_planes(upper: jax.Array, lower: jax.Array | None, scale: jax.Arra
   raise ValueError(f"axis={axis!r} must be 'token' or 'channel'")
 
 
-__all__ = ["VIEWS", "check_view", "dequantize", "dequantize_planes", "packed_planes",
-           "plane_row", "planes", "quantize"]
+__all__ = ["VIEWS", "check_view", "dequantize", "packed_planes", "plane_row", "plane_view",
+           "planes", "quantize"]

@@ -43,6 +43,7 @@ except ImportError:  # pragma: no cover
 
 from pallas_kernels import _triton
 from pallas_kernels import combine_t
+from pallas_kernels import hierarchical
 from pallas_kernels import mosaic_dequant
 from pallas_kernels.side_spec import SideSpec
 
@@ -686,8 +687,7 @@ def mosaic_decode_attention(
                        f"needs 4-bit sides, tokens_m=True and a block of a multiple of "
                        f"block_k={bk} dividing the capacity {capacity}")
     # [B, H, C, D] -> the rows of one plane, [B, H, 2C, D/2] (free)
-    k_codes, v_codes = (c.reshape(*c.shape[:2], 2 * capacity, c.shape[-1] // 2)
-                        for c in (k_codes, v_codes))
+    k_codes, v_codes = hierarchical.plane_view(k_codes), hierarchical.plane_view(v_codes)
   why = _triton.skip_refusal(0, skip_tokens, bk)
   if why:
     raise ValueError(why)
