@@ -118,7 +118,8 @@ def staged_attention(q: jax.Array, cache, k_stage: jax.Array, v_stage: jax.Array
       Triton in interpret mode off GPU; Mosaic on Hopper, where it reads the
       draft view of hierarchical caches at head_dim 128), ``"pallas"`` (the
       first of `jaxkv.attention.pallas_order` that serves the input), or
-      None: Triton on a GPU when it serves the cache, the reference
+      None: ``"pallas"`` on a GPU when a family serves the cache (Mosaic for
+      the draft view on Hopper, Triton for the target view), the reference
       elsewhere.
   Returns:
     ``[B, S, Hq, D]`` in q's dtype; query i sees tokens ``[0, L + staged - S + i]``.
@@ -150,8 +151,8 @@ def _fold_queries(q: jax.Array, kv_heads: int) -> jax.Array:
 def _staged_implementation(q, cache, implementation, view: str = "target") -> str:
   from jaxkv.attention import resolve_implementation  # pylint: disable=import-outside-toplevel
   on_gpu = jax.default_backend() == "gpu"
-  if implementation is None:  # Triton: the only family timed in speculative rounds
-    implementation = ("triton", "reference") if on_gpu else "reference"
+  if implementation is None:  # the best Pallas family that serves it (`pallas_order`)
+    implementation = ("pallas", "reference") if on_gpu else "reference"
   names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
   return resolve_implementation(_fold_queries(q, cache.kv_heads), cache, names, view=view)
 

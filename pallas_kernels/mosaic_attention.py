@@ -12,12 +12,13 @@ from Hopper's own pieces:
 - ``wgmma``: ``S = Q @ K^T`` with the query rows of one kv head (Hq/Hkv x S,
   padded to the warpgroup's M = 64) and ``O += P @ V`` with ``P`` from
   registers, as JAX's own ``attention_mgpu.py`` does;
-- the residual block is one more program per (batch, kv head): its bf16/f16
-  rows are copied straight into the same shared-memory tiles, no dequant.
+- the residual block takes one more program per (batch, kv head) and
+  ``block_k``-row tile of it (`residual_parts`): its bf16/f16 rows are copied
+  straight into the same shared-memory tiles, no dequant.
 
 Partials of all programs are merged by a log-sum-exp combine: the v2 kernel's
 ``O^T`` partials by one Pallas Triton kernel (`combine_t`), v1's in jnp
-(``J + 1`` partials of ``rows x D`` floats per (batch, kv head)).
+(``J + R / block_k`` partials of ``rows x D`` floats per (batch, kv head)).
 
 Scope (``supports``): bf16/f16 caches, head_dim 64 or 128, per-channel K with
 token groups that are multiples of ``block_k``, per-token sides with one
@@ -87,7 +88,8 @@ class MosaicAttentionConfig:
   Attributes:
     block_k: packed tokens per pipeline step (64 or 128).
     num_splits: programs per (batch, kv head) over the packed region; one
-      more program per (batch, kv head) attends over the residual block.
+      more program per (batch, kv head) and ``block_k`` rows of the residual
+      block attends over them (`residual_parts`).
     max_concurrent_steps: TMA pipeline depth (shared-memory stages).
     tokens_m: the token block as the M dimension of both MMAs (``S^T = K q^T``,
       ``O^T += V^T P^T``, query rows as N = 16/32/64) with K dequantized in
@@ -228,6 +230,11 @@ class MosaicAttentionConfig:
     """
     del unused
     fits_128 = token_group % 128 == 0 and residual % 128 == 0
+    # the residual block's programs (`residual_parts`) share the wave: a
+    # QuantSpec R = 256 in 128-token blocks counted as one put 8 of 272
+    # programs in a second wave at (1, 131072, 32, 8) (H200, 70.7 us vs 47.3)
+    one_wave = lambda slots, heads, blocks, bk=128: one_wave_splits(  # noqa: E731
+        slots, heads, blocks, residual_programs=residual_parts(residual, bk))
     per_sm = {(4, 4): 4, (8, 4): 3}.get((k_bits, v_bits), 2)
     slots, heads = per_sm * num_sms, batch * kv_heads
     block_k = 128 if min(k_bits, v_bits) <= 2 and fits_128 else 64
@@ -236,13 +243,12 @@ class MosaicAttentionConfig:
       # (counted at the 2 programs per SM they run at up to 64 (sequence, kv
       # head) pairs: H100 (1, 32768) 22.1 us in 32 splits of 8 blocks vs 23.6
       # in 64-token blocks; `attention-ab-splits-shuffle-20261127b-*`)
-      wide = one_wave_splits(2 * num_sms if heads <= 64 else slots, heads,
-                             max(1, tokens // 128))
+      wide = one_wave(2 * num_sms if heads <= 64 else slots, heads, max(1, tokens // 128))
       block_k = 128 if tokens // 128 >= 8 * wide else 64
     blocks = max(1, tokens // block_k)
     # 4-bit K and V in 128-token blocks over <= 64 (sequence, kv head) pairs
     kivi4_wide = (k_bits, v_bits) == (4, 4) and block_k == 128 and heads <= 64
-    splits = one_wave_splits(slots, heads, blocks)
+    splits = one_wave(slots, heads, blocks, block_k)
     if kivi4_wide:
       # They run 3 programs per SM (163 registers since q and the partials are
       # flat rows too, `head_rows`; 2 before, at 171-175), not the 4 counted
@@ -251,14 +257,14 @@ class MosaicAttentionConfig:
       # the former 2-per-SM count), 103.5 (8)); but a single sequence keeps the
       # 2-per-SM count ((1, 32768) 19.9 (32) vs 21.6 (48), (1, 131072) 52.0 vs
       # 53.2; `attention-ab-flat-splits-20261127e-*`)
-      splits = one_wave_splits((3 if heads > 8 else 2) * num_sms, heads, blocks)
+      splits = one_wave((3 if heads > 8 else 2) * num_sms, heads, blocks, block_k)
     elif (k_bits, v_bits) == (2, 2) and heads <= 8:
       # 2-bit K and V run 3 programs per SM (162-168 registers): one wave of them
       # for a single long sequence, where each split still gets >= 8 blocks
       # (H100, whole call us: (1, 131072) 51.5 (48 splits) vs 54.1 (32); H200
       # 50.9 vs 53.7; (1, 32768) 20.4 vs 19.7, so not there;
       # `attention-ab-kivi2-splits-20261127b-*`)
-      wide = one_wave_splits(3 * num_sms, heads, blocks)
+      wide = one_wave(3 * num_sms, heads, blocks, block_k)
       if blocks >= 8 * wide:
         splits = wide
     elif (k_bits, v_bits) == (2, 2):
@@ -267,7 +273,7 @@ class MosaicAttentionConfig:
       # 32768) 95.9 (6) vs 131.1 (4), 99.6 (8); (48, 32768) 497 (2), 490 (3),
       # 522 (1); (186, 32768) 1798 (2) vs 1916 (1);
       # `attention-ab-flat-splits-20261127e-*`)
-      splits = max(one_wave_splits(3 * num_sms, heads, blocks), min(2, blocks // 4))
+      splits = max(one_wave(3 * num_sms, heads, blocks, block_k), min(2, blocks // 4))
     stages = 3 if k_bits >= 8 and v_bits >= 8 else 4
     if min(k_bits, v_bits) <= 2 and block_k == 128:
       stages = 2
@@ -304,7 +310,7 @@ class MosaicAttentionConfig:
       # `attention-ab-kivi4-wide-20261127f-*`)
       programs, two_per_sm = heads * splits, 2 * num_sms
       if programs * 10 < -(-programs // two_per_sm) * two_per_sm * 9:
-        splits = max(one_wave_splits(3 * num_sms, heads, blocks), min(2, blocks // 4))
+        splits = max(one_wave(3 * num_sms, heads, blocks, block_k), min(2, blocks // 4))
         early_v, shuffle = False, True
     # Subnormal codes for 4-bit K and V (H100, kernel us, kivi4: 68.4 vs 70.4 at
     # (1, 131072), 132.3 vs 134.8 at (8, 32768), 1291 vs 1342 at (96, 32768)),
@@ -319,10 +325,12 @@ class MosaicAttentionConfig:
                shuffle_scales=shuffle)
 
 
-def one_wave_splits(slots: int, heads: int, blocks: int, fill_waves: bool = True) -> int:
+def one_wave_splits(slots: int, heads: int, blocks: int, fill_waves: bool = True,
+                    residual_programs: int = 1) -> int:
   """Packed programs per (batch, kv head) for ``slots`` resident programs over
-  ``heads = B * Hkv``: one wave, ``slots // heads`` (less one for the residual
-  program when that is more than 16). With ``fill_waves``, when those
+  ``heads = B * Hkv``: one wave, ``slots // heads`` (less the
+  ``residual_programs`` of each (batch, kv head), `residual_parts`, when that
+  is more than 16). With ``fill_waves``, when those
   programs number fewer than two waves and fill under 90 % of the slots of
   the waves they take (e.g. 392 programs in one wave of 528, or 640 in two),
   at least two waves instead: the smallest count with ``heads * splits >= 2
@@ -334,7 +342,7 @@ def one_wave_splits(slots: int, heads: int, blocks: int, fill_waves: bool = True
   (`attention-ab-large-batch*-20261126-*`)."""
   heads = max(1, heads)
   programs = max(1, slots // heads)
-  want = programs - 1 if programs > 16 else programs
+  want = programs - residual_programs if programs > 16 else programs
   total = heads * want
   waves = -(-total // slots)
   if fill_waves and total < 2 * slots and total * 10 < waves * slots * 9:
@@ -430,6 +438,19 @@ def _run_split(step, specs, gmem_refs, *, packed, j, num_splits: int, bk: int,
   return pipeline(*gmem_refs)
 
 
+def residual_parts(residual: int, block_k: int) -> int:
+  """Programs per (sequence, kv head) over the residual block: one per
+  ``block_k``-row tile, each writing its own partial after the packed splits'.
+
+  One program per tile rather than one program looping (or unrolled) over
+  them: a second tile in the residual program, as a Python loop, made ptxas
+  schedule the whole kernel worse (QuantSpec's R = 2G in 128-token blocks,
+  H200, (1, 131072, 32, 8): 65.0 us against 47.3 with R = 128), and as a
+  `fori_loop` it raised the kernel's registers 163 -> 176, which costs the
+  third program per SM at large batch (`mosaic-NOTES.md`, 2026-11-28)."""
+  return residual // block_k
+
+
 def _program_start(lengths_gmem, row0_gmem, q_gmem, q_smem, barrier, *, kv_heads: int,
                    token_group: int, residual: int, num_queries: int, q_rows: int, rows: int,
                    row_layout):
@@ -439,7 +460,7 @@ def _program_start(lengths_gmem, row0_gmem, q_gmem, q_smem, barrier, *, kv_heads
   sequence length, the packed length (the residual rule) and each query row's
   causal limit (row ``r = head * S + s`` sees tokens ``<= length - S + s``); q
   is copied to smem from its row ``bh = b * H + h`` of ``q_gmem [B * H, ...]``
-  (also the program's row of the other per-query inputs and, times ``J + 1``,
+  (also the program's row of the other per-query inputs and, times ``J + R / block_k``,
   of the partial outputs). Returns ``(bh, cb, h, j, length, packed, row_limit)``."""
   b = lax.axis_index("b")
   h = lax.axis_index("h")
@@ -692,7 +713,8 @@ def mosaic_decode_attention(
   if why:
     raise ValueError(why)
   num_splits = config.num_splits
-  grid_j = num_splits + 1  # the last program of each (b, h) takes the residual
+  # the last programs of each (b, h) take the residual, one tile each
+  grid_j = num_splits + residual_parts(residual, bk)
 
   # Query rows r = h * S + s, scaled by the softmax scale, zero-padded to M
   # (v1) or to the N of the tokens-on-M MMAs (v2).
@@ -734,7 +756,7 @@ def mosaic_decode_attention(
         skip_tokens=skip_tokens, plane_block=plane_block)
     # One combine kernel reads the O^T partials as they are: with register_v
     # the packed programs' rows are in the MMA's V column order (channel c at
-    # row argsort(perm)[c]), the residual program's in channel order.
+    # row argsort(perm)[c]), the residual programs' in channel order.
     packed_rows = None
     if _register_vt(config, v_side, head_dim, dtype):
       packed_rows = np.argsort(mosaic_dequant.vt_permutation(head_dim, v_side.bits))
@@ -744,7 +766,8 @@ def mosaic_decode_attention(
     # the input policy's flags computed in the combine kernel from q itself
     poison = {} if seq_bad is None else dict(q=q, seq_bad=seq_bad)
     return unpack_out(combine_t.combine_t(o_part, l_part, m_part, rows=rows,
-                                          packed_rows=packed_rows, out_dtype=q.dtype, **poison),
+                                          packed_rows=packed_rows, out_dtype=q.dtype,
+                                          plain_tail=residual_parts(residual, bk), **poison),
                       l_part, m_part)
 
   k_w = k_codes.shape[-1]
@@ -810,19 +833,17 @@ def mosaic_decode_attention(
                         max_concurrent_steps=config.max_concurrent_steps,
                         init_carry=(acc0, m0, l0), skip=skip_tokens))
 
-    @pl.when(j == num_splits)
-    def _residual():
-      carry = (acc0, m0, l0)
+    @pl.when(j >= num_splits)
+    def _residual():  # tile j - num_splits of the residual block
       num_res = length - packed
-      for r0 in range(0, residual, bk):
-        plgpu.copy_gmem_to_smem(kres_gmem.at[cb, pl.ds(r0, bk)], kdq_smem, barrier)
-        plgpu.barrier_wait(barrier)
-        plgpu.copy_gmem_to_smem(vres_gmem.at[cb, pl.ds(r0, bk)], vdq_smem, barrier)
-        plgpu.barrier_wait(barrier)
-        # Residual row r holds token packed + r.
-        carry = _attend_block(q_smem, kdq_smem, vdq_smem, carry, token0=packed + r0,
-                              valid_below=packed + num_res, row_limit=row_limit, dtype=dtype)
-      finish(carry)
+      r0 = pl.multiple_of((j - num_splits) * bk, bk)
+      plgpu.copy_gmem_to_smem(kres_gmem.at[cb, pl.ds(r0, bk)], kdq_smem, barrier)
+      plgpu.barrier_wait(barrier)
+      plgpu.copy_gmem_to_smem(vres_gmem.at[cb, pl.ds(r0, bk)], vdq_smem, barrier)
+      plgpu.barrier_wait(barrier)
+      # Residual row r holds token packed + r.
+      finish(_attend_block(q_smem, kdq_smem, vdq_smem, (acc0, m0, l0), token0=packed + r0,
+                           valid_below=packed + num_res, row_limit=row_limit, dtype=dtype))
 
   def arrays(codes, scale, zero, side):
     return [codes] if side.bits == 16 else [codes, scale, zero]
@@ -1064,7 +1085,7 @@ def unflatten_partials(parts, batch: int, kv_heads: int) -> list:
 def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v_side,
                    token_group, residual, num_queries, q_rows, config, dtype, row0, vq=None,
                    skip_tokens: int = 0, plane_block: int = 0):
-  """The v2 kernel; returns partials ``o [B,H,J+1,D,N_pv], l, m [B,H,J+1,N]``.
+  """The v2 kernel; returns partials ``o [B,H,J+R/bk,D,N_pv], l, m [B,H,J+R/bk,N]``.
 
   ``skip_tokens``: packed tokens left to the caller (`_split_blocks`).
   ``plane_block``: the code inputs are plane-blocked rows ``[., 2C, D/2]``
@@ -1092,7 +1113,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
   n_pv = max(n_rows, 16)
   bk = config.block_k
   num_splits = config.num_splits
-  grid_j = num_splits + 1
+  grid_j = num_splits + residual_parts(residual, bk)
   f32 = jnp.float32
   # Shared-memory tiles. q (the B operand of the score MMA, read K-major) is
   # tiled by K's plane width; V tiles and P^T (A and B of the value MMA, one
@@ -1321,9 +1342,10 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       finish(pl.run_scoped(run, *scoped) if scoped else run(),
              acc_shift=mosaic_dequant.SUBNORMAL_EXP - mosaic_dequant.P_SHIFT if sub_v else 0)
 
-    @pl.when(j == num_splits)
-    def _residual():
+    @pl.when(j >= num_splits)
+    def _residual():  # tile j - num_splits of the residual block (`residual_parts`)
       num_res = length - packed
+      r0 = pl.multiple_of((j - num_splits) * bk, bk)
       if register_k or vq is not None:  # the residual's K rows are in channel order
         plgpu.copy_gmem_to_smem(qres_gmem.at[bh], q_smem, barrier)
         plgpu.barrier_wait(barrier)
@@ -1331,17 +1353,14 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       # The residual K and V tiles live in this branch's scope only (the packed
       # programs' pipeline buffers take the same shared memory).
       def attend_residual(kres_smem, vdq_smem):
-        carry = (acc0, m0, l0, l0)
-        for r0 in range(0, residual, bk):
-          plgpu.copy_gmem_to_smem(kres_gmem.at[cb, pl.ds(r0, bk)], kres_smem, barrier)
-          plgpu.barrier_wait(barrier)
-          plgpu.copy_gmem_to_smem(vres_gmem.at[cb, pl.ds(r0, bk)], vdq_smem, barrier)
-          plgpu.barrier_wait(barrier)
-          # Residual row r holds token packed + r.
-          carry = attend(q_smem, kres_smem, vdq_smem, pt_smem, vdq_smem, carry,
-                         token0=packed + r0, valid_below=packed + num_res,
-                         row_limit=row_limit, q_sum=q_sum, flag_smem=flag_smem)
-        return carry
+        plgpu.copy_gmem_to_smem(kres_gmem.at[cb, pl.ds(r0, bk)], kres_smem, barrier)
+        plgpu.barrier_wait(barrier)
+        plgpu.copy_gmem_to_smem(vres_gmem.at[cb, pl.ds(r0, bk)], vdq_smem, barrier)
+        plgpu.barrier_wait(barrier)
+        # Residual row r holds token packed + r.
+        return attend(q_smem, kres_smem, vdq_smem, pt_smem, vdq_smem, (acc0, m0, l0, l0),
+                      token0=packed + r0, valid_below=packed + num_res,
+                      row_limit=row_limit, q_sum=q_sum, flag_smem=flag_smem)
 
       finish(pl.run_scoped(attend_residual, plgpu.SMEM((bk, head_dim), dtype, transforms=q_tf),
                            vdq_type))

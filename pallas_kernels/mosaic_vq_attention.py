@@ -97,15 +97,19 @@ def supports(*, head_dim: int, k_spec: VQSideSpec, v_spec: VQSideSpec, q_rows: i
 
 
 def default_config(*, batch: int, tokens: int, kv_heads: int, num_sms: int = 132,
-                   two_warpgroups: bool = False, stages: int = 4) -> ma.MosaicAttentionConfig:
+                   two_warpgroups: bool = False, stages: int = 4,
+                   residual: int = 128) -> ma.MosaicAttentionConfig:
   """One CTA per SM (the two codebooks take most of its shared memory): one
-  wave of ``num_sms`` programs, less one per (b, h) for the residual program
-  when that is many, at least 4 blocks per split. ``two_warpgroups``: 128-token
-  blocks (the two-warpgroup kernel), else 64; ``stages`` pipeline stages."""
+  wave of ``num_sms`` programs, less the residual programs of each (b, h)
+  when that is many (the two-warpgroup kernel's one, the one-warpgroup
+  kernel's one per 64 rows, `mosaic_attention.residual_parts`), at least 4
+  blocks per split. ``two_warpgroups``: 128-token blocks (the two-warpgroup
+  kernel), else 64; ``stages`` pipeline stages."""
   block_k = 128 if two_warpgroups else 64
   # one wave as measured for VQ (the two-wave rule of the dequant kernel was not)
-  splits = ma.one_wave_splits(num_sms, batch * kv_heads, max(1, tokens // block_k),
-                              fill_waves=False)
+  splits = ma.one_wave_splits(
+      num_sms, batch * kv_heads, max(1, tokens // block_k), fill_waves=False,
+      residual_programs=1 if two_warpgroups else ma.residual_parts(residual, block_k))
   return ma.MosaicAttentionConfig(block_k=block_k, num_splits=splits,
                                   max_concurrent_steps=stages)
 
@@ -345,7 +349,7 @@ def auto_config(*, q_rows: int, head_dim: int, k_spec: VQSideSpec, v_spec: VQSid
          and smem(2) <= _SMEM_LIMIT)
   stages = max(st for st in (2, 3, 4) if smem(st) <= _SMEM_LIMIT) if two else 4
   return default_config(batch=batch, tokens=capacity, kv_heads=kv_heads, num_sms=num_sms,
-                        two_warpgroups=two, stages=stages)
+                        two_warpgroups=two, stages=stages, residual=residual)
 
 
 @functools.partial(jax.jit, static_argnames=("k_spec", "v_spec", "token_group", "config",
@@ -451,7 +455,7 @@ def mosaic_vq_decode_attention(
         lengths.astype(jnp.int32), k_side=placeholder, v_side=placeholder,
         token_group=token_group, residual=residual, num_queries=num_queries, q_rows=q_rows,
         config=config, dtype=dtype, vq=tuple(books), row0=row0, skip_tokens=skip_tokens)
-    tail = 1
+    tail = ma.residual_parts(residual, config.block_k)  # the residual programs' partials
   out = combine_t.combine_t(o_part, l_part, m_part, rows=_triton.next_pow2(q_rows),
                             packed_rows=np.argsort(perm), out_dtype=q.dtype, plain_tail=tail)
   out = ma.unpack_rows(out, num_queries, q_heads)

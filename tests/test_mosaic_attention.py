@@ -299,10 +299,25 @@ def test_default_config_per_format(name, tokens, block_k, stages):
   assert ok, why
 
 
+def test_default_splits_leave_the_wave_to_every_residual_program():
+  """The residual block takes one program per block_k rows (`residual_parts`):
+  QuantSpec's draft view (4-bit sides, R = 256 in 128-token blocks) at one
+  long sequence keeps all its programs in the 2-per-SM wave its kivi4-like
+  kernel runs at (33 per (sequence, kv head) on 132 SMs), where counting one
+  residual program put 8 of 272 in a second wave."""
+  config = ma.MosaicAttentionConfig.default(batch=1, tokens=131072, kv_heads=8, k_bits=4,
+                                            v_bits=4, token_group=128, residual=256)
+  parts = ma.residual_parts(256, config.block_k)
+  assert (config.block_k, parts) == (128, 2)
+  assert 8 * (config.num_splits + parts) == 2 * 132
+  assert ma.one_wave_splits(264, 8, 1024, residual_programs=2) == 31
+  assert ma.one_wave_splits(264, 8, 1024) == 32
+
+
 @pytest.mark.parametrize("name,batch,tokens,splits", [
     ("kivi4", 1, 131072, 32), ("kivi4", 8, 32768, 6), ("kivi4", 4, 32768, 12),
     ("kivi2", 1, 131072, 48), ("kivi2", 1, 32768, 32), ("kivi2", 8, 32768, 6),
-    ("k8v4", 1, 131072, 48), ("k8v4", 8, 32768, 6),
+    ("k8v4", 1, 131072, 47), ("k8v4", 8, 32768, 6),
     ("kivi4", 1, 2048, 8), ("kivi4", 16, 32768, 4), ("kivi4", 48, 32768, 2),
     ("kivi4", 24, 32768, 2), ("kivi4", 32, 32768, 2), ("kivi4", 64, 32768, 1),
     ("kivi4", 96, 32768, 2), ("kivi4", 100, 32768, 2), ("kivi2", 96, 32768, 2), ("kivi2", 40, 32768, 3),
@@ -312,8 +327,9 @@ def test_default_splits_follow_the_documented_rule(name, batch, tokens, splits):
   128-token blocks over more than 64 (sequence, kv head) pairs; 3 over 9-64
   pairs, 2 over <= 8), 3 for k8v4 and for 2-bit K/V (over <= 8 pairs only where
   each split keeps >= 8 blocks, else 2; over more pairs at least 2 splits)
-  (132 SMs, 8 kv heads); a long single sequence leaves a slot for the residual
-  program; at least two waves where one would leave more than a tenth of the
+  (132 SMs, 8 kv heads); a long single sequence leaves slots for the residual
+  programs (one per block of the residual: k8v4's 128 rows in 64-token blocks
+  take two); at least two waves where one would leave more than a tenth of the
   slots idle (large batches); never fewer than 4 blocks per split. kivi4 over
   more than 64 pairs whose 4-per-SM count fills its last wave at the 2 per SM
   it runs at under 90 % (24 sequences: 6 splits, 1152 programs in 5 waves of
@@ -350,6 +366,22 @@ def test_pallas_order_per_format(name, dtype, head_dim, first):
   assert order[0] == first and set(order) == {"mosaic", "triton"}
   for heads in (1, 64, 392, 4096):
     assert pallas_order(PRESETS[name], dtype, head_dim, heads=heads) == order
+
+
+@pytest.mark.parametrize("dtype,head_dim,first", [
+    (jnp.bfloat16, 128, "mosaic"), (jnp.float16, 128, "triton"), (jnp.bfloat16, 64, "triton")])
+def test_pallas_order_quantspec_draft_view(dtype, head_dim, first):
+  """A hierarchical cache's draft view (a 4-bit read) follows kivi4's rule,
+  short caches at large batch included; its target view stays Triton-first."""
+  from jaxkv.attention import MOSAIC_KIVI4_MIN_TOKENS, pallas_order
+  fmt = PRESETS["quantspec"]
+  assert pallas_order(fmt, dtype, head_dim, view="draft")[0] == first
+  assert pallas_order(fmt, dtype, head_dim, view="target")[0] == "triton"
+  for heads, tokens in ((8, 131072), (512, 4 * MOSAIC_KIVI4_MIN_TOKENS)):
+    assert (pallas_order(fmt, dtype, head_dim, heads=heads, tokens=tokens, view="draft")
+            == pallas_order(PRESETS["kivi4"], dtype, head_dim, heads=heads, tokens=tokens))
+  assert pallas_order(fmt, jnp.bfloat16, 128, heads=32, tokens=MOSAIC_KIVI4_MIN_TOKENS,
+                      view="draft")[0] == "triton"
 
 
 def test_pallas_order_short_kivi4_caches_at_batch():
@@ -455,8 +487,9 @@ def test_mosaic_draft_view_of_quantspec(b, hkv, group, d, s, lengths, capacity):
     assert err < _TOL[jnp.bfloat16], f"{config=}: max rel err {err:.2e}"
     np.testing.assert_allclose(np.asarray(lse, np.float64), lse_ref, rtol=0, atol=5e-2,
                                err_msg=f"{config=}")
-  # Dispatch keeps both views on Triton (the draft view measured equal there).
-  assert attention.resolve_implementation(q, cache, None, view="draft") == "triton"
+  # Dispatch: the draft view on Mosaic (kivi4's rule, `pallas_order`), the
+  # target view on Triton.
+  assert attention.resolve_implementation(q, cache, None, view="draft") == "mosaic"
   assert attention.resolve_implementation(q, cache, None, view="target") == "triton"
   got = jaxkv.decode_attention(q, cache, view="draft", implementation="mosaic")
   err = np.abs(np.asarray(got, np.float64) - ref).max() / np.abs(ref).max()
