@@ -66,6 +66,7 @@ import jaxkv  # noqa: E402
 from bench import e2e  # noqa: E402
 from jaxkv import fidelity  # noqa: E402
 from jaxkv import timing  # noqa: E402
+from jaxkv.attention import pallas_order  # noqa: E402
 from jaxkv.speculative import block_forward  # noqa: E402
 from models import draft_weights as dw  # noqa: E402
 from models import llama  # noqa: E402
@@ -442,6 +443,12 @@ def timing_main(args) -> int:
           draft_read_bytes=run.draft_read_bytes, draft_weight_copy_bytes=dw.nbytes(weights),
           hbm_read_bytes_per_s=bandwidth, bandwidth_probe_gib=gib, batch=1,
           kv_format_speculative="quantspec", sampler="greedy",
+          # the staged attention's family per view (`jaxkv.attention.pallas_order`;
+          # the draft view went from Triton to Mosaic first on 2026-11-28)
+          attention_order={
+              view: list(pallas_order(jaxkv.KVFormat.preset("quantspec"), jnp.bfloat16, 128,
+                                      view=view))
+              for view in ("draft", "target")},
           cache_fill="random N(0,1) K/V through ModelCache.append_layer (bench.e2e.fill_cache)",
           ar_timing=("per step inside one jitted jaxkv.decode_steps loop of --loop-steps steps "
                      "(bench.e2e.time_decode_loop); compile and a warm-up loop excluded"),

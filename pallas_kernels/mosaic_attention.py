@@ -1085,7 +1085,8 @@ def unflatten_partials(parts, batch: int, kv_heads: int) -> list:
 def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v_side,
                    token_group, residual, num_queries, q_rows, config, dtype, row0, vq=None,
                    skip_tokens: int = 0, plane_block: int = 0):
-  """The v2 kernel; returns partials ``o [B,H,J+R/bk,D,N_pv], l, m [B,H,J+R/bk,N]``.
+  """The v2 kernel; returns partials ``o [B,H,P,D,N_pv], l, m [B,H,P,N]``
+  (``P = J + R / block_k``: the splits', then the residual tiles', `residual_parts`).
 
   ``skip_tokens``: packed tokens left to the caller (`_split_blocks`).
   ``plane_block``: the code inputs are plane-blocked rows ``[., 2C, D/2]``
