@@ -216,8 +216,9 @@ class MosaicAttentionConfig:
     counts stay because they were measured best (attending a 128-token tile
     as two 64-token halves took 144 registers and ran 20-50 % slower). The
     packed programs per (batch, kv head) are ``per_sm * num_sms // (batch *
-    kv_heads)``, less one for the residual program when that count is large
-    (a single sequence), at most 64 and at least 4 blocks each, and at least
+    kv_heads)``, less the residual programs (`residual_parts`: one per
+    ``block_k`` rows of the residual) when that count is large (a single
+    sequence), at most 64 and at least 4 blocks each, and at least
     two waves where one would leave slots idle (`one_wave_splits`). Measured
     (kernel us, the rule's pick in brackets): H100 2026-11-26, kivi4 at (1, 131072,
     32, 8) [64] 73.7 vs 78.0 (48), 91.4 (32); at (8, 32768, 32, 8) [8] 149.4
@@ -701,6 +702,10 @@ def mosaic_decode_attention(
   bk = config.block_k
   if capacity % bk:
     raise ValueError(f"cache capacity {capacity} must be a multiple of block_k={bk}")
+  if residual % bk or k_residual.shape[-2] != residual:
+    # one program per block_k rows (`residual_parts`): a partial tile would be dropped
+    raise ValueError(f"residual={residual} must be a multiple of block_k={bk} and the "
+                     f"residual arrays' rows ({k_residual.shape[-2]})")
   if plane_block:
     if plane_block % bk or capacity % plane_block or not config.tokens_m or any(
         s.bits != 4 for s in (k_side, v_side)):

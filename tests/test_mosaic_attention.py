@@ -259,6 +259,28 @@ def test_forced_mosaic_off_hopper_raises():
   assert out.shape == q.shape
 
 
+def test_residual_not_in_whole_tiles_is_refused():
+  """The residual block runs as one program per block_k rows: a residual that
+  is not a multiple of block_k (or arrays of another row count) would drop
+  rows, so the kernel refuses it before tracing anything."""
+  fmt = PRESETS["kivi4"]
+  b, h, c, d = 1, 2, 256, 128
+  sides = SideSpec.of(fmt, "k", d), SideSpec.of(fmt, "v", d)
+  q = jnp.ones((b, 1, 4 * h, d), jnp.bfloat16)
+  codes = jnp.zeros((b, h, c, d // 2), jnp.uint8)
+  kscale = jnp.ones((b, h, c // 128, d), jnp.float16)
+  vscale = jnp.ones((b, h, c, 1), jnp.float16)
+  lengths = jnp.full((b,), 200, jnp.int32)
+  config = ma.MosaicAttentionConfig(block_k=128, num_splits=1)
+  for rows, residual in ((64, 64), (256, 128)):
+    res = jnp.ones((b, h, rows, d), jnp.bfloat16)
+    with pytest.raises(ValueError, match="residual"):
+      ma.mosaic_decode_attention(q, codes, kscale, kscale, codes, vscale, vscale, res, res,
+                                 lengths, k_side=sides[0], v_side=sides[1], token_group=128,
+                                 residual=residual, sm_scale=0.1, config=config)
+  assert ma.residual_parts(256, 128) == 2 and ma.residual_parts(128, 64) == 2
+
+
 def test_config_validation():
   with pytest.raises(ValueError, match="block_k"):
     ma.MosaicAttentionConfig(block_k=32)
