@@ -702,10 +702,11 @@ def mosaic_decode_attention(
   bk = config.block_k
   if capacity % bk:
     raise ValueError(f"cache capacity {capacity} must be a multiple of block_k={bk}")
-  if residual % bk or k_residual.shape[-2] != residual:
+  if residual % bk or {k_residual.shape[-2], v_residual.shape[-2]} != {residual}:
     # one program per block_k rows (`residual_parts`): a partial tile would be dropped
     raise ValueError(f"residual={residual} must be a multiple of block_k={bk} and the "
-                     f"residual arrays' rows ({k_residual.shape[-2]})")
+                     f"residual arrays' rows (K {k_residual.shape[-2]}, V "
+                     f"{v_residual.shape[-2]})")
   if plane_block:
     if plane_block % bk or capacity % plane_block or not config.tokens_m or any(
         s.bits != 4 for s in (k_side, v_side)):

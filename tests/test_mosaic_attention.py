@@ -272,10 +272,11 @@ def test_residual_not_in_whole_tiles_is_refused():
   vscale = jnp.ones((b, h, c, 1), jnp.float16)
   lengths = jnp.full((b,), 200, jnp.int32)
   config = ma.MosaicAttentionConfig(block_k=128, num_splits=1)
-  for rows, residual in ((64, 64), (256, 128)):
-    res = jnp.ones((b, h, rows, d), jnp.bfloat16)
+  for k_rows, v_rows, residual in ((64, 64, 64), (256, 256, 128), (128, 256, 128)):
+    k_res = jnp.ones((b, h, k_rows, d), jnp.bfloat16)
+    v_res = jnp.ones((b, h, v_rows, d), jnp.bfloat16)
     with pytest.raises(ValueError, match="residual"):
-      ma.mosaic_decode_attention(q, codes, kscale, kscale, codes, vscale, vscale, res, res,
+      ma.mosaic_decode_attention(q, codes, kscale, kscale, codes, vscale, vscale, k_res, v_res,
                                  lengths, k_side=sides[0], v_side=sides[1], token_group=128,
                                  residual=residual, sm_scale=0.1, config=config)
   assert ma.residual_parts(256, 128) == 2 and ma.residual_parts(128, 64) == 2
