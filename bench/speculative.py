@@ -81,6 +81,28 @@ def text_prompts(tokenizer, count: int, length: int) -> np.ndarray:
   return np.stack([np.asarray(tokens[s:s + length]) for s in starts])
 
 
+DOC_QUESTION = ("Question: what is the main topic of the document above, and which of its "
+                "details matter most? Answer in a few sentences.")
+
+
+def doc_question_prompts(tokenizer, lengths: list[int]) -> tuple[np.ndarray, np.ndarray]:
+  """One chat prompt per target length: a user turn holding a window of the
+  reference text (sized so the rendered chat is about that many tokens; the
+  windows start at spread-out points) and `DOC_QUESTION`, with the
+  generation prompt. Returns right-padded ``[B, max_len]`` ids and the lengths."""
+  tokens = tokenizer.encode(fidelity.reference_text(), add_bos=False)
+  overhead = len(tokenizer.encode_chat([{"role": "user", "content": "\n\n" + DOC_QUESTION}]))
+  starts = np.linspace(0, len(tokens) - max(lengths) - 1, len(lengths)).astype(int)
+  ids = []
+  for start, length in zip(starts, lengths):
+    doc = tokenizer.decode(tokens[start:start + length - overhead])
+    ids.append(tokenizer.encode_chat([{"role": "user", "content": f"{doc}\n\n{DOC_QUESTION}"}]))
+  out = np.zeros((len(ids), max(map(len, ids))), np.int32)
+  for i, row in enumerate(ids):
+    out[i, :len(row)] = row
+  return out, np.array([len(r) for r in ids])
+
+
 def plot(result: dict, path: str) -> None:
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
@@ -561,6 +583,10 @@ def main(argv=None) -> int:
   p.add_argument("--prompts", type=int, default=4, help="text windows (the batch)")
   p.add_argument("--prompt-len", type=int, default=448, help="tokens per window")
   p.add_argument("--new-tokens", type=int, default=64)
+  p.add_argument("--doc-question", default=None, metavar="LENS",
+                 help="comma-separated prompt lengths (e.g. 1024,2048,4096,8000): one chat "
+                      "prompt each, a document window plus a question (`DOC_QUESTION`), "
+                      "run as one ragged batch (replaces --prompts / --prompt-len)")
   p.add_argument("--no-check", action="store_true", help="skip the plain greedy comparison")
   p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   p.add_argument("--tag", default=None, help="file name tag (default: the platform)")
@@ -593,8 +619,13 @@ def main(argv=None) -> int:
   dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
   t0 = time.perf_counter()
   model = llama.from_pretrained(path, dtype=dtype)
-  prompts = text_prompts(load_tokenizer(path), args.prompts, args.prompt_len)
-  lengths = np.full((args.prompts,), args.prompt_len)
+  if args.doc_question:
+    prompts, lengths = doc_question_prompts(
+        load_tokenizer(path), [int(x) for x in args.doc_question.split(",")])
+    print(f"document-question prompts of {lengths.tolist()} tokens", flush=True)
+  else:
+    prompts = text_prompts(load_tokenizer(path), args.prompts, args.prompt_len)
+    lengths = np.full((args.prompts,), args.prompt_len)
   print(f"loaded {os.path.basename(path)} in {time.perf_counter() - t0:.1f}s", flush=True)
   plain = None
   if not args.no_check:
@@ -620,10 +651,14 @@ def main(argv=None) -> int:
       rows.append(row)
       print(json.dumps(row), flush=True)
   result = dict(settings=dict(model=os.path.basename(path), platform=jax.default_backend(),
-                              dtype=jnp.dtype(dtype).name, prompts=args.prompts,
-                              prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                              dtype=jnp.dtype(dtype).name, prompts=len(lengths),
+                              prompt_len=args.prompt_len if not args.doc_question else None,
+                              prompt_lengths=np.asarray(lengths).tolist(),
+                              new_tokens=args.new_tokens,
                               kv_format="quantspec", sampler="greedy",
-                              text="pydoc_data.topics windows (jaxkv.fidelity.reference_text)",
+                              text="pydoc_data.topics windows (jaxkv.fidelity.reference_text)"
+                              + (f", as chat prompts: window + {DOC_QUESTION!r}"
+                                 if args.doc_question else ""),
                               jax=jax.__version__, wall_s=round(time.perf_counter() - t0, 1)),
                 rows=rows)
   tag = args.tag or jax.default_backend()
