@@ -90,6 +90,9 @@ def _parser() -> argparse.ArgumentParser:
   g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                  help="parameter dtype (auto: the checkpoint's; float32 for GGUF)")
   g.add_argument("--capacity", type=_positive_int, default=None, help="cache tokens per sequence")
+  g.add_argument("--prefill-chunk", type=_positive_int, default=None, metavar="N",
+                 help="prefill long prompts in chunks of N tokens (bounds the prefill's "
+                      "attention memory; generate(prefill_chunk=))")
   g.add_argument("--implementation", default=None, help="decode_attention implementation")
   g.add_argument("--no-stop", action="store_true", help="ignore EOS tokens")
   g.add_argument("--mesh", default=None, metavar="data=D,model=M",
@@ -535,7 +538,8 @@ def _generate(args) -> int:
         model, tokens, lengths, kv_format=fmt, max_new_tokens=n, gamma=args.speculative,
         draft_weights=args.draft_weights or "int4", sampler=args.sampler,
         temperature=args.temperature,
-        stop_tokens=stops or None, rng=jax.random.key(args.seed), capacity=capacity, mesh=mesh)
+        stop_tokens=stops or None, rng=jax.random.key(args.seed), capacity=capacity, mesh=mesh,
+        prefill_chunk=args.prefill_chunk)
     stamps = [time.perf_counter()]
     print(f"speculative (gamma={args.speculative}, draft weights "
           f"{args.draft_weights or 'int4'}): "
@@ -546,7 +550,8 @@ def _generate(args) -> int:
         model, tokens, lengths, kv_format=fmt, max_new_tokens=n, sampler=args.sampler,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         stop_tokens=stops or None, rng=jax.random.key(args.seed), capacity=capacity,
-        implementation=args.implementation, progress=progress, mesh=mesh, codebooks=books)
+        implementation=args.implementation, progress=progress, mesh=mesh, codebooks=books,
+        prefill_chunk=args.prefill_chunk)
   out, out_len = np.asarray(out), np.asarray(out_len)
   total_s = time.perf_counter() - t0
   if bar is not None:

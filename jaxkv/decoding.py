@@ -177,6 +177,8 @@ class GenerateSettings:
       generated token (through `jax.debug.callback`).
     mesh: a `jaxkv.make_mesh` mesh: the model's appends and attention run per
       shard and the cache keeps its `jaxkv.sharding.cache_specs` placement.
+    prefill_chunk: prompt tokens per prefill chunk (``model.prefill``'s
+      ``chunk_size``); None = the whole prompt at once.
   """
 
   max_new_tokens: int
@@ -186,6 +188,7 @@ class GenerateSettings:
   implementation: str | None = None
   progress: Callable[[Any], None] | None = None
   mesh: Any = None
+  prefill_chunk: int | None = None
 
   def sample(self, logits, rng, temperature, top_p):
     if self.sampler == "greedy":
@@ -354,11 +357,13 @@ def _generate_program(graphdef, state, prompt_tokens, prompt_lengths, cache, rng
   """Prefill + while-loop decode. Returns ``(tokens [B, N], lengths [B], cache)``."""
   model = nnx.merge(graphdef, state)
   batch = prompt_tokens.shape[0]
+  chunk = prefill_kwargs(settings.prefill_chunk)
   if settings.mesh is None:
-    logits, cache = model.prefill(prompt_tokens, prompt_lengths, cache)
+    logits, cache = model.prefill(prompt_tokens, prompt_lengths, cache, **chunk)
   else:
     cache = _constrain(cache, settings.mesh)
-    logits, cache = model.prefill(prompt_tokens, prompt_lengths, cache, mesh=settings.mesh)
+    logits, cache = model.prefill(prompt_tokens, prompt_lengths, cache, mesh=settings.mesh,
+                                  **chunk)
     cache = _constrain(cache, settings.mesh)
   rng, key = jax.random.split(rng)
   token = settings.sample(logits, key, temperature, top_p)
@@ -617,7 +622,8 @@ def generate(model, prompt_tokens, prompt_lengths, *, kv_format: KVFormat | str 
              rng: jax.Array | None = None, capacity: int | None = None,
              implementation: str | None = None, cache_dtype=None, pad_token_id: int = 0,
              return_cache: bool = False, progress: Callable[[Any], None] | None = None,
-             num_steps: int | None = None, mesh=None, codebooks=None):
+             num_steps: int | None = None, mesh=None, codebooks=None,
+             prefill_chunk: int | None = None):
   """Generates ``max_new_tokens`` tokens per prompt with a (quantized) KV cache.
 
   Args:
@@ -662,6 +668,11 @@ def generate(model, prompt_tokens, prompt_lengths, *, kv_format: KVFormat | str 
       XLA replicates its weights). Greedy tokens match one device.
     codebooks: a VQ format's `jaxkv.VQCodebooks` (required there; passed to
       ``model.init_cache``).
+    prefill_chunk: prefill the prompt in chunks of this many tokens
+      (``model.prefill(..., chunk_size=)``: each chunk attends to the stored
+      history and causally within itself), which bounds the prefill's
+      attention memory for long prompts; None = the whole prompt at once.
+      The result equals one chunk up to float rounding.
   Returns:
     ``(tokens [B, max_new_tokens] int32, lengths [B] int32)`` where
     ``lengths[b]`` counts generated tokens up to and including the stop
@@ -695,8 +706,10 @@ def generate(model, prompt_tokens, prompt_lengths, *, kv_format: KVFormat | str 
   prompt_lengths = jnp.asarray(prompt_lengths, jnp.int32)
   if prompt_lengths.shape != (batch,):
     raise ValueError(f"prompt_lengths.shape={prompt_lengths.shape} must be ({batch},)")
-  settings = _settings(model, max_new_tokens, sampler, temperature, top_k, top_p,
-                       implementation, progress, mesh)
+  settings = dataclasses.replace(
+      _settings(model, max_new_tokens, sampler, temperature, top_k, top_p, implementation,
+                progress, mesh),
+      prefill_chunk=check_prefill_chunk(prefill_chunk))
   if num_steps is not None and (isinstance(num_steps, bool)
                                 or not isinstance(num_steps, (int, np.integer))
                                 or not 1 <= num_steps <= max_new_tokens):
@@ -729,6 +742,22 @@ def generate(model, prompt_tokens, prompt_lengths, *, kv_format: KVFormat | str 
   if return_cache:
     return tokens, lengths, cache
   return tokens, lengths
+
+
+def check_prefill_chunk(prefill_chunk) -> int | None:
+  """``prefill_chunk`` as an int >= 1, or None; ValueError naming it otherwise."""
+  if prefill_chunk is None:
+    return None
+  if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, (int, np.integer)) \
+      or prefill_chunk < 1:
+    raise ValueError(f"prefill_chunk={prefill_chunk!r} must be an int >= 1 or None")
+  return int(prefill_chunk)
+
+
+def prefill_kwargs(prefill_chunk: int | None) -> dict:
+  """``model.prefill``'s keyword for a chunked prefill (none for one chunk, so a
+  model meeting only the module's contract keeps working)."""
+  return {} if prefill_chunk is None else {"chunk_size": prefill_chunk}
 
 
 def as_format(kv_format):

@@ -45,7 +45,7 @@ from flax import nnx
 
 from jaxkv.decoding import (COMPILER_OPTIONS, SplitModel, _check_ids, _check_rng,
                              _check_temperature, _is_stop, _pad_id, _scaled_logits, _split,
-                             _stop_array)
+                             _stop_array, check_prefill_chunk, prefill_kwargs)
 from jaxkv.formats import KVFormat
 from jaxkv.sharding import check_mesh
 from jaxkv.cache import check_int
@@ -63,6 +63,7 @@ class SpecSettings:
   gamma: int
   sampler: str  # "greedy" or "sample"
   mesh: Any = None  # a jaxkv.make_mesh mesh, or None
+  prefill_chunk: int | None = None  # model.prefill's chunk_size (None: one chunk)
 
 
 def block_forward(model, tokens, cache, stage_k, stage_v, staged, *, view: str, mesh=None):
@@ -255,11 +256,12 @@ def _speculative_program(graphdef, state, draft_state, prompt_tokens, prompt_len
       draft_state, use_kernel=settings.mesh is None)
   b = prompt_tokens.shape[0]
   mesh = settings.mesh
+  chunk = prefill_kwargs(settings.prefill_chunk)
   if mesh is None:
-    logits, cache = model.prefill(prompt_tokens, prompt_lengths, cache)
+    logits, cache = model.prefill(prompt_tokens, prompt_lengths, cache, **chunk)
   else:
     logits, cache = model.prefill(prompt_tokens, prompt_lengths, _constrain(cache, mesh),
-                                  mesh=mesh)
+                                  mesh=mesh, **chunk)
     cache = _constrain(cache, mesh)
   rng, key = jax.random.split(rng)
   if settings.sampler == "greedy":
@@ -321,7 +323,7 @@ def speculative_generate(model, prompt_tokens, prompt_lengths, *, max_new_tokens
                          rng: jax.Array | None = None, capacity: int | None = None,
                          cache_dtype=None, pad_token_id: int = 0,
                          group_size: int = DEFAULT_GROUP_SIZE, return_cache: bool = False,
-                         mesh=None):
+                         mesh=None, prefill_chunk: int | None = None):
   """Self-speculative generation (QuantSpec): draft on 4 bits, verify on 8.
 
   Args:
@@ -344,6 +346,8 @@ def speculative_generate(model, prompt_tokens, prompt_lengths, *, max_new_tokens
       created sharded (`jaxkv.shard_cache` placement), the prompt is prefilled
       per shard, and the loop keeps the cache in place. Same tokens as one
       device (greedy).
+    prefill_chunk: prefill the prompt in chunks of this many tokens, as in
+      `jaxkv.generate` (bounds the prefill's attention memory); None = at once.
   Returns:
     ``(tokens [B, max_new_tokens] int32, lengths [B] int32, stats)`` where
     ``stats`` holds per sequence ``verifications`` and ``accepted`` (draft
@@ -370,6 +374,7 @@ def speculative_generate(model, prompt_tokens, prompt_lengths, *, max_new_tokens
       or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
   temperature = _check_spec_args(gamma, sampler, temperature)
+  prefill_chunk = check_prefill_chunk(prefill_chunk)
   rng = _check_rng(rng)
   if isinstance(kv_format, str):
     kv_format = KVFormat.preset(kv_format)
@@ -391,7 +396,7 @@ def speculative_generate(model, prompt_tokens, prompt_lengths, *, max_new_tokens
     cache = init_sharded(lambda: model.init_cache(kv_format, b, capacity, dtype=cache_dtype),
                          mesh)
   graphdef, state = _split(model)  # an NNX model or a `SplitModel`
-  settings = SpecSettings(int(max_new_tokens), int(gamma), sampler, mesh)
+  settings = SpecSettings(int(max_new_tokens), int(gamma), sampler, mesh, prefill_chunk)
   tokens, num, verifs, accepted, cache = _speculative_program(
       graphdef, state, draft_weights, jnp.asarray(prompt_tokens, jnp.int32),
       jnp.asarray(lengths, jnp.int32), cache, rng,

@@ -352,6 +352,24 @@ def test_num_steps_reuses_program(model):
     generate(model, tokens, lengths, mesh="data=2", **kw)
 
 
+def test_prefill_chunk_matches_one_chunk(model):
+  """``prefill_chunk`` prefills in chunks (`model.prefill(chunk_size=)`): the
+  same greedy tokens and cache lengths as one chunk, ragged prompts (one
+  shorter than a chunk), a quantized cache (K/V quantized at the flush from
+  the chunks' K/V: codes can move by float rounding, tokens should not)."""
+  fmt = dataclasses.replace(PRESETS["kivi4"], token_group=16, residual=16)
+  tokens, lengths = _prompts(14, 2, 40, [40, 11])
+  kw = dict(kv_format=fmt, max_new_tokens=6, cache_dtype=jnp.float32, return_cache=True)
+  want, want_len, want_cache = generate(model, tokens, lengths, **kw)
+  got, got_len, got_cache = generate(model, tokens, lengths, prefill_chunk=16, **kw)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(got_len), np.asarray(want_len))
+  np.testing.assert_array_equal(np.asarray(got_cache.lengths), np.asarray(want_cache.lengths))
+  for bad in (0, -4, 2.5, True, "16"):
+    with pytest.raises(ValueError, match=f"prefill_chunk={bad!r} must be an int >= 1"):
+      generate(model, tokens, lengths, prefill_chunk=bad, **kw)
+
+
 def test_sample_logits_filters():
   probs = np.array([0.05, 0.5, 0.15, 0.3], np.float32)
   logits = jnp.tile(jnp.log(probs)[None], (4000, 1))

@@ -38,6 +38,19 @@ def test_generate_command(checkpoint, capsys):
   assert "tokens/s" in err and "KV cache kivi2" in err
 
 
+def test_generate_command_prefill_chunk_same_tokens(checkpoint, capsys):
+  """--prefill-chunk prefills in chunks: the same greedy text as one chunk."""
+  argv = ["generate", "--checkpoint", checkpoint, "--kv", "bf16", "--prompt",
+          "w5 w6 w7 w8 w9 w10 w11", "--max-new-tokens", "4", "--no-stop", "--no-progress"]
+  outs = []
+  for extra in ([], ["--prefill-chunk", "3"]):
+    rc = cli.main(argv + extra)
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    outs.append(out)
+  assert outs[0] == outs[1]
+
+
 def test_generate_command_errors(checkpoint, tmp_path, capsys):
   assert cli.main(["generate", "--checkpoint", str(tmp_path), "--prompt", "w3"]) == 2
   assert "has no config.json" in capsys.readouterr().err
@@ -103,6 +116,7 @@ def test_unknown_command_lists_commands(capsys):
 
 @pytest.mark.parametrize("argv", [["demo", "--batch", "0"], ["--new-tokens", "-3"],
                                   ["generate", "--model", "x", "--max-new-tokens", "0"],
+                                  ["generate", "--model", "x", "--prefill-chunk", "0"],
                                   ["demo", "--prompt-len", "ten"]])
 def test_nonpositive_sizes_rejected_by_argparse(capsys, argv):
   with pytest.raises(SystemExit) as e:

@@ -43,10 +43,10 @@ def test_greedy_matches_plain_greedy_ragged_batch(model):
   n = 48  # the sequences pass 2G = 32 tokens: groups are flushed while speculating
   want, want_len, want_cache = jaxkv.generate(model, prompts, lengths, kv_format=QS_SMALL,
                                               max_new_tokens=n, return_cache=True)
-  for gamma in (3,):
+  for gamma in (3,):  # the prompt prefilled in chunks of 16 (`prefill_chunk`)
     got, got_len, st, cache = speculative_generate(
         model, prompts, lengths, kv_format=QS_SMALL, max_new_tokens=n, gamma=gamma,
-        group_size=32, return_cache=True)
+        group_size=32, return_cache=True, prefill_chunk=16)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"{gamma=}")
     np.testing.assert_array_equal(np.asarray(got_len), np.asarray(want_len))
     # Statistics are consistent: every round emits accepted + 1 tokens (the last may be cut).
@@ -240,6 +240,8 @@ def test_argument_errors(model):
     speculative_generate(model, p, np.asarray([5]), max_new_tokens=2)
   with pytest.raises(ValueError, match="max_new_tokens=0"):
     speculative_generate(model, p, n, max_new_tokens=0)
+  with pytest.raises(ValueError, match="prefill_chunk=0 must be an int >= 1"):
+    speculative_generate(model, p, n, max_new_tokens=2, prefill_chunk=0)
   with pytest.raises(ValueError, match="bits=3"):
     dw.quantize_weights(model, bits=3)
   for bits in (4.0, True):  # 4.0 == 4 passed the membership test before
