@@ -587,6 +587,9 @@ def main(argv=None) -> int:
                  help="comma-separated prompt lengths (e.g. 1024,2048,4096,8000): one chat "
                       "prompt each, a document window plus a question (`DOC_QUESTION`), "
                       "run as one ragged batch (replaces --prompts / --prompt-len)")
+  p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                 help="prefill in chunks of N tokens (generate / speculative_generate "
+                      "prefill_chunk; long prompts need it on CPU)")
   p.add_argument("--no-check", action="store_true", help="skip the plain greedy comparison")
   p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   p.add_argument("--tag", default=None, help="file name tag (default: the platform)")
@@ -630,7 +633,7 @@ def main(argv=None) -> int:
   plain = None
   if not args.no_check:
     plain, _ = jaxkv.generate(model, prompts, lengths, kv_format="quantspec",
-                              max_new_tokens=args.new_tokens)
+                              max_new_tokens=args.new_tokens, prefill_chunk=args.prefill_chunk)
     plain = np.asarray(plain)
   rows = []
   for draft in args.draft.split(","):
@@ -638,7 +641,7 @@ def main(argv=None) -> int:
       t1 = time.perf_counter()
       tokens, _, st = jaxkv.speculative_generate(
           model, prompts, lengths, max_new_tokens=args.new_tokens, gamma=gamma,
-          draft_weights=draft)
+          draft_weights=draft, prefill_chunk=args.prefill_chunk)
       tokens = np.asarray(tokens)
       row = dict(draft_weights=draft, gamma=gamma, acceptance_rate=st["acceptance_rate"],
                  tokens_per_verification=st["tokens_per_verification"],
@@ -654,7 +657,7 @@ def main(argv=None) -> int:
                               dtype=jnp.dtype(dtype).name, prompts=len(lengths),
                               prompt_len=args.prompt_len if not args.doc_question else None,
                               prompt_lengths=np.asarray(lengths).tolist(),
-                              new_tokens=args.new_tokens,
+                              new_tokens=args.new_tokens, prefill_chunk=args.prefill_chunk,
                               kv_format="quantspec", sampler="greedy",
                               text="pydoc_data.topics windows (jaxkv.fidelity.reference_text)"
                               + (f", as chat prompts: window + {DOC_QUESTION!r}"
