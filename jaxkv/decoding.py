@@ -38,6 +38,7 @@ from flax import nnx
 
 from jaxkv import vq
 from jaxkv.attention import check_implementation
+from jaxkv.cache import check_int
 from jaxkv.formats import KVFormat
 from jaxkv.sharding import check_mesh
 
@@ -748,9 +749,7 @@ def check_prefill_chunk(prefill_chunk) -> int | None:
   """``prefill_chunk`` as an int >= 1, or None; ValueError naming it otherwise."""
   if prefill_chunk is None:
     return None
-  if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, (int, np.integer)) \
-      or prefill_chunk < 1:
-    raise ValueError(f"prefill_chunk={prefill_chunk!r} must be an int >= 1 or None")
+  check_int("prefill_chunk", prefill_chunk)
   return int(prefill_chunk)
 
 
