@@ -11,6 +11,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 _COMPILER_PARAMS_CLS = getattr(plgpu, "CompilerParams", None) or getattr(
@@ -135,6 +136,22 @@ def nonfinite_query_rows(q, seq_bad, kv_heads: int, rows: int):
   bad = ~jnp.all(jnp.isfinite(q), axis=-1) | seq_bad[:, None, None]      # [B, S, Hq]
   bad = bad.reshape(b, s, kv_heads, g).transpose(0, 2, 3, 1).reshape(b, kv_heads, g * s)
   return jnp.pad(bad, ((0, 0), (0, 0), (0, rows - g * s))).astype(jnp.int32)
+
+
+def query_row_flags(qh_ref, seq_bad_ref, *, rows: int, q_rows: int):
+  """In a combine kernel (Pallas Triton): ``[rows]`` bool, row ``r`` of the
+  program's kv head comes out NaN (README "Input policy"): ``r < q_rows`` and
+  its query row ``qh_ref[r, :]`` holds a NaN/inf or the sequence is flagged
+  (``seq_bad_ref [1]`` int32). ``qh_ref``: the ``[N, D]`` query rows the split
+  kernel read (`nonfinite_query_rows`' rows, ``N >= rows``), so the flags
+  need no XLA kernel and q no second consumer (its producer, RoPE in a
+  model, then fuses into the split kernel's query preparation)."""
+  qv = qh_ref[pl.ds(0, rows), :]                                          # [rows, D]
+  # NaN fails every comparison: |x| <= max is False exactly for NaN and inf
+  finite = jnp.abs(qv.astype(jnp.float32)) <= jnp.finfo(jnp.float32).max
+  nonfinite = jnp.min(finite.astype(jnp.int32), axis=1) == 0               # [rows]
+  r = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
+  return (nonfinite | (seq_bad_ref[0] != 0)) & (r < q_rows)
 
 
 def compute_capability() -> tuple[int, int]:

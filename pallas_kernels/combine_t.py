@@ -13,7 +13,11 @@ poison (README "Input policy"): a query row holding a NaN/inf, or every row of
 a flagged sequence, comes out NaN. It reads q itself, so the flags cost no
 XLA kernels of their own (two per call and layer when computed apart,
 `_triton.nonfinite_query_rows`: ~2.8 us per layer of a B = 1 decode step on
-an H200).
+an H200). With ``qh`` instead it reads the split kernel's own query rows
+(what `mosaic_attention` passes): q then has one consumer, the query
+preparation, which its producer (RoPE in the model) can fuse into; read
+directly, q had to be written out by a kernel of its own (1.2-1.4 us per
+layer in the H100 step anatomy of 2026-11-28).
 
 ``packed_rows`` (optional, ``[D]`` ints) says where channel ``c`` sits in the
 rows of every partial but the last ``plain_tail`` (default 1): the register V
@@ -85,8 +89,12 @@ def _kernel(o_ref, l_ref, m_ref, rows_ref, *refs, num_parts, parts_pad, dblk, ro
   """One (batch, kv head, channel block): all partials at once, gathered rows;
   with ``poison`` (refs: ``bad_ref, out_ref``) the flagged rows are NaN; with
   ``query`` (``(S, G, Hq, D)``; refs: ``q_ref, seq_bad_ref, out_ref``) the
-  rows `_query_flags` finds are."""
-  if query is not None:
+  rows `_query_flags` finds are; with ``query = ("rows", q_rows)`` (refs:
+  ``qh_ref, seq_bad_ref, out_ref``) those `_triton.query_row_flags` finds."""
+  if query is not None and query[0] == "rows":  # the split kernel's own query rows
+    qh_ref, seq_bad_ref, out_ref = refs
+    flags = _triton.query_row_flags(qh_ref, seq_bad_ref, rows=rows, q_rows=query[1])
+  elif query is not None:
     q_ref, seq_bad_ref, out_ref = refs
     num_queries, group, q_heads, q_dim = query
     flags = _query_flags(q_ref, seq_bad_ref, rows=rows, num_queries=num_queries, group=group,
@@ -129,7 +137,8 @@ def _kernel(o_ref, l_ref, m_ref, rows_ref, *refs, num_parts, parts_pad, dblk, ro
 
 def combine_t(o_t: jax.Array, l: jax.Array, m: jax.Array, *, rows: int, packed_rows=None,
               out_dtype=jnp.float32, interpret: bool = False, plain_tail: int = 1,
-              bad=None, q=None, seq_bad=None) -> jax.Array:
+              bad=None, q=None, seq_bad=None, qh=None,
+              q_rows: int | None = None) -> jax.Array:
   """Merge ``o_t [B,H,J,D,N], l/m [B,H,J,N']`` over J into ``[B, H, rows, D]``.
 
   ``rows`` (a power of two <= N) query rows are merged; ``packed_rows`` see the
@@ -137,7 +146,11 @@ def combine_t(o_t: jax.Array, l: jax.Array, m: jax.Array, *, rows: int, packed_r
   channel order. ``bad``: optional ``[B, H, rows]`` int32, nonzero rows come
   out NaN (`_triton.nonfinite_query_rows`). ``q [B, S, Hq, D]`` (and
   ``seq_bad [B]`` bool, optional): the same flags computed in the kernel from
-  q (``Hq`` a multiple of the H kv heads); not with ``bad``.
+  q (``Hq`` a multiple of the H kv heads); not with ``bad``. ``qh [B, H, N', D]``
+  with ``q_rows`` (instead of ``q``): the split kernel's own query rows (``r <
+  q_rows`` real, any scale > 0), flagged where they hold a NaN/inf: reading the
+  kernel's input leaves q itself one consumer, so XLA can fuse q's producer
+  into the query preparation.
   """
   batch, heads, num_parts, head_dim, width = o_t.shape
   if not 1 <= plain_tail <= num_parts:
@@ -169,7 +182,22 @@ def combine_t(o_t: jax.Array, l: jax.Array, m: jax.Array, *, rows: int, packed_r
   query = None
   extra = ([pl.BlockSpec((None, None, rows), lambda b, h, d: (b, h, 0))], [bad]) if poison \
       else ([], [])
-  if q is not None:
+  if qh is not None:
+    if poison or q is not None:
+      raise ValueError("pass one of bad=, q= and qh=")
+    if (qh.ndim != 4 or qh.shape[:2] != (batch, heads) or not isinstance(q_rows, int)
+        or not 1 <= q_rows <= rows or qh.shape[2] < rows):
+      raise ValueError(f"qh.shape={qh.shape} must be [B={batch}, H={heads}, N' >= rows={rows}, "
+                       f"D] with 1 <= q_rows={q_rows!r} <= rows")
+    if seq_bad is None:
+      seq_bad = jnp.zeros((batch,), bool)
+    if seq_bad.shape != (batch,):
+      raise ValueError(f"seq_bad.shape={seq_bad.shape} must be ({batch},)")
+    query = ("rows", q_rows)
+    extra = ([pl.BlockSpec((None, None, *qh.shape[2:]), lambda b, h, d: (b, h, 0, 0)),
+              pl.BlockSpec((1,), lambda b, h, d: (b,))],
+             [qh, seq_bad.astype(jnp.int32)])
+  elif q is not None:
     if poison:
       raise ValueError("pass either bad= or q= (the kernel's own flags), not both")
     if q.ndim != 4 or q.shape[0] != batch or q.shape[2] % heads:
@@ -188,7 +216,7 @@ def combine_t(o_t: jax.Array, l: jax.Array, m: jax.Array, *, rows: int, packed_r
               pl.BlockSpec((1,), lambda b, h, d: (b,))],
              [q.reshape(batch, -1), seq_bad.astype(jnp.int32)])
   elif seq_bad is not None:
-    raise ValueError("seq_bad needs q")
+    raise ValueError("seq_bad needs q or qh")
   kernel = functools.partial(_kernel, num_parts=num_parts, parts_pad=parts_pad, dblk=dblk,
                              rows=rows, width=width, permuted=permuted, plain_tail=plain_tail,
                              poison=poison, query=query)

@@ -791,15 +791,18 @@ def _combine_kernel(
     o_ref,    # [J, M, dblk] float32 partial outputs
     l_ref,    # [J, M]
     m_ref,    # [J, M]
-    *refs,    # [bad_ref [Mo] int32 (with ``poison``)], out_ref [Mo, dblk] in q's
-              # dtype, [lse_ref [Mo] float32 log-sum-exp of the scaled scores]
+    *refs,    # [qh_ref [M', D], seq_bad_ref [1] int32 (with ``poison``)], out_ref
+              # [Mo, dblk] in q's dtype, [lse_ref [Mo] float32 log-sum-exp of the
+              # scaled scores]
     parts_block: int,
-    poison: bool = False,
+    poison: int = 0,
 ):
   """Log-sum-exp merge of the J partials of one (batch, kv head, column block);
-  with ``poison``, rows flagged in ``bad_ref`` are NaN
-  (`_triton.nonfinite_query_rows`)."""
-  bad_ref, refs = (refs[0], refs[1:]) if poison else (None, refs)
+  with ``poison`` (the number of real query rows), the rows
+  `_triton.query_row_flags` finds in the split kernel's query rows ``qh_ref``
+  are NaN."""
+  if poison:
+    qh_ref, seq_bad_ref, refs = refs[0], refs[1], refs[2:]
   out_ref, lse_ref = refs[0], (refs[1] if len(refs) > 1 else None)
   num_parts = o_ref.shape[0]
   out_rows = out_ref.shape[0]
@@ -827,7 +830,8 @@ def _combine_kernel(
   safe = jnp.where(l == 0, 1.0, l)
   out = jnp.where((l == 0)[:, None], 0.0, acc / safe[:, None])
   if poison:
-    out = jnp.where((bad_ref[...] != 0)[:, None], jnp.nan, out)
+    bad = _triton.query_row_flags(qh_ref, seq_bad_ref, rows=out_rows, q_rows=poison)
+    out = jnp.where(bad[:, None], jnp.nan, out)
   out_ref[...] = out.astype(out_ref.dtype)
   if lse_ref is not None:  # -inf where no key is visible
     lse_ref[...] = jnp.where(l == 0, -jnp.inf, m + jnp.log(safe))
@@ -1195,7 +1199,9 @@ def _dequant_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_z
   if return_lse:  # every column block writes the same lse rows
     out_specs.append(pl.BlockSpec((None, None, q_block), lambda b, h, d: (b, h, 0)))
     out_shape.append(jax.ShapeDtypeStruct((batch, kv_heads, q_block), jnp.float32))
-  poison = seq_bad is not None
+  # the input policy's flags: from the split kernel's own query rows qh in the
+  # combine (one consumer of q, so a producer such as RoPE fuses into qh's prep)
+  poison = q_rows if seq_bad is not None else 0
   in_specs = [
       pl.BlockSpec((None, None, num_parts, rows, dblk), lambda b, h, d: (b, h, 0, 0, d)),
       pl.BlockSpec((None, None, num_parts, rows), lambda b, h, d: (b, h, 0, 0)),
@@ -1203,8 +1209,9 @@ def _dequant_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_z
   ]
   combine_in = [o_part, l_part, m_part]
   if poison:
-    in_specs.append(pl.BlockSpec((None, None, q_block), lambda b, h, d: (b, h, 0)))
-    combine_in.append(_triton.nonfinite_query_rows(q, seq_bad, kv_heads, q_block))
+    in_specs += [pl.BlockSpec((None, None, rows, head_dim), lambda b, h, d: (b, h, 0, 0)),
+                 pl.BlockSpec((1,), lambda b, h, d: (b,))]
+    combine_in += [qh, seq_bad.astype(jnp.int32)]
   outs = pl.pallas_call(
       functools.partial(_combine_kernel, parts_block=parts_block, poison=poison),
       grid=(batch, kv_heads, head_dim // dblk),

@@ -769,8 +769,10 @@ def mosaic_decode_attention(
     elif _register_v(config, v_side, head_dim, dtype):
       packed_rows = np.argsort(mosaic_dequant.code_permutation(head_dim, v_side.bits))
     rows = _triton.next_pow2(q_rows)
-    # the input policy's flags computed in the combine kernel from q itself
-    poison = {} if seq_bad is None else dict(q=q, seq_bad=seq_bad)
+    # The input policy's flags: computed in the combine kernel from the query
+    # rows this kernel read (q_res: scaled, channel order), so q has one
+    # consumer and its producer (RoPE in a model) can fuse into their preparation.
+    poison = {} if seq_bad is None else dict(qh=q_res, q_rows=q_rows, seq_bad=seq_bad)
     return unpack_out(combine_t.combine_t(o_part, l_part, m_part, rows=rows,
                                           packed_rows=packed_rows, out_dtype=q.dtype,
                                           plain_tail=residual_parts(residual, bk), **poison),

@@ -175,3 +175,38 @@ def test_bad_arguments():
     ct.combine_t(o_t, l[:, :, :2], l, rows=8)
   with pytest.raises(ValueError, match="plain_tail=4"):
     ct.combine_t(o_t, l, l, rows=8, plain_tail=4)
+
+
+@pytest.mark.parametrize("q_rows,n_rows,rows", [(4, 8, 4), (6, 16, 8), (1, 8, 1)])
+def test_flags_from_the_kernels_query_rows(q_rows, n_rows, rows):
+  """With ``qh`` (the split kernel's query rows ``[B, H, N', D]``) and ``q_rows`` the
+  kernel flags row ``r < q_rows`` of kv head ``h`` iff ``qh[b, h, r]`` holds a
+  NaN/inf or sequence b is flagged (numpy oracle); padding rows never; every
+  other row is the unflagged result bit for bit."""
+  batch, heads, head_dim, width = 3, 2, 64, max(rows, 8)
+  o_t, l, m, _ = _problem(23 + rows + q_rows, batch, heads, 5, head_dim, rows, width)
+  args = tuple(jnp.asarray(x, jnp.float32) for x in (o_t, l, m))
+  rng = np.random.default_rng(q_rows)
+  qh = rng.normal(size=(batch, heads, n_rows, head_dim)).astype(np.float32)
+  qh[0, 1, q_rows - 1, 3] = np.nan
+  qh[1, 0, 0, head_dim - 1] = -np.inf
+  qh[1, 1, n_rows - 1, 0] = np.inf          # a padding row: never flagged
+  seq_bad = np.array([False, False, True])
+  want = np.zeros((batch, heads, rows), bool)
+  for b in range(batch):
+    for h in range(heads):
+      for r in range(min(rows, q_rows)):
+        want[b, h, r] = seq_bad[b] or not np.isfinite(qh[b, h, r]).all()
+  plain = np.asarray(ct.combine_t(*args, rows=rows, interpret=INTERPRET))
+  got = np.asarray(ct.combine_t(*args, rows=rows, interpret=INTERPRET,
+                                qh=jnp.asarray(qh, jnp.bfloat16), q_rows=q_rows,
+                                seq_bad=jnp.asarray(seq_bad)))
+  flagged = np.broadcast_to(want[..., None], got.shape)
+  assert want.any() and not want.all()
+  assert np.isnan(got[flagged]).all()
+  np.testing.assert_array_equal(got[~flagged], plain[~flagged])
+  with pytest.raises(ValueError, match="q_rows"):
+    ct.combine_t(*args, rows=rows, interpret=True, qh=jnp.asarray(qh), q_rows=rows + 1)
+  with pytest.raises(ValueError, match="one of"):
+    ct.combine_t(*args, rows=rows, interpret=True, qh=jnp.asarray(qh), q_rows=1,
+                 bad=jnp.zeros((batch, heads, rows), jnp.int32))
