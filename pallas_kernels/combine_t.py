@@ -8,15 +8,15 @@ transpose; this kernel reads ``o_t`` as it is and writes the normalized
 ``[B, H, M, D]`` output in one launch, like the Triton family's
 ``jaxkv_decode_combine``.
 
-With ``q`` (and ``seq_bad``) the kernel also applies the input policy's
-poison (README "Input policy"): a query row holding a NaN/inf, or every row of
-a flagged sequence, comes out NaN. It reads q itself, so the flags cost no
-XLA kernels of their own (two per call and layer when computed apart,
-`_triton.nonfinite_query_rows`: ~2.8 us per layer of a B = 1 decode step on
-an H200). With ``qh`` instead it reads the split kernel's own query rows
-(what `mosaic_attention` passes): q then has one consumer, the query
-preparation, which its producer (RoPE in the model) can fuse into; read
-directly, q had to be written out by a kernel of its own (1.2-1.4 us per
+With ``qh`` (the split kernel's own query rows) and ``seq_bad`` the kernel
+also applies the input policy's poison (README "Input policy"): a query row
+holding a NaN/inf, or every row of a flagged sequence, comes out NaN
+(`_triton.query_row_flags`). The flags cost no XLA kernel of their own (two
+per call and layer when computed apart, `_triton.nonfinite_query_rows`: ~2.8
+us per layer of a B = 1 decode step on an H200), and reading the kernel's
+input rather than q leaves q one consumer, the query preparation, which its
+producer (RoPE in the model) can fuse into; reading q itself, as this kernel
+did before, q had to be written out by a kernel of its own (1.2-1.4 us per
 layer in the H100 step anatomy of 2026-11-28).
 
 ``packed_rows`` (optional, ``[D]`` ints) says where channel ``c`` sits in the
@@ -66,39 +66,15 @@ def combine_t_reference(o_t, l, m, *, rows: int, packed_rows=None, out_dtype=jnp
   return out.astype(out_dtype)
 
 
-def _query_flags(q_ref, seq_bad_ref, *, rows: int, num_queries: int, group: int,
-                 q_heads: int, head_dim: int):
-  """``[rows]`` bool of the program's kv head: query row ``r = g S + s`` (q head
-  ``h G + g``, query ``s``) holds a NaN/inf, or the sequence is flagged; rows
-  past ``G S`` are False. ``q_ref``: the sequence's q flattened ``[S * Hq *
-  D]``; ``seq_bad_ref [1]`` int32."""
-  r = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)                   # [M, 1]
-  valid = r < group * num_queries
-  head = pl.program_id(1) * group + r // num_queries
-  d = jax.lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)               # [1, D]
-  flat = ((r % num_queries) * q_heads + head) * head_dim + d              # [M, D]
-  qv = plt.load(q_ref.at[flat], mask=jnp.broadcast_to(valid, flat.shape), other=0.0)
-  # NaN fails every comparison: |x| <= max is False exactly for NaN and inf
-  finite = jnp.abs(qv.astype(jnp.float32)) <= jnp.finfo(jnp.float32).max
-  nonfinite = jnp.min(finite.astype(jnp.int32), axis=1) == 0              # [M]
-  return (nonfinite | (seq_bad_ref[0] != 0)) & valid[:, 0]
-
-
 def _kernel(o_ref, l_ref, m_ref, rows_ref, *refs, num_parts, parts_pad, dblk, rows, width,
             permuted, plain_tail, poison, query):
   """One (batch, kv head, channel block): all partials at once, gathered rows;
   with ``poison`` (refs: ``bad_ref, out_ref``) the flagged rows are NaN; with
-  ``query`` (``(S, G, Hq, D)``; refs: ``q_ref, seq_bad_ref, out_ref``) the
-  rows `_query_flags` finds are; with ``query = ("rows", q_rows)`` (refs:
-  ``qh_ref, seq_bad_ref, out_ref``) those `_triton.query_row_flags` finds."""
-  if query is not None and query[0] == "rows":  # the split kernel's own query rows
+  ``query`` (the real query rows; refs: ``qh_ref, seq_bad_ref, out_ref``) the
+  rows `_triton.query_row_flags` finds are."""
+  if query is not None:
     qh_ref, seq_bad_ref, out_ref = refs
-    flags = _triton.query_row_flags(qh_ref, seq_bad_ref, rows=rows, q_rows=query[1])
-  elif query is not None:
-    q_ref, seq_bad_ref, out_ref = refs
-    num_queries, group, q_heads, q_dim = query
-    flags = _query_flags(q_ref, seq_bad_ref, rows=rows, num_queries=num_queries, group=group,
-                         q_heads=q_heads, head_dim=q_dim)
+    flags = _triton.query_row_flags(qh_ref, seq_bad_ref, rows=rows, q_rows=query)
   else:
     bad_ref, out_ref = refs if poison else (None, refs[0])
   d0 = pl.program_id(2) * dblk
@@ -137,20 +113,17 @@ def _kernel(o_ref, l_ref, m_ref, rows_ref, *refs, num_parts, parts_pad, dblk, ro
 
 def combine_t(o_t: jax.Array, l: jax.Array, m: jax.Array, *, rows: int, packed_rows=None,
               out_dtype=jnp.float32, interpret: bool = False, plain_tail: int = 1,
-              bad=None, q=None, seq_bad=None, qh=None,
-              q_rows: int | None = None) -> jax.Array:
+              bad=None, qh=None, q_rows: int | None = None, seq_bad=None) -> jax.Array:
   """Merge ``o_t [B,H,J,D,N], l/m [B,H,J,N']`` over J into ``[B, H, rows, D]``.
 
   ``rows`` (a power of two <= N) query rows are merged; ``packed_rows`` see the
   module docstring. The last ``plain_tail`` partials are always read in
   channel order. ``bad``: optional ``[B, H, rows]`` int32, nonzero rows come
-  out NaN (`_triton.nonfinite_query_rows`). ``q [B, S, Hq, D]`` (and
-  ``seq_bad [B]`` bool, optional): the same flags computed in the kernel from
-  q (``Hq`` a multiple of the H kv heads); not with ``bad``. ``qh [B, H, N', D]``
-  with ``q_rows`` (instead of ``q``): the split kernel's own query rows (``r <
-  q_rows`` real, any scale > 0), flagged where they hold a NaN/inf: reading the
-  kernel's input leaves q itself one consumer, so XLA can fuse q's producer
-  into the query preparation.
+  out NaN (`_triton.nonfinite_query_rows`). ``qh [B, H, N', D]`` with
+  ``q_rows`` (and ``seq_bad [B]`` bool, optional): the split kernel's own
+  query rows (``r < q_rows`` real, ``N' >= rows``, scaled by any scale > 0);
+  rows holding a NaN/inf and every row of a flagged sequence come out NaN,
+  computed in the kernel; not with ``bad``.
   """
   batch, heads, num_parts, head_dim, width = o_t.shape
   if not 1 <= plain_tail <= num_parts:
@@ -183,8 +156,8 @@ def combine_t(o_t: jax.Array, l: jax.Array, m: jax.Array, *, rows: int, packed_r
   extra = ([pl.BlockSpec((None, None, rows), lambda b, h, d: (b, h, 0))], [bad]) if poison \
       else ([], [])
   if qh is not None:
-    if poison or q is not None:
-      raise ValueError("pass one of bad=, q= and qh=")
+    if poison:
+      raise ValueError("pass either bad= or qh= (the kernel's own flags), not both")
     if (qh.ndim != 4 or qh.shape[:2] != (batch, heads) or not isinstance(q_rows, int)
         or not 1 <= q_rows <= rows or qh.shape[2] < rows):
       raise ValueError(f"qh.shape={qh.shape} must be [B={batch}, H={heads}, N' >= rows={rows}, "
@@ -193,30 +166,12 @@ def combine_t(o_t: jax.Array, l: jax.Array, m: jax.Array, *, rows: int, packed_r
       seq_bad = jnp.zeros((batch,), bool)
     if seq_bad.shape != (batch,):
       raise ValueError(f"seq_bad.shape={seq_bad.shape} must be ({batch},)")
-    query = ("rows", q_rows)
+    query = q_rows
     extra = ([pl.BlockSpec((None, None, *qh.shape[2:]), lambda b, h, d: (b, h, 0, 0)),
               pl.BlockSpec((1,), lambda b, h, d: (b,))],
              [qh, seq_bad.astype(jnp.int32)])
-  elif q is not None:
-    if poison:
-      raise ValueError("pass either bad= or q= (the kernel's own flags), not both")
-    if q.ndim != 4 or q.shape[0] != batch or q.shape[2] % heads:
-      raise ValueError(f"q.shape={q.shape} must be [B={batch}, S, Hq, D] with Hq a multiple "
-                       f"of the {heads} kv heads")
-    num_queries, q_heads, q_dim = q.shape[1:]
-    group = q_heads // heads
-    if group * num_queries > rows:
-      raise ValueError(f"q has {group * num_queries} query rows per kv head; rows={rows}")
-    if seq_bad is None:
-      seq_bad = jnp.zeros((batch,), bool)
-    if seq_bad.shape != (batch,):
-      raise ValueError(f"seq_bad.shape={seq_bad.shape} must be ({batch},)")
-    query = (num_queries, group, q_heads, q_dim)
-    extra = ([pl.BlockSpec((None, num_queries * q_heads * q_dim), lambda b, h, d: (b, 0)),
-              pl.BlockSpec((1,), lambda b, h, d: (b,))],
-             [q.reshape(batch, -1), seq_bad.astype(jnp.int32)])
   elif seq_bad is not None:
-    raise ValueError("seq_bad needs q or qh")
+    raise ValueError("seq_bad needs qh")
   kernel = functools.partial(_kernel, num_parts=num_parts, parts_pad=parts_pad, dblk=dblk,
                              rows=rows, width=width, permuted=permuted, plain_tail=plain_tail,
                              poison=poison, query=query)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import combine_t as ct
+from pallas_kernels import mosaic_attention as ma
 
 INTERPRET = os.environ.get("JAXKV_TEST_GPU", "0") != "1"
 
@@ -111,7 +112,8 @@ def test_flagged_rows_come_out_nan_and_the_rest_unchanged():
 @pytest.mark.parametrize("num_queries,q_heads,heads,rows", [(1, 8, 2, 4), (2, 12, 3, 8),
                                                             (3, 4, 1, 16)])
 def test_flags_from_q_in_the_kernel(num_queries, q_heads, heads, rows):
-  """With ``q`` (and ``seq_bad``) the kernel flags the rows itself: query row
+  """With q's rows as the split kernel reads them (``qh``: `mosaic_attention.query_rows`,
+  scaled, padded) and ``seq_bad`` the kernel flags the rows itself: query row
   ``g S + s`` of kv head ``h`` is NaN iff q[b, s, h G + g] holds a NaN/inf or
   sequence b is flagged (numpy oracle); every other row is the unflagged
   result bit for bit. GQA 4 / q_len 2 / q_len 3 (rows past G S padded)."""
@@ -132,21 +134,27 @@ def test_flags_from_q_in_the_kernel(num_queries, q_heads, heads, rows):
         for s_ in range(num_queries):
           want[b, h, g * num_queries + s_] = (seq_bad[b]
                                               or not np.isfinite(q[b, s_, h * group + g]).all())
+  q_rows = group * num_queries
+
+  def rows_of(q):  # what the Mosaic split kernel reads: [B, H, N', D], scaled
+    return ma.query_rows(jnp.asarray(q), heads, 0.125, jnp.bfloat16, width)
+
   plain = np.asarray(ct.combine_t(*args, rows=rows, interpret=INTERPRET))
-  got = np.asarray(ct.combine_t(*args, rows=rows, interpret=INTERPRET,
-                                q=jnp.asarray(q, jnp.bfloat16), seq_bad=jnp.asarray(seq_bad)))
+  got = np.asarray(ct.combine_t(*args, rows=rows, interpret=INTERPRET, qh=rows_of(q),
+                                q_rows=q_rows, seq_bad=jnp.asarray(seq_bad)))
   flagged = np.broadcast_to(want[..., None], got.shape)
   assert want.any() and not want.all()
   assert np.isnan(got[flagged]).all()
   np.testing.assert_array_equal(got[~flagged], plain[~flagged])
   # without seq_bad: only the non-finite rows
-  got = np.asarray(ct.combine_t(*args, rows=rows, interpret=INTERPRET, q=jnp.asarray(q)))
+  got = np.asarray(ct.combine_t(*args, rows=rows, interpret=INTERPRET, qh=rows_of(q),
+                                q_rows=q_rows))
   assert np.isnan(got[0, heads - 1, group * num_queries - 1]).all()  # q[0, S-1, Hq-1] has a NaN
   assert np.isfinite(got[2]).all()
   if INTERPRET:  # the Triton lowering of the flags (no GPU needed)
     lowered = jax.jit(lambda o, l_, m_, q_, sb: ct.combine_t(
-        o, l_, m_, rows=rows, q=q_, seq_bad=sb)).trace(
-            *args, jnp.asarray(q, jnp.bfloat16), jnp.asarray(seq_bad)).lower(
+        o, l_, m_, rows=rows, qh=q_, q_rows=q_rows, seq_bad=sb)).trace(
+            *args, rows_of(q), jnp.asarray(seq_bad)).lower(
                 lowering_platforms=("cuda",))
     assert "triton" in lowered.as_text().lower()
 
@@ -158,17 +166,17 @@ def test_bad_arguments():
     ct.combine_t(o_t, l, l, rows=6)
   with pytest.raises(ValueError, match="rows=32"):
     ct.combine_t(o_t, l, l, rows=32)
-  q = jnp.zeros((1, 1, 4, 64))
+  qh = jnp.zeros((1, 1, 8, 64))
   with pytest.raises(ValueError, match="not both"):
-    ct.combine_t(o_t, l, l, rows=4, q=q, bad=jnp.zeros((1, 1, 4), jnp.int32))
-  with pytest.raises(ValueError, match="query rows per kv head"):
-    ct.combine_t(o_t, l, l, rows=2, q=q)
-  with pytest.raises(ValueError, match=r"q.shape=\(1, 4, 64\)"):
-    ct.combine_t(o_t, l, l, rows=4, q=q[0])
+    ct.combine_t(o_t, l, l, rows=4, qh=qh, q_rows=4, bad=jnp.zeros((1, 1, 4), jnp.int32))
+  with pytest.raises(ValueError, match="q_rows=4"):   # 4 query rows, 2 merged
+    ct.combine_t(o_t, l, l, rows=2, qh=qh, q_rows=4)
+  with pytest.raises(ValueError, match=r"qh.shape=\(1, 8, 64\)"):
+    ct.combine_t(o_t, l, l, rows=4, qh=qh[0], q_rows=4)
   with pytest.raises(ValueError, match="seq_bad needs q"):
     ct.combine_t(o_t, l, l, rows=4, seq_bad=jnp.zeros((1,), bool))
   with pytest.raises(ValueError, match=r"seq_bad.shape=\(2,\)"):
-    ct.combine_t(o_t, l, l, rows=4, q=q, seq_bad=jnp.zeros((2,), bool))
+    ct.combine_t(o_t, l, l, rows=4, qh=qh, q_rows=4, seq_bad=jnp.zeros((2,), bool))
   with pytest.raises(ValueError, match="permutation of range"):
     ct.combine_t(o_t, l, l, rows=8, packed_rows=np.zeros(64, int))
   with pytest.raises(ValueError, match="l .* and m"):
@@ -207,6 +215,6 @@ def test_flags_from_the_kernels_query_rows(q_rows, n_rows, rows):
   np.testing.assert_array_equal(got[~flagged], plain[~flagged])
   with pytest.raises(ValueError, match="q_rows"):
     ct.combine_t(*args, rows=rows, interpret=True, qh=jnp.asarray(qh), q_rows=rows + 1)
-  with pytest.raises(ValueError, match="one of"):
+  with pytest.raises(ValueError, match="not both"):
     ct.combine_t(*args, rows=rows, interpret=True, qh=jnp.asarray(qh), q_rows=1,
                  bad=jnp.zeros((batch, heads, rows), jnp.int32))
