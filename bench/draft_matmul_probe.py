@@ -8,6 +8,9 @@ token (``x [B, in]``, B = 1 and 8): profiler kernel time of
   codes, float32 group scales, the dequantization left for XLA to fuse);
 - ``kernel``: `QuantizedWeight.matmul`, the Pallas kernel
   `pallas_kernels.int4_matmul` on a GPU (what the draft model runs);
+- ``mosaic``: `pallas_kernels.mosaic_int4_matmul` (Hopper; codes transposed
+  to ``[out, in / 2]`` once, outside the timing); ``--mosaic-sweep`` also
+  times its split counts and pipeline depths at B = 1;
 
 beside the bytes floor of each (weights read once at the measured HBM read
 bandwidth). If XLA materializes the dequantized kernel, ``draft`` costs more
@@ -31,8 +34,10 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxkv import timing  # noqa: E402
+from jaxkv.attention import is_hopper  # noqa: E402
 from models import draft_weights as dw  # noqa: E402
 from pallas_kernels import int4_matmul as i4  # noqa: E402
+from pallas_kernels import mosaic_int4_matmul as m4  # noqa: E402
 
 # Llama-3.1-8B linear layers: q, k/v, o, gate/up, down.
 SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)]
@@ -76,6 +81,33 @@ def sweep(n_in, n_out, qs, group, calls):
   return out
 
 
+def mosaic_sweep(n_in, n_out, mqs, calls):
+  """Kernel time of Mosaic split counts and depths at B=1, checked against the default's."""
+  x = jax.random.normal(jax.random.PRNGKey(5), (1, n_in), jnp.bfloat16)
+  groups = n_in // m4.GROUP
+  base = m4.default_splits(n_in, n_out)
+  variants = {}
+  for splits in sorted({base, max(1, base // 2), base * 2 if groups % (base * 2) == 0 else base}):
+    for stages in (2, 3, 4):
+      variants[f"s{splits}_st{stages}"] = (splits, stages)
+  out, ref = [], None
+  for name, (splits, stages) in variants.items():
+    def fn(x, w, _s=splits, _st=stages):
+      return m4.mosaic_int4_matmul(x, *w, num_splits=_s, stages=_st)
+    try:
+      y = jax.jit(fn)(x, mqs[0])
+      ref = y if ref is None else ref
+      err = float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref)))
+      us = timing.kernel_time(fn, [(x, q) for q in mqs], calls=calls)["kernel"] * 1e6
+    except Exception as e:  # pylint: disable=broad-except
+      print(f"    mosaic {name:10s} FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
+      continue
+    out.append(dict(n_in=n_in, n_out=n_out, batch=1, variant=f"mosaic_{name}",
+                    kernel_us=us, rel_err_vs_default=err))
+    print(f"    mosaic {name:10s} {us:7.1f} us  err {err:.1e}", flush=True)
+  return out
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--batches", default="1,8")
@@ -83,6 +115,8 @@ def main(argv=None) -> int:
   p.add_argument("--calls", type=int, default=16)
   p.add_argument("--sweep", action="store_true",
                  help="also time kernel config variants at B=1 (correctness checked)")
+  p.add_argument("--mosaic-sweep", action="store_true",
+                 help="also time the Mosaic kernel's split counts and depths at B=1")
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
   from jaxkv import timing  # pylint: disable=import-outside-toplevel
@@ -93,6 +127,8 @@ def main(argv=None) -> int:
     ws = [jax.random.normal(jax.random.fold_in(key, i), (n_in, n_out), jnp.bfloat16) * 0.02
           for i in range(ROTATE)]
     qs = [dw.quantize_kernel(w, bits=4, group_size=args.group) for w in ws]
+    mosaic_ok = m4.supports(n_in, n_out, args.group, 1)[0] and is_hopper()
+    mqs = [(m4.transpose_packed(q.codes), q.scale, q.zero) for q in qs] if mosaic_ok else []
     for b in (int(x) for x in args.batches.split(",")):
       x = jax.random.normal(jax.random.fold_in(key, 99), (b, n_in), jnp.bfloat16)
 
@@ -105,13 +141,23 @@ def main(argv=None) -> int:
       def kernel(x, qw):
         return qw.matmul(x)
 
+      def mosaic(x, w):
+        return m4.mosaic_int4_matmul(x, *w)
+
       full_bytes = n_in * n_out * 2
       draft_bytes = dw.nbytes({"w": qs[0]})
       row = dict(n_in=n_in, n_out=n_out, batch=b, bf16_floor_us=full_bytes / bw * 1e6,
                  draft_floor_us=draft_bytes / bw * 1e6, draft_bytes=draft_bytes)
       want = jax.jit(full)(x, ws[0]).astype(jnp.float32)
-      for name, fn, args_ in (("bf16", full, ws), ("xla", xla, qs), ("kernel", kernel, qs)):
-        t = timing.kernel_time(fn, [(x, a) for a in args_], calls=args.calls)
+      cases = [("bf16", full, ws), ("xla", xla, qs), ("kernel", kernel, qs)]
+      cases += [("mosaic", mosaic, mqs)] if mqs else []
+      for name, fn, args_ in cases:
+        try:
+          t = timing.kernel_time(fn, [(x, a) for a in args_], calls=args.calls)
+        except Exception as e:  # pylint: disable=broad-except
+          row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+          print(f"    {name} FAILED {row[f'{name}_error'][:160]}", flush=True)
+          continue
         row[f"{name}_us"] = t["kernel"] * 1e6
         row[f"{name}_kernels"] = t["kernels"]
         row[f"{name}_max_abs_diff_vs_bf16"] = float(
@@ -119,12 +165,17 @@ def main(argv=None) -> int:
       rows.append(row)
       print(f"[{n_in:5d} x {n_out:5d}] B={b}: bf16 {row['bf16_us']:7.1f} us "
             f"(floor {row['bf16_floor_us']:6.1f})  xla int4 {row['xla_us']:7.1f}  "
-            f"kernel int4 {row['kernel_us']:7.1f} (floor {row['draft_floor_us']:6.1f})  "
+            f"kernel int4 {row.get('kernel_us', float('nan')):7.1f} "
+            f"mosaic int4 {row.get('mosaic_us', float('nan')):7.1f} "
+            f"(floor {row['draft_floor_us']:6.1f})  "
             f"|diff| xla {row['xla_max_abs_diff_vs_bf16']:.2e} "
-            f"kernel {row['kernel_max_abs_diff_vs_bf16']:.2e}", flush=True)
+            f"kernel {row.get('kernel_max_abs_diff_vs_bf16', float('nan')):.2e} "
+            f"mosaic {row.get('mosaic_max_abs_diff_vs_bf16', float('nan')):.2e}", flush=True)
     if args.sweep:
       rows += sweep(n_in, n_out, qs, args.group, args.calls)
-    del ws, qs
+    if args.mosaic_sweep and mqs:
+      rows += mosaic_sweep(n_in, n_out, mqs, args.calls)
+    del ws, qs, mqs
   if args.out:
     with open(args.out, "w") as fh:
       json.dump(dict(device=jax.devices()[0].device_kind, jax_version=jax.__version__,

@@ -1,0 +1,188 @@
+"""Group-wise 4-bit weight x activation product for decode on Hopper (Pallas Mosaic GPU).
+
+QuantSpec's draft step reads every linear kernel in 4 bits. The Triton
+kernel (`int4_matmul`) reaches ~45 % of the HBM bandwidth on an H100 and
+does not get faster on an H200 (the draft step ran 3.3x its bytes floor
+there, `bench/results/speculative-NOTES.md`, 2026-11-28). This kernel is the
+attention kernel's register K path turned into a product: the weight's
+*output* rows are the MMA's M, so each 128-input group of 128 output rows is
+one ``[128, 64]`` byte tile that `mosaic_dequant.dequant_codes` turns into
+the register A operand, exactly like a kivi4 K tile:
+
+    y^T[o, m] = sum_g  s[g, o] * (C_g x_g^T)[o, m]  +  z[g, o] * sum(x_g)[m]
+
+- codes ``[out, in / 2]`` uint8 (`transpose_packed` of `int4_matmul.pack_weight`'s
+  ``[in / 2, out]``): row ``o``, byte ``64 g + j`` holds inputs ``128 g + j``
+  (low nibble) and ``128 g + 64 + j`` (high nibble), the cache's planar
+  layout of a 128-channel row;
+- codes become bf16 subnormals ``c 2**(b - 133)`` with one ``and`` per pair
+  (byte masks), so the x tile (the B operand, ``[N, 128]`` per group in the
+  MMA's column order) carries ``2**(69 - b)`` per column and every product
+  comes out times ``2**-64``, folded into the scales;
+- TMA pipelines the code tile, the group's scale/zero rows and x's group
+  tile ``stages`` deep; one MMA per group, its ``[128, N]`` result scaled
+  per row and added in float32;
+- grid ``(out / 128, splits)``: a split takes a run of groups and writes a
+  float32 partial; XLA sums the partials (and transposes) in one fusion.
+
+`int4_matmul.int4_matmul_reference` is the spec. Rows ``B * T`` up to 64
+(N = 8, 16, 32 or 64, zero-padded); group 128 only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _triton
+from pallas_kernels import mosaic_attention as ma
+from pallas_kernels import mosaic_dequant
+
+plgpu = ma.plgpu
+GROUP = 128      # inputs per (scale, zero); the dequant tile's channels
+_BLOCK_OUT = 128  # output rows per program (two warpgroup row tiles)
+_SHIFT = mosaic_dequant.FOLD_SHIFT  # products come out times 2**-64
+MAX_ROWS = 64
+
+
+def transpose_packed(packed: jax.Array) -> jax.Array:
+  """`int4_matmul.pack_weight`'s ``[in / 2, out]`` codes (group 128) as this
+  kernel's ``[out, in / 2]`` rows (a copy; done once per weight)."""
+  return jnp.swapaxes(packed, 0, 1)
+
+
+def supports(n_in: int, n_out: int, group: int, rows: int) -> tuple[bool, str]:
+  """Whether the kernel serves this shape; ``(False, reason)`` if not."""
+  if plgpu is None:
+    return False, "jax.experimental.pallas.mosaic_gpu is not importable"
+  if group != GROUP:
+    return False, f"group={group} (the Mosaic kernel takes groups of {GROUP} inputs)"
+  if n_in % GROUP or n_out % _BLOCK_OUT:
+    return False, f"[{n_in}, {n_out}] must be multiples of [{GROUP}, {_BLOCK_OUT}]"
+  if not 1 <= rows <= MAX_ROWS:
+    return False, f"{rows} rows (1 to {MAX_ROWS})"
+  return True, ""
+
+
+def default_splits(n_in: int, n_out: int, num_sms: int = 132, per_sm: int = 2) -> int:
+  """Splits of the input groups: about ``per_sm`` programs per SM, dividing the groups."""
+  groups, tiles = n_in // GROUP, n_out // _BLOCK_OUT
+  want = max(1, per_sm * num_sms // tiles)
+  return max(d for d in range(1, groups + 1) if groups % d == 0 and d <= want)
+
+
+def _operands(x, rows: int, n: int):
+  """x ``[rows, in]`` -> the B tiles ``[groups * N, 128]`` bf16 (MMA column order,
+  times ``2**(69 - b)``, rows zero-padded to N) and ``sum(x_g)`` ``[groups, max(N, 32)]``
+  f32 (zero-padded)."""
+  n_in = x.shape[-1]
+  groups = n_in // GROUP
+  xg = x.reshape(rows, groups, GROUP).astype(jnp.float32)
+  perm = mosaic_dequant.code_permutation(GROUP, 4)
+  exps = mosaic_dequant.code_column_exponents(GROUP, 4)
+  # registers hold c 2**(b - 133): x carries 2**(133 - b - 64), products c x 2**-64
+  factor = jnp.asarray(2.0 ** (mosaic_dequant.SUBNORMAL_EXP - _SHIFT - exps), jnp.float32)
+  xs = (xg[..., perm] * factor).astype(jnp.bfloat16)                  # [rows, groups, 128]
+  xs = jnp.pad(xs, ((0, n - rows), (0, 0), (0, 0))).transpose(1, 0, 2)  # [groups, N, 128]
+  # [groups, max(N, 32)]: a TMA copy moves a multiple of 128 bytes
+  sums = jnp.pad(xg.sum(-1), ((0, max(n, 32) - rows), (0, 0))).T
+  return xs.reshape(groups * n, GROUP), sums
+
+
+@functools.partial(jax.jit, static_argnames=("group", "num_splits", "stages"))
+def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: jax.Array, *,
+                       group: int = GROUP, num_splits: int | None = None,
+                       stages: int = 3) -> jax.Array:
+  """``x @ W`` for a 4-bit group-wise ``W`` (Hopper).
+
+  Args:
+    x: ``[..., in]``, at most `MAX_ROWS` rows.
+    codes: uint8 ``[out, in / 2]`` (`transpose_packed`); scale, zero:
+      ``[in / 128, out]`` (float32 or narrower).
+    group: must be 128.
+    num_splits: programs along the input groups (default `default_splits`).
+    stages: TMA pipeline depth.
+  Returns:
+    ``[..., out]`` float32.
+  """
+  *lead, n_in = x.shape
+  n_out = codes.shape[0]
+  rows = int(np.prod(lead, dtype=np.int64))
+  ok, why = supports(n_in, n_out, group, rows)
+  if not ok:
+    raise ValueError(f"mosaic_int4_matmul: {why}")
+  groups = n_in // GROUP
+  if codes.shape != (n_out, n_in // 2) or codes.dtype != jnp.uint8:
+    raise ValueError(f"codes {codes.shape} {codes.dtype} must be uint8 [{n_out}, {n_in // 2}]")
+  if scale.shape != (groups, n_out) or zero.shape != (groups, n_out):
+    raise ValueError(f"scale {scale.shape} / zero {zero.shape} must be [{groups}, {n_out}]")
+  splits = num_splits or default_splits(n_in, n_out, _triton.num_sms())
+  if groups % splits:
+    raise ValueError(f"num_splits={splits} must divide the {groups} groups")
+  per_split = groups // splits
+  n = ma._rows_n(rows)  # pylint: disable=protected-access
+  xs, sums = _operands(x.reshape(rows, n_in), rows, n)
+  scale2 = scale.astype(jnp.float32) * (2.0 ** _SHIFT)
+  zero = zero.astype(jnp.float32)
+  bo, f32 = _BLOCK_OUT, jnp.float32
+  x_tf = ma._tiled(64, 16)  # pylint: disable=protected-access
+  row_l, col_l = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+
+  def kernel(codes_gmem, scale_gmem, zero_gmem, x_gmem, sum_gmem, out_gmem):
+    o = lax.axis_index("o")
+    first = lax.axis_index("s") * per_split
+    specs = [
+        plgpu.BlockSpec((bo, GROUP // 2), lambda i: (o, first + i)),          # codes, plain
+        plgpu.BlockSpec((1, bo), lambda i: (first + i, o)),                  # scale * 2**64
+        plgpu.BlockSpec((1, bo), lambda i: (first + i, o)),                  # zero
+        plgpu.BlockSpec((n, GROUP), lambda i: (first + i, 0), transforms=x_tf),  # x tile
+        plgpu.BlockSpec((1, sums.shape[1]), lambda i: (first + i, 0)),      # sum(x_g)
+    ]
+
+    def body(_, c_smem, s_smem, z_smem, x_smem, sum_smem, acc):
+      a = mosaic_dequant.dequant_codes(c_smem, GROUP, 4, subnormal=True, byte_masks=True)
+
+      def mma(acc_ref):
+        plgpu.wgmma(acc_ref, a, ma._t(x_smem))  # pylint: disable=protected-access
+        return acc_ref[...]
+
+      prod = pl.run_scoped(mma, plgpu.ACC((bo, n), f32))                      # [128, N]
+      sc = ma._load(s_smem.at[0], layout=row_l, optimized=False)  # pylint: disable=protected-access
+      zr = ma._load(z_smem.at[0], layout=row_l, optimized=False)  # pylint: disable=protected-access
+      sx = ma._load(sum_smem.at[0, pl.ds(0, n)], layout=col_l,  # pylint: disable=protected-access
+                    optimized=False)
+      return (acc + prod * lax.broadcast_in_dim(sc, (bo, n), [0])
+              + lax.broadcast_in_dim(zr, (bo, n), [0]) * lax.broadcast_in_dim(sx, (bo, n), [1]))
+
+    acc0 = plgpu.layout_cast(jnp.zeros((bo, n), f32), plgpu.Layout.WGMMA)
+    acc = plgpu.emit_pipeline(body, grid=(per_split,), in_specs=specs,
+                              max_concurrent_steps=stages, init_carry=acc0)(
+                                  codes_gmem, scale_gmem, zero_gmem, x_gmem, sum_gmem)
+
+    def write(o_smem):
+      o_smem[...] = acc
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[lax.axis_index("s"), pl.ds(o * bo, bo)])
+      plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(write, plgpu.SMEM((bo, n), f32))
+
+  part = plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct((splits, n_out, n), f32),
+      grid=(n_out // bo, splits),
+      grid_names=("o", "s"),
+      compiler_params=plgpu.CompilerParams(approx_math=True,
+                                           lowering_semantics=ma._SEMANTICS),  # pylint: disable=protected-access
+      kernel_name="jaxkv_mosaic_int4_matmul",
+  )(codes, scale2, zero, xs, sums)
+  return part.sum(axis=0).T[:rows].reshape(*lead, n_out)
+
+
+__all__ = ["GROUP", "MAX_ROWS", "default_splits", "mosaic_int4_matmul", "supports",
+           "transpose_packed"]

@@ -1,0 +1,86 @@
+"""The Mosaic GPU 4-bit weight product (`pallas_kernels.mosaic_int4_matmul`).
+
+On a Hopper GPU the kernel runs compiled against `int4_matmul_reference` (the
+jnp spec over the unpacked codes). Elsewhere: the host-side operands are
+checked by a float64 emulation of what the kernel's registers and MMA compute
+(codes as ``c 2**(b - 133)`` per MMA column), and the kernel lowers for CUDA.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv.attention import is_hopper
+from pallas_kernels import int4_matmul as im
+from pallas_kernels import mosaic_dequant
+from pallas_kernels import mosaic_int4_matmul as mm
+
+ON_HOPPER = is_hopper()
+
+
+def _weight(key, n_in, n_out):
+  k1, k2, k3 = jax.random.split(key, 3)
+  codes = jax.random.randint(k1, (n_in, n_out), 0, 16, jnp.int32)
+  groups = n_in // 128
+  scale = jax.random.uniform(k2, (groups, n_out), jnp.float32, 0.002, 0.02)
+  zero = jax.random.uniform(k3, (groups, n_out), jnp.float32, -0.1, 0.1)
+  return im.pack_weight(codes, 128), scale, zero
+
+
+def test_operands_emulate_the_product():
+  """float64 emulation of the kernel over `_operands`: registers ``c 2**(b - 133)``
+  in `code_permutation` order times the x tile, ``* scale 2**64 + zero sum(x)``."""
+  n_in, n_out, rows = 256, 128, 3
+  packed, scale, zero = _weight(jax.random.PRNGKey(0), n_in, n_out)
+  x = jax.random.normal(jax.random.PRNGKey(1), (rows, n_in), jnp.float32).astype(jnp.bfloat16)
+  n = 8
+  xs, sums = mm._operands(x, rows, n)
+  xs = np.asarray(xs.astype(jnp.float32), np.float64).reshape(n_in // 128, n, 128)
+  codes = np.asarray(im.unpack_weight(packed, 128), np.float64)          # [in, out]
+  perm = mosaic_dequant.code_permutation(128, 4)
+  exps = mosaic_dequant.code_column_exponents(128, 4)
+  y = np.zeros((n_out, n))
+  for g in range(n_in // 128):
+    regs = codes[128 * g + perm, :].T * 2.0 ** (exps - 133.0)            # [out, 128]
+    prod = regs @ xs[g].T                                                # [out, N]
+    y += (prod * np.asarray(scale[g], np.float64)[:, None] * 2.0 ** 64
+          + np.asarray(zero[g], np.float64)[:, None] * np.asarray(sums[g, :n], np.float64)[None])
+  want = np.asarray(im.int4_matmul_reference(x, packed, scale, zero, group=128), np.float64)
+  np.testing.assert_allclose(y[:, :rows].T, want, rtol=1e-2, atol=1e-3)
+  assert not y[:, rows:].any()
+  assert sums.shape == (n_in // 128, 32) and not np.asarray(sums)[:, rows:].any()
+
+
+def test_refusals():
+  packed, scale, zero = _weight(jax.random.PRNGKey(0), 256, 256)
+  x = jnp.ones((2, 256), jnp.bfloat16)
+  with pytest.raises(ValueError, match="uint8"):
+    mm.mosaic_int4_matmul(x, packed, scale, zero)                         # not transposed
+  with pytest.raises(ValueError, match="group=64"):
+    mm.mosaic_int4_matmul(x, mm.transpose_packed(packed), scale, zero, group=64)
+  with pytest.raises(ValueError, match="65 rows"):
+    mm.mosaic_int4_matmul(jnp.ones((65, 256), jnp.bfloat16), mm.transpose_packed(packed),
+                          scale, zero)
+  with pytest.raises(ValueError, match="num_splits=3"):
+    mm.mosaic_int4_matmul(x, mm.transpose_packed(packed), scale, zero, num_splits=3)
+
+
+@pytest.mark.parametrize("n_in,n_out,lead,splits", [
+    (256, 128, (1,), None), (512, 256, (2, 3), 2), (384, 128, (16,), 3), (256, 384, (40,), 1)])
+def test_kernel(n_in, n_out, lead, splits):
+  packed, scale, zero = _weight(jax.random.PRNGKey(n_in + n_out), n_in, n_out)
+  x = jax.random.normal(jax.random.PRNGKey(7), (*lead, n_in)).astype(jnp.bfloat16)
+  codes = mm.transpose_packed(packed)
+  if not ON_HOPPER:
+    fn = lambda x, c, s, z: mm.mosaic_int4_matmul(x, c, s, z, num_splits=splits or 1)  # noqa: E731
+    text = jax.jit(fn).trace(x, codes, scale, zero).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    return
+  got = np.asarray(mm.mosaic_int4_matmul(x, codes, scale, zero, num_splits=splits), np.float64)
+  want = np.asarray(im.int4_matmul_reference(x, packed, scale, zero, group=128), np.float64)
+  assert got.shape == (*lead, n_out)
+  np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
