@@ -44,8 +44,28 @@ SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)]
 ROTATE = 4  # weight copies cycled so that none is read from L2
 
 
+def _time_variants(fns, weights, n_in, n_out, calls, extra=None):
+  """Kernel time of ``fns[name](x, w)`` at B=1 over the rotated ``weights``, each
+  output checked against the first variant's; one row per variant."""
+  x = jax.random.normal(jax.random.PRNGKey(5), (1, n_in), jnp.bfloat16)
+  out, ref = [], None
+  for name, fn in fns.items():
+    try:
+      y = jax.jit(fn)(x, weights[0])
+      ref = y if ref is None else ref
+      err = float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref)))
+      us = timing.kernel_time(fn, [(x, w) for w in weights], calls=calls)["kernel"] * 1e6
+    except Exception as e:  # pylint: disable=broad-except
+      print(f"    {name:16s} FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
+      continue
+    out.append(dict(n_in=n_in, n_out=n_out, batch=1, variant=name, kernel_us=us,
+                    rel_err_vs_default=err, **(extra or {}).get(name, {})))
+    print(f"    {name:16s} {us:7.1f} us  err {err:.1e}", flush=True)
+  return out
+
+
 def sweep(n_in, n_out, qs, group, calls):
-  """Kernel time of config variants at B=1, each checked against the default's output."""
+  """Triton kernel config variants at B=1, each checked against the default's output."""
   base = i4.Int4MatmulConfig.default(n_in=n_in, n_out=n_out, group=qs[0].group)
   groups = n_in // qs[0].group
   variants = {"default": base}
@@ -62,50 +82,21 @@ def sweep(n_in, n_out, qs, group, calls):
   if base.num_splits % 2 == 0:
     variants["splits_half"] = dataclasses.replace(base, num_splits=base.num_splits // 2)
   variants["warps1"] = dataclasses.replace(base, num_warps=1)
-  x = jax.random.normal(jax.random.PRNGKey(5), (1, n_in), jnp.bfloat16)
-  out, ref = [], None
-  for name, cfg in variants.items():
-    def fn(x, qw, _c=cfg):
-      return i4.int4_matmul(x, qw.codes, qw.scale, qw.zero, group=qw.group, config=_c)
-    try:
-      y = jax.jit(fn)(x, qs[0])
-      ref = y if ref is None else ref
-      err = float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref)))
-      us = timing.kernel_time(fn, [(x, q) for q in qs], calls=calls)["kernel"] * 1e6
-    except Exception as e:  # pylint: disable=broad-except
-      print(f"    {name:12s} FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
-      continue
-    out.append(dict(n_in=n_in, n_out=n_out, batch=1, variant=name,
-                    config=dataclasses.asdict(cfg), kernel_us=us, rel_err_vs_default=err))
-    print(f"    {name:12s} {us:7.1f} us  err {err:.1e}  {cfg}", flush=True)
-  return out
+  fns = {name: (lambda x, qw, _c=cfg: i4.int4_matmul(x, qw.codes, qw.scale, qw.zero,
+                                                       group=qw.group, config=_c))
+         for name, cfg in variants.items()}
+  extra = {name: {"config": dataclasses.asdict(cfg)} for name, cfg in variants.items()}
+  return _time_variants(fns, qs, n_in, n_out, calls, extra)
 
 
 def mosaic_sweep(n_in, n_out, mqs, calls):
-  """Kernel time of Mosaic split counts and depths at B=1, checked against the default's."""
-  x = jax.random.normal(jax.random.PRNGKey(5), (1, n_in), jnp.bfloat16)
+  """Mosaic kernel split counts x pipeline depths at B=1 (the default first)."""
   groups = n_in // m4.GROUP
   base = m4.default_splits(n_in, n_out)
-  variants = {}
-  for splits in sorted({base, max(1, base // 2), base * 2 if groups % (base * 2) == 0 else base}):
-    for stages in (2, 3, 4):
-      variants[f"s{splits}_st{stages}"] = (splits, stages)
-  out, ref = [], None
-  for name, (splits, stages) in variants.items():
-    def fn(x, w, _s=splits, _st=stages):
-      return m4.mosaic_int4_matmul(x, *w, num_splits=_s, stages=_st)
-    try:
-      y = jax.jit(fn)(x, mqs[0])
-      ref = y if ref is None else ref
-      err = float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref)))
-      us = timing.kernel_time(fn, [(x, q) for q in mqs], calls=calls)["kernel"] * 1e6
-    except Exception as e:  # pylint: disable=broad-except
-      print(f"    mosaic {name:10s} FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
-      continue
-    out.append(dict(n_in=n_in, n_out=n_out, batch=1, variant=f"mosaic_{name}",
-                    kernel_us=us, rel_err_vs_default=err))
-    print(f"    mosaic {name:10s} {us:7.1f} us  err {err:.1e}", flush=True)
-  return out
+  splits = [base] + [s for s in (max(1, base // 2), 2 * base) if s != base and groups % s == 0]
+  fns = {f"mosaic_s{s}_st{st}": (lambda x, w, _s=s, _st=st: m4.mosaic_int4_matmul(
+      x, *w, num_splits=_s, stages=_st)) for s in splits for st in (3, 2, 4)}
+  return _time_variants(fns, mqs, n_in, n_out, calls)
 
 
 def main(argv=None) -> int:
