@@ -67,21 +67,14 @@ def fusion_bodies(hlo: str) -> dict[str, str]:
   return out
 
 
-def anatomy(name: str, model, context: int, steps: int, log) -> dict:
-  capacity = context + 2 * steps + 256
-  cache = e2e.fill_cache(model, name, 1, context, capacity, seed=0)
-  graphdef, state = nnx.split(model)
-  tokens = jnp.ones((1,), jnp.int32)
-  lowered = e2e._decode.lower(graphdef, state, tokens, cache)  # pylint: disable=protected-access
-  hlo = lowered.compile().as_text()
+def _profile(name: str, run, hlo: str, steps: int, layers: int, context: int, log) -> dict:
+  """Profiles ``run()`` (``steps`` steps, its result waited for) after one warm-up call;
+  groups the kernels by HLO op and joins them with ``hlo``'s fusion bodies."""
   bodies = fusion_bodies(hlo)
-  tokens, cache = e2e._decode(graphdef, state, tokens, cache)  # pylint: disable=protected-access
-  tokens.block_until_ready()
+  jax.block_until_ready(run())
   trace = tempfile.mkdtemp(prefix=f"anatomy-{name}-")
   jax.profiler.start_trace(trace)
-  for _ in range(steps):
-    tokens, cache = e2e._decode(graphdef, state, tokens, cache)  # pylint: disable=protected-access
-  tokens.block_until_ready()
+  jax.block_until_ready(run())
   jax.profiler.stop_trace()
   events = gpu_kernel_events(trace, details=True)
   per_op = collections.defaultdict(lambda: [0, 0.0, ""])
@@ -99,13 +92,45 @@ def anatomy(name: str, model, context: int, steps: int, log) -> dict:
                      us_each=us / max(count, 1), body=bodies.get(op, "")))
   log(f"\n== {name}: {len(events) / steps:.0f} kernels per step, kernels "
       f"{kernel_us / steps:.0f} us, span {span_us / steps:.0f} us per step "
-      f"({model.config.num_layers} layers, context {context})")
+      f"({layers} layers, context {context})")
   for r in rows[:60]:
     log(f"  {r['us_per_step']:8.1f} us {r['per_step']:5.1f}x {r['us_each']:6.2f}  "
         f"{r['hlo_op'][:34]:34s} {r['body'][:150]}")
-  return dict(format=name, context=context, layers=model.config.num_layers,
+  return dict(format=name, context=context, layers=layers,
               kernels_per_step=len(events) / steps, kernel_us_per_step=kernel_us / steps,
               span_us_per_step=span_us / steps, ops=rows)
+
+
+def anatomy(name: str, model, context: int, steps: int, log) -> dict:
+  """The decode step (`bench.e2e`'s jitted step) on a ``name`` cache of ``context`` tokens."""
+  capacity = context + 2 * steps + 256
+  cache = e2e.fill_cache(model, name, 1, context, capacity, seed=0)
+  graphdef, state = nnx.split(model)
+  box = dict(tokens=jnp.ones((1,), jnp.int32), cache=cache)
+  hlo = e2e._decode.lower(graphdef, state, box["tokens"], cache).compile().as_text()  # pylint: disable=protected-access
+
+  def run():
+    for _ in range(steps):
+      box["tokens"], box["cache"] = e2e._decode(graphdef, state, box["tokens"], box["cache"])  # pylint: disable=protected-access
+    return box["tokens"]
+
+  return _profile(name, run, hlo, steps, model.config.num_layers, context, log)
+
+
+def draft_anatomy(model, context: int, steps: int, log, *, bits: int = 4,
+                  gamma: int = 4) -> dict:
+  """QuantSpec's draft step (`bench.speculative._draft_loop`: ``bits``-bit draft weights,
+  the ``quantspec`` cache's draft view, one token) on a cache of ``context`` tokens."""
+  import speculative  # pylint: disable=import-outside-toplevel
+  cache = e2e.fill_cache(model, "quantspec", 1, context, context + 256, seed=0)
+  graphdef, state = nnx.split(model)
+  weights = model.quantize_weights(bits=bits)
+  token = jnp.ones((1,), jnp.int32)
+  args = (graphdef, state, weights, token, cache)
+  kw = dict(gamma=gamma, iters=steps)
+  hlo = speculative._draft_loop.lower(*args, **kw).compile().as_text()  # pylint: disable=protected-access
+  return _profile(f"draft-int{bits}", lambda: speculative._draft_loop(*args, **kw),  # pylint: disable=protected-access
+                  hlo, steps, model.config.num_layers, context, log)
 
 
 def main(argv=None) -> int:
@@ -114,6 +139,8 @@ def main(argv=None) -> int:
   p.add_argument("--context", type=int, default=32768)
   p.add_argument("--layers", type=int, default=4)
   p.add_argument("--steps", type=int, default=8)
+  p.add_argument("--draft", default="", metavar="BITS",
+                 help="also QuantSpec's draft step with these draft weight bits (e.g. 4,8)")
   p.add_argument("--out", default="/tmp")
   a = p.parse_args(argv)
   config = dataclasses.replace(llama.LlamaConfig.named("llama-3.1-8b"), num_layers=a.layers)
@@ -124,7 +151,9 @@ def main(argv=None) -> int:
     print(msg, flush=True)
     lines.append(msg)
 
-  results = [anatomy(f, model, a.context, a.steps, log) for f in a.formats.split(",")]
+  results = [anatomy(f, model, a.context, a.steps, log) for f in a.formats.split(",") if f]
+  results += [draft_anatomy(model, a.context, a.steps, log, bits=int(b))
+              for b in a.draft.split(",") if b]
   os.makedirs(a.out, exist_ok=True)
   gpu = jax.devices()[0].device_kind.replace(" ", "-").lower()
   with open(os.path.join(a.out, f"step-anatomy-{gpu}.json"), "w") as f:

@@ -9,12 +9,23 @@ weights and the draft copy side by side at half a byte per weight; 8-bit
 codes are plain uint8.
 
 `draft_model` gives the model with its linear layers replaced by
-`QuantizedLinear` modules over these weights. On a GPU a 4-bit layer runs the
-Pallas kernel `pallas_kernels.int4_matmul` (codes read once, never
-dequantized into HBM: XLA's fused ``x @ dequantize(W)`` took 3.3x the bf16
-dot's time on an H100); elsewhere (CPU, 8 bits, more than
-`int4_matmul.MAX_ROWS` rows, groups the kernel does not tile) the layer
-dequantizes next to a plain dot.
+`QuantizedLinear` modules over these weights. On a GPU a 4-bit layer runs a
+Pallas kernel (codes read once, never dequantized into HBM: XLA's fused
+``x @ dequantize(W)`` took 3.3x the bf16 dot's time on an H100):
+
+- ``layout="in_major"``, codes ``[in / 2, out]``: the Triton kernel
+  `pallas_kernels.int4_matmul` (any GPU);
+- ``layout="out_major"``, codes ``[out, in / 2]`` (group 128): the Hopper
+  kernel `pallas_kernels.mosaic_int4_matmul`, weight rows as the MMA's M.
+  On an H200 it took 19.4 / 18.8 us for Llama-3.1-8B's gate (up) and down
+  products where the Triton kernel took 27.4 / 24.6, but was no faster for
+  the 4096-wide ones (9.9 vs 9.5 us for ``[4096, 4096]``, 9.0 vs 6.1 for
+  ``[4096, 1024]``; `bench/results/speculative-NOTES.md`), so
+  ``quantize_kernel``'s default (``layout="auto"``) picks it on Hopper for
+  kernels of at least `MOSAIC_MIN_WEIGHTS` weights only.
+
+Elsewhere (CPU, 8 bits, more than the kernel's rows, groups it does not tile)
+the layer dequantizes next to a plain dot.
 
 The embedding (and the tied LM head that reuses it) stays in full precision.
 """
@@ -30,9 +41,15 @@ import numpy as np
 from flax import nnx
 
 from jaxkv import quant
+from jaxkv.attention import is_hopper
 from pallas_kernels import int4_matmul as i4
+from pallas_kernels import mosaic_int4_matmul as m4
 
 _BITS = (4, 8)
+LAYOUTS = ("in_major", "out_major")
+# `layout="auto"` picks the Mosaic kernel's layout on Hopper from this many
+# weights up (Llama-3.1-8B's MLP products; see the module doc).
+MOSAIC_MIN_WEIGHTS = 1 << 25
 
 
 def _static(**kw):
@@ -46,10 +63,14 @@ class QuantizedWeight:
 
   Attributes:
     codes: uint8, ``[in / 2, out]`` for 4 bits (two codes per byte, planar
-      per group: `pallas_kernels.int4_matmul.pack_weight`), ``[in, out]`` for 8.
+      per group: `pallas_kernels.int4_matmul.pack_weight`), ``[in, out]`` for 8;
+      with ``layout="out_major"`` the 4-bit codes transposed, ``[out, in / 2]``
+      (`pallas_kernels.mosaic_int4_matmul.transpose_packed`).
     scale, zero: ``[in // group, out]`` float32.
     group: input rows per group (static).
     bits: 4 or 8 (static).
+    layout: ``"in_major"`` or ``"out_major"`` (static; 4 bits, group 128 only):
+      which kernel a GPU runs (module doc).
   """
 
   codes: jax.Array
@@ -57,6 +78,7 @@ class QuantizedWeight:
   zero: jax.Array
   group: int = _static()
   bits: int = _static(default=4)
+  layout: str = _static(default="in_major")
 
   def __post_init__(self):
     """ValueError naming the field for a weight whose parts disagree (a ``[1, out]``
@@ -67,11 +89,17 @@ class QuantizedWeight:
     if isinstance(self.group, bool) or not isinstance(self.group, (int, np.integer)) \
         or self.group < 1 or (self.bits == 4 and self.group % 2):
       raise ValueError(f"group={self.group!r} must be a positive int (even for 4 bits)")
+    if self.layout not in LAYOUTS:
+      raise ValueError(f"layout={self.layout!r} must be one of {list(LAYOUTS)}")
+    if self.layout == "out_major" and (self.bits != 4 or self.group != m4.GROUP):
+      raise ValueError(f"layout='out_major' holds 4-bit codes in groups of {m4.GROUP} "
+                       f"(the Mosaic kernel's), got bits={self.bits}, group={self.group}")
     shapes = [getattr(x, "shape", None) for x in (self.codes, self.scale, self.zero)]
     if any(sh is None for sh in shapes):
       return
     if len(shapes[0]) != 2:
-      raise ValueError(f"codes.shape={tuple(shapes[0])} must be 2-D [in / (8 / bits), out]")
+      raise ValueError(f"codes.shape={tuple(shapes[0])} must be 2-D [in / (8 / bits), out] "
+                       f"([out, in / 2] for layout='out_major')")
     if getattr(self.codes, "dtype", jnp.uint8) != jnp.uint8:
       raise ValueError(f"codes.dtype={self.codes.dtype} must be uint8")
     n_in, n_out = self.shape
@@ -86,12 +114,18 @@ class QuantizedWeight:
   @property
   def shape(self) -> tuple[int, int]:
     """``(in, out)`` of the kernel this weight stands for."""
+    if self.layout == "out_major":
+      n_out, half = self.codes.shape
+      return (2 * half, n_out)
     rows, n_out = self.codes.shape
     return (rows * (8 // self.bits), n_out)
 
   def unpacked_codes(self) -> jax.Array:
     """Codes ``[in, out]`` (uint8)."""
-    return i4.unpack_weight(self.codes, self.group) if self.bits == 4 else self.codes
+    if self.bits == 8:
+      return self.codes
+    packed = self.codes.T if self.layout == "out_major" else self.codes   # [in / 2, out]
+    return i4.unpack_weight(packed, self.group)
 
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
     """``[in, out]`` in ``dtype`` (float32 arithmetic)."""
@@ -99,9 +133,13 @@ class QuantizedWeight:
                                 self.group).astype(dtype)
 
   def kernel_ok(self, rows: int) -> bool:
-    """Whether ``x @ self`` with ``rows`` rows runs the Pallas kernel on this backend."""
-    return (self.bits == 4 and jax.default_backend() == "gpu"
-            and i4.supports(*self.shape, self.group, rows)[0])
+    """Whether ``x @ self`` with ``rows`` rows runs a Pallas kernel on this backend
+    (the layout's: module doc)."""
+    if self.bits != 4 or jax.default_backend() != "gpu":
+      return False
+    if self.layout == "out_major":
+      return is_hopper() and m4.supports(*self.shape, self.group, rows)[0]
+    return i4.supports(*self.shape, self.group, rows)[0]
 
   def matmul(self, x: jax.Array, out_dtype=None, *, use_kernel: bool = True) -> jax.Array:
     """``x @ W``: ``[..., in] -> [..., out]``, accumulated in float32, returned in
@@ -110,14 +148,26 @@ class QuantizedWeight:
     device's)."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if use_kernel and self.kernel_ok(math.prod(x.shape[:-1])):
-      y = i4.int4_matmul(x, self.codes, self.scale, self.zero, group=self.group)
+      matmul = m4.mosaic_int4_matmul if self.layout == "out_major" else i4.int4_matmul
+      y = matmul(x, self.codes, self.scale, self.zero, group=self.group)
       return y.astype(out_dtype)
     from models.llama import linear  # pylint: disable=import-outside-toplevel
     return linear(x, self.dequantize(x.dtype), out_dtype)
 
 
-def quantize_kernel(w: jax.Array, *, bits: int = 4, group_size: int = 128) -> QuantizedWeight:
-  """Quantizes one ``[in, out]`` kernel; the group is ``gcd(in, group_size)``."""
+def default_layout(n_in: int, n_out: int, bits: int, group: int) -> str:
+  """``layout="auto"``: ``"out_major"`` (the Mosaic kernel) on a Hopper GPU for 4-bit
+  kernels of at least `MOSAIC_MIN_WEIGHTS` weights it serves, else ``"in_major"``."""
+  if (bits == 4 and n_in * n_out >= MOSAIC_MIN_WEIGHTS and jax.default_backend() == "gpu"
+      and is_hopper() and m4.supports(n_in, n_out, group, 1)[0]):
+    return "out_major"
+  return "in_major"
+
+
+def quantize_kernel(w: jax.Array, *, bits: int = 4, group_size: int = 128,
+                    layout: str = "auto") -> QuantizedWeight:
+  """Quantizes one ``[in, out]`` kernel; the group is ``gcd(in, group_size)``;
+  ``layout``: ``"auto"`` (`default_layout`) or one of `LAYOUTS`."""
   if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or bits not in _BITS:
     raise ValueError(f"bits={bits!r} must be one of {list(_BITS)} (an int)")
   bits = int(bits)
@@ -135,9 +185,15 @@ def quantize_kernel(w: jax.Array, *, bits: int = 4, group_size: int = 128) -> Qu
   wg = w.astype(jnp.float32).reshape(n_in // group, group, n_out)
   codes, scale, zero = quant.quantize_groups(wg, bits, -2, "float32")
   codes = codes.reshape(n_in, n_out).astype(jnp.uint8)
+  if layout == "auto":
+    layout = default_layout(n_in, n_out, bits, group)
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout={layout!r} must be 'auto' or one of {list(LAYOUTS)}")
   if bits == 4:
     codes = i4.pack_weight(codes, group)
-  return QuantizedWeight(codes, scale, zero, group=group, bits=bits)
+    if layout == "out_major":
+      codes = m4.transpose_packed(codes)
+  return QuantizedWeight(codes, scale, zero, group=group, bits=bits, layout=layout)
 
 
 class QuantizedLinear(nnx.Module):
@@ -149,12 +205,13 @@ class QuantizedLinear(nnx.Module):
     self.zero = nnx.Variable(weight.zero)
     self.group = weight.group
     self.bits = weight.bits
+    self.layout = weight.layout
     self.use_kernel = use_kernel
 
   @property
   def weight(self) -> QuantizedWeight:
     return QuantizedWeight(self.codes[...], self.scale[...], self.zero[...], group=self.group,
-                           bits=self.bits)
+                           bits=self.bits, layout=self.layout)
 
   def __call__(self, x: jax.Array, out_dtype=None) -> jax.Array:  # [..., in] -> [..., out]
     return self.weight.matmul(x, out_dtype, use_kernel=self.use_kernel)
@@ -170,7 +227,8 @@ def _key(path) -> str:
   return ".".join(str(p) for p in path)
 
 
-def quantize_weights(model, *, bits: int = 4, group_size: int = 128) -> dict[str, QuantizedWeight]:
+def quantize_weights(model, *, bits: int = 4, group_size: int = 128,
+                     layout: str = "auto") -> dict[str, QuantizedWeight]:
   """Group-wise ``bits``-bit copies of every linear layer's kernel.
 
   Args:
@@ -178,10 +236,13 @@ def quantize_weights(model, *, bits: int = 4, group_size: int = 128) -> dict[str
     bits: 4 (codes packed two per byte) or 8 (uint8 codes).
     group_size: input rows per (scale, zero); a kernel whose input size it
       does not divide uses ``gcd(in, group_size)`` (SmolLM2's 576: 64).
+    layout: each kernel's code layout, ``"auto"`` (`default_layout`, per kernel)
+      or one of `LAYOUTS` for all.
   Returns:
     ``{"layers.0.self_attn.q_proj": QuantizedWeight, ...}`` (a pytree).
   """
-  weights = {_key(path): quantize_kernel(m.kernel[...], bits=bits, group_size=group_size)
+  weights = {_key(path): quantize_kernel(m.kernel[...], bits=bits, group_size=group_size,
+                                         layout=layout)
              for path, m in _linears(model)}
   if not weights:
     raise ValueError(f"model {type(model).__name__} has no models.llama.Linear layers")
@@ -221,4 +282,5 @@ def nbytes(weights: dict[str, QuantizedWeight]) -> int:
                  for w in weights.values()))
 
 
-__all__ = ["QuantizedLinear", "QuantizedWeight", "draft_model", "nbytes", "quantize_kernel", "quantize_weights"]
+__all__ = ["LAYOUTS", "MOSAIC_MIN_WEIGHTS", "QuantizedLinear", "QuantizedWeight", "default_layout",
+           "draft_model", "nbytes", "quantize_kernel", "quantize_weights"]

@@ -562,10 +562,11 @@ class Llama(nnx.Module):
       raise ValueError(f"index={index} must be in [0, {self.config.num_layers})")
     return self.layers[index]
 
-  def quantize_weights(self, *, bits: int = 4, group_size: int = 128) -> dict:
+  def quantize_weights(self, *, bits: int = 4, group_size: int = 128,
+                       layout: str = "auto") -> dict:
     """Group-wise ``bits``-bit copies of every linear layer (`models.draft_weights`)."""
     from models.draft_weights import quantize_weights  # pylint: disable=import-outside-toplevel
-    return quantize_weights(self, bits=bits, group_size=group_size)
+    return quantize_weights(self, bits=bits, group_size=group_size, layout=layout)
 
   def with_draft_weights(self, weights: dict, *, use_kernel: bool = True) -> "Llama":
     """This model with its linear layers reading ``weights`` (from `quantize_weights`);
@@ -963,12 +964,13 @@ def from_pretrained(path, dtype=None, *, mesh=None) -> Llama:
   return load_llama(path, dtype=dtype, mesh=mesh)
 
 
-def quantize_weights(model: Llama, *, bits: int = 4, group_size: int = 128) -> dict:
+def quantize_weights(model: Llama, *, bits: int = 4, group_size: int = 128,
+                     layout: str = "auto") -> dict:
   """QuantSpec's draft weights: group-wise ``bits``-bit copies of every linear layer.
 
   The same as ``model.quantize_weights(...)``; see `models.draft_weights`.
   """
-  return model.quantize_weights(bits=bits, group_size=group_size)
+  return model.quantize_weights(bits=bits, group_size=group_size, layout=layout)
 
 
 def param_count(model: Llama) -> int:

@@ -278,6 +278,46 @@ def test_draft_weights_against_numpy_model(model):
                                 np.asarray(w))
 
 
+@pytest.mark.parametrize("n_in,n_out,lead", [(256, 128, (1,)), (384, 256, (2, 3))])
+def test_out_major_layout_is_the_same_weight(n_in, n_out, lead):
+  """The Mosaic kernel's layout (codes ``[out, in / 2]``) holds the same codes as the
+  Triton kernel's: equal dequantization, and ``x @ W`` (the Hopper kernel on an H100 /
+  H200, the dequantize + dot elsewhere) equal to float64 numpy on the dequantized weight."""
+  w = jax.random.normal(jax.random.key(n_in), (n_in, n_out), jnp.float32)
+  a = dw.quantize_kernel(w, group_size=128, layout="in_major")
+  b = dw.quantize_kernel(w, group_size=128, layout="out_major")
+  assert b.codes.shape == (n_out, n_in // 2) and b.shape == a.shape == (n_in, n_out)
+  np.testing.assert_array_equal(np.asarray(b.unpacked_codes()), np.asarray(a.unpacked_codes()))
+  np.testing.assert_array_equal(np.asarray(b.dequantize()), np.asarray(a.dequantize()))
+  x = jax.random.normal(jax.random.key(1), (*lead, n_in), jnp.float32).astype(jnp.bfloat16)
+  want = np.asarray(x, np.float64) @ np.asarray(a.dequantize(), np.float64)
+  got = np.asarray(jax.jit(lambda x, w: w.matmul(x, jnp.float32))(x, b), np.float64)
+  np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+  assert dw.nbytes({"a": a}) == dw.nbytes({"b": b})
+
+
+def test_layout_choice_and_refusals():
+  w = jax.random.normal(jax.random.key(0), (256, 128), jnp.float32)
+  # "auto" takes the Mosaic layout only on Hopper and for large kernels
+  assert dw.quantize_kernel(w).layout == "in_major"
+  assert dw.default_layout(4096, 14336, 4, 128) == (
+      "out_major" if jax.default_backend() == "gpu" and jaxkv.attention.is_hopper()
+      else "in_major")
+  assert dw.default_layout(4096, 14336, 8, 128) == "in_major"
+  with pytest.raises(ValueError, match="layout='rows' must be 'auto' or one of"):
+    dw.quantize_kernel(w, layout="rows")
+  with pytest.raises(ValueError, match="got bits=8, group=128"):
+    dw.quantize_kernel(w, bits=8, layout="out_major")
+  with pytest.raises(ValueError, match="got bits=4, group=64"):
+    dw.quantize_kernel(w, group_size=64, layout="out_major")
+  q = dw.quantize_kernel(w, layout="out_major")
+  with pytest.raises(ValueError, match="layout='cols' must be one of"):
+    dw.QuantizedWeight(q.codes, q.scale, q.zero, group=128, bits=4, layout="cols")
+  q = dw.quantize_kernel(jnp.concatenate([w, w], axis=1), layout="out_major")  # [256, 256]
+  with pytest.raises(ValueError, match=r"scale.shape=\(2, 256\) must be \(4, 128\)"):
+    dw.QuantizedWeight(q.codes.T, q.scale, q.zero, group=128, bits=4, layout="out_major")
+
+
 @pytest.mark.slow
 def test_cli_speculative_flag_matches_plain_quantspec(tmp_path_factory, capsys):
   from jaxkv import cli
