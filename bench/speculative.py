@@ -18,8 +18,9 @@ Timing (``--timing``): Llama-3.1-8B shapes with random bf16 weights
 1. the autoregressive step inside a jitted `jaxkv.decode_steps` loop for the
    bf16, kivi4 and quantspec caches (`bench.e2e.time_decode_loop`), beside
    its bytes floor (weights + cache bytes read) / measured HBM bandwidth;
-2. per gamma, the time per round of `jaxkv.speculative_steps` (int4 draft
-   weights, ``--rounds`` rounds per jitted call; compile and a warm-up call
+2. per gamma, the time per round of `jaxkv.speculative_steps` (draft
+   weights of ``--draft-bits``, default 4, in the ``--draft-layout`` kernels'
+   layout; ``--rounds`` rounds per jitted call; compile and a warm-up call
    excluded, median over ``--reps``) and the acceptance it saw (random
    weights: not a model's acceptance);
 3. last, at the longest context on a fresh cache (``--no-components`` skips
@@ -28,7 +29,7 @@ Timing (``--timing``): Llama-3.1-8B shapes with random bf16 weights
 4. the *modeled* speedup over autoregressive decoding:
    ``E(gamma) * AR step time / round time``, with ``E(gamma)`` the tokens per
    verification of the real model's CPU run (``--acceptance``, default
-   ``bench/results/speculative-cpu.json``, int4 rows): acceptance measured on
+   ``bench/results/speculative-cpu.json``, the rows of the same draft bits): acceptance measured on
    CPU, times measured here.
 
 Writes ``speculative-timing-<gpu>-<date>.json`` under ``--out`` and prints a
@@ -136,9 +137,9 @@ ACCEPTANCE_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "resu
 MODELED_NOTE = (
     "MODELED, not measured end to end: modeled_speedup_vs_<fmt>_ar = E(gamma) x "
     "ar_step_us[<fmt>] / round_us, where E(gamma) is tokens_per_verification of the real "
-    "model's greedy CPU run (acceptance file, draft_weights int4 rows), ar_step_us the B=1 "
+    "model's greedy CPU run (acceptance file, the rows of the timed draft bits), ar_step_us the B=1 "
     "decode step measured here in a jitted jaxkv.decode_steps loop, and round_us one round of "
-    "jaxkv.speculative_steps measured here (gamma int4-draft steps on the draft view, one "
+    "jaxkv.speculative_steps measured here (gamma draft steps on the draft view, one "
     "target verify pass of gamma+1 tokens, accept, commit) with random weights. A round's "
     "work does not depend on what is accepted except the commit size (<= gamma+1 tokens). "
     "floor_modeled_speedup_vs_bf16_ar uses the bytes floors of both instead of the times. "
@@ -146,11 +147,11 @@ MODELED_NOTE = (
     "caveats in bench/results/speculative-NOTES.md.")
 
 
-def acceptance_table(path: str) -> tuple[dict, dict]:
-  """``({gamma: row}, settings)`` of the int4-draft rows of a `main` result file."""
+def acceptance_table(path: str, draft: str = "int4") -> tuple[dict, dict]:
+  """``({gamma: row}, settings)`` of the ``draft``-weight rows of a `main` result file."""
   with open(path) as f:
     result = json.load(f)
-  rows = {r["gamma"]: r for r in result["rows"] if r["draft_weights"] == "int4"}
+  rows = {r["gamma"]: r for r in result["rows"] if r["draft_weights"] == draft}
   return rows, result.get("settings", {})
 
 
@@ -425,7 +426,7 @@ def timing_main(args) -> int:
   contexts = sorted((int(c) for c in args.contexts.split(",")), reverse=True)
   args.component_gamma = (4 if 4 in args.gamma_list
                           else args.gamma_list[len(args.gamma_list) // 2])
-  e_rows, e_settings = acceptance_table(args.acceptance)
+  e_rows, e_settings = acceptance_table(args.acceptance, f"int{args.draft_bits}")
   dev = jax.devices()[0]
   print(f"speculative timing: {args.model_config} random bf16 weights on {dev.device_kind} "
         f"({dev.platform}), jax {jax.__version__}", flush=True)
@@ -434,7 +435,9 @@ def timing_main(args) -> int:
   print(f"HBM read bandwidth (best of {gib:g} GiB read probes): {bandwidth / 1e9:.0f} GB/s", flush=True)
   t0 = time.perf_counter()
   model = llama.random_model(args.model_config, seed=0, dtype=jnp.bfloat16)
-  weights = model.quantize_weights(bits=4, group_size=args.group_size)
+  weights = model.quantize_weights(bits=args.draft_bits, group_size=args.group_size,
+                                   layout=args.draft_layout if args.draft_bits == 4 else "auto")
+  layouts = sorted({w.layout for w in weights.values()})
   jax.block_until_ready((nnx.state(model), weights))
   init_s = time.perf_counter() - t0
   run = TimingRun(args, model, weights, bandwidth, e_rows)
@@ -460,7 +463,8 @@ def timing_main(args) -> int:
           flax_version=flax.__version__,
           date=datetime.datetime.now().isoformat(timespec="seconds"),
           model=args.model_config, weights="random bf16 (models.llama.random_model, seed 0)",
-          draft_weights=f"int4, group {args.group_size} (models.draft_weights)",
+          draft_weights=(f"int{args.draft_bits}, group {args.group_size}, code layouts "
+                         f"{layouts} (models.draft_weights)"),
           model_init_s=init_s, weight_bytes=run.weight_bytes,
           draft_read_bytes=run.draft_read_bytes, draft_weight_copy_bytes=dw.nbytes(weights),
           hbm_read_bytes_per_s=bandwidth, bandwidth_probe_gib=gib, batch=1,
@@ -494,9 +498,10 @@ def timing_main(args) -> int:
           modeled=MODELED_NOTE,
           acceptance_source=dict(
               path=os.path.relpath(args.acceptance), settings=e_settings,
-              int4_tokens_per_verification={g: r["tokens_per_verification"]
-                                            for g, r in e_rows.items()},
-              int4_acceptance_rate={g: r["acceptance_rate"] for g, r in e_rows.items()}),
+              draft_weights=f"int{args.draft_bits}",
+              tokens_per_verification={g: r["tokens_per_verification"]
+                                       for g, r in e_rows.items()},
+              acceptance_rate={g: r["acceptance_rate"] for g, r in e_rows.items()}),
           args=dict(vars(args)), total_s=time.perf_counter() - run.start),
       results=results, skipped=run.skipped, errors=run.errors)
   os.makedirs(args.out, exist_ok=True)
@@ -517,7 +522,7 @@ def _peak_bytes():
 def _model_speedup(r: dict, ar: dict, e_row) -> None:
   """Adds the modeled speedups (see `MODELED_NOTE`) to a speculative row ``r``."""
   if e_row is None:
-    r["modeled_note"] = "no int4 row for this gamma in the acceptance file: not modeled"
+    r["modeled_note"] = "no row of these draft bits for this gamma in the acceptance file: not modeled"
     return
   e = e_row["tokens_per_verification"]
   r["cpu_real_model_tokens_per_verification"] = e
@@ -543,8 +548,9 @@ def print_timing_table(result: dict) -> None:
     cells = [f"{row['ar'][f]['median_us']:.0f} ({row['ar'][f]['floor_us']:.0f})"
              if f in row["ar"] else "-" for f in AR_FORMATS]
     print(f"{ctx(row['context']):>8}" + "".join(f"{c:>20}" for c in cells))
-  print("\n== speculative round (quantspec cache, int4 draft); speedups MODELED: E(gamma) from "
-        "the real model's CPU run x AR step / round ==")
+  draft = m["draft_weights"].split(",")[0]
+  print(f"\n== speculative round (quantspec cache, {draft} draft); speedups MODELED: "
+        "E(gamma) from the real model's CPU run x AR step / round ==")
   print(f"{'context':>8}{'gamma':>6}{'round us':>10}{'floor us':>10}{'bf16-dr fl':>11}"
         f"{'E cpu':>7}"
         f"{'acc rnd':>8}{'us/token':>10}{'vs bf16':>9}{'vs kivi4':>9}{'vs qspec':>9}"
@@ -601,7 +607,11 @@ def main(argv=None) -> int:
   t.add_argument("--rounds", type=int, default=8, help="rounds per speculative_steps call")
   t.add_argument("--reps", type=int, default=2, help="timed calls per case (after a warm-up)")
   t.add_argument("--loop-steps", type=int, default=16, help="steps per AR decode_steps loop")
-  t.add_argument("--group-size", type=int, default=128, help="int4 draft weight group")
+  t.add_argument("--group-size", type=int, default=128, help="draft weight group")
+  t.add_argument("--draft-bits", type=int, default=4, choices=(4, 8),
+                 help="draft weight bits (the acceptance rows of the same draft model)")
+  t.add_argument("--draft-layout", default="auto",
+                 help="4-bit draft weights' code layout (models.draft_weights.LAYOUTS or auto)")
   t.add_argument("--no-components", dest="components", action="store_false",
                  help="skip timing a draft step, verify pass and commit apart (longest "
                       "context, gamma 4 or the middle one)")
