@@ -85,6 +85,7 @@ def block_forward(model, tokens, cache, stage_k, stage_v, staged, *, view: str, 
   """
   s = tokens.shape[1]
   positions = (cache.lengths + staged)[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]
+  rope = model.rope(positions)  # once for all layers
   x = model._embed(tokens, mesh)  # pylint: disable=protected-access
   new_k, new_v = [], []
   attention = functools.partial(staged_attention, view=view)
@@ -98,7 +99,7 @@ def block_forward(model, tokens, cache, stage_k, stage_v, staged, *, view: str, 
       o = fn(q, layer_cache, sk, sv, staged + s)
       return o.astype(q.dtype), (sk, sv)
 
-    x, (sk, sv) = layer(x, positions, attend)
+    x, (sk, sv) = layer(x, rope, attend)
     new_k.append(sk)
     new_v.append(sv)
   return model._logits(x), tuple(new_k), tuple(new_v)  # pylint: disable=protected-access

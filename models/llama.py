@@ -37,7 +37,7 @@ import dataclasses
 import functools
 import math
 import zlib
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -275,23 +275,40 @@ def _inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.nd
   return np.where(is_medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+class RopeTable(NamedTuple):
+  """RoPE's ``cos`` and ``sin``, each ``[B, T, 1, D]`` float32 (`rope_table`)."""
+  cos: jax.Array
+  sin: jax.Array
+
+
+def rope_table(positions: jax.Array, inv_freq: np.ndarray) -> RopeTable:
+  """`RopeTable` of ``positions [B, T]`` (int), computed once for every layer.
+
+  The cos / sin sit behind an optimization barrier: without it XLA fuses them
+  into each layer's RoPE fusion, where sin and cos of large angles (128K
+  positions) cost ~1.8 us per layer and side on an H200
+  (`bench/results/e2e-NOTES.md`, 2026-11-28 twelfth session).
+  """
+  angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, D/2]
+  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, D]
+  return RopeTable(*jax.lax.optimization_barrier((jnp.cos(angles), jnp.sin(angles))))
+
+
+def apply_rope(x: jax.Array, positions, inv_freq: np.ndarray | None = None) -> jax.Array:
   """Rotate-half RoPE (HF convention).
 
   Args:
     x: ``[B, T, H, D]``.
-    positions: ``[B, T]`` int positions.
-    inv_freq: ``[D // 2]`` float32.
+    positions: ``[B, T]`` int positions, or their `RopeTable`.
+    inv_freq: ``[D // 2]`` float32 (not needed with a `RopeTable`).
   Returns:
     ``[B, T, H, D]`` in ``x``'s dtype; angles and products in float32.
   """
-  angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, D/2]
-  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, D]
-  cos, sin = jnp.cos(angles), jnp.sin(angles)
+  table = positions if isinstance(positions, RopeTable) else rope_table(positions, inv_freq)
   xf = x.astype(jnp.float32)
   half = x.shape[-1] // 2
   rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-  return (xf * cos + rotated * sin).astype(x.dtype)
+  return (xf * table.cos + rotated * table.sin).astype(x.dtype)
 
 
 # ---------------------------------------------------------------- attention
@@ -413,15 +430,17 @@ class Attention(nnx.Module):
     self.v_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, dtype=dtype, rngs=rngs)
     self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, dtype=dtype, rngs=rngs)
 
-  def qkv(self, x: jax.Array, positions: jax.Array):
-    """``x [B, T, hidden]``, ``positions [B, T]`` -> q ``[B,T,Hq,D]``, k, v ``[B,T,Hkv,D]``."""
+  def qkv(self, x: jax.Array, positions):
+    """``x [B, T, hidden]``, ``positions [B, T]`` (or their `RopeTable`) -> q
+    ``[B,T,Hq,D]``, k, v ``[B,T,Hkv,D]``."""
     c = self.config
     b, t, _ = x.shape
-    inv_freq = _inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+    rope = positions if isinstance(positions, RopeTable) else rope_table(
+        positions, _inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
     q = self.q_proj(x).reshape(b, t, c.num_heads, c.head_dim)
     k = self.k_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
     v = self.v_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+    return apply_rope(q, rope), apply_rope(k, rope), v
 
   def out(self, o: jax.Array) -> jax.Array:
     """``[B, T, Hq, D]`` -> ``[B, T, hidden]``."""
@@ -451,8 +470,9 @@ class DecoderLayer(nnx.Module):
                                             dtype=dtype)
     self.mlp = MLP(config, dtype=dtype, rngs=rngs)
 
-  def __call__(self, x: jax.Array, positions: jax.Array, attend: Callable, cache=None):
-    """One layer; ``attend(q, k, v, cache) -> (o, cache)`` does the attention."""
+  def __call__(self, x: jax.Array, positions, attend: Callable, cache=None):
+    """One layer at ``positions [B, T]`` (or their `RopeTable`, shared by all layers);
+    ``attend(q, k, v, cache) -> (o, cache)`` does the attention."""
     q, k, v = self.self_attn.qkv(self.input_layernorm(x), positions)
     o, cache = attend(q, k, v, cache)
     x = x + self.self_attn.out(o)
@@ -574,6 +594,11 @@ class Llama(nnx.Module):
     from models.draft_weights import draft_model  # pylint: disable=import-outside-toplevel
     return draft_model(self, weights, use_kernel=use_kernel)
 
+  def rope(self, positions: jax.Array) -> RopeTable:
+    """`RopeTable` of ``positions [B, T]`` for this model's RoPE (once per forward pass)."""
+    c = self.config
+    return rope_table(positions, _inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
+
   def _run_layers(self, body: Callable, carry):
     """``carry = body(layer, index, carry)`` for every layer, in order (unrolled)."""
     for index, layer in enumerate(self.layers):
@@ -686,6 +711,7 @@ class Llama(nnx.Module):
         raise ValueError(f"positions.shape={getattr(positions, 'shape', None)} must be the "
                          f"tokens' [B, T] = {(b, t)}")
       positions = jnp.asarray(positions, jnp.int32)
+    rope = self.rope(positions)
 
     def body(layer, index, carry):
       x, ks, vs = carry
@@ -696,7 +722,7 @@ class Llama(nnx.Module):
           vs.append(v)
         return causal_attention(q, k, v, implementation=attention_impl), cache
 
-      return layer(x, positions, attend)[0], ks, vs
+      return layer(x, rope, attend)[0], ks, vs
 
     x, ks, vs = self._run_layers(body, (self._embed(tokens), [], []))
     logits = self._logits(x)
@@ -812,8 +838,9 @@ class Llama(nnx.Module):
         def attend(q, k, v, _):
           return layer_attend(q, k, v, new_cache, index, plan, n_real)
 
-        return layer(x, positions, attend)
+        return layer(x, rope, attend)
 
+      rope = self.rope(positions)
       x, new_cache = self._run_layers(body, (self._embed(chunk_tokens, mesh), cache))
       last = lengths - 1 - j * c                                   # [B]
       here = (last >= 0) & (last < c)
@@ -890,8 +917,9 @@ class Llama(nnx.Module):
         o, new_cache = fn(q[:1], k[:1], v[:1], cache, index, plan)
         return jnp.broadcast_to(o, (2, *o.shape[1:])), new_cache
 
-      return layer(x, positions, attend)
+      return layer(x, rope, attend)
 
+    rope = self.rope(positions)
     x = self._embed(tokens, mesh)                                   # [B, S, hidden]
     if twin:
       x = jnp.broadcast_to(x, (2, *x.shape[1:]))                    # [2, 1, hidden]
@@ -979,6 +1007,7 @@ def param_count(model: Llama) -> int:
 
 
 __all__ = [
-    "CONFIGS", "Llama", "LlamaConfig", "RopeScaling", "apply_rope", "causal_attention",
+    "CONFIGS", "Llama", "LlamaConfig", "RopeScaling", "RopeTable", "apply_rope", "causal_attention",
     "check_token_ids", "from_pretrained", "param_count", "quantize_weights", "random_model",
+    "rope_table",
 ]
