@@ -6,10 +6,11 @@ token (``x [B, in]``, B = 1 and 8): profiler kernel time of
 - ``bf16``: ``x @ W`` with the full bfloat16 kernel (the target's weights);
 - ``xla``: ``x @ dequantize(W4)`` inside a jitted program (packed 4-bit
   codes, float32 group scales, the dequantization left for XLA to fuse);
-- ``kernel``: `QuantizedWeight.matmul`, the Pallas kernel
-  `pallas_kernels.int4_matmul` on a GPU (what the draft model runs);
-- ``mosaic``: `pallas_kernels.mosaic_int4_matmul` (Hopper; codes transposed
-  to ``[out, in / 2]`` once, outside the timing); ``--mosaic-sweep`` also
+- ``kernel``: `QuantizedWeight.matmul` of ``layout="in_major"`` weights,
+  the Triton kernel `pallas_kernels.int4_matmul` on a GPU (what the draft
+  model runs off Hopper and for the 4096-wide products on it);
+- ``mosaic``: `pallas_kernels.mosaic_int4_matmul` (Hopper; ``layout="out_major"``
+  codes ``[out, in / 2]``, what the draft runs there for the large products); ``--mosaic-sweep`` also
   times its split counts and pipeline depths at B = 1;
 
 beside the bytes floor of each (weights read once at the measured HBM read
@@ -117,7 +118,8 @@ def main(argv=None) -> int:
     key = jax.random.PRNGKey(n_in * 7 + n_out)
     ws = [jax.random.normal(jax.random.fold_in(key, i), (n_in, n_out), jnp.bfloat16) * 0.02
           for i in range(ROTATE)]
-    qs = [dw.quantize_kernel(w, bits=4, group_size=args.group) for w in ws]
+    # The Triton kernel's layout, whatever layout="auto" would pick on this GPU.
+    qs = [dw.quantize_kernel(w, bits=4, group_size=args.group, layout="in_major") for w in ws]
     mosaic_ok = m4.supports(n_in, n_out, args.group, 1)[0] and is_hopper()
     mqs = [(m4.transpose_packed(q.codes), q.scale, q.zero) for q in qs] if mosaic_ok else []
     for b in (int(x) for x in args.batches.split(",")):

@@ -216,7 +216,8 @@ def _round_stats_us(times_s) -> dict:
 
 @functools.partial(jax.jit, static_argnames=("gamma", "iters"))
 def _draft_loop(graphdef, state, draft_state, token, cache, *, gamma: int, iters: int):
-  """``iters`` draft steps (int4 weights, draft view, one token each) over ``cache``."""
+  """``iters`` draft steps (``draft_state``'s weights, draft view, one token each) over
+  ``cache``."""
   draft = nnx.merge(graphdef, state).with_draft_weights(draft_state)
   b = token.shape[0]
   empty = tuple(jnp.zeros((b, gamma + 1, cache.kv_heads, cache.head_dim), cache.dtype)

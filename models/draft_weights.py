@@ -22,7 +22,9 @@ Pallas kernel (codes read once, never dequantized into HBM: XLA's fused
   the 4096-wide ones (9.9 vs 9.5 us for ``[4096, 4096]``, 9.0 vs 6.1 for
   ``[4096, 1024]``; `bench/results/speculative-NOTES.md`), so
   ``quantize_kernel``'s default (``layout="auto"``) picks it on Hopper for
-  kernels of at least `MOSAIC_MIN_WEIGHTS` weights only.
+  kernels of at least `MOSAIC_MIN_WEIGHTS` weights only (Llama-3.1-8B's MLP
+  products and LM head). The Mosaic kernel feeds x to the MMA as bf16, so a
+  float32 x takes the dequantize + dot path instead.
 
 Elsewhere (CPU, 8 bits, more than the kernel's rows, groups it does not tile)
 the layer dequantizes next to a plain dot.
@@ -48,7 +50,7 @@ from pallas_kernels import mosaic_int4_matmul as m4
 _BITS = (4, 8)
 LAYOUTS = ("in_major", "out_major")
 # `layout="auto"` picks the Mosaic kernel's layout on Hopper from this many
-# weights up (Llama-3.1-8B's MLP products; see the module doc).
+# weights up (Llama-3.1-8B's MLP products and LM head; see the module doc).
 MOSAIC_MIN_WEIGHTS = 1 << 25
 
 
@@ -147,7 +149,9 @@ class QuantizedWeight:
     dequantize + dot path (XLA partitions it on a mesh; the kernel is one
     device's)."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    if use_kernel and self.kernel_ok(math.prod(x.shape[:-1])):
+    # The Mosaic kernel rounds x to bf16: a float32 x keeps float32 products.
+    mosaic_x = x.dtype in (jnp.bfloat16, jnp.float16) or self.layout != "out_major"
+    if use_kernel and mosaic_x and self.kernel_ok(math.prod(x.shape[:-1])):
       matmul = m4.mosaic_int4_matmul if self.layout == "out_major" else i4.int4_matmul
       y = matmul(x, self.codes, self.scale, self.zero, group=self.group)
       return y.astype(out_dtype)
@@ -174,6 +178,8 @@ def quantize_kernel(w: jax.Array, *, bits: int = 4, group_size: int = 128,
   if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)) \
       or group_size < 1:
     raise ValueError(f"group_size={group_size!r} must be a positive int")
+  if layout != "auto" and layout not in LAYOUTS:
+    raise ValueError(f"layout={layout!r} must be 'auto' or one of {list(LAYOUTS)}")
   if getattr(w, "ndim", None) != 2 or not jnp.issubdtype(w.dtype, jnp.floating):
     raise ValueError(f"w (shape {getattr(w, 'shape', None)}, dtype {getattr(w, 'dtype', None)}) "
                      f"must be a 2-D [in, out] float kernel")
@@ -187,8 +193,10 @@ def quantize_kernel(w: jax.Array, *, bits: int = 4, group_size: int = 128,
   codes = codes.reshape(n_in, n_out).astype(jnp.uint8)
   if layout == "auto":
     layout = default_layout(n_in, n_out, bits, group)
-  if layout not in LAYOUTS:
-    raise ValueError(f"layout={layout!r} must be 'auto' or one of {list(LAYOUTS)}")
+  elif layout == "out_major" and (bits != 4 or group != m4.GROUP):
+    raise ValueError(f"layout='out_major' holds 4-bit codes in groups of {m4.GROUP} (the "
+                     f"Mosaic kernel's), got bits={bits}, group={group} (gcd({n_in}, "
+                     f"group_size={group_size}))")
   if bits == 4:
     codes = i4.pack_weight(codes, group)
     if layout == "out_major":

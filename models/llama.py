@@ -304,7 +304,13 @@ def apply_rope(x: jax.Array, positions, inv_freq: np.ndarray | None = None) -> j
   Returns:
     ``[B, T, H, D]`` in ``x``'s dtype; angles and products in float32.
   """
-  table = positions if isinstance(positions, RopeTable) else rope_table(positions, inv_freq)
+  if isinstance(positions, RopeTable):
+    table = positions
+  elif inv_freq is None:
+    raise ValueError("apply_rope: inv_freq is needed with integer positions (or pass a "
+                     "RopeTable from rope_table)")
+  else:
+    table = rope_table(positions, inv_freq)
   xf = x.astype(jnp.float32)
   half = x.shape[-1] // 2
   rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
@@ -805,6 +811,7 @@ class Llama(nnx.Module):
       chunk_tokens, j = xs                                         # [B, c], scalar
       n_real = jnp.clip(lengths - j * c, 0, c)                     # [B]
       positions = cache.lengths[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
+      rope = self.rope(positions)  # once for all layers
       plan = cache.plan_append(n_real, max_new=c)
 
       def body(layer, index, carry):
@@ -840,7 +847,6 @@ class Llama(nnx.Module):
 
         return layer(x, rope, attend)
 
-      rope = self.rope(positions)
       x, new_cache = self._run_layers(body, (self._embed(chunk_tokens, mesh), cache))
       last = lengths - 1 - j * c                                   # [B]
       here = (last >= 0) & (last < c)
@@ -888,6 +894,7 @@ class Llama(nnx.Module):
     on = jnp.ones((b,), bool) if active is None else jnp.asarray(active)
     cache = cache.flag_invalid(self._invalid_ids(tokens) & on)
     positions = cache.lengths[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]
+    rope = self.rope(positions)  # once for all layers
     # once for all layers; an inactive sequence appends nothing
     plan = cache.plan_append(jnp.where(on, s, 0).astype(jnp.int32), max_new=s)
     # One token in all: the layers carry a twin row (the same hidden state) so
@@ -919,7 +926,6 @@ class Llama(nnx.Module):
 
       return layer(x, rope, attend)
 
-    rope = self.rope(positions)
     x = self._embed(tokens, mesh)                                   # [B, S, hidden]
     if twin:
       x = jnp.broadcast_to(x, (2, *x.shape[1:]))                    # [2, 1, hidden]

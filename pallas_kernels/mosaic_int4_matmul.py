@@ -26,7 +26,8 @@ the register A operand, exactly like a kivi4 K tile:
   float32 partial; XLA sums the partials (and transposes) in one fusion.
 
 `int4_matmul.int4_matmul_reference` is the spec. Rows ``B * T`` up to 64
-(N = 8, 16, 32 or 64, zero-padded); group 128 only.
+(N = 8, 16, 32 or 64, zero-padded); group 128 only. x enters the MMA as
+bf16 whatever its dtype (`models.draft_weights` sends float32 x elsewhere).
 """
 
 from __future__ import annotations
@@ -111,14 +112,15 @@ def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: j
     ``[..., out]`` float32.
   """
   *lead, n_in = x.shape
-  n_out = codes.shape[0]
+  n_out = scale.shape[-1]  # not codes': a wrong layout must not size the output
   rows = int(np.prod(lead, dtype=np.int64))
   ok, why = supports(n_in, n_out, group, rows)
   if not ok:
     raise ValueError(f"mosaic_int4_matmul: {why}")
   groups = n_in // GROUP
   if codes.shape != (n_out, n_in // 2) or codes.dtype != jnp.uint8:
-    raise ValueError(f"codes {codes.shape} {codes.dtype} must be uint8 [{n_out}, {n_in // 2}]")
+    raise ValueError(f"codes {codes.shape} {codes.dtype} must be uint8 [out, in / 2] = "
+                     f"[{n_out}, {n_in // 2}] (`transpose_packed` of pack_weight's codes)")
   if scale.shape != (groups, n_out) or zero.shape != (groups, n_out):
     raise ValueError(f"scale {scale.shape} / zero {zero.shape} must be [{groups}, {n_out}]")
   splits = num_splits or default_splits(n_in, n_out, _triton.num_sms())

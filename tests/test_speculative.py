@@ -296,10 +296,33 @@ def test_out_major_layout_is_the_same_weight(n_in, n_out, lead):
   assert dw.nbytes({"a": a}) == dw.nbytes({"b": b})
 
 
+def test_draft_model_on_out_major_weights_equals_in_major():
+  """A jitted draft forward over Mosaic-layout weights (QuantizedLinear carries the
+  layout) gives the Triton-layout draft's logits."""
+  cfg = dataclasses.replace(llama.LlamaConfig.named("llama-3.1-8b"), num_layers=1,
+                            hidden_size=256, intermediate_size=512, vocab_size=512)
+  m = llama.random_model(cfg, seed=4, dtype=jnp.bfloat16)
+  tokens = jnp.asarray([[3, 17, 400, 9]], jnp.int32)
+  logits = {}
+  for layout in dw.LAYOUTS:
+    weights = m.quantize_weights(layout=layout)
+    assert {w.layout for w in weights.values()} == {layout}
+    d = m.with_draft_weights(weights)
+    assert d.layers[0].mlp.up_proj.weight.layout == layout
+    graphdef, state = nnx.split(d)
+    logits[layout] = np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens),
+                                np.float64)
+  ref = logits["in_major"]
+  np.testing.assert_allclose(logits["out_major"], ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
+
+
 def test_layout_choice_and_refusals():
   w = jax.random.normal(jax.random.key(0), (256, 128), jnp.float32)
   # "auto" takes the Mosaic layout only on Hopper and for large kernels
   assert dw.quantize_kernel(w).layout == "in_major"
+  assert dw.default_layout(4096, 4096, 4, 128) == "in_major"   # below the threshold anywhere
+  with pytest.raises(ValueError, match="inv_freq is needed"):
+    llama.apply_rope(jnp.ones((1, 2, 1, 8)), jnp.zeros((1, 2), jnp.int32))
   assert dw.default_layout(4096, 14336, 4, 128) == (
       "out_major" if jax.default_backend() == "gpu" and jaxkv.attention.is_hopper()
       else "in_major")
