@@ -29,8 +29,8 @@ Timing (``--timing``): Llama-3.1-8B shapes with random bf16 weights
 4. the *modeled* speedup over autoregressive decoding:
    ``E(gamma) * AR step time / round time``, with ``E(gamma)`` the tokens per
    verification of the real model's CPU run (``--acceptance``, default
-   ``bench/results/speculative-cpu.json``, the rows of the same draft bits): acceptance measured on
-   CPU, times measured here.
+   ``bench/results/speculative-cpu.json``, the rows of the same draft bits):
+   acceptance measured on CPU, times measured here.
 
 Writes ``speculative-timing-<gpu>-<date>.json`` under ``--out`` and prints a
 table. CPU smoke run (tiny model, under a minute)::
@@ -137,9 +137,9 @@ ACCEPTANCE_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "resu
 MODELED_NOTE = (
     "MODELED, not measured end to end: modeled_speedup_vs_<fmt>_ar = E(gamma) x "
     "ar_step_us[<fmt>] / round_us, where E(gamma) is tokens_per_verification of the real "
-    "model's greedy CPU run (acceptance file, the rows of the timed draft bits), ar_step_us the B=1 "
-    "decode step measured here in a jitted jaxkv.decode_steps loop, and round_us one round of "
-    "jaxkv.speculative_steps measured here (gamma draft steps on the draft view, one "
+    "model's greedy CPU run (acceptance file, the rows of the timed draft bits), ar_step_us "
+    "the B=1 decode step measured here in a jitted jaxkv.decode_steps loop, and round_us "
+    "one round of jaxkv.speculative_steps measured here (gamma draft steps on the draft view, one "
     "target verify pass of gamma+1 tokens, accept, commit) with random weights. A round's "
     "work does not depend on what is accepted except the commit size (<= gamma+1 tokens). "
     "floor_modeled_speedup_vs_bf16_ar uses the bytes floors of both instead of the times. "
@@ -437,7 +437,7 @@ def timing_main(args) -> int:
   t0 = time.perf_counter()
   model = llama.random_model(args.model_config, seed=0, dtype=jnp.bfloat16)
   weights = model.quantize_weights(bits=args.draft_bits, group_size=args.group_size,
-                                   layout=args.draft_layout if args.draft_bits == 4 else "auto")
+                                   layout=args.draft_layout)
   layouts = sorted({w.layout for w in weights.values()})
   jax.block_until_ready((nnx.state(model), weights))
   init_s = time.perf_counter() - t0
@@ -523,7 +523,8 @@ def _peak_bytes():
 def _model_speedup(r: dict, ar: dict, e_row) -> None:
   """Adds the modeled speedups (see `MODELED_NOTE`) to a speculative row ``r``."""
   if e_row is None:
-    r["modeled_note"] = "no row of these draft bits for this gamma in the acceptance file: not modeled"
+    r["modeled_note"] = ("no row of these draft bits for this gamma in the acceptance file: "
+                         "not modeled")
     return
   e = e_row["tokens_per_verification"]
   r["cpu_real_model_tokens_per_verification"] = e
@@ -611,8 +612,8 @@ def main(argv=None) -> int:
   t.add_argument("--group-size", type=int, default=128, help="draft weight group")
   t.add_argument("--draft-bits", type=int, default=4, choices=(4, 8),
                  help="draft weight bits (the acceptance rows of the same draft model)")
-  t.add_argument("--draft-layout", default="auto",
-                 help="4-bit draft weights' code layout (models.draft_weights.LAYOUTS or auto)")
+  t.add_argument("--draft-layout", default="auto", choices=("auto", *dw.LAYOUTS),
+                 help="draft weights' code layout (out_major: 4 bits only)")
   t.add_argument("--no-components", dest="components", action="store_false",
                  help="skip timing a draft step, verify pass and commit apart (longest "
                       "context, gamma 4 or the middle one)")

@@ -124,12 +124,13 @@ def draft_anatomy(model, context: int, steps: int, log, *, bits: int = 4,
   import speculative  # pylint: disable=import-outside-toplevel
   cache = e2e.fill_cache(model, "quantspec", 1, context, context + 256, seed=0)
   graphdef, state = nnx.split(model)
-  weights = model.quantize_weights(bits=bits, layout=layout if bits == 4 else "auto")
+  weights = model.quantize_weights(bits=bits, layout=layout)
   token = jnp.ones((1,), jnp.int32)
   args = (graphdef, state, weights, token, cache)
   kw = dict(gamma=gamma, iters=steps)
   hlo = speculative._draft_loop.lower(*args, **kw).compile().as_text()  # pylint: disable=protected-access
-  return _profile(f"draft-int{bits}" + (f"-{layout}" if bits == 4 else ""), lambda: speculative._draft_loop(*args, **kw),  # pylint: disable=protected-access
+  return _profile(f"draft-int{bits}-{layout}",
+                  lambda: speculative._draft_loop(*args, **kw),  # pylint: disable=protected-access
                   hlo, steps, model.config.num_layers, context, log)
 
 
@@ -141,8 +142,8 @@ def main(argv=None) -> int:
   p.add_argument("--steps", type=int, default=8)
   p.add_argument("--draft", default="", metavar="BITS",
                  help="also QuantSpec's draft step with these draft weight bits (e.g. 4,8)")
-  p.add_argument("--draft-layout", default="auto",
-                 help="4-bit draft weights' layout (models.draft_weights.LAYOUTS or auto)")
+  p.add_argument("--draft-layout", default="auto", choices=("auto", "in_major", "out_major"),
+                 help="draft weights' code layout (models.draft_weights; out_major: 4 bits)")
   p.add_argument("--out", default="/tmp")
   a = p.parse_args(argv)
   config = dataclasses.replace(llama.LlamaConfig.named("llama-3.1-8b"), num_layers=a.layers)

@@ -134,13 +134,15 @@ class QuantizedWeight:
     return i4.dequantize_groups(self.unpacked_codes(), self.scale, self.zero,
                                 self.group).astype(dtype)
 
-  def kernel_ok(self, rows: int) -> bool:
-    """Whether ``x @ self`` with ``rows`` rows runs a Pallas kernel on this backend
-    (the layout's: module doc)."""
+  def kernel_ok(self, rows: int, dtype=jnp.bfloat16) -> bool:
+    """Whether ``x @ self`` with ``rows`` rows of ``x.dtype == dtype`` runs a Pallas
+    kernel on this backend (the layout's: module doc; the Mosaic kernel rounds x
+    to bf16, so a float32 x keeps the float32 dequantize + dot)."""
     if self.bits != 4 or jax.default_backend() != "gpu":
       return False
     if self.layout == "out_major":
-      return is_hopper() and m4.supports(*self.shape, self.group, rows)[0]
+      return (jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and is_hopper()
+              and m4.supports(*self.shape, self.group, rows)[0])
     return i4.supports(*self.shape, self.group, rows)[0]
 
   def matmul(self, x: jax.Array, out_dtype=None, *, use_kernel: bool = True) -> jax.Array:
@@ -149,9 +151,7 @@ class QuantizedWeight:
     dequantize + dot path (XLA partitions it on a mesh; the kernel is one
     device's)."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    # The Mosaic kernel rounds x to bf16: a float32 x keeps float32 products.
-    mosaic_x = x.dtype in (jnp.bfloat16, jnp.float16) or self.layout != "out_major"
-    if use_kernel and mosaic_x and self.kernel_ok(math.prod(x.shape[:-1])):
+    if use_kernel and self.kernel_ok(math.prod(x.shape[:-1]), x.dtype):
       matmul = m4.mosaic_int4_matmul if self.layout == "out_major" else i4.int4_matmul
       y = matmul(x, self.codes, self.scale, self.zero, group=self.group)
       return y.astype(out_dtype)
@@ -162,8 +162,8 @@ class QuantizedWeight:
 def default_layout(n_in: int, n_out: int, bits: int, group: int) -> str:
   """``layout="auto"``: ``"out_major"`` (the Mosaic kernel) on a Hopper GPU for 4-bit
   kernels of at least `MOSAIC_MIN_WEIGHTS` weights it serves, else ``"in_major"``."""
-  if (bits == 4 and n_in * n_out >= MOSAIC_MIN_WEIGHTS and jax.default_backend() == "gpu"
-      and is_hopper() and m4.supports(n_in, n_out, group, 1)[0]):
+  if (bits == 4 and n_in * n_out >= MOSAIC_MIN_WEIGHTS and is_hopper()
+      and m4.supports(n_in, n_out, group, 1)[0]):
     return "out_major"
   return "in_major"
 

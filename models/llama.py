@@ -294,6 +294,12 @@ def rope_table(positions: jax.Array, inv_freq: np.ndarray) -> RopeTable:
   return RopeTable(*jax.lax.optimization_barrier((jnp.cos(angles), jnp.sin(angles))))
 
 
+def _config_rope(config: LlamaConfig, positions: jax.Array) -> RopeTable:
+  """`rope_table` with ``config``'s frequencies (theta, scaling, head_dim)."""
+  return rope_table(positions, _inv_freq(config.head_dim, config.rope_theta,
+                                         config.rope_scaling))
+
+
 def apply_rope(x: jax.Array, positions, inv_freq: np.ndarray | None = None) -> jax.Array:
   """Rotate-half RoPE (HF convention).
 
@@ -441,8 +447,7 @@ class Attention(nnx.Module):
     ``[B,T,Hq,D]``, k, v ``[B,T,Hkv,D]``."""
     c = self.config
     b, t, _ = x.shape
-    rope = positions if isinstance(positions, RopeTable) else rope_table(
-        positions, _inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
+    rope = positions if isinstance(positions, RopeTable) else _config_rope(c, positions)
     q = self.q_proj(x).reshape(b, t, c.num_heads, c.head_dim)
     k = self.k_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
     v = self.v_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
@@ -602,8 +607,7 @@ class Llama(nnx.Module):
 
   def rope(self, positions: jax.Array) -> RopeTable:
     """`RopeTable` of ``positions [B, T]`` for this model's RoPE (once per forward pass)."""
-    c = self.config
-    return rope_table(positions, _inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
+    return _config_rope(self.config, positions)
 
   def _run_layers(self, body: Callable, carry):
     """``carry = body(layer, index, carry)`` for every layer, in order (unrolled)."""

@@ -129,8 +129,9 @@ def nonfinite_query_rows(q, seq_bad, kv_heads: int, rows: int):
   """``[B, Hkv, rows]`` int32, 1 where a combine kernel writes NaN (README
   "Input policy"): query row ``r = g S + s`` of a kv head (q head ``g`` of its
   group, query ``s``) holds a NaN/inf, or its sequence is flagged
-  ``seq_bad [B]``; rows past ``G S`` are 0. One XLA fusion that the combine
-  kernels read, instead of a select over their output."""
+  ``seq_bad [B]``; rows past ``G S`` are 0. For combines that run in XLA
+  (a select over their output); the Pallas combine kernels find the same rows
+  themselves (`query_row_flags`)."""
   b, s, hq, _ = q.shape
   g = hq // kv_heads
   bad = ~jnp.all(jnp.isfinite(q), axis=-1) | seq_bad[:, None, None]      # [B, S, Hq]

@@ -67,16 +67,15 @@ def combine_t_reference(o_t, l, m, *, rows: int, packed_rows=None, out_dtype=jnp
 
 
 def _kernel(o_ref, l_ref, m_ref, rows_ref, *refs, num_parts, parts_pad, dblk, rows, width,
-            permuted, plain_tail, poison, query):
+            permuted, plain_tail, query):
   """One (batch, kv head, channel block): all partials at once, gathered rows;
-  with ``poison`` (refs: ``bad_ref, out_ref``) the flagged rows are NaN; with
-  ``query`` (the real query rows; refs: ``qh_ref, seq_bad_ref, out_ref``) the
-  rows `_triton.query_row_flags` finds are."""
+  with ``query`` (the real query rows; refs: ``qh_ref, seq_bad_ref, out_ref``)
+  the rows `_triton.query_row_flags` finds are NaN."""
   if query is not None:
     qh_ref, seq_bad_ref, out_ref = refs
     flags = _triton.query_row_flags(qh_ref, seq_bad_ref, rows=rows, q_rows=query)
   else:
-    bad_ref, out_ref = refs if poison else (None, refs[0])
+    (out_ref,) = refs
   d0 = pl.program_id(2) * dblk
   part = jax.lax.broadcasted_iota(jnp.int32, (parts_pad, 1), 0)           # [J', 1]
   live = part < num_parts
@@ -106,24 +105,20 @@ def _kernel(o_ref, l_ref, m_ref, rows_ref, *refs, num_parts, parts_pad, dblk, ro
   out = jnp.where((den == 0)[None, :], 0.0, num / safe[None, :])
   if query is not None:
     out = jnp.where(flags[None, :], jnp.nan, out)
-  elif poison:
-    out = jnp.where((bad_ref[...] != 0)[None, :], jnp.nan, out)
   out_ref[...] = out.T.astype(out_ref.dtype)                             # [M, dblk]
 
 
 def combine_t(o_t: jax.Array, l: jax.Array, m: jax.Array, *, rows: int, packed_rows=None,
               out_dtype=jnp.float32, interpret: bool = False, plain_tail: int = 1,
-              bad=None, qh=None, q_rows: int | None = None, seq_bad=None) -> jax.Array:
+              qh=None, q_rows: int | None = None, seq_bad=None) -> jax.Array:
   """Merge ``o_t [B,H,J,D,N], l/m [B,H,J,N']`` over J into ``[B, H, rows, D]``.
 
   ``rows`` (a power of two <= N) query rows are merged; ``packed_rows`` see the
   module docstring. The last ``plain_tail`` partials are always read in
-  channel order. ``bad``: optional ``[B, H, rows]`` int32, nonzero rows come
-  out NaN (`_triton.nonfinite_query_rows`). ``qh [B, H, N', D]`` with
-  ``q_rows`` (and ``seq_bad [B]`` bool, optional): the split kernel's own
-  query rows (``r < q_rows`` real, ``N' >= rows``, scaled by any scale > 0);
-  rows holding a NaN/inf and every row of a flagged sequence come out NaN,
-  computed in the kernel; not with ``bad``.
+  channel order. ``qh [B, H, N', D]`` with ``q_rows`` (and ``seq_bad [B]``
+  bool, optional): the split kernel's own query rows (``r < q_rows`` real,
+  ``N' >= rows``, scaled by any scale > 0); rows holding a NaN/inf and every
+  row of a flagged sequence come out NaN, computed in the kernel.
   """
   batch, heads, num_parts, head_dim, width = o_t.shape
   if not 1 <= plain_tail <= num_parts:
@@ -149,15 +144,8 @@ def combine_t(o_t: jax.Array, l: jax.Array, m: jax.Array, *, rows: int, packed_r
   # latency, not bandwidth)
   while dblk > 16 and batch * heads * (head_dim // dblk) < _MIN_PROGRAMS:
     dblk //= 2
-  poison = bad is not None
-  if poison and bad.shape != (batch, heads, rows):
-    raise ValueError(f"bad.shape={bad.shape} must be {(batch, heads, rows)}")
-  query = None
-  extra = ([pl.BlockSpec((None, None, rows), lambda b, h, d: (b, h, 0))], [bad]) if poison \
-      else ([], [])
+  query, extra = None, ([], [])
   if qh is not None:
-    if poison:
-      raise ValueError("pass either bad= or qh= (the kernel's own flags), not both")
     if (qh.ndim != 4 or qh.shape[:2] != (batch, heads) or not isinstance(q_rows, int)
         or not 1 <= q_rows <= rows or qh.shape[2] < rows):
       raise ValueError(f"qh.shape={qh.shape} must be [B={batch}, H={heads}, N' >= rows={rows}, "
@@ -174,7 +162,7 @@ def combine_t(o_t: jax.Array, l: jax.Array, m: jax.Array, *, rows: int, packed_r
     raise ValueError("seq_bad needs qh")
   kernel = functools.partial(_kernel, num_parts=num_parts, parts_pad=parts_pad, dblk=dblk,
                              rows=rows, width=width, permuted=permuted, plain_tail=plain_tail,
-                             poison=poison, query=query)
+                             query=query)
   o_flat = o_t.reshape(batch, heads, num_parts, head_dim * width)  # free
   return pl.pallas_call(
       kernel,

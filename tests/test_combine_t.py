@@ -91,24 +91,6 @@ def test_no_visible_key_gives_zeros_and_nan_stays_nan():
   assert np.isfinite(np.delete(got[0, 1], 3, axis=0)).all()
 
 
-def test_flagged_rows_come_out_nan_and_the_rest_unchanged():
-  """``bad`` rows are NaN (the input policy's poison, in the combine); every other
-  row is the unflagged result bit for bit."""
-  o_t, l, m, _ = _problem(5, 2, 3, 5, 64, 4, 8)
-  args = tuple(jnp.asarray(x, jnp.float32) for x in (o_t, l, m))
-  bad = np.zeros((2, 3, 4), np.int32)
-  bad[0, 1, 2] = 1
-  bad[1, :, :] = 1          # a flagged sequence: every row of every head
-  plain = np.asarray(ct.combine_t(*args, rows=4, interpret=INTERPRET))
-  got = np.asarray(ct.combine_t(*args, rows=4, interpret=INTERPRET, bad=jnp.asarray(bad)))
-  flagged = np.broadcast_to(bad[..., None] != 0, got.shape)
-  assert np.isnan(got[flagged]).all()
-  np.testing.assert_array_equal(got[~flagged], plain[~flagged])
-  assert np.isfinite(plain).all()
-  with pytest.raises(ValueError, match="bad.shape"):
-    ct.combine_t(*args, rows=4, interpret=True, bad=jnp.asarray(bad[:, :, :2]))
-
-
 @pytest.mark.parametrize("num_queries,q_heads,heads,rows", [(1, 8, 2, 4), (2, 12, 3, 8),
                                                             (3, 4, 1, 16)])
 def test_flags_from_q_in_the_kernel(num_queries, q_heads, heads, rows):
@@ -167,8 +149,6 @@ def test_bad_arguments():
   with pytest.raises(ValueError, match="rows=32"):
     ct.combine_t(o_t, l, l, rows=32)
   qh = jnp.zeros((1, 1, 8, 64))
-  with pytest.raises(ValueError, match="not both"):
-    ct.combine_t(o_t, l, l, rows=4, qh=qh, q_rows=4, bad=jnp.zeros((1, 1, 4), jnp.int32))
   with pytest.raises(ValueError, match="q_rows=4"):   # 4 query rows, 2 merged
     ct.combine_t(o_t, l, l, rows=2, qh=qh, q_rows=4)
   with pytest.raises(ValueError, match=r"qh.shape=\(1, 8, 64\)"):
@@ -215,6 +195,3 @@ def test_flags_from_the_kernels_query_rows(q_rows, n_rows, rows):
   np.testing.assert_array_equal(got[~flagged], plain[~flagged])
   with pytest.raises(ValueError, match="q_rows"):
     ct.combine_t(*args, rows=rows, interpret=True, qh=jnp.asarray(qh), q_rows=rows + 1)
-  with pytest.raises(ValueError, match="not both"):
-    ct.combine_t(*args, rows=rows, interpret=True, qh=jnp.asarray(qh), q_rows=1,
-                 bad=jnp.zeros((batch, heads, rows), jnp.int32))
