@@ -9,7 +9,8 @@ compared) for a few formats and row counts, to decide whether the heuristic
 (`DecodeAttentionConfig.default`) should turn it off above some row count.
 Not yet run (2026-11-28, twelfth session: no device time left).
 
-Usage (GPU machine): ``python3 bench/defer_sums_probe.py`` (writes ``$OUT/defer.json``).
+Usage (GPU machine): ``python3 bench/defer_sums_probe.py ['fmt:B,T,Hq,Hkv,D,S;...']`` (writes
+``$OUT/defer.json``; without the argument, the cells in ``CELLS``).
 """
 from __future__ import annotations
 
@@ -58,9 +59,21 @@ def measure(name, shape) -> dict:
   return row
 
 
+def parse_cells(text: str) -> list:
+  """``"kivi4:1,131072,32,8,128,3;int8:..."`` -> ``[(fmt, (B, T, Hq, Hkv, D, S)), ...]``."""
+  cells = []
+  for item in filter(None, text.split(";")):
+    name, _, dims = item.partition(":")
+    if name not in PRESETS or len(dims.split(",")) != 6:
+      raise ValueError(f"bad cell {item!r}: want 'fmt:B,T,Hq,Hkv,D,S' with fmt in {sorted(PRESETS)}")
+    cells.append((name, tuple(int(x) for x in dims.split(","))))
+  return cells
+
+
 def main() -> int:
   out, t0 = [], time.time()
-  for name, shape in CELLS:
+  cells = parse_cells(sys.argv[1]) if len(sys.argv) > 1 else CELLS
+  for name, shape in cells:
     if time.time() - t0 > 110:
       break
     row = measure(name, shape)

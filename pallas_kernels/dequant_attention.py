@@ -149,7 +149,7 @@ class DecodeAttentionConfig:
               head_dim: int, k_bits: int, v_bits: int, token_group: int = 128,
               k_axis: str = "channel", num_sms: int | None = None,
               itemsize: int = 2, residual: int = 128,
-              channel_groups: int = 1) -> "DecodeAttentionConfig":
+              channel_groups: int = 1, num_queries: int = 1) -> "DecodeAttentionConfig":
     """Heuristic: ~2 programs per SM (4 with an 8-bit side), >= 2 steps and >= 2 splits.
 
     Measured on an H100 (the benchmark's config
@@ -167,8 +167,11 @@ class DecodeAttentionConfig:
     35.7 / 104.1 / 194.5 us instead of 56.2 / 194.9 / 380.7 at (1, 32K) /
     (1, 128K) / (8, 32K) with 32 query and 8 kv heads (H100, jax 0.11.2,
     `bench/results/attention-ab-{w1,token-g4}-nvidia-h100-80gb-hbm3-20261125.*`).
+    ``num_queries``: query tokens per sequence; with the GQA ratio they make
+    the rows one program holds (``num_queries * q_heads // kv_heads``).
     """
-    del q_heads, head_dim, token_group
+    del head_dim, token_group
+    rows = num_queries * max(1, q_heads // max(kv_heads, 1))
     num_sms = num_sms or _triton.num_sms()
     bits = max(k_bits, v_bits)
     one_warp = channel_groups > 2 and bits < 8
@@ -187,12 +190,18 @@ class DecodeAttentionConfig:
     # (16, 32K), below the fill, 323 vs 304 the other way). Measured for
     # 4/2-bit sides only; 8-bit and 16-bit sides keep the deferred sums.
     grid_full = bits < 8 and batch * kv_heads >= per_sm * num_sms
+    # Above 16 rows per program the [rows, block_k] accumulators cost more
+    # than the row sums they save, at every low-bit width measured (H200, jax
+    # 0.11.2, 128K, 20 rows: quantspec 207 -> 159 us, kivi4 153 -> 134, kivi2
+    # 696 -> 300, int8 200 -> 141; kivi4 at 32 rows 47.0 -> 40.7; at 8-16
+    # rows within 1-5 % the other way: `bench/results/defer-sums-20261128*`).
+    many_rows = rows > 16
     stages = 3
     if itemsize > 2:
       stages = 1
     warps = 1 if one_warp else 2 if k_axis == "token" else 4
     return cls(block_k=block_k, num_splits=max(1, splits), num_warps=warps, num_stages=stages,
-               defer_sums=not grid_full, residual_program=residual >= 256)
+               defer_sums=not (grid_full or many_rows), residual_program=residual >= 256)
 
 
 def _code_dtype(bits, cache_dtype):
@@ -915,7 +924,8 @@ def default_config(fmt: CacheFormat, *, batch: int, q_heads: int, kv_heads: int,
       batch=batch, tokens=capacity, q_heads=q_heads, kv_heads=kv_heads,
       head_dim=head_dim, k_bits=4 if sub4 else fmt.k_bits, v_bits=4 if sub4 else fmt.v_bits,
       token_group=fmt.token_group, k_axis=fmt.k_axis, itemsize=itemsize,
-      residual=fmt.residual, channel_groups=_channel_groups(fmt, head_dim)), "heuristic"
+      residual=fmt.residual, channel_groups=_channel_groups(fmt, head_dim),
+      num_queries=num_queries), "heuristic"
 
 
 def _check_operands(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_residual,

@@ -145,6 +145,19 @@ def test_default_many_channel_groups_runs_one_warp_programs(batch, kv_heads, wan
     assert other.num_warps == 2
 
 
+@pytest.mark.parametrize("num_queries,gqa,bits,deferred", [
+    (1, 4, 4, True), (4, 4, 4, True),     # 4 and 16 rows per program
+    (5, 4, 4, False), (5, 4, 2, False),   # 20 rows: QuantSpec's gamma-4 verify pass
+    (5, 4, 8, False), (4, 8, 4, False),   # 8-bit sides; 32 rows
+])
+def test_default_drops_deferred_sums_above_16_rows(num_queries, gqa, bits, deferred):
+  """The deferred row sums keep [rows, block_k] accumulators: off above 16 rows per program."""
+  c = pk.DecodeAttentionConfig.default(batch=1, tokens=131072, q_heads=8 * gqa, kv_heads=8,
+                                       head_dim=128, k_bits=bits, v_bits=bits, num_sms=132,
+                                       num_queries=num_queries)
+  assert c.defer_sums is deferred
+
+
 def test_prev_pow2():
   from pallas_kernels import _triton
   assert [_triton.prev_pow2(n) for n in (0, 1, 2, 3, 8, 9, 1000)] == [1, 1, 2, 2, 8, 8, 512]
