@@ -437,7 +437,8 @@ def timing_main(args) -> int:
   t0 = time.perf_counter()
   model = llama.random_model(args.model_config, seed=0, dtype=jnp.bfloat16)
   weights = model.quantize_weights(bits=args.draft_bits, group_size=args.group_size,
-                                   layout=args.draft_layout if args.draft_bits == 4 else "auto")
+                                   layout=args.draft_layout if args.draft_bits == 4 else "auto",
+                                   fuse_qkv=args.draft_fuse_qkv)
   layouts = sorted({w.layout for w in weights.values()})
   jax.block_until_ready((nnx.state(model), weights))
   init_s = time.perf_counter() - t0
@@ -611,6 +612,8 @@ def main(argv=None) -> int:
   t.add_argument("--group-size", type=int, default=128, help="draft weight group")
   t.add_argument("--draft-bits", type=int, default=4, choices=(4, 8),
                  help="draft weight bits (the acceptance rows of the same draft model)")
+  t.add_argument("--draft-fuse-qkv", action="store_true",
+                 help="q, k and v as one draft product per layer (quantize_weights(fuse_qkv=))")
   t.add_argument("--draft-layout", default="auto",
                  help="4-bit draft weights' code layout (models.draft_weights.LAYOUTS or auto)")
   t.add_argument("--no-components", dest="components", action="store_false",
