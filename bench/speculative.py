@@ -437,7 +437,8 @@ def timing_main(args) -> int:
   t0 = time.perf_counter()
   model = llama.random_model(args.model_config, seed=0, dtype=jnp.bfloat16)
   weights = model.quantize_weights(bits=args.draft_bits, group_size=args.group_size,
-                                   layout=args.draft_layout)
+                                   layout=args.draft_layout,
+                                   fuse_qkv=args.draft_qkv == "fused")
   layouts = sorted({w.layout for w in weights.values()})
   jax.block_until_ready((nnx.state(model), weights))
   init_s = time.perf_counter() - t0
@@ -465,7 +466,7 @@ def timing_main(args) -> int:
           date=datetime.datetime.now().isoformat(timespec="seconds"),
           model=args.model_config, weights="random bf16 (models.llama.random_model, seed 0)",
           draft_weights=(f"int{args.draft_bits}, group {args.group_size}, code layouts "
-                         f"{layouts} (models.draft_weights)"),
+                         f"{layouts}, q/k/v {args.draft_qkv} (models.draft_weights)"),
           model_init_s=init_s, weight_bytes=run.weight_bytes,
           draft_read_bytes=run.draft_read_bytes, draft_weight_copy_bytes=dw.nbytes(weights),
           hbm_read_bytes_per_s=bandwidth, bandwidth_probe_gib=gib, batch=1,
@@ -614,6 +615,8 @@ def main(argv=None) -> int:
                  help="draft weight bits (the acceptance rows of the same draft model)")
   t.add_argument("--draft-layout", default="auto", choices=("auto", *dw.LAYOUTS),
                  help="draft weights' code layout (out_major: 4 bits only)")
+  t.add_argument("--draft-qkv", default="fused", choices=("fused", "separate"),
+                 help="q, k and v as one draft product per layer (quantize_weights(fuse_qkv=))")
   t.add_argument("--no-components", dest="components", action="store_false",
                  help="skip timing a draft step, verify pass and commit apart (longest "
                       "context, gamma 4 or the middle one)")

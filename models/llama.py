@@ -448,9 +448,15 @@ class Attention(nnx.Module):
     c = self.config
     b, t, _ = x.shape
     rope = positions if isinstance(positions, RopeTable) else _config_rope(c, positions)
-    q = self.q_proj(x).reshape(b, t, c.num_heads, c.head_dim)
-    k = self.k_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
-    v = self.v_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
+    fused = getattr(self, "qkv_proj", None)  # a draft's fused q/k/v product
+    if fused is not None:
+      nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+      q, k, v = jnp.split(fused(x), [nq, nq + nk], axis=-1)
+    else:
+      q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+    q = q.reshape(b, t, c.num_heads, c.head_dim)
+    k = k.reshape(b, t, c.num_kv_heads, c.head_dim)
+    v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
     return apply_rope(q, rope), apply_rope(k, rope), v
 
   def out(self, o: jax.Array) -> jax.Array:
@@ -594,10 +600,11 @@ class Llama(nnx.Module):
     return self.layers[index]
 
   def quantize_weights(self, *, bits: int = 4, group_size: int = 128,
-                       layout: str = "auto") -> dict:
+                       layout: str = "auto", fuse_qkv: bool = True) -> dict:
     """Group-wise ``bits``-bit copies of every linear layer (`models.draft_weights`)."""
     from models.draft_weights import quantize_weights  # pylint: disable=import-outside-toplevel
-    return quantize_weights(self, bits=bits, group_size=group_size, layout=layout)
+    return quantize_weights(self, bits=bits, group_size=group_size, layout=layout,
+                            fuse_qkv=fuse_qkv)
 
   def with_draft_weights(self, weights: dict, *, use_kernel: bool = True) -> "Llama":
     """This model with its linear layers reading ``weights`` (from `quantize_weights`);
@@ -1003,12 +1010,13 @@ def from_pretrained(path, dtype=None, *, mesh=None) -> Llama:
 
 
 def quantize_weights(model: Llama, *, bits: int = 4, group_size: int = 128,
-                     layout: str = "auto") -> dict:
+                     layout: str = "auto", fuse_qkv: bool = True) -> dict:
   """QuantSpec's draft weights: group-wise ``bits``-bit copies of every linear layer.
 
   The same as ``model.quantize_weights(...)``; see `models.draft_weights`.
   """
-  return model.quantize_weights(bits=bits, group_size=group_size, layout=layout)
+  return model.quantize_weights(bits=bits, group_size=group_size, layout=layout,
+                                fuse_qkv=fuse_qkv)
 
 
 def param_count(model: Llama) -> int:

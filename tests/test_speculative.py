@@ -316,6 +316,33 @@ def test_draft_model_on_out_major_weights_equals_in_major():
   np.testing.assert_allclose(logits["out_major"], ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
 
 
+def test_fused_qkv_draft_equals_separate_products():
+  """``fuse_qkv=True`` (the default): one ``[in, q + k + v]`` draft weight per attention layer holds
+  the same codes column for column, so the draft's logits equal the unfused draft's."""
+  cfg = dataclasses.replace(llama.LlamaConfig.named("llama-3.1-8b"), num_layers=2,
+                            hidden_size=256, intermediate_size=512, vocab_size=512)
+  m = llama.random_model(cfg, seed=4, dtype=jnp.bfloat16)
+  tokens = jnp.asarray([[3, 17, 400, 9]], jnp.int32)
+  sep, fused = m.quantize_weights(fuse_qkv=False), m.quantize_weights()
+  assert sorted(fused) == sorted(
+      [k for k in sep if not k.endswith(("q_proj", "k_proj", "v_proj"))]
+      + [f"layers.{i}.self_attn.qkv_proj" for i in range(2)])
+  w = fused["layers.1.self_attn.qkv_proj"]
+  parts = [sep[f"layers.1.self_attn.{n}_proj"] for n in "qkv"]
+  np.testing.assert_array_equal(np.asarray(w.dequantize()),
+                                np.concatenate([np.asarray(p.dequantize()) for p in parts], 1))
+  logits = []
+  for weights in (sep, fused):
+    graphdef, state = nnx.split(m.with_draft_weights(weights))
+    logits.append(np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens),
+                             np.float64))
+  np.testing.assert_allclose(logits[1], logits[0], rtol=2e-2, atol=2e-2 * np.abs(logits[0]).max())
+  bad = dict(fused)
+  bad["layers.1.self_attn.qkv_proj"] = fused["layers.0.mlp.gate_proj"]
+  with pytest.raises(ValueError, match="layers.1.self_attn.qkv_proj has shape"):
+    m.with_draft_weights(bad)
+
+
 def test_layout_choice_and_refusals():
   w = jax.random.normal(jax.random.key(0), (256, 128), jnp.float32)
   # "auto" takes the Mosaic layout only on Hopper and for large kernels
