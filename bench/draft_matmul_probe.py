@@ -97,7 +97,24 @@ def mosaic_sweep(n_in, n_out, mqs, calls):
   splits = [base] + [s for s in (max(1, base // 2), 2 * base) if s != base and groups % s == 0]
   fns = {f"mosaic_s{s}_st{st}": (lambda x, w, _s=s, _st=st: m4.mosaic_int4_matmul(
       x, *w, num_splits=_s, stages=_st)) for s in splits for st in (3, 2, 4)}
-  return _time_variants(fns, mqs, n_in, n_out, calls)
+  for bo in (256,):  # two 128-row tiles per step: fewer, larger copies
+    if n_out % bo:
+      continue
+    for s in sorted({m4.default_splits(n_in, n_out * 128 // bo, per_sm=k) for k in (1, 2, 4)}):
+      for st in (2, 3):
+        fns[f"mosaic_bo{bo}_s{s}_st{st}"] = (lambda x, w, _s=s, _st=st, _bo=bo:
+                                            m4.mosaic_int4_matmul(x, *w, num_splits=_s,
+                                                                  stages=_st, block_out=_bo))
+  rows = _time_variants(fns, mqs, n_in, n_out, calls)
+  # Group-major codes ([in / 128, out, 64]): each 8 KB tile contiguous in HBM.
+  gmq = [(m4.transpose_packed(jnp.swapaxes(c, 0, 1), group_major=True), sc, z)
+         for c, sc, z in mqs]
+  gm = {f"mosaic_gm_s{s}_st{st}": (lambda x, w, _s=s, _st=st: m4.mosaic_int4_matmul(
+      x, *w, num_splits=_s, stages=_st)) for s in splits for st in (2, 3, 4)}
+  for s in splits:
+    gm[f"mosaic_gm_bo256_s{s}_st2"] = (lambda x, w, _s=s: m4.mosaic_int4_matmul(
+        x, *w, num_splits=_s, stages=2, block_out=256))
+  return rows + _time_variants(gm, gmq, n_in, n_out, calls)
 
 
 def main(argv=None) -> int:
@@ -109,12 +126,16 @@ def main(argv=None) -> int:
                  help="also time kernel config variants at B=1 (correctness checked)")
   p.add_argument("--mosaic-sweep", action="store_true",
                  help="also time the Mosaic kernel's split counts and depths at B=1")
+  p.add_argument("--shapes", default=None, metavar="IN:OUT,...",
+                 help="only these [in, out] shapes (default: Llama-3.1-8B's four)")
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
+  shapes = SHAPES if not args.shapes else [tuple(int(v) for v in item.split(":"))
+                                           for item in args.shapes.split(",")]
   from jaxkv import timing  # pylint: disable=import-outside-toplevel
   bw = timing.hbm_read_probe(1 << 32)["best"]
   rows = []
-  for n_in, n_out in SHAPES:
+  for n_in, n_out in shapes:
     key = jax.random.PRNGKey(n_in * 7 + n_out)
     ws = [jax.random.normal(jax.random.fold_in(key, i), (n_in, n_out), jnp.bfloat16) * 0.02
           for i in range(ROTATE)]

@@ -51,10 +51,18 @@ _SHIFT = mosaic_dequant.FOLD_SHIFT  # products come out times 2**-64
 MAX_ROWS = 64
 
 
-def transpose_packed(packed: jax.Array) -> jax.Array:
+def transpose_packed(packed: jax.Array, *, group_major: bool = False) -> jax.Array:
   """`int4_matmul.pack_weight`'s ``[in / 2, out]`` codes (group 128) as this
-  kernel's ``[out, in / 2]`` rows (a copy; done once per weight)."""
-  return jnp.swapaxes(packed, 0, 1)
+  kernel's ``[out, in / 2]`` rows (a copy; done once per weight).
+
+  ``group_major``: ``[in / 128, out, 64]`` instead, each group's codes for
+  128 output rows one contiguous 8 KB tile (``[out, in / 2]`` puts the rows of
+  a tile ``in / 2`` bytes apart)."""
+  rows = jnp.swapaxes(packed, 0, 1)
+  if not group_major:
+    return rows
+  n_out, half = rows.shape
+  return rows.reshape(n_out, half // (GROUP // 2), GROUP // 2).transpose(1, 0, 2)
 
 
 def supports(n_in: int, n_out: int, group: int, rows: int) -> tuple[bool, str]:
@@ -95,19 +103,22 @@ def _operands(x, rows: int, n: int):
   return xs.reshape(groups * n, GROUP), sums
 
 
-@functools.partial(jax.jit, static_argnames=("group", "num_splits", "stages"))
+@functools.partial(jax.jit, static_argnames=("group", "num_splits", "stages", "block_out"))
 def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: jax.Array, *,
                        group: int = GROUP, num_splits: int | None = None,
-                       stages: int = 3) -> jax.Array:
+                       stages: int = 3, block_out: int = _BLOCK_OUT) -> jax.Array:
   """``x @ W`` for a 4-bit group-wise ``W`` (Hopper).
 
   Args:
     x: ``[..., in]``, at most `MAX_ROWS` rows.
-    codes: uint8 ``[out, in / 2]`` (`transpose_packed`); scale, zero:
+    codes: uint8 ``[out, in / 2]`` or ``[in / 128, out, 64]`` (`transpose_packed`,
+      ``group_major``); scale, zero:
       ``[in / 128, out]`` (float32 or narrower).
     group: must be 128.
     num_splits: programs along the input groups (default `default_splits`).
     stages: TMA pipeline depth.
+    block_out: output rows per program and pipeline step, 128 or 256 (one
+      ``[128, 64]`` code tile and MMA per 128 rows, one TMA copy per step).
   Returns:
     ``[..., out]`` float32.
   """
@@ -117,13 +128,22 @@ def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: j
   ok, why = supports(n_in, n_out, group, rows)
   if not ok:
     raise ValueError(f"mosaic_int4_matmul: {why}")
+  if block_out not in (128, 256) or n_out % block_out:
+    raise ValueError(f"block_out={block_out} must be 128 or 256 (a TMA box spans at most "
+                     f"256 rows) and divide out={n_out}")
   groups = n_in // GROUP
-  if codes.shape != (n_out, n_in // 2) or codes.dtype != jnp.uint8:
+  group_major = codes.ndim == 3
+  want = (groups, n_out, GROUP // 2) if group_major else (n_out, n_in // 2)
+  if codes.shape != want or codes.dtype != jnp.uint8:
     raise ValueError(f"codes {codes.shape} {codes.dtype} must be uint8 [out, in / 2] = "
-                     f"[{n_out}, {n_in // 2}] (`transpose_packed` of pack_weight's codes)")
+                     f"[{n_out}, {n_in // 2}] or [in / 128, out, 64] = [{groups}, {n_out}, 64] "
+                     f"(`transpose_packed` of pack_weight's codes)")
+  if group_major:
+    codes = codes.reshape(groups * n_out, GROUP // 2)  # free: row-major
   if scale.shape != (groups, n_out) or zero.shape != (groups, n_out):
     raise ValueError(f"scale {scale.shape} / zero {zero.shape} must be [{groups}, {n_out}]")
-  splits = num_splits or default_splits(n_in, n_out, _triton.num_sms())
+  splits = num_splits or default_splits(n_in, n_out * _BLOCK_OUT // block_out,
+                                        _triton.num_sms())
   if groups % splits:
     raise ValueError(f"num_splits={splits} must divide the {groups} groups")
   per_split = groups // splits
@@ -134,7 +154,8 @@ def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: j
   # its own, ~2 us per product on an H200).
   scale = scale.astype(jnp.float32)
   zero = zero.astype(jnp.float32)
-  bo, f32 = _BLOCK_OUT, jnp.float32
+  bo, f32 = block_out, jnp.float32
+  tiles = bo // _BLOCK_OUT
   x_tf = ma._tiled(64, 16)  # pylint: disable=protected-access
   row_l, col_l = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
@@ -142,35 +163,45 @@ def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: j
     o = lax.axis_index("o")
     first = lax.axis_index("s") * per_split
     specs = [
-        plgpu.BlockSpec((bo, GROUP // 2), lambda i: (o, first + i)),          # codes, plain
+        (plgpu.BlockSpec((bo, GROUP // 2), lambda i: ((first + i) * (n_out // bo) + o, 0))
+         if group_major else                                                  # codes, plain
+         plgpu.BlockSpec((bo, GROUP // 2), lambda i: (o, first + i))),
         plgpu.BlockSpec((1, bo), lambda i: (first + i, o)),                  # scale
         plgpu.BlockSpec((1, bo), lambda i: (first + i, o)),                  # zero
         plgpu.BlockSpec((n, GROUP), lambda i: (first + i, 0), transforms=x_tf),  # x tile
         plgpu.BlockSpec((1, sums.shape[1]), lambda i: (first + i, 0)),      # sum(x_g)
     ]
 
-    def body(_, c_smem, s_smem, z_smem, x_smem, sum_smem, acc):
-      a = mosaic_dequant.dequant_codes(c_smem, GROUP, 4, subnormal=True, byte_masks=True)
-
-      def mma(acc_ref):
-        plgpu.wgmma(acc_ref, a, ma._t(x_smem))  # pylint: disable=protected-access
-        return acc_ref[...]
-
-      prod = pl.run_scoped(mma, plgpu.ACC((bo, n), f32))                      # [128, N]
-      sc = ma._load(s_smem.at[0], layout=row_l, optimized=False) * (2.0 ** _SHIFT)  # pylint: disable=protected-access
-      zr = ma._load(z_smem.at[0], layout=row_l, optimized=False)  # pylint: disable=protected-access
+    def body(_, c_smem, s_smem, z_smem, x_smem, sum_smem, accs):
       sx = ma._load(sum_smem.at[0, pl.ds(0, n)], layout=col_l,  # pylint: disable=protected-access
                     optimized=False)
-      return (acc + prod * lax.broadcast_in_dim(sc, (bo, n), [0])
-              + lax.broadcast_in_dim(zr, (bo, n), [0]) * lax.broadcast_in_dim(sx, (bo, n), [1]))
+      out = []
+      for t, acc in enumerate(accs):  # one [128, 64] code tile and MMA per 128 rows
+        rows_t = pl.ds(t * _BLOCK_OUT, _BLOCK_OUT)
+        a = mosaic_dequant.dequant_codes(c_smem.at[rows_t], GROUP, 4, subnormal=True,
+                                         byte_masks=True)
 
-    acc0 = plgpu.layout_cast(jnp.zeros((bo, n), f32), plgpu.Layout.WGMMA)
+        def mma(acc_ref, a=a):
+          plgpu.wgmma(acc_ref, a, ma._t(x_smem))  # pylint: disable=protected-access
+          return acc_ref[...]
+
+        prod = pl.run_scoped(mma, plgpu.ACC((_BLOCK_OUT, n), f32))           # [128, N]
+        sc = ma._load(s_smem.at[0, rows_t], layout=row_l, optimized=False) * (2.0 ** _SHIFT)  # pylint: disable=protected-access
+        zr = ma._load(z_smem.at[0, rows_t], layout=row_l, optimized=False)  # pylint: disable=protected-access
+        shape = (_BLOCK_OUT, n)
+        out.append(acc + prod * lax.broadcast_in_dim(sc, shape, [0])
+                   + lax.broadcast_in_dim(zr, shape, [0]) * lax.broadcast_in_dim(sx, shape, [1]))
+      return tuple(out)
+
+    acc0 = tuple(plgpu.layout_cast(jnp.zeros((_BLOCK_OUT, n), f32), plgpu.Layout.WGMMA)
+                 for _ in range(tiles))
     acc = plgpu.emit_pipeline(body, grid=(per_split,), in_specs=specs,
                               max_concurrent_steps=stages, init_carry=acc0)(
                                   codes_gmem, scale_gmem, zero_gmem, x_gmem, sum_gmem)
 
     def write(o_smem):
-      o_smem[...] = acc
+      for t, acc_t in enumerate(acc):
+        o_smem[pl.ds(t * _BLOCK_OUT, _BLOCK_OUT)] = acc_t
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[lax.axis_index("s"), pl.ds(o * bo, bo)])
       plgpu.wait_smem_to_gmem(0)

@@ -261,7 +261,7 @@ def test_draft_weights_against_numpy_model(model):
   assert np.all(err <= scale / 2 * (1 + 1e-5) + 1e-7)
   np.testing.assert_allclose(np.asarray(q.scale)[:, None], scale, rtol=1e-6)
   weights = dw.quantize_weights(model, group_size=32)
-  assert len(weights) == 7 * SMALL.num_layers + 1  # q, k, v, o, gate, up, down + lm_head
+  assert len(weights) == 5 * SMALL.num_layers + 1  # qkv, o, gate, up, down + lm_head
   # Half a byte per weight plus a float32 (scale, zero) per group and column.
   assert dw.nbytes(weights) == sum(x.shape[0] * x.shape[1] // 2 + 8 * x.scale.size
                                    for x in weights.values())
@@ -280,13 +280,13 @@ def test_draft_weights_against_numpy_model(model):
 
 @pytest.mark.parametrize("n_in,n_out,lead", [(256, 128, (1,)), (384, 256, (2, 3))])
 def test_out_major_layout_is_the_same_weight(n_in, n_out, lead):
-  """The Mosaic kernel's layout (codes ``[out, in / 2]``) holds the same codes as the
+  """The Mosaic kernel's layout (codes ``[in / 128, out, 64]``) holds the same codes as the
   Triton kernel's: equal dequantization, and ``x @ W`` (the Hopper kernel on an H100 /
   H200, the dequantize + dot elsewhere) equal to float64 numpy on the dequantized weight."""
   w = jax.random.normal(jax.random.key(n_in), (n_in, n_out), jnp.float32)
   a = dw.quantize_kernel(w, group_size=128, layout="in_major")
   b = dw.quantize_kernel(w, group_size=128, layout="out_major")
-  assert b.codes.shape == (n_out, n_in // 2) and b.shape == a.shape == (n_in, n_out)
+  assert b.codes.shape == (n_in // 128, n_out, 64) and b.shape == a.shape == (n_in, n_out)
   np.testing.assert_array_equal(np.asarray(b.unpacked_codes()), np.asarray(a.unpacked_codes()))
   np.testing.assert_array_equal(np.asarray(b.dequantize()), np.asarray(a.dequantize()))
   x = jax.random.normal(jax.random.key(1), (*lead, n_in), jnp.float32).astype(jnp.bfloat16)
@@ -365,7 +365,11 @@ def test_layout_choice_and_refusals():
     dw.QuantizedWeight(q.codes, q.scale, q.zero, group=128, bits=4, layout="cols")
   q = dw.quantize_kernel(jnp.concatenate([w, w], axis=1), layout="out_major")  # [256, 256]
   with pytest.raises(ValueError, match=r"scale.shape=\(2, 256\) must be \(4, 128\)"):
-    dw.QuantizedWeight(q.codes.T, q.scale, q.zero, group=128, bits=4, layout="out_major")
+    dw.QuantizedWeight(q.codes.reshape(4, 128, 64), q.scale, q.zero, group=128, bits=4,
+                       layout="out_major")
+  with pytest.raises(ValueError, match=r"\(\[in / 128, out, 64\] for layout='out_major'\)"):
+    dw.QuantizedWeight(q.codes.reshape(256, 128), q.scale, q.zero, group=128, bits=4,
+                       layout="out_major")
 
 
 @pytest.mark.slow
