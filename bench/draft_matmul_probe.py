@@ -10,8 +10,9 @@ token (``x [B, in]``, B = 1 and 8): profiler kernel time of
   the Triton kernel `pallas_kernels.int4_matmul` on a GPU (what the draft
   model runs off Hopper and for the 4096-wide products on it);
 - ``mosaic``: `pallas_kernels.mosaic_int4_matmul` (Hopper; ``layout="out_major"``
-  codes ``[out, in / 2]``, what the draft runs there for the large products); ``--mosaic-sweep`` also
-  times its split counts and pipeline depths at B = 1;
+  codes ``[in / 128, out, 64]``, what the draft runs there for the large products);
+  ``--mosaic-sweep`` also times its split counts and pipeline depths at B = 1, and
+  ``[out, in / 2]`` row-major codes;
 
 beside the bytes floor of each (weights read once at the measured HBM read
 bandwidth). If XLA materializes the dequantized kernel, ``draft`` costs more
@@ -91,30 +92,18 @@ def sweep(n_in, n_out, qs, group, calls):
 
 
 def mosaic_sweep(n_in, n_out, mqs, calls):
-  """Mosaic kernel split counts x pipeline depths at B=1 (the default first)."""
+  """Mosaic kernel split counts x pipeline depths at B=1 (the default first), on the
+  draft's group-major codes; then the default on ``[out, in / 2]`` rows (each
+  code tile's rows ``in / 2`` bytes apart in HBM) for comparison."""
   groups = n_in // m4.GROUP
   base = m4.default_splits(n_in, n_out)
   splits = [base] + [s for s in (max(1, base // 2), 2 * base) if s != base and groups % s == 0]
   fns = {f"mosaic_s{s}_st{st}": (lambda x, w, _s=s, _st=st: m4.mosaic_int4_matmul(
       x, *w, num_splits=_s, stages=_st)) for s in splits for st in (3, 2, 4)}
-  for bo in (256,):  # two 128-row tiles per step: fewer, larger copies
-    if n_out % bo:
-      continue
-    for s in sorted({m4.default_splits(n_in, n_out * 128 // bo, per_sm=k) for k in (1, 2, 4)}):
-      for st in (2, 3):
-        fns[f"mosaic_bo{bo}_s{s}_st{st}"] = (lambda x, w, _s=s, _st=st, _bo=bo:
-                                            m4.mosaic_int4_matmul(x, *w, num_splits=_s,
-                                                                  stages=_st, block_out=_bo))
   rows = _time_variants(fns, mqs, n_in, n_out, calls)
-  # Group-major codes ([in / 128, out, 64]): each 8 KB tile contiguous in HBM.
-  gmq = [(m4.transpose_packed(jnp.swapaxes(c, 0, 1), group_major=True), sc, z)
-         for c, sc, z in mqs]
-  gm = {f"mosaic_gm_s{s}_st{st}": (lambda x, w, _s=s, _st=st: m4.mosaic_int4_matmul(
-      x, *w, num_splits=_s, stages=_st)) for s in splits for st in (2, 3, 4)}
-  for s in splits:
-    gm[f"mosaic_gm_bo256_s{s}_st2"] = (lambda x, w, _s=s: m4.mosaic_int4_matmul(
-        x, *w, num_splits=_s, stages=2, block_out=256))
-  return rows + _time_variants(gm, gmq, n_in, n_out, calls)
+  by_rows = [(c.transpose(0, 2, 1).reshape(n_in // 2, n_out).T, sc, z) for c, sc, z in mqs]
+  return rows + _time_variants({"mosaic_out_in_rows": lambda x, w: m4.mosaic_int4_matmul(x, *w)},
+                               by_rows, n_in, n_out, calls)
 
 
 def main(argv=None) -> int:
@@ -142,7 +131,8 @@ def main(argv=None) -> int:
     # The Triton kernel's layout, whatever layout="auto" would pick on this GPU.
     qs = [dw.quantize_kernel(w, bits=4, group_size=args.group, layout="in_major") for w in ws]
     mosaic_ok = m4.supports(n_in, n_out, args.group, 1)[0] and is_hopper()
-    mqs = [(m4.transpose_packed(q.codes), q.scale, q.zero) for q in qs] if mosaic_ok else []
+    mqs = ([(m4.transpose_packed(q.codes, group_major=True), q.scale, q.zero) for q in qs]
+           if mosaic_ok else [])
     for b in (int(x) for x in args.batches.split(",")):
       x = jax.random.normal(jax.random.fold_in(key, 99), (b, n_in), jnp.bfloat16)
 
