@@ -5,9 +5,9 @@ kv head: gamma 4 + 1 tokens x GQA 4) found ``defer_sums=False`` alone 1.28-1.31x
 faster than the heuristic on an H200 (`bench/results/tune-quantspec-target-20261128l-*`):
 its ``[rows, block_k]`` float32 accumulators grow with the rows. This probe
 times both settings (profiler kernel time, rotating copies over L2, outputs
-compared) for a few formats and row counts, to decide whether the heuristic
-(`DecodeAttentionConfig.default`) should turn it off above some row count.
-Not yet run (2026-11-28, twelfth session: no device time left).
+compared) for a few formats and row counts. Its H200 run
+(`bench/results/defer-sums-20261128{,b}-nvidia-h200.json`) led to the
+heuristic's rule (`DecodeAttentionConfig.default`): off above 16 rows.
 
 Usage (GPU machine): ``python3 bench/defer_sums_probe.py ['fmt:B,T,Hq,Hkv,D,S;...']`` (writes
 ``$OUT/defer.json``; without the argument, the cells in ``CELLS``).
@@ -64,8 +64,10 @@ def parse_cells(text: str) -> list:
   cells = []
   for item in filter(None, text.split(";")):
     name, _, dims = item.partition(":")
-    if name not in PRESETS or len(dims.split(",")) != 6:
-      raise ValueError(f"bad cell {item!r}: want 'fmt:B,T,Hq,Hkv,D,S' with fmt in {sorted(PRESETS)}")
+    parts = dims.split(",")
+    if name not in PRESETS or len(parts) != 6 or not all(p.strip().isdigit() for p in parts):
+      raise ValueError(f"bad cell {item!r}: want 'fmt:B,T,Hq,Hkv,D,S' (six ints) with fmt in "
+                       f"{sorted(PRESETS)}")
     cells.append((name, tuple(int(x) for x in dims.split(","))))
   return cells
 

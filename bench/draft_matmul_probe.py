@@ -46,11 +46,16 @@ SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)]
 ROTATE = 4  # weight copies cycled so that none is read from L2
 
 
-def _time_variants(fns, weights, n_in, n_out, calls, extra=None):
+def _probe_x(n_in):
+  """The B = 1 activation every variant of one shape is timed on."""
+  return jax.random.normal(jax.random.PRNGKey(5), (1, n_in), jnp.bfloat16)
+
+
+def _time_variants(fns, weights, n_in, n_out, calls, extra=None, ref=None):
   """Kernel time of ``fns[name](x, w)`` at B=1 over the rotated ``weights``, each
-  output checked against the first variant's; one row per variant."""
-  x = jax.random.normal(jax.random.PRNGKey(5), (1, n_in), jnp.bfloat16)
-  out, ref = [], None
+  output checked against ``ref`` (default: the first variant's); one row per variant."""
+  x = _probe_x(n_in)
+  out = []
   for name, fn in fns.items():
     try:
       y = jax.jit(fn)(x, weights[0])
@@ -102,8 +107,9 @@ def mosaic_sweep(n_in, n_out, mqs, calls):
       x, *w, num_splits=_s, stages=_st)) for s in splits for st in (3, 2, 4)}
   rows = _time_variants(fns, mqs, n_in, n_out, calls)
   by_rows = [(c.transpose(0, 2, 1).reshape(n_in // 2, n_out).T, sc, z) for c, sc, z in mqs]
+  ref = m4.mosaic_int4_matmul(_probe_x(n_in), *mqs[0])  # the group-major default's output
   return rows + _time_variants({"mosaic_out_in_rows": lambda x, w: m4.mosaic_int4_matmul(x, *w)},
-                               by_rows, n_in, n_out, calls)
+                               by_rows, n_in, n_out, calls, ref=ref)
 
 
 def main(argv=None) -> int:
@@ -119,8 +125,13 @@ def main(argv=None) -> int:
                  help="only these [in, out] shapes (default: Llama-3.1-8B's four)")
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
-  shapes = SHAPES if not args.shapes else [tuple(int(v) for v in item.split(":"))
-                                           for item in args.shapes.split(",")]
+  shapes = SHAPES
+  if args.shapes:
+    items = args.shapes.split(",")
+    bad = [i for i in items if len(i.split(":")) != 2 or not all(v.isdigit() for v in i.split(":"))]
+    if bad:
+      p.error(f"--shapes items {bad} must be IN:OUT (two ints)")
+    shapes = [tuple(int(v) for v in i.split(":")) for i in items]
   from jaxkv import timing  # pylint: disable=import-outside-toplevel
   bw = timing.hbm_read_probe(1 << 32)["best"]
   rows = []
@@ -151,7 +162,8 @@ def main(argv=None) -> int:
       full_bytes = n_in * n_out * 2
       draft_bytes = dw.nbytes({"w": qs[0]})
       row = dict(n_in=n_in, n_out=n_out, batch=b, bf16_floor_us=full_bytes / bw * 1e6,
-                 draft_floor_us=draft_bytes / bw * 1e6, draft_bytes=draft_bytes)
+                 draft_floor_us=draft_bytes / bw * 1e6, draft_bytes=draft_bytes,
+                 mosaic_layout="group_major [in / 128, out, 64]" if mqs else None)
       want = jax.jit(full)(x, ws[0]).astype(jnp.float32)
       cases = [("bf16", full, ws), ("xla", xla, qs), ("kernel", kernel, qs)]
       cases += [("mosaic", mosaic, mqs)] if mqs else []

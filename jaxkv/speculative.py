@@ -384,7 +384,7 @@ def speculative_generate(model, prompt_tokens, prompt_lengths, *, max_new_tokens
   if not kv_format.hierarchical:
     raise ValueError(f"kv_format={kv_format} must be hierarchical (e.g. 'quantspec'): the "
                      "draft reads its upper 4-bit plane")
-  draft_weights = _draft_state(model, draft_weights, group_size)
+  draft_weights = _draft_state(model, draft_weights, group_size, mesh)
   needed = t + max_new_tokens - 1
   capacity = t + max_new_tokens if capacity is None else capacity
   if capacity < needed:
@@ -422,11 +422,13 @@ def _check_spec_args(gamma, sampler, temperature) -> np.float32:
   return _check_temperature(temperature) if sampler == "sample" else np.float32(1.0)
 
 
-def _draft_state(model, draft_weights, group_size: int):
+def _draft_state(model, draft_weights, group_size: int, mesh=None):
   """The draft's weights as the program takes them: a dict of `QuantizedWeight`, or None
   (``"full"``: the draft is the model itself, reading the draft view of the cache).
   ``group_size`` is checked whatever the weights (an int >= 1), and refused unless it is
-  the default where the weights would ignore it (``"full"``, a dict)."""
+  the default where the weights would ignore it (``"full"``, a dict). Off a mesh q, k
+  and v are one product per layer; on one they stay three, each sharded by its heads
+  (a fused ``[q | k | v]`` weight's column shards would not line up with them)."""
   check_int("group_size", group_size)
   if isinstance(draft_weights, str) and draft_weights not in ("int4", "int8", "full"):
     raise ValueError(f"draft_weights={draft_weights!r} must be 'int4', 'int8', 'full' or a "
@@ -441,7 +443,8 @@ def _draft_state(model, draft_weights, group_size: int):
     if draft_weights == "full":
       return None
     model = model.model if isinstance(model, SplitModel) else model
-    return model.quantize_weights(bits=int(draft_weights[3:]), group_size=group_size)
+    return model.quantize_weights(bits=int(draft_weights[3:]), group_size=group_size,
+                                  fuse_qkv=mesh is None)
   return draft_weights
 
 
@@ -524,7 +527,7 @@ def speculative_steps(model, token, cache, num_rounds: int, *, gamma: int = 4,
       raise ValueError(f"cache capacity={cache.capacity} has no room for num_rounds={num_rounds} "
                        f"x (gamma={gamma} + 1) = {room} more tokens after the longest sequence's "
                        f"{longest}: needs capacity >= {longest + room}")
-  draft_state = _draft_state(model, draft_weights, group_size)
+  draft_state = _draft_state(model, draft_weights, group_size, mesh)
   graphdef, state = _split(model)
   settings = SpecSettings(room, int(gamma), sampler, mesh)
   tokens, counts, verifs, accepted, cache = _speculative_steps_program(

@@ -1,6 +1,8 @@
 """Low-bit group-wise copies of a Llama's linear layers: the draft model of QuantSpec.
 
 `quantize_weights` quantizes every `models.llama.Linear` kernel ``[in, out]``
+(by default each attention layer's q, k and v kernels as one ``[in, q + k +
+v]`` weight, ``"<layer>.self_attn.qkv_proj"``: one product instead of three)
 with asymmetric round-to-nearest (the cache's rule, `jaxkv.quant`): one
 (scale, zero) per output column per group of ``group_size`` consecutive input
 rows. 4-bit codes are packed two per byte, planar inside each group
@@ -16,13 +18,15 @@ Pallas kernel (codes read once, never dequantized into HBM: XLA's fused
 - ``layout="in_major"``, codes ``[in / 2, out]``: the Triton kernel
   `pallas_kernels.int4_matmul` (any GPU);
 - ``layout="out_major"``, codes ``[in / 128, out, 64]`` (group 128: each
-  group's codes for 128 output rows one contiguous 8 KB tile, 0.8-1.6 us
-  faster per MLP product than ``[out, in / 2]`` rows on an H200): the Hopper
-  kernel `pallas_kernels.mosaic_int4_matmul`, weight rows as the MMA's M.
-  On an H200 it took 19.4 / 18.8 us for Llama-3.1-8B's gate (up) and down
-  products where the Triton kernel took 27.4 / 24.6, but was no faster for
-  the 4096-wide ones (9.9 vs 9.5 us for ``[4096, 4096]``, 9.0 vs 6.1 for
-  ``[4096, 1024]``; `bench/results/speculative-NOTES.md`), so
+  group's codes for 128 output rows one contiguous 8 KB tile; in the H200
+  draft step 17.4 us per MLP product against 20.8 with ``[out, in / 2]``
+  rows): the Hopper kernel `pallas_kernels.mosaic_int4_matmul`, weight rows
+  as the MMA's M.
+  Alone on an H200 (B = 1) it took 17.4 / 17.3 us for Llama-3.1-8B's gate
+  (up) and down products where the Triton kernel took 27.1 / 24.7; with
+  row-major codes it had been no faster for the 4096-wide ones (9.9 vs 9.5
+  us for ``[4096, 4096]``, 9.0 vs 6.1 for ``[4096, 1024]``; not re-timed
+  group-major; `bench/results/speculative-NOTES.md`), so
   ``quantize_kernel``'s default (``layout="auto"``) picks it on Hopper for
   kernels of at least `MOSAIC_MIN_WEIGHTS` weights only (Llama-3.1-8B's MLP
   products and LM head). The Mosaic kernel feeds x to the MMA as bf16, so a
@@ -258,28 +262,27 @@ def quantize_weights(model, *, bits: int = 4, group_size: int = 128,
       weight, ``"<layer>.self_attn.qkv_proj"`` (one product instead of three;
       the same codes, scales and zeros column for column). The default: on an
       H200 the three Triton products took 19.2 us per Llama-3.1-8B layer and
-      the fused one 14.3, with 4 fewer small kernels (draft step, 4 layers +
-      LM head: 785 -> 757 us kernel time; `bench/results/speculative-NOTES.md`).
+      the fused one 14.3 (draft step, 4 layers + LM head: 171 -> 156 kernels,
+      785 -> 757 us kernel time; `bench/results/speculative-NOTES.md`).
   Returns:
-    ``{"layers.0.self_attn.q_proj": QuantizedWeight, ...}`` (a pytree).
+    ``{"layers.0.self_attn.qkv_proj": QuantizedWeight, "layers.0.self_attn.o_proj":
+    ..., "lm_head": ...}`` (a pytree; ``...q_proj``, ``k_proj``, ``v_proj`` keys
+    instead with ``fuse_qkv=False``).
   """
   def quantize(kernel):
     return quantize_kernel(kernel, bits=bits, group_size=group_size, layout=layout)
 
-  linears = _linears(model)
-  weights = {}
+  linears = {_key(path): m for path, m in _linears(model)}
+  weights, skip = {}, set()
   if fuse_qkv:
-    by_key = {_key(path): m for path, m in linears}
-    for key in [k for k in by_key if k.endswith(".q_proj")]:
+    for key in [k for k in linears if k.endswith(".q_proj")]:
       base = key[:-len("q_proj")]
-      parts = [by_key.get(base + n) for n in _QKV]
-      if any(p is None for p in parts):
-        continue
-      weights[base + "qkv_proj"] = quantize(jnp.concatenate([p.kernel[...] for p in parts], 1))
-  fused = {k[:-len("qkv_proj")] for k in weights}
-  weights.update({_key(path): quantize(m.kernel[...]) for path, m in linears
-                  if not (_key(path).rsplit(".", 1)[-1] in _QKV
-                          and _key(path).rsplit(".", 1)[0] + "." in fused)})
+      names = [base + n for n in _QKV]
+      if all(n in linears for n in names):   # [in, q + k + v]
+        weights[base + "qkv_proj"] = quantize(
+            jnp.concatenate([linears[n].kernel[...] for n in names], 1))
+        skip.update(names)
+  weights.update({k: quantize(m.kernel[...]) for k, m in linears.items() if k not in skip})
   if not weights:
     raise ValueError(f"model {type(model).__name__} has no models.llama.Linear layers")
   return weights
@@ -289,29 +292,26 @@ def draft_model(model, weights: dict[str, QuantizedWeight], *, use_kernel: bool 
   """``model`` with its linear layers replaced by `QuantizedLinear` over ``weights``.
 
   A new module graph over the same arrays (``model`` is not changed); every
-  linear layer named in ``weights`` must exist with the weight's shape.
+  linear layer named in ``weights`` must exist with the weight's shape. A
+  ``"<layer>.self_attn.qkv_proj"`` weight (`quantize_weights`' fused q, k and
+  v) becomes the attention layer's ``qkv_proj`` module, which
+  `models.llama.Attention` then runs instead of its q, k and v layers.
   ``use_kernel=False``: the layers never run the Pallas kernel (a model
   sharded on a mesh, where XLA partitions the dequantize + dot instead).
   """
   draft = nnx.clone(model)  # new Variables over the same (immutable) arrays
   found = 0
-  for key, w in weights.items():  # fused q/k/v (quantize_weights(fuse_qkv=True))
-    if not key.endswith(".qkv_proj"):
-      continue
-    parent = draft
-    for p in key.split(".")[:-1]:
-      parent = parent[int(p)] if p.isdigit() else getattr(parent, p, None)
-      if parent is None:
-        raise ValueError(f"draft weight {key} names no attention layer of the model")
-    want = (parent.q_proj.kernel.shape[0], sum(getattr(parent, n).kernel.shape[1] for n in _QKV))
-    if w.shape != want:
-      raise ValueError(f"draft weight {key} has shape {w.shape}, the layer's q/k/v {want}")
-    parent.qkv_proj = QuantizedLinear(w, use_kernel=use_kernel)
-    found += 1
+  for key, w in weights.items():
+    if key.endswith(".qkv_proj"):
+      _install_qkv(draft, key, w, weights, use_kernel)
+      found += 1
   for path, m in _linears(draft):
     w = weights.get(_key(path))
     if w is None:
       continue
+    if path[-1] in _QKV and getattr(_module_at(draft, path[:-1]), "qkv_proj", None) is not None:
+      raise ValueError(f"draft weight {_key(path)}: its attention layer already runs a fused "
+                       f"qkv_proj, which would ignore it")
     if w.shape != tuple(m.kernel.shape):
       raise ValueError(f"draft weight {_key(path)} has shape {w.shape}, the model's "
                        f"kernel {tuple(m.kernel.shape)}")
@@ -323,6 +323,41 @@ def draft_model(model, weights: dict[str, QuantizedWeight], *, use_kernel: bool 
   if found != len(weights):
     raise ValueError(f"{len(weights) - found} draft weights name no linear layer of the model")
   return draft
+
+
+def _module_at(root, path):
+  """The submodule at ``path`` (attribute names and list indices), or None."""
+  node = root
+  for p in path:
+    if isinstance(p, int) or (isinstance(p, str) and p.isdigit()):
+      try:
+        node = node[int(p)]
+      except (IndexError, KeyError, TypeError):
+        return None
+    else:
+      node = getattr(node, p, None)
+    if node is None:
+      return None
+  return node
+
+
+def _install_qkv(draft, key: str, w: QuantizedWeight, weights: dict, use_kernel: bool) -> None:
+  """Sets ``draft``'s attention layer named by ``key`` (``"<layer>.self_attn.qkv_proj"``)
+  a ``qkv_proj`` over ``w`` after checking its shape ``[in, q + k + v]``."""
+  base = key[:-len("qkv_proj")]
+  layer = _module_at(draft, key.split(".")[:-1])
+  parts = [getattr(layer, n, None) for n in _QKV]
+  if any(getattr(p, "kernel", None) is None for p in parts):
+    raise ValueError(f"draft weight {key} names no attention layer of the model (no "
+                     f"q_proj / k_proj / v_proj Linear layers at {base[:-1]!r})")
+  both = [base + n for n in _QKV if base + n in weights]
+  if both:
+    raise ValueError(f"draft weights hold {key} and {both}: the fused product would "
+                     f"ignore the separate ones")
+  want = (parts[0].kernel.shape[0], sum(p.kernel.shape[1] for p in parts))
+  if w.shape != want:
+    raise ValueError(f"draft weight {key} has shape {w.shape}, the layer's q/k/v {want}")
+  layer.qkv_proj = QuantizedLinear(w, use_kernel=use_kernel)
 
 
 def nbytes(weights: dict[str, QuantizedWeight]) -> int:

@@ -432,7 +432,11 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-  """Projections and RoPE of one attention layer; the attention itself is passed in."""
+  """Projections and RoPE of one attention layer; the attention itself is passed in.
+
+  A draft model (`models.draft_weights.draft_model`) may add a ``qkv_proj``
+  module (q, k and v as one 4-bit product), which `qkv` then runs instead of
+  the three projections."""
 
   def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs):
     c = config
@@ -451,7 +455,7 @@ class Attention(nnx.Module):
     fused = getattr(self, "qkv_proj", None)  # a draft's fused q/k/v product
     if fused is not None:
       nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-      q, k, v = jnp.split(fused(x), [nq, nq + nk], axis=-1)
+      q, k, v = jnp.split(fused(x), [nq, nq + nk], axis=-1)   # [B, T, (Hq + 2 Hkv) D]
     else:
       q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
     q = q.reshape(b, t, c.num_heads, c.head_dim)

@@ -188,13 +188,15 @@ class DecodeAttentionConfig:
     # more than the per-step row sums: defer_sums' [rows, block_k]
     # accumulators cost registers (kivi4 at (48, 32K): 849 vs 887 us; at
     # (16, 32K), below the fill, 323 vs 304 the other way). Measured for
-    # 4/2-bit sides only; 8-bit and 16-bit sides keep the deferred sums.
+    # 4/2-bit sides only; at up to 16 rows 8-bit and 16-bit sides keep the
+    # deferred sums.
     grid_full = bits < 8 and batch * kv_heads >= per_sm * num_sms
     # Above 16 rows per program the [rows, block_k] accumulators cost more
     # than the row sums they save, at every low-bit width measured (H200, jax
     # 0.11.2, 128K, 20 rows: quantspec 207 -> 159 us, kivi4 153 -> 134, kivi2
     # 696 -> 300, int8 200 -> 141; kivi4 at 32 rows 47.0 -> 40.7; at 8-16
-    # rows within 1-5 % the other way: `bench/results/defer-sums-20261128*`).
+    # rows within 1-10 % the other way: `bench/results/defer-sums-20261128*`).
+    # Extrapolated, not measured: 16-bit sides and the H100.
     many_rows = rows > 16
     stages = 3
     if itemsize > 2:

@@ -62,6 +62,9 @@ def transpose_packed(packed: jax.Array, *, group_major: bool = False) -> jax.Arr
   ``group_major``: ``[in / 128, out, 64]`` instead, each group's codes for
   128 output rows one contiguous 8 KB tile (``[out, in / 2]`` puts the rows of
   a tile ``in / 2`` bytes apart)."""
+  if packed.ndim != 2 or packed.shape[0] % (GROUP // 2):
+    raise ValueError(f"packed.shape={packed.shape} must be [in / 2, out] with in a multiple "
+                     f"of {GROUP}")
   rows = jnp.swapaxes(packed, 0, 1)
   if not group_major:
     return rows

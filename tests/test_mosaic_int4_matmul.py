@@ -66,6 +66,8 @@ def test_refusals():
                           scale, zero)
   with pytest.raises(ValueError, match="num_splits=3"):
     mm.mosaic_int4_matmul(x, mm.transpose_packed(packed), scale, zero, num_splits=3)
+  with pytest.raises(ValueError, match=r"packed.shape=\(96, 256\) must be \[in / 2, out\]"):
+    mm.transpose_packed(packed[:96], group_major=True)
   with pytest.raises(ValueError, match=r"\[in / 128, out, 64\] = \[2, 256, 64\]"):
     mm.mosaic_int4_matmul(x, mm.transpose_packed(packed, group_major=True)[:, :128], scale, zero)
 

@@ -341,6 +341,16 @@ def test_fused_qkv_draft_equals_separate_products():
   bad["layers.1.self_attn.qkv_proj"] = fused["layers.0.mlp.gate_proj"]
   with pytest.raises(ValueError, match="layers.1.self_attn.qkv_proj has shape"):
     m.with_draft_weights(bad)
+  # Refused, never silently ignored: a fused weight beside its separate ones, separate
+  # ones on a draft that already runs the fused product, a key naming no attention layer.
+  with pytest.raises(ValueError, match=r"would ignore the separate ones"):
+    m.with_draft_weights({**fused, "layers.1.self_attn.k_proj": sep["layers.1.self_attn.k_proj"]})
+  with pytest.raises(ValueError, match="already runs a fused qkv_proj"):
+    m.with_draft_weights(fused).with_draft_weights({"layers.0.self_attn.q_proj":
+                                                    sep["layers.0.self_attn.q_proj"]})
+  for key in ("layers.0.mlp.qkv_proj", "layers.9.self_attn.qkv_proj"):
+    with pytest.raises(ValueError, match=f"{key} names no attention layer"):
+      m.with_draft_weights({key: w})
 
 
 def test_layout_choice_and_refusals():
@@ -366,6 +376,9 @@ def test_layout_choice_and_refusals():
   q = dw.quantize_kernel(jnp.concatenate([w, w], axis=1), layout="out_major")  # [256, 256]
   with pytest.raises(ValueError, match=r"scale.shape=\(2, 256\) must be \(4, 128\)"):
     dw.QuantizedWeight(q.codes.reshape(4, 128, 64), q.scale, q.zero, group=128, bits=4,
+                       layout="out_major")
+  with pytest.raises(ValueError, match="must end in 64"):
+    dw.QuantizedWeight(q.codes.reshape(2, 512, 32), q.scale, q.zero, group=128, bits=4,
                        layout="out_major")
   with pytest.raises(ValueError, match=r"\(\[in / 128, out, 64\] for layout='out_major'\)"):
     dw.QuantizedWeight(q.codes.reshape(256, 128), q.scale, q.zero, group=128, bits=4,
