@@ -11,8 +11,7 @@ token (``x [B, in]``, B = 1 and 8): profiler kernel time of
   model runs off Hopper and for the 4096-wide products on it);
 - ``mosaic``: `pallas_kernels.mosaic_int4_matmul` (Hopper; ``layout="out_major"``
   codes ``[in / 128, out, 64]``, what the draft runs there for the large products);
-  ``--mosaic-sweep`` also times its split counts and pipeline depths at B = 1, and
-  ``[out, in / 2]`` row-major codes;
+  ``--mosaic-sweep`` also times its split counts and pipeline depths at B = 1;
 
 beside the bytes floor of each (weights read once at the measured HBM read
 bandwidth). If XLA materializes the dequantized kernel, ``draft`` costs more
@@ -46,16 +45,11 @@ SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)]
 ROTATE = 4  # weight copies cycled so that none is read from L2
 
 
-def _probe_x(n_in):
-  """The B = 1 activation every variant of one shape is timed on."""
-  return jax.random.normal(jax.random.PRNGKey(5), (1, n_in), jnp.bfloat16)
-
-
-def _time_variants(fns, weights, n_in, n_out, calls, extra=None, ref=None):
+def _time_variants(fns, weights, n_in, n_out, calls, extra=None):
   """Kernel time of ``fns[name](x, w)`` at B=1 over the rotated ``weights``, each
-  output checked against ``ref`` (default: the first variant's); one row per variant."""
-  x = _probe_x(n_in)
-  out = []
+  output checked against the first variant's; one row per variant."""
+  x = jax.random.normal(jax.random.PRNGKey(5), (1, n_in), jnp.bfloat16)
+  out, ref = [], None
   for name, fn in fns.items():
     try:
       y = jax.jit(fn)(x, weights[0])
@@ -97,19 +91,13 @@ def sweep(n_in, n_out, qs, group, calls):
 
 
 def mosaic_sweep(n_in, n_out, mqs, calls):
-  """Mosaic kernel split counts x pipeline depths at B=1 (the default first), on the
-  draft's group-major codes; then the default on ``[out, in / 2]`` rows (each
-  code tile's rows ``in / 2`` bytes apart in HBM) for comparison."""
+  """Mosaic kernel split counts x pipeline depths at B=1 (the default first)."""
   groups = n_in // m4.GROUP
   base = m4.default_splits(n_in, n_out)
   splits = [base] + [s for s in (max(1, base // 2), 2 * base) if s != base and groups % s == 0]
   fns = {f"mosaic_s{s}_st{st}": (lambda x, w, _s=s, _st=st: m4.mosaic_int4_matmul(
       x, *w, num_splits=_s, stages=_st)) for s in splits for st in (3, 2, 4)}
-  rows = _time_variants(fns, mqs, n_in, n_out, calls)
-  by_rows = [(c.transpose(0, 2, 1).reshape(n_in // 2, n_out).T, sc, z) for c, sc, z in mqs]
-  ref = m4.mosaic_int4_matmul(_probe_x(n_in), *mqs[0])  # the group-major default's output
-  return rows + _time_variants({"mosaic_out_in_rows": lambda x, w: m4.mosaic_int4_matmul(x, *w)},
-                               by_rows, n_in, n_out, calls, ref=ref)
+  return _time_variants(fns, mqs, n_in, n_out, calls)
 
 
 def main(argv=None) -> int:
@@ -142,8 +130,7 @@ def main(argv=None) -> int:
     # The Triton kernel's layout, whatever layout="auto" would pick on this GPU.
     qs = [dw.quantize_kernel(w, bits=4, group_size=args.group, layout="in_major") for w in ws]
     mosaic_ok = m4.supports(n_in, n_out, args.group, 1)[0] and is_hopper()
-    mqs = ([(m4.transpose_packed(q.codes, group_major=True), q.scale, q.zero) for q in qs]
-           if mosaic_ok else [])
+    mqs = [(m4.transpose_packed(q.codes), q.scale, q.zero) for q in qs] if mosaic_ok else []
     for b in (int(x) for x in args.batches.split(",")):
       x = jax.random.normal(jax.random.fold_in(key, 99), (b, n_in), jnp.bfloat16)
 

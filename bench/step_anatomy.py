@@ -34,6 +34,7 @@ from flax import nnx  # noqa: E402
 
 import e2e  # noqa: E402
 from jaxkv.timing import gpu_kernel_events  # noqa: E402
+from models import draft_weights as dw  # noqa: E402
 from models import llama  # noqa: E402
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?(%?[\w.\-]+)\s*=\s*(\S+)\s+([\w\-]+)\(")
@@ -142,7 +143,7 @@ def main(argv=None) -> int:
   p.add_argument("--steps", type=int, default=8)
   p.add_argument("--draft", default="", metavar="BITS",
                  help="also QuantSpec's draft step with these draft weight bits (e.g. 4,8)")
-  p.add_argument("--draft-layout", default="auto", choices=("auto", "in_major", "out_major"),
+  p.add_argument("--draft-layout", default="auto", choices=("auto", *dw.LAYOUTS),
                  help="draft weights' code layout (models.draft_weights; out_major: 4 bits)")
   p.add_argument("--draft-qkv", default="fused", choices=("fused", "separate"),
                  help="the draft's q, k and v as one product per layer, or three")

@@ -100,9 +100,7 @@ class QuantizedWeight:
       raise ValueError(f"group={self.group!r} must be a positive int (even for 4 bits)")
     if self.layout not in LAYOUTS:
       raise ValueError(f"layout={self.layout!r} must be one of {list(LAYOUTS)}")
-    if self.layout == "out_major" and (self.bits != 4 or self.group != m4.GROUP):
-      raise ValueError(f"layout='out_major' holds 4-bit codes in groups of {m4.GROUP} "
-                       f"(the Mosaic kernel's), got bits={self.bits}, group={self.group}")
+    _check_out_major(self.layout, self.bits, self.group)
     shapes = [getattr(x, "shape", None) for x in (self.codes, self.scale, self.zero)]
     if any(sh is None for sh in shapes):
       return
@@ -171,6 +169,13 @@ class QuantizedWeight:
     return linear(x, self.dequantize(x.dtype), out_dtype)
 
 
+def _check_out_major(layout: str, bits: int, group: int, why: str = "") -> None:
+  """ValueError unless an ``"out_major"`` weight is 4-bit in groups of 128."""
+  if layout == "out_major" and (bits != 4 or group != m4.GROUP):
+    raise ValueError(f"layout='out_major' holds 4-bit codes in groups of {m4.GROUP} (the "
+                     f"Mosaic kernel's), got bits={bits}, group={group}{why}")
+
+
 def default_layout(n_in: int, n_out: int, bits: int, group: int) -> str:
   """``layout="auto"``: ``"out_major"`` (the Mosaic kernel) on a Hopper GPU for 4-bit
   kernels of at least `MOSAIC_MIN_WEIGHTS` weights it serves, else ``"in_major"``."""
@@ -205,14 +210,12 @@ def quantize_kernel(w: jax.Array, *, bits: int = 4, group_size: int = 128,
   codes = codes.reshape(n_in, n_out).astype(jnp.uint8)
   if layout == "auto":
     layout = default_layout(n_in, n_out, bits, group)
-  elif layout == "out_major" and (bits != 4 or group != m4.GROUP):
-    raise ValueError(f"layout='out_major' holds 4-bit codes in groups of {m4.GROUP} (the "
-                     f"Mosaic kernel's), got bits={bits}, group={group} (gcd({n_in}, "
-                     f"group_size={group_size}))")
+  else:
+    _check_out_major(layout, bits, group, f" (gcd({n_in}, group_size={group_size}))")
   if bits == 4:
     codes = i4.pack_weight(codes, group)
     if layout == "out_major":
-      codes = m4.transpose_packed(codes, group_major=True)
+      codes = m4.transpose_packed(codes)
   return QuantizedWeight(codes, scale, zero, group=group, bits=bits, layout=layout)
 
 

@@ -11,14 +11,14 @@ the register A operand, exactly like a kivi4 K tile:
 
     y^T[o, m] = sum_g  s[g, o] * (C_g x_g^T)[o, m]  +  z[g, o] * sum(x_g)[m]
 
-- codes ``[out, in / 2]`` uint8 (`transpose_packed` of `int4_matmul.pack_weight`'s
-  ``[in / 2, out]``): row ``o``, byte ``64 g + j`` holds inputs ``128 g + j``
-  (low nibble) and ``128 g + 64 + j`` (high nibble), the cache's planar
-  layout of a 128-channel row; or the same bytes group-major, ``[in / 128,
-  out, 64]`` (``transpose_packed(..., group_major=True)``, what
-  `models.draft_weights` stores): each tile one contiguous 8 KB run in HBM
-  instead of 128 runs of 64 bytes ``in / 2`` apart, 17.4 instead of 20.8 us
-  per Llama-3.1-8B MLP product in the H200 draft step;
+- codes group-major, ``[in / 128, out, 64]`` uint8 (`transpose_packed` of
+  `int4_matmul.pack_weight`'s ``[in / 2, out]``): ``codes[g, o, j]`` holds
+  inputs ``128 g + j`` (low nibble) and ``128 g + 64 + j`` (high nibble) of
+  output ``o``, the cache's planar layout of a 128-channel row, so each
+  group's tile of 128 output rows is one contiguous 8 KB run in HBM (with
+  ``[out, in / 2]`` rows, 128 runs of 64 bytes ``in / 2`` apart, a
+  Llama-3.1-8B MLP product took 20.8 instead of 17.4 us in the H200 draft
+  step);
 - codes become bf16 subnormals ``c 2**(b - 133)`` with one ``and`` per pair
   (byte masks), so the x tile (the B operand, ``[N, 128]`` per group in the
   MMA's column order) carries ``2**(69 - b)`` per column and every product
@@ -55,21 +55,14 @@ _SHIFT = mosaic_dequant.FOLD_SHIFT  # products come out times 2**-64
 MAX_ROWS = 64
 
 
-def transpose_packed(packed: jax.Array, *, group_major: bool = False) -> jax.Array:
+def transpose_packed(packed: jax.Array) -> jax.Array:
   """`int4_matmul.pack_weight`'s ``[in / 2, out]`` codes (group 128) as this
-  kernel's ``[out, in / 2]`` rows (a copy; done once per weight).
-
-  ``group_major``: ``[in / 128, out, 64]`` instead, each group's codes for
-  128 output rows one contiguous 8 KB tile (``[out, in / 2]`` puts the rows of
-  a tile ``in / 2`` bytes apart)."""
+  kernel's group-major ``[in / 128, out, 64]`` (a copy; done once per weight)."""
   if packed.ndim != 2 or packed.shape[0] % (GROUP // 2):
     raise ValueError(f"packed.shape={packed.shape} must be [in / 2, out] with in a multiple "
                      f"of {GROUP}")
-  rows = jnp.swapaxes(packed, 0, 1)
-  if not group_major:
-    return rows
-  n_out, half = rows.shape
-  return rows.reshape(n_out, half // (GROUP // 2), GROUP // 2).transpose(1, 0, 2)
+  half, n_out = packed.shape
+  return packed.reshape(half // (GROUP // 2), GROUP // 2, n_out).transpose(0, 2, 1)
 
 
 def supports(n_in: int, n_out: int, group: int, rows: int) -> tuple[bool, str]:
@@ -118,8 +111,7 @@ def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: j
 
   Args:
     x: ``[..., in]``, at most `MAX_ROWS` rows.
-    codes: uint8 ``[out, in / 2]`` or ``[in / 128, out, 64]`` (`transpose_packed`,
-      ``group_major``); scale, zero:
+    codes: uint8 ``[in / 128, out, 64]`` (`transpose_packed`); scale, zero:
       ``[in / 128, out]`` (float32 or narrower).
     group: must be 128.
     num_splits: programs along the input groups (default `default_splits`).
@@ -134,14 +126,10 @@ def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: j
   if not ok:
     raise ValueError(f"mosaic_int4_matmul: {why}")
   groups = n_in // GROUP
-  group_major = codes.ndim == 3
-  want = (groups, n_out, GROUP // 2) if group_major else (n_out, n_in // 2)
-  if codes.shape != want or codes.dtype != jnp.uint8:
-    raise ValueError(f"codes {codes.shape} {codes.dtype} must be uint8 [out, in / 2] = "
-                     f"[{n_out}, {n_in // 2}] or [in / 128, out, 64] = [{groups}, {n_out}, 64] "
-                     f"(`transpose_packed` of pack_weight's codes)")
-  if group_major:
-    codes = codes.reshape(groups * n_out, GROUP // 2)  # free: row-major
+  if codes.shape != (groups, n_out, GROUP // 2) or codes.dtype != jnp.uint8:
+    raise ValueError(f"codes {codes.shape} {codes.dtype} must be uint8 [in / 128, out, 64] = "
+                     f"[{groups}, {n_out}, 64] (`transpose_packed` of pack_weight's codes)")
+  codes = codes.reshape(groups * n_out, GROUP // 2)  # free: row-major
   if scale.shape != (groups, n_out) or zero.shape != (groups, n_out):
     raise ValueError(f"scale {scale.shape} / zero {zero.shape} must be [{groups}, {n_out}]")
   splits = num_splits or default_splits(n_in, n_out, _triton.num_sms())
@@ -163,9 +151,8 @@ def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: j
     o = lax.axis_index("o")
     first = lax.axis_index("s") * per_split
     specs = [
-        (plgpu.BlockSpec((bo, GROUP // 2), lambda i: ((first + i) * (n_out // bo) + o, 0))
-         if group_major else                                                  # codes, plain
-         plgpu.BlockSpec((bo, GROUP // 2), lambda i: (o, first + i))),
+        plgpu.BlockSpec((bo, GROUP // 2),                                     # codes, plain
+                        lambda i: ((first + i) * (n_out // bo) + o, 0)),
         plgpu.BlockSpec((1, bo), lambda i: (first + i, o)),                  # scale
         plgpu.BlockSpec((1, bo), lambda i: (first + i, o)),                  # zero
         plgpu.BlockSpec((n, GROUP), lambda i: (first + i, 0), transforms=x_tf),  # x tile

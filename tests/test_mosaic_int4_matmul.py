@@ -67,19 +67,18 @@ def test_refusals():
   with pytest.raises(ValueError, match="num_splits=3"):
     mm.mosaic_int4_matmul(x, mm.transpose_packed(packed), scale, zero, num_splits=3)
   with pytest.raises(ValueError, match=r"packed.shape=\(96, 256\) must be \[in / 2, out\]"):
-    mm.transpose_packed(packed[:96], group_major=True)
+    mm.transpose_packed(packed[:96])
   with pytest.raises(ValueError, match=r"\[in / 128, out, 64\] = \[2, 256, 64\]"):
-    mm.mosaic_int4_matmul(x, mm.transpose_packed(packed, group_major=True)[:, :128], scale, zero)
+    mm.mosaic_int4_matmul(x, mm.transpose_packed(packed)[:, :128], scale, zero)
 
 
 @pytest.mark.parametrize("n_in,n_out,lead,splits", [
     (256, 128, (1,), None), (512, 256, (2, 3), 2), (384, 128, (16,), 3), (256, 384, (40,), 1),
     (384, 768, (3,), None)])
-@pytest.mark.parametrize("group_major", [False, True])
-def test_kernel(n_in, n_out, lead, splits, group_major):
+def test_kernel(n_in, n_out, lead, splits):
   packed, scale, zero = _weight(jax.random.PRNGKey(n_in + n_out), n_in, n_out)
   x = jax.random.normal(jax.random.PRNGKey(7), (*lead, n_in)).astype(jnp.bfloat16)
-  codes = mm.transpose_packed(packed, group_major=group_major)
+  codes = mm.transpose_packed(packed)
   if not ON_HOPPER:
     fn = lambda x, c, s, z: mm.mosaic_int4_matmul(x, c, s, z, num_splits=splits or 1)  # noqa: E731
     text = jax.jit(fn).trace(x, codes, scale, zero).lower(
