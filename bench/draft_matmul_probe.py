@@ -91,12 +91,15 @@ def sweep(n_in, n_out, qs, group, calls):
 
 
 def mosaic_sweep(n_in, n_out, mqs, calls):
-  """Mosaic kernel split counts x pipeline depths at B=1 (the default first)."""
+  """Mosaic kernel split counts x pipeline depths at B=1 (the default first), each
+  with the affine per group (default) and folded into the registers (``fold``)."""
   groups = n_in // m4.GROUP
   base = m4.default_splits(n_in, n_out)
   splits = [base] + [s for s in (max(1, base // 2), 2 * base) if s != base and groups % s == 0]
-  fns = {f"mosaic_s{s}_st{st}": (lambda x, w, _s=s, _st=st: m4.mosaic_int4_matmul(
-      x, *w, num_splits=_s, stages=_st)) for s in splits for st in (3, 2, 4)}
+  fns = {f"mosaic{'_fold' if f else ''}_s{s}_st{st}": (
+      lambda x, w, _s=s, _st=st, _f=f: m4.mosaic_int4_matmul(x, *w, num_splits=_s, stages=_st,
+                                                             fold=_f))
+         for f in (False, True) for s in splits for st in (3, 2, 4)}
   return _time_variants(fns, mqs, n_in, n_out, calls)
 
 

@@ -22,14 +22,14 @@ Pallas kernel (codes read once, never dequantized into HBM: XLA's fused
   draft step 17.4 us per MLP product against 20.8 with ``[out, in / 2]``
   rows): the Hopper kernel `pallas_kernels.mosaic_int4_matmul`, weight rows
   as the MMA's M.
-  Alone on an H200 (B = 1) it took 17.4 / 17.3 us for Llama-3.1-8B's gate
-  (up) and down products where the Triton kernel took 27.1 / 24.7; with
-  row-major codes it had been no faster for the 4096-wide ones (9.9 vs 9.5
-  us for ``[4096, 4096]``, 9.0 vs 6.1 for ``[4096, 1024]``; not re-timed
-  group-major; `bench/results/speculative-NOTES.md`), so
+  Alone on an H200 (B = 1) it takes 14.0 / 13.8 us for Llama-3.1-8B's gate
+  (up) and down products where the Triton kernel takes 27.6 / 24.7, and 8.5 /
+  6.6 us for the fused q/k/v ``[4096, 6144]`` and o ``[4096, 4096]`` (Triton
+  15.0 / 9.6; `bench/results/speculative-NOTES.md`, 2026-11-28), so
   ``quantize_kernel``'s default (``layout="auto"``) picks it on Hopper for
-  kernels of at least `MOSAIC_MIN_WEIGHTS` weights only (Llama-3.1-8B's MLP
-  products and LM head). The Mosaic kernel feeds x to the MMA as bf16, so a
+  kernels of at least `MOSAIC_MIN_WEIGHTS` weights (all of Llama-3.1-8B's but
+  the separate k and v products a mesh keeps). The Mosaic kernel feeds x to
+  the MMA as bf16 and rounds each dequantized weight once to bf16, so a
   float32 x takes the dequantize + dot path instead.
 
 Elsewhere (CPU, 8 bits, more than the kernel's rows, groups it does not tile)
@@ -57,8 +57,9 @@ _BITS = (4, 8)
 _QKV = ("q_proj", "k_proj", "v_proj")
 LAYOUTS = ("in_major", "out_major")
 # `layout="auto"` picks the Mosaic kernel's layout on Hopper from this many
-# weights up (Llama-3.1-8B's MLP products and LM head; see the module doc).
-MOSAIC_MIN_WEIGHTS = 1 << 25
+# weights up (Llama-3.1-8B's fused q/k/v, o, MLP products and LM head; see the
+# module doc).
+MOSAIC_MIN_WEIGHTS = 1 << 24
 
 
 def _static(**kw):

@@ -256,15 +256,7 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
 
   def body_fn(_, ref, *rows_refs):
     i32 = ir.IntegerType.get_signless(32)
-    index = ir.IndexType.get()
-    bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
-    tid = arith.remui(mgpu_utils.thread_idx(), mgpu_utils.c(128, i32))
-    warp = arith.shrui(tid, mgpu_utils.c(5, i32))
-    lane = arith.andi(tid, mgpu_utils.c(31, i32))
-    row0 = arith.addi(arith.muli(warp, mgpu_utils.c(16, i32)),
-                      arith.shrui(lane, mgpu_utils.c(2, i32)))
-    col = arith.muli(arith.andi(lane, mgpu_utils.c(3, i32)), mgpu_utils.c(span, i32))
-    col = arith.index_cast(index, col)
+    lane, row0, col = _thread_place(span)
     regs = np.empty(want_regs, dtype=object)
     affine_pairs = {}
     if rows_refs and shuffle_scales:
@@ -287,31 +279,135 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
               pair = llvm.inline_asm(i32, [pair, _bf16_pow2_pair(prescale[name, k])],
                                      _ASM_POW2, "=r,r,r")
             affine_pairs[name, w, k] = pair
-    for m, half in itertools.product(range(rows // _ROWS), range(2)):
-      row = arith.index_cast(index, arith.addi(row0, mgpu_utils.c(_ROWS * m + 8 * half, i32)))
-      raw = vector.load(ir.VectorType.get((span,), ir.IntegerType.get_signless(8)), ref,
-                        [row, col])
-      packed = vector.bitcast(ir.VectorType.get((words,), i32), raw)
-      for w in range(words):
-        word = vector.extract(packed, [], [w])
-        shifted_by = {0: word}
-        for k in range(pairs):
-          shift = pair_src[k][0]
-          if shift not in shifted_by:
-            shifted_by[shift] = arith.shrui(word, mgpu_utils.c(shift, i32))
-          shifted = shifted_by[shift]
-          if rows_refs:
-            pair = llvm.inline_asm(i32, [shifted, affine_pairs["s", w, k],
-                                         affine_pairs["z", w, k]], asm[k], "=r,r,r,r")
-          else:
-            pair = llvm.inline_asm(i32, [shifted], asm[k], "=r,r")
-          regs[(m, pairs * w + k, 0, 0, half) + (0,) * (regs.ndim - 5)] = (
-              mgpu_utils.bitcast(pair, bf16x2))
+    def emit(m, half, w, k, shifted):
+      del m, half
+      if rows_refs:
+        return llvm.inline_asm(i32, [shifted, affine_pairs["s", w, k], affine_pairs["z", w, k]],
+                               asm[k], "=r,r,r,r")
+      return llvm.inline_asm(i32, [shifted], asm[k], "=r,r")
+
+    _unpack_words(regs, ref, row0, col, span=span, pair_src=pair_src, emit=emit)
     return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
   refs = (codes_smem, scale_smem, zero_smem) if affine else (codes_smem,)
   return plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(refs),
                            return_type=body_type)(body_fn)(*refs)
+
+
+def dequant_codes_rows(codes_smem, scale_smem, zero_smem, bits: int = 4):
+  """``[rows, 128]`` bf16 registers ``(code * scale[row] + zero[row]) * 2**-K_SHIFT``.
+
+  The affine of a weight tile (`pallas_kernels.mosaic_int4_matmul`): one
+  scale and zero per *row* (``scale_smem`` / ``zero_smem``: float32 ``[1, rows]``
+  in shared memory), where `dequant_codes` takes one per column. Codes are
+  byte-masked subnormals (``code * 2**(b - 133)``, one ``and`` per pair) and
+  one ``fma.rn.bf16x2`` per pair makes the value with a single rounding; each
+  thread builds its four rows' pairs once per tile (per row: the scale times
+  ``2**(133 - K_SHIFT - b)`` for each bit offset ``b`` and the zero times
+  ``2**-K_SHIFT``, exact power-of-two products in float32, each rounded once
+  to bfloat16). Columns follow `code_permutation`; numpy oracle
+  `registers_rows_reference`. The MMA's other operand carries ``2**K_SHIFT``.
+  """
+  width, rows = _code_tile(codes_smem, 128, bits, (128,))
+  for name, ref in (("scale_smem", scale_smem), ("zero_smem", zero_smem)):
+    if tuple(ref.shape) != (1, rows) or ref.dtype != jnp.float32:
+      raise ValueError(f"{name} must be float32 [1, {rows}], got {ref.dtype} {tuple(ref.shape)}")
+  span = width // 4
+  pair_src = [_byte_mask(bits * k, bits, True) for k in range(16 // bits)]
+  asm = [_ASM_SUB_AFFINE.format(mask=mask) for _, mask, _ in pair_src]
+  want_regs = (rows // _ROWS, 128 // 8, 1, 1, 2) + (1,) * 4
+  if fa.WGMMA_LAYOUT.registers_shape((rows, 128)) != want_regs:
+    raise NotImplementedError("WGMMA_LAYOUT's register tiling changed; dequant_codes_rows "
+                              f"assumes {want_regs}")
+  body_type = plgpu.ShapeDtypeStruct((rows, 128), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
+
+  def body_fn(_, ref, sref, zref):
+    i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+    index = ir.IndexType.get()
+    _, row0, col = _thread_place(span)
+    zero_i = arith.index_cast(index, mgpu_utils.c(0, i32))
+
+    def pair(x):  # f32 -> (x, x) as a bf16x2 i32, one rounding
+      return llvm.inline_asm(i32, [x], "cvt.rn.bf16x2.f32 $0, $1, $1;", "=r,f")
+
+    def times(x, exp: int):
+      return arith.mulf(x, arith.constant(f32, ir.FloatAttr.get(f32, 2.0 ** exp)))
+
+    row_pairs = {}
+    for m, half in itertools.product(range(rows // _ROWS), range(2)):
+      r = arith.index_cast(index, arith.addi(row0, mgpu_utils.c(_ROWS * m + 8 * half, i32)))
+      sc, zr = memref.load(sref, [zero_i, r]), memref.load(zref, [zero_i, r])
+      scaled = {e: pair(times(sc, SUBNORMAL_EXP - K_SHIFT - e)) for e in {e for *_, e in pair_src}}
+      row_pairs[m, half] = ([scaled[e] for *_, e in pair_src], pair(times(zr, -K_SHIFT)))
+
+    def emit(m, half, w, k, shifted):
+      del w
+      s_pairs, z_pair = row_pairs[m, half]
+      return llvm.inline_asm(i32, [shifted, s_pairs[k], z_pair], asm[k], "=r,r,r,r")
+
+    regs = np.empty(want_regs, dtype=object)
+    _unpack_words(regs, ref, row0, col, span=span, pair_src=pair_src, emit=emit)
+    return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+  return plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3, return_type=body_type)(body_fn)(
+      codes_smem, scale_smem, zero_smem)
+
+
+def registers_rows_reference(codes: np.ndarray, scale: np.ndarray, zero: np.ndarray,
+                             bits: int = 4) -> np.ndarray:
+  """``[rows, 128]`` float values `dequant_codes_rows` holds, times ``2**K_SHIFT``:
+  ``bf16(code * bf16(scale[row]) + bf16(zero[row]))`` of channel ``perm[col]``."""
+  def bf16(x):
+    return np.asarray(x, np.float32).astype(jnp.bfloat16).astype(np.float64)
+  codes = np.asarray(codes)
+  mask = (1 << bits) - 1
+  channels = np.concatenate([(codes >> (bits * p)) & mask for p in range(8 // bits)],
+                            axis=-1).astype(np.float64)                 # [rows, 128] planar
+  s = bf16(np.reshape(scale, (-1, 1)))
+  z = bf16(np.reshape(zero, (-1, 1)))
+  vals = bf16(channels * s + z)
+  return vals[..., code_permutation(128, bits)].astype(np.float32)
+
+
+def _thread_place(span: int):
+  """``(lane, row0, col)`` of this thread in a warpgroup's WGMMA A tile: its rows are
+  ``row0 + 64 m + 8 half`` (i32) and its code bytes start at ``col`` (index)."""
+  i32 = ir.IntegerType.get_signless(32)
+  tid = arith.remui(mgpu_utils.thread_idx(), mgpu_utils.c(128, i32))
+  warp = arith.shrui(tid, mgpu_utils.c(5, i32))
+  lane = arith.andi(tid, mgpu_utils.c(31, i32))
+  row0 = arith.addi(arith.muli(warp, mgpu_utils.c(16, i32)),
+                    arith.shrui(lane, mgpu_utils.c(2, i32)))
+  col = arith.muli(arith.andi(lane, mgpu_utils.c(3, i32)), mgpu_utils.c(span, i32))
+  return lane, row0, arith.index_cast(ir.IndexType.get(), col)
+
+
+def _unpack_words(regs, ref, row0, col, *, span: int, pair_src, emit) -> None:
+  """Fills a thread's WGMMA registers ``regs`` from its ``span`` code bytes per row.
+
+  Register ``(m, j, 0, 0, half)`` (columns ``8 j + 2 (lane % 4) + {0, 1}`` of
+  row ``row0 + 64 m + 8 half``) is ``emit(m, half, w, k, shifted)`` for pair
+  ``k`` of word ``w`` (``j = pairs * w + k``), ``shifted`` the word moved
+  right by ``pair_src[k]``'s shift (each shift computed once per word).
+  """
+  i32 = ir.IntegerType.get_signless(32)
+  index = ir.IndexType.get()
+  bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
+  words, pairs = span // 4, len(pair_src)
+  for m, half in itertools.product(range(regs.shape[0]), range(2)):
+    row = arith.index_cast(index, arith.addi(row0, mgpu_utils.c(_ROWS * m + 8 * half, i32)))
+    raw = vector.load(ir.VectorType.get((span,), ir.IntegerType.get_signless(8)), ref, [row, col])
+    packed = vector.bitcast(ir.VectorType.get((words,), i32), raw)
+    for w in range(words):
+      word = vector.extract(packed, [], [w])
+      shifted_by = {0: word}
+      for k in range(pairs):
+        shift = pair_src[k][0]
+        if shift not in shifted_by:
+          shifted_by[shift] = arith.shrui(word, mgpu_utils.c(shift, i32))
+        pair = emit(m, half, w, k, shifted_by[shift])
+        regs[(m, pairs * w + k, 0, 0, half) + (0,) * (regs.ndim - 5)] = (
+            mgpu_utils.bitcast(pair, bf16x2))
 
 
 def _quad_pairs(rref, base, rows_f16: bool) -> tuple:

@@ -20,12 +20,18 @@ the register A operand, exactly like a kivi4 K tile:
   Llama-3.1-8B MLP product took 20.8 instead of 17.4 us in the H200 draft
   step);
 - codes become bf16 subnormals ``c 2**(b - 133)`` with one ``and`` per pair
-  (byte masks), so the x tile (the B operand, ``[N, 128]`` per group in the
-  MMA's column order) carries ``2**(69 - b)`` per column and every product
-  comes out times ``2**-64``, folded into the scales;
+  (byte masks); the x tile (the B operand, ``[N, 128]`` per group in the
+  MMA's column order, `mosaic_dequant.code_permutation`) carries the powers
+  of two that bring the products back;
 - TMA pipelines the code tile, the group's scale/zero rows and x's group
-  tile ``stages`` deep; one MMA per group, its ``[128, N]`` result scaled
-  per row and added in float32;
+  tile ``stages`` deep; by default (``fold``) the registers are the weights
+  themselves, ``(code * scale + zero) * 2**-64`` rounded once to bf16
+  (`mosaic_dequant.dequant_codes_rows`: one ``and`` + one ``fma.bf16x2`` per
+  pair), x carries ``2**64`` and one float32 accumulator sums every group of
+  a split; with ``fold=False`` the registers are the bare codes, x carries
+  ``2**(69 - b)`` per column, and each group's ``[128, N]`` MMA result (times
+  ``2**-64``) is scaled per row and its zero times ``sum(x_g)`` added in
+  float32 (the spec's rounding; ~2 us slower per product on an H200);
 - grid ``(out / 128, splits)``: a split takes a run of groups and writes a
   float32 partial; XLA sums the partials (and transposes) in one fusion.
 
@@ -78,11 +84,26 @@ def supports(n_in: int, n_out: int, group: int, rows: int) -> tuple[bool, str]:
   return True, ""
 
 
-def default_splits(n_in: int, n_out: int, num_sms: int = 132, per_sm: int = 2) -> int:
-  """Splits of the input groups: about ``per_sm`` programs per SM, dividing the groups."""
+def default_splits(n_in: int, n_out: int, num_sms: int = 132, per_sm: int = 3) -> int:
+  """Splits of the input groups: at most ``per_sm`` programs per SM, dividing the groups.
+
+  H200, B = 1 (`bench/results/speculative-NOTES.md`, 2026-11-28): 3 gives
+  ``[4096, 6144]`` 8 splits (10.6 us; 4 splits 11.5) and ``[4096, 4096]`` 8
+  (8.5; 16: 8.4) and keeps the MLP products' 2 and 8."""
   groups, tiles = n_in // GROUP, n_out // _BLOCK_OUT
   want = max(1, per_sm * num_sms // tiles)
   return max(d for d in range(1, groups + 1) if groups % d == 0 and d <= want)
+
+
+def _folded_operand(x, rows: int, n: int):
+  """x ``[rows, in]`` -> the B tiles ``[groups * N, 128]`` bf16 of the folded kernel
+  (MMA column order, times ``2**K_SHIFT``, rows zero-padded to N)."""
+  groups = x.shape[-1] // GROUP
+  perm = mosaic_dequant.code_permutation(GROUP, 4)
+  xs = x.reshape(rows, groups, GROUP)[..., perm].astype(jnp.float32)
+  xs = (xs * (2.0 ** mosaic_dequant.K_SHIFT)).astype(jnp.bfloat16)
+  xs = jnp.pad(xs, ((0, n - rows), (0, 0), (0, 0))).transpose(1, 0, 2)  # [groups, N, 128]
+  return xs.reshape(groups * n, GROUP)
 
 
 def _operands(x, rows: int, n: int):
@@ -103,10 +124,10 @@ def _operands(x, rows: int, n: int):
   return xs.reshape(groups * n, GROUP), sums
 
 
-@functools.partial(jax.jit, static_argnames=("group", "num_splits", "stages"))
+@functools.partial(jax.jit, static_argnames=("group", "num_splits", "stages", "fold"))
 def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: jax.Array, *,
                        group: int = GROUP, num_splits: int | None = None,
-                       stages: int = 3) -> jax.Array:
+                       stages: int = 3, fold: bool = True) -> jax.Array:
   """``x @ W`` for a 4-bit group-wise ``W`` (Hopper).
 
   Args:
@@ -116,6 +137,14 @@ def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: j
     group: must be 128.
     num_splits: programs along the input groups (default `default_splits`).
     stages: TMA pipeline depth.
+    fold: scale and zero folded into the A registers
+      (`mosaic_dequant.dequant_codes_rows`: each weight ``code * scale + zero``
+      rounded once to bfloat16, relative output error ~4e-3 of the largest
+      output at Llama-3.1-8B widths), one accumulator over all of a split's
+      groups: no per-group float32 epilogue and no ``sum(x_g)`` operand;
+      H200, B = 1: 2.0-2.7 us faster per product (14.0 vs 16.2 us at
+      ``[4096, 14336]``). ``False``: codes times exact powers of two, the
+      affine per group in float32 (the spec's rounding, one extra XLA kernel).
   Returns:
     ``[..., out]`` float32.
   """
@@ -137,7 +166,10 @@ def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: j
     raise ValueError(f"num_splits={splits} must divide the {groups} groups")
   per_split = groups // splits
   n = ma._rows_n(rows)  # pylint: disable=protected-access
-  xs, sums = _operands(x.reshape(rows, n_in), rows, n)
+  if fold:
+    xs, sums = _folded_operand(x.reshape(rows, n_in), rows, n), None
+  else:
+    xs, sums = _operands(x.reshape(rows, n_in), rows, n)
   # No XLA work on the weight per call: 2**64 is applied to each loaded scale row
   # in the kernel (a per-call multiply of the [groups, out] scales was a kernel of
   # its own, ~2 us per product on an H200).
@@ -147,7 +179,8 @@ def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: j
   x_tf = ma._tiled(64, 16)  # pylint: disable=protected-access
   row_l, col_l = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
-  def kernel(codes_gmem, scale_gmem, zero_gmem, x_gmem, sum_gmem, out_gmem):
+  def kernel(codes_gmem, scale_gmem, zero_gmem, x_gmem, *refs):
+    sum_gmem, out_gmem = (None, *refs) if fold else refs
     o = lax.axis_index("o")
     first = lax.axis_index("s") * per_split
     specs = [
@@ -156,8 +189,14 @@ def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: j
         plgpu.BlockSpec((1, bo), lambda i: (first + i, o)),                  # scale
         plgpu.BlockSpec((1, bo), lambda i: (first + i, o)),                  # zero
         plgpu.BlockSpec((n, GROUP), lambda i: (first + i, 0), transforms=x_tf),  # x tile
-        plgpu.BlockSpec((1, sums.shape[1]), lambda i: (first + i, 0)),      # sum(x_g)
     ]
+    if not fold:
+      specs.append(plgpu.BlockSpec((1, sums.shape[1]), lambda i: (first + i, 0)))  # sum(x_g)
+
+    def folded_body(acc_ref, _, c_smem, s_smem, z_smem, x_smem):
+      a = mosaic_dequant.dequant_codes_rows(c_smem, s_smem, z_smem)
+      plgpu.wgmma(acc_ref, a, ma._t(x_smem))  # pylint: disable=protected-access
+      plgpu.wgmma_wait(0)  # a's registers are reused by the next group's dequant
 
     def body(_, c_smem, s_smem, z_smem, x_smem, sum_smem, acc):
       a = mosaic_dequant.dequant_codes(c_smem, GROUP, 4, subnormal=True, byte_masks=True)
@@ -174,10 +213,19 @@ def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: j
       return (acc + prod * lax.broadcast_in_dim(sc, (bo, n), [0])
               + lax.broadcast_in_dim(zr, (bo, n), [0]) * lax.broadcast_in_dim(sx, (bo, n), [1]))
 
-    acc0 = plgpu.layout_cast(jnp.zeros((bo, n), f32), plgpu.Layout.WGMMA)
-    acc = plgpu.emit_pipeline(body, grid=(per_split,), in_specs=specs,
-                              max_concurrent_steps=stages, init_carry=acc0)(
-                                  codes_gmem, scale_gmem, zero_gmem, x_gmem, sum_gmem)
+    if fold:
+      def run(acc_ref):
+        plgpu.emit_pipeline(functools.partial(folded_body, acc_ref), grid=(per_split,),
+                            in_specs=specs, max_concurrent_steps=stages)(
+                                codes_gmem, scale_gmem, zero_gmem, x_gmem)
+        return acc_ref[...]
+
+      acc = pl.run_scoped(run, plgpu.ACC((bo, n), f32))
+    else:
+      acc0 = plgpu.layout_cast(jnp.zeros((bo, n), f32), plgpu.Layout.WGMMA)
+      acc = plgpu.emit_pipeline(body, grid=(per_split,), in_specs=specs,
+                                max_concurrent_steps=stages, init_carry=acc0)(
+                                    codes_gmem, scale_gmem, zero_gmem, x_gmem, sum_gmem)
 
     def write(o_smem):
       o_smem[...] = acc
@@ -194,8 +242,8 @@ def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: j
       grid_names=("o", "s"),
       compiler_params=plgpu.CompilerParams(approx_math=True,
                                            lowering_semantics=ma._SEMANTICS),  # pylint: disable=protected-access
-      kernel_name="jaxkv_mosaic_int4_matmul",
-  )(codes, scale, zero, xs, sums)
+      kernel_name="jaxkv_mosaic_int4_matmul" + ("_folded" if fold else ""),
+  )(codes, scale, zero, xs, *(() if fold else (sums,)))
   return part.sum(axis=0).T[:rows].reshape(*lead, n_out)
 
 

@@ -54,6 +54,26 @@ def test_operands_emulate_the_product():
   assert sums.shape == (n_in // 128, 32) and not np.asarray(sums)[:, rows:].any()
 
 
+def test_folded_operand_emulates_the_product():
+  """float64 emulation of the folded kernel: `registers_rows_reference` (each weight
+  rounded once to bf16, times ``2**-K_SHIFT``) times `_folded_operand`'s x tiles,
+  summed over groups in one accumulator, against the float32 spec."""
+  n_in, n_out, rows = 384, 128, 5
+  packed, scale, zero = _weight(jax.random.PRNGKey(2), n_in, n_out)
+  x = jax.random.normal(jax.random.PRNGKey(3), (rows, n_in), jnp.float32).astype(jnp.bfloat16)
+  n = 8
+  xs = mm._folded_operand(x, rows, n)
+  xs = np.asarray(xs.astype(jnp.float32), np.float64).reshape(n_in // 128, n, 128)
+  tiles = np.asarray(mm.transpose_packed(packed))                       # [groups, out, 64]
+  y = np.zeros((n_out, n))
+  for g in range(n_in // 128):
+    regs = mosaic_dequant.registers_rows_reference(tiles[g], scale[g], zero[g])  # [out, 128]
+    y += (np.asarray(regs, np.float64) * 2.0 ** -mosaic_dequant.K_SHIFT) @ xs[g].T
+  want = np.asarray(im.int4_matmul_reference(x, packed, scale, zero, group=128), np.float64)
+  np.testing.assert_allclose(y[:, :rows].T, want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+  assert not y[:, rows:].any()
+
+
 def test_refusals():
   packed, scale, zero = _weight(jax.random.PRNGKey(0), 256, 256)
   x = jnp.ones((2, 256), jnp.bfloat16)
@@ -72,20 +92,23 @@ def test_refusals():
     mm.mosaic_int4_matmul(x, mm.transpose_packed(packed)[:, :128], scale, zero)
 
 
+@pytest.mark.parametrize("fold", [False, True])
 @pytest.mark.parametrize("n_in,n_out,lead,splits", [
     (256, 128, (1,), None), (512, 256, (2, 3), 2), (384, 128, (16,), 3), (256, 384, (40,), 1),
     (384, 768, (3,), None)])
-def test_kernel(n_in, n_out, lead, splits):
+def test_kernel(n_in, n_out, lead, splits, fold):
   packed, scale, zero = _weight(jax.random.PRNGKey(n_in + n_out), n_in, n_out)
   x = jax.random.normal(jax.random.PRNGKey(7), (*lead, n_in)).astype(jnp.bfloat16)
   codes = mm.transpose_packed(packed)
   if not ON_HOPPER:
-    fn = lambda x, c, s, z: mm.mosaic_int4_matmul(x, c, s, z, num_splits=splits or 1)  # noqa: E731
+    fn = lambda x, c, s, z: mm.mosaic_int4_matmul(x, c, s, z, num_splits=splits or 1,  # noqa: E731
+                                                  fold=fold)
     text = jax.jit(fn).trace(x, codes, scale, zero).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
     return
-  got = np.asarray(mm.mosaic_int4_matmul(x, codes, scale, zero, num_splits=splits), np.float64)
+  got = np.asarray(mm.mosaic_int4_matmul(x, codes, scale, zero, num_splits=splits, fold=fold),
+                   np.float64)
   want = np.asarray(im.int4_matmul_reference(x, packed, scale, zero, group=128), np.float64)
   assert got.shape == (*lead, n_out)
   np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())

@@ -357,12 +357,13 @@ def test_layout_choice_and_refusals():
   w = jax.random.normal(jax.random.key(0), (256, 128), jnp.float32)
   # "auto" takes the Mosaic layout only on Hopper and for large kernels
   assert dw.quantize_kernel(w).layout == "in_major"
-  assert dw.default_layout(4096, 4096, 4, 128) == "in_major"   # below the threshold anywhere
+  assert dw.default_layout(4096, 1024, 4, 128) == "in_major"   # below the threshold anywhere
   with pytest.raises(ValueError, match="inv_freq is needed"):
     llama.apply_rope(jnp.ones((1, 2, 1, 8)), jnp.zeros((1, 2), jnp.int32))
-  assert dw.default_layout(4096, 14336, 4, 128) == (
-      "out_major" if jax.default_backend() == "gpu" and jaxkv.attention.is_hopper()
-      else "in_major")
+  for n_in, n_out in ((4096, 14336), (4096, 4096)):   # at and above the threshold
+    assert dw.default_layout(n_in, n_out, 4, 128) == (
+        "out_major" if jax.default_backend() == "gpu" and jaxkv.attention.is_hopper()
+        else "in_major")
   assert dw.default_layout(4096, 14336, 8, 128) == "in_major"
   with pytest.raises(ValueError, match="layout='rows' must be 'auto' or one of"):
     dw.quantize_kernel(w, layout="rows")
