@@ -588,7 +588,9 @@ def main(argv=None) -> int:
   p.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2)")
   p.add_argument("--gammas", default=None,
                  help="comma-separated (default 1,...,8; with --timing 2,4,6)")
-  p.add_argument("--draft", default="int4", help="comma-separated draft weights: int4,int8,full")
+  p.add_argument("--draft", default="int4",
+                 help="comma-separated draft weights: int4,int8,full; int4-rtn / int8-rtn: "
+                      "round-to-nearest scales instead of the default least-squares fit")
   p.add_argument("--prompts", type=int, default=4, help="text windows (the batch)")
   p.add_argument("--prompt-len", type=int, default=448, help="tokens per window")
   p.add_argument("--new-tokens", type=int, default=64)
@@ -654,9 +656,12 @@ def main(argv=None) -> int:
   for draft in args.draft.split(","):
     for gamma in (int(g) for g in args.gammas.split(",")):
       t1 = time.perf_counter()
+      weights = draft
+      if draft.endswith("-rtn"):  # round-to-nearest draft weights (the default fit is mse)
+        weights = model.quantize_weights(bits=int(draft[3:-4]), fit="rtn")
       tokens, _, st = jaxkv.speculative_generate(
           model, prompts, lengths, max_new_tokens=args.new_tokens, gamma=gamma,
-          draft_weights=draft, prefill_chunk=args.prefill_chunk)
+          draft_weights=weights, prefill_chunk=args.prefill_chunk)
       tokens = np.asarray(tokens)
       row = dict(draft_weights=draft, gamma=gamma, acceptance_rate=st["acceptance_rate"],
                  tokens_per_verification=st["tokens_per_verification"],

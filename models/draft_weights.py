@@ -50,12 +50,14 @@ from flax import nnx
 
 from jaxkv import quant
 from jaxkv.attention import is_hopper
+from models import weight_fit
 from pallas_kernels import int4_matmul as i4
 from pallas_kernels import mosaic_int4_matmul as m4
 
 _BITS = (4, 8)
 _QKV = ("q_proj", "k_proj", "v_proj")
 LAYOUTS = ("in_major", "out_major")
+FITS = ("mse", "rtn")  # `quantize_kernel`'s choices of each group's scale and zero
 # `layout="auto"` picks the Mosaic kernel's layout on Hopper from this many
 # weights up (Llama-3.1-8B's fused q/k/v, o, MLP products and LM head; see the
 # module doc).
@@ -187,9 +189,11 @@ def default_layout(n_in: int, n_out: int, bits: int, group: int) -> str:
 
 
 def quantize_kernel(w: jax.Array, *, bits: int = 4, group_size: int = 128,
-                    layout: str = "auto") -> QuantizedWeight:
+                    layout: str = "auto", fit: str = "mse") -> QuantizedWeight:
   """Quantizes one ``[in, out]`` kernel; the group is ``gcd(in, group_size)``;
-  ``layout``: ``"auto"`` (`default_layout`) or one of `LAYOUTS`."""
+  ``layout``: ``"auto"`` (`default_layout`) or one of `LAYOUTS`; ``fit``: one of
+  `FITS`, ``"mse"`` (`models.weight_fit.fit_groups`: the least squared error per
+  group; the default) or ``"rtn"`` (round to nearest over each group's min/max)."""
   if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or bits not in _BITS:
     raise ValueError(f"bits={bits!r} must be one of {list(_BITS)} (an int)")
   bits = int(bits)
@@ -198,6 +202,8 @@ def quantize_kernel(w: jax.Array, *, bits: int = 4, group_size: int = 128,
     raise ValueError(f"group_size={group_size!r} must be a positive int")
   if layout != "auto" and layout not in LAYOUTS:
     raise ValueError(f"layout={layout!r} must be 'auto' or one of {list(LAYOUTS)}")
+  if fit not in FITS:
+    raise ValueError(f"fit={fit!r} must be one of {list(FITS)}")
   if getattr(w, "ndim", None) != 2 or not jnp.issubdtype(w.dtype, jnp.floating):
     raise ValueError(f"w (shape {getattr(w, 'shape', None)}, dtype {getattr(w, 'dtype', None)}) "
                      f"must be a 2-D [in, out] float kernel")
@@ -207,7 +213,10 @@ def quantize_kernel(w: jax.Array, *, bits: int = 4, group_size: int = 128,
     raise ValueError(f"4-bit weights pack two rows per byte: the group gcd({n_in}, "
                      f"{group_size}) = {group} must be even")
   wg = w.astype(jnp.float32).reshape(n_in // group, group, n_out)
-  codes, scale, zero = quant.quantize_groups(wg, bits, -2, "float32")
+  if fit == "mse":
+    codes, scale, zero = weight_fit.fit_groups(wg, bits)
+  else:
+    codes, scale, zero = quant.quantize_groups(wg, bits, -2, "float32")
   codes = codes.reshape(n_in, n_out).astype(jnp.uint8)
   if layout == "auto":
     layout = default_layout(n_in, n_out, bits, group)
@@ -252,7 +261,8 @@ def _key(path) -> str:
 
 
 def quantize_weights(model, *, bits: int = 4, group_size: int = 128,
-                     layout: str = "auto", fuse_qkv: bool = True) -> dict[str, QuantizedWeight]:
+                     layout: str = "auto", fuse_qkv: bool = True,
+                     fit: str = "mse") -> dict[str, QuantizedWeight]:
   """Group-wise ``bits``-bit copies of every linear layer's kernel.
 
   Args:
@@ -268,13 +278,14 @@ def quantize_weights(model, *, bits: int = 4, group_size: int = 128,
       H200 the three Triton products took 19.2 us per Llama-3.1-8B layer and
       the fused one 14.3 (draft step, 4 layers + LM head: 171 -> 156 kernels,
       785 -> 757 us kernel time; `bench/results/speculative-NOTES.md`).
+    fit: how each group's scale and zero are chosen (`quantize_kernel`).
   Returns:
     ``{"layers.0.self_attn.qkv_proj": QuantizedWeight, "layers.0.self_attn.o_proj":
     ..., "lm_head": ...}`` (a pytree; ``...q_proj``, ``k_proj``, ``v_proj`` keys
     instead with ``fuse_qkv=False``).
   """
   def quantize(kernel):
-    return quantize_kernel(kernel, bits=bits, group_size=group_size, layout=layout)
+    return quantize_kernel(kernel, bits=bits, group_size=group_size, layout=layout, fit=fit)
 
   linears = {_key(path): m for path, m in _linears(model)}
   weights, skip = {}, set()
@@ -283,13 +294,27 @@ def quantize_weights(model, *, bits: int = 4, group_size: int = 128,
       base = key[:-len("q_proj")]
       names = [base + n for n in _QKV]
       if all(n in linears for n in names):   # [in, q + k + v]
-        weights[base + "qkv_proj"] = quantize(
-            jnp.concatenate([linears[n].kernel[...] for n in names], 1))
+        weights[base + "qkv_proj"] = _fused(
+            [linears[n].kernel[...] for n in names], bits, group_size, layout, fit)
         skip.update(names)
   weights.update({k: quantize(m.kernel[...]) for k, m in linears.items() if k not in skip})
   if not weights:
     raise ValueError(f"model {type(model).__name__} has no models.llama.Linear layers")
   return weights
+
+
+def _fused(kernels, bits, group_size, layout, fit) -> QuantizedWeight:
+  """One weight ``[in, sum(out)]`` of ``kernels`` side by side, each quantized on its own
+  (scales and zeros are per column: the same codes column for column as quantizing the
+  concatenation, with no dependence of a fit's float rounding on the fused shape)."""
+  n_in, n_out = kernels[0].shape[0], sum(k.shape[1] for k in kernels)
+  if layout == "auto":
+    layout = default_layout(n_in, n_out, bits, math.gcd(n_in, int(group_size)))
+  parts = [quantize_kernel(k, bits=bits, group_size=group_size, layout=layout, fit=fit)
+           for k in kernels]
+  cat = [jnp.concatenate([getattr(p, f) for p in parts], axis=1)
+         for f in ("codes", "scale", "zero")]
+  return QuantizedWeight(*cat, group=parts[0].group, bits=bits, layout=layout)
 
 
 def draft_model(model, weights: dict[str, QuantizedWeight], *, use_kernel: bool = True):
@@ -370,5 +395,5 @@ def nbytes(weights: dict[str, QuantizedWeight]) -> int:
                  for w in weights.values()))
 
 
-__all__ = ["LAYOUTS", "MOSAIC_MIN_WEIGHTS", "QuantizedLinear", "QuantizedWeight", "default_layout",
+__all__ = ["FITS", "LAYOUTS", "MOSAIC_MIN_WEIGHTS", "QuantizedLinear", "QuantizedWeight", "default_layout",
            "draft_model", "nbytes", "quantize_kernel", "quantize_weights"]

@@ -604,11 +604,11 @@ class Llama(nnx.Module):
     return self.layers[index]
 
   def quantize_weights(self, *, bits: int = 4, group_size: int = 128,
-                       layout: str = "auto", fuse_qkv: bool = True) -> dict:
+                       layout: str = "auto", fuse_qkv: bool = True, fit: str = "mse") -> dict:
     """Group-wise ``bits``-bit copies of every linear layer (`models.draft_weights`)."""
     from models.draft_weights import quantize_weights  # pylint: disable=import-outside-toplevel
     return quantize_weights(self, bits=bits, group_size=group_size, layout=layout,
-                            fuse_qkv=fuse_qkv)
+                            fuse_qkv=fuse_qkv, fit=fit)
 
   def with_draft_weights(self, weights: dict, *, use_kernel: bool = True) -> "Llama":
     """This model with its linear layers reading ``weights`` (from `quantize_weights`);
@@ -1014,13 +1014,13 @@ def from_pretrained(path, dtype=None, *, mesh=None) -> Llama:
 
 
 def quantize_weights(model: Llama, *, bits: int = 4, group_size: int = 128,
-                     layout: str = "auto", fuse_qkv: bool = True) -> dict:
+                     layout: str = "auto", fuse_qkv: bool = True, fit: str = "mse") -> dict:
   """QuantSpec's draft weights: group-wise ``bits``-bit copies of every linear layer.
 
   The same as ``model.quantize_weights(...)``; see `models.draft_weights`.
   """
   return model.quantize_weights(bits=bits, group_size=group_size, layout=layout,
-                                fuse_qkv=fuse_qkv)
+                                fuse_qkv=fuse_qkv, fit=fit)
 
 
 def param_count(model: Llama) -> int:

@@ -251,15 +251,18 @@ def test_argument_errors(model):
 
 def test_draft_weights_against_numpy_model(model):
   w = model.layers[1].mlp.down_proj.kernel[...]                         # [128, 64]
-  q = dw.quantize_kernel(w, bits=4, group_size=32)
-  assert q.codes.dtype == jnp.uint8 and q.codes.shape == (64, 64) and q.shape == (128, 64)
-  assert q.group == 32 and q.bits == 4
+  rtn = dw.quantize_kernel(w, bits=4, group_size=32, fit="rtn")
+  assert rtn.codes.dtype == jnp.uint8 and rtn.codes.shape == (64, 64) and rtn.shape == (128, 64)
+  assert rtn.group == 32 and rtn.bits == 4
   wn = np.asarray(w, np.float64).reshape(4, 32, 64)
   lo, hi = wn.min(1, keepdims=True), wn.max(1, keepdims=True)
   scale = (hi - lo) / 15
-  err = np.abs(np.asarray(q.dequantize(), np.float64).reshape(4, 32, 64) - wn)
+  err = np.abs(np.asarray(rtn.dequantize(), np.float64).reshape(4, 32, 64) - wn)
   assert np.all(err <= scale / 2 * (1 + 1e-5) + 1e-7)
-  np.testing.assert_allclose(np.asarray(q.scale)[:, None], scale, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(rtn.scale)[:, None], scale, rtol=1e-6)
+  q = dw.quantize_kernel(w, bits=4, group_size=32)            # the default fit: least squares
+  sq = np.square(np.asarray(q.dequantize(), np.float64).reshape(4, 32, 64) - wn).sum(1)
+  assert np.all(sq <= np.square(err).sum(1) * (1 + 1e-5))     # never worse than rtn per group
   weights = dw.quantize_weights(model, group_size=32)
   assert len(weights) == 5 * SMALL.num_layers + 1  # qkv, o, gate, up, down + lm_head
   # Half a byte per weight plus a float32 (scale, zero) per group and column.
