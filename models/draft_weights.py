@@ -3,9 +3,11 @@
 `quantize_weights` quantizes every `models.llama.Linear` kernel ``[in, out]``
 (by default each attention layer's q, k and v kernels as one ``[in, q + k +
 v]`` weight, ``"<layer>.self_attn.qkv_proj"``: one product instead of three)
-with asymmetric round-to-nearest (the cache's rule, `jaxkv.quant`): one
-(scale, zero) per output column per group of ``group_size`` consecutive input
-rows. 4-bit codes are packed two per byte, planar inside each group
+into asymmetric codes with one (scale, zero) per output column per group of
+``group_size`` consecutive input rows, the pair fitted for the least squared
+error (``fit="mse"``, `models.weight_fit`: on SmolLM2 the draft's acceptance
+rose from 0.851 / 0.781 to 0.891 / 0.816 at gamma 2 / 4 against ``fit="rtn"``,
+the cache's round-to-nearest over each group's min/max, `jaxkv.quant`). 4-bit codes are packed two per byte, planar inside each group
 (`pallas_kernels.int4_matmul.pack_weight`), so a jitted program holds the full
 weights and the draft copy side by side at half a byte per weight; 8-bit
 codes are plain uint8.
@@ -395,5 +397,5 @@ def nbytes(weights: dict[str, QuantizedWeight]) -> int:
                  for w in weights.values()))
 
 
-__all__ = ["FITS", "LAYOUTS", "MOSAIC_MIN_WEIGHTS", "QuantizedLinear", "QuantizedWeight", "default_layout",
-           "draft_model", "nbytes", "quantize_kernel", "quantize_weights"]
+__all__ = ["FITS", "LAYOUTS", "MOSAIC_MIN_WEIGHTS", "QuantizedLinear", "QuantizedWeight",
+           "default_layout", "draft_model", "nbytes", "quantize_kernel", "quantize_weights"]
