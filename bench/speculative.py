@@ -654,11 +654,13 @@ def main(argv=None) -> int:
     plain = np.asarray(plain)
   rows = []
   for draft in args.draft.split(","):
+    weights = draft
+    if draft.endswith("-rtn"):  # round-to-nearest draft weights (the default fit is mse)
+      if draft not in ("int4-rtn", "int8-rtn"):
+        p.error(f"--draft {draft!r}: -rtn goes with int4 or int8")
+      weights = model.quantize_weights(bits=int(draft[3:-4]), fit="rtn")
     for gamma in (int(g) for g in args.gammas.split(",")):
       t1 = time.perf_counter()
-      weights = draft
-      if draft.endswith("-rtn"):  # round-to-nearest draft weights (the default fit is mse)
-        weights = model.quantize_weights(bits=int(draft[3:-4]), fit="rtn")
       tokens, _, st = jaxkv.speculative_generate(
           model, prompts, lengths, max_new_tokens=args.new_tokens, gamma=gamma,
           draft_weights=weights, prefill_chunk=args.prefill_chunk)

@@ -7,7 +7,8 @@ into asymmetric codes with one (scale, zero) per output column per group of
 ``group_size`` consecutive input rows, the pair fitted for the least squared
 error (``fit="mse"``, `models.weight_fit`: on SmolLM2 the draft's acceptance
 rose from 0.851 / 0.781 to 0.891 / 0.816 at gamma 2 / 4 against ``fit="rtn"``,
-the cache's round-to-nearest over each group's min/max, `jaxkv.quant`). 4-bit codes are packed two per byte, planar inside each group
+the cache's round-to-nearest over each group's min/max, `jaxkv.quant`). 4-bit
+codes are packed two per byte, planar inside each group
 (`pallas_kernels.int4_matmul.pack_weight`), so a jitted program holds the full
 weights and the draft copy side by side at half a byte per weight; 8-bit
 codes are plain uint8.
@@ -30,8 +31,10 @@ Pallas kernel (codes read once, never dequantized into HBM: XLA's fused
   15.0 / 9.6; `bench/results/speculative-NOTES.md`, 2026-11-28), so
   ``quantize_kernel``'s default (``layout="auto"``) picks it on Hopper for
   kernels of at least `MOSAIC_MIN_WEIGHTS` weights (all of Llama-3.1-8B's but
-  the separate k and v products a mesh keeps). The Mosaic kernel feeds x to
-  the MMA as bf16 and rounds each dequantized weight once to bf16, so a
+  separate k and v products, ``fuse_qkv=False``; on a mesh every layer takes
+  the dequantize + dot path whatever its layout). The Mosaic kernel feeds x to
+  the MMA as bf16 and rounds each group's scale and zero, then each
+  dequantized weight, to bf16, so a
   float32 x takes the dequantize + dot path instead.
 
 Elsewhere (CPU, 8 bits, more than the kernel's rows, groups it does not tile)
@@ -214,16 +217,16 @@ def quantize_kernel(w: jax.Array, *, bits: int = 4, group_size: int = 128,
   if bits == 4 and group % 2:
     raise ValueError(f"4-bit weights pack two rows per byte: the group gcd({n_in}, "
                      f"{group_size}) = {group} must be even")
+  if layout == "auto":
+    layout = default_layout(n_in, n_out, bits, group)
+  else:
+    _check_out_major(layout, bits, group, f" (gcd({n_in}, group_size={group_size}))")
   wg = w.astype(jnp.float32).reshape(n_in // group, group, n_out)
   if fit == "mse":
     codes, scale, zero = weight_fit.fit_groups(wg, bits)
   else:
     codes, scale, zero = quant.quantize_groups(wg, bits, -2, "float32")
   codes = codes.reshape(n_in, n_out).astype(jnp.uint8)
-  if layout == "auto":
-    layout = default_layout(n_in, n_out, bits, group)
-  else:
-    _check_out_major(layout, bits, group, f" (gcd({n_in}, group_size={group_size}))")
   if bits == 4:
     codes = i4.pack_weight(codes, group)
     if layout == "out_major":
@@ -309,14 +312,18 @@ def _fused(kernels, bits, group_size, layout, fit) -> QuantizedWeight:
   """One weight ``[in, sum(out)]`` of ``kernels`` side by side, each quantized on its own
   (scales and zeros are per column: the same codes column for column as quantizing the
   concatenation, with no dependence of a fit's float rounding on the fused shape)."""
-  n_in, n_out = kernels[0].shape[0], sum(k.shape[1] for k in kernels)
-  if layout == "auto":
-    layout = default_layout(n_in, n_out, bits, math.gcd(n_in, int(group_size)))
-  parts = [quantize_kernel(k, bits=bits, group_size=group_size, layout=layout, fit=fit)
-           for k in kernels]
+  first = quantize_kernel(kernels[0], bits=bits, group_size=group_size, layout=layout, fit=fit)
+  if layout == "auto":  # the fused shape's choice, for every part
+    n_out = sum(k.shape[1] for k in kernels)
+    layout = default_layout(kernels[0].shape[0], n_out, first.bits, first.group)
+    if layout != first.layout:
+      first = quantize_kernel(kernels[0], bits=bits, group_size=group_size, layout=layout,
+                              fit=fit)
+  parts = [first] + [quantize_kernel(k, bits=bits, group_size=group_size, layout=layout, fit=fit)
+                     for k in kernels[1:]]
   cat = [jnp.concatenate([getattr(p, f) for p in parts], axis=1)
          for f in ("codes", "scale", "zero")]
-  return QuantizedWeight(*cat, group=parts[0].group, bits=bits, layout=layout)
+  return QuantizedWeight(*cat, group=first.group, bits=first.bits, layout=layout)
 
 
 def draft_model(model, weights: dict[str, QuantizedWeight], *, use_kernel: bool = True):

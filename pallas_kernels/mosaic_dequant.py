@@ -2,6 +2,9 @@
 
 - `dequant_codes`: 4/2-bit codes -> bfloat16 registers, one shared load per row
   (below);
+- `dequant_codes_rows`: 4-bit weight tiles with one scale and zero per row
+  folded in (`pallas_kernels.mosaic_int4_matmul`; oracle
+  `registers_rows_reference`; compiled only through that kernel's tests);
 - `dequant_codes_t`: the transposed tile (``[D, tokens]``, the value MMA's A
   operand) through ``ldmatrix.trans`` of swizzled code tiles
   (`vt_permutation`, oracle `registers_t_reference`);
@@ -86,7 +89,7 @@ SUBNORMAL_EXP = 133
 # power-of-two products, once per group); the caller multiplies q by
 # 2**K_SHIFT. Exact while scale < 2**59, |q| < 2**64 and |code * scale + zero|
 # >= 2**-62 (below that the result is a bfloat16 subnormal: absolute error
-# <= 2**-71).
+# <= 2**-70).
 K_SHIFT = 64
 # Without an affine (V, scales folded into P): the value MMA takes P times
 # 2**P_SHIFT and its product comes out times 2**(P_SHIFT - SUBNORMAL_EXP)
@@ -1269,7 +1272,8 @@ def probe_pv(codes: jax.Array, p_t: jax.Array, *, bits: int = 4, swizzle: int = 
           codes, p_t * jnp.asarray(2.0 ** P_SHIFT, p_t.dtype) if subnormal else p_t)
 
 
-__all__ = ["K_SHIFT", "P_SHIFT", "SUBNORMAL_EXP", "code_permutation", "dequant_codes", "dequant_codes_t", "gather_codebook",
+__all__ = ["K_SHIFT", "P_SHIFT", "SUBNORMAL_EXP", "code_permutation", "dequant_codes",
+           "dequant_codes_rows", "dequant_codes_t", "gather_codebook", "registers_rows_reference",
            "gather_reference", "probe_dequant", "probe_gather", "probe_pv", "probe_scores",
            "registers_reference", "registers_t_reference", "scale_halves", "fold_k_operands",
            "code_column_exponents", "probe_fold_scores", "FOLD_SHIFT", "FOLD_BIAS_COLUMNS", "vq_book_rows",

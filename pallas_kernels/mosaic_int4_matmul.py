@@ -6,10 +6,13 @@ does not get faster on an H200 (the draft step ran 3.3x its bytes floor
 there, `bench/results/speculative-NOTES.md`, 2026-11-28). This kernel is the
 attention kernel's register K path turned into a product: the weight's
 *output* rows are the MMA's M, so each 128-input group of 128 output rows is
-one ``[128, 64]`` byte tile that `mosaic_dequant.dequant_codes` turns into
-the register A operand, exactly like a kivi4 K tile:
+one ``[128, 64]`` byte tile that `mosaic_dequant.dequant_codes_rows` turns
+into the register A operand, like a kivi4 K tile with its affine per row:
 
-    y^T[o, m] = sum_g  s[g, o] * (C_g x_g^T)[o, m]  +  z[g, o] * sum(x_g)[m]
+    y^T[o, m] = sum_g  (bf16(C_g s[g, o] + z[g, o]) 2**-64  x_g^T 2**64)[o, m]
+
+(``fold=False``: ``sum_g s[g, o] (C_g x_g^T)[o, m] + z[g, o] sum(x_g)[m]`` in
+float32, the codes alone from `mosaic_dequant.dequant_codes`.)
 
 - codes group-major, ``[in / 128, out, 64]`` uint8 (`transpose_packed` of
   `int4_matmul.pack_weight`'s ``[in / 2, out]``): ``codes[g, o, j]`` holds
@@ -25,7 +28,8 @@ the register A operand, exactly like a kivi4 K tile:
   of two that bring the products back;
 - TMA pipelines the code tile, the group's scale/zero rows and x's group
   tile ``stages`` deep; by default (``fold``) the registers are the weights
-  themselves, ``(code * scale + zero) * 2**-64`` rounded once to bf16
+  themselves, ``(code * scale + zero) * 2**-64`` rounded to bf16 (scale and
+  zero rounded to bf16 per group first, then one rounding per weight)
   (`mosaic_dequant.dequant_codes_rows`: one ``and`` + one ``fma.bf16x2`` per
   pair), x carries ``2**64`` and one float32 accumulator sums every group of
   a split; with ``fold=False`` the registers are the bare codes, x carries
@@ -87,9 +91,9 @@ def supports(n_in: int, n_out: int, group: int, rows: int) -> tuple[bool, str]:
 def default_splits(n_in: int, n_out: int, num_sms: int = 132, per_sm: int = 3) -> int:
   """Splits of the input groups: at most ``per_sm`` programs per SM, dividing the groups.
 
-  H200, B = 1 (`bench/results/speculative-NOTES.md`, 2026-11-28): 3 gives
-  ``[4096, 6144]`` 8 splits (10.6 us; 4 splits 11.5) and ``[4096, 4096]`` 8
-  (8.5; 16: 8.4) and keeps the MLP products' 2 and 8."""
+  H200, B = 1 (`bench/results/speculative-NOTES.md`, 2026-11-28, folded
+  kernel): 3 gives ``[4096, 6144]`` 8 splits (8.8 us; 4 splits 9.7) and
+  ``[4096, 4096]`` 8 (6.6; 4: 7.5) and keeps the MLP products' 2 and 8."""
   groups, tiles = n_in // GROUP, n_out // _BLOCK_OUT
   want = max(1, per_sm * num_sms // tiles)
   return max(d for d in range(1, groups + 1) if groups % d == 0 and d <= want)
@@ -138,13 +142,16 @@ def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: j
     num_splits: programs along the input groups (default `default_splits`).
     stages: TMA pipeline depth.
     fold: scale and zero folded into the A registers
-      (`mosaic_dequant.dequant_codes_rows`: each weight ``code * scale + zero``
-      rounded once to bfloat16, relative output error ~4e-3 of the largest
-      output at Llama-3.1-8B widths), one accumulator over all of a split's
-      groups: no per-group float32 epilogue and no ``sum(x_g)`` operand;
-      H200, B = 1: 2.0-2.7 us faster per product (14.0 vs 16.2 us at
-      ``[4096, 14336]``). ``False``: codes times exact powers of two, the
-      affine per group in float32 (the spec's rounding, one extra XLA kernel).
+      (`mosaic_dequant.dequant_codes_rows`: scale and zero rounded to bfloat16
+      per group, then each weight ``code * scale + zero`` once; output error
+      ~4e-3 of the largest output at Llama-3.1-8B widths; finite while
+      ``scale < 2**59``, and weights below ``2**-62`` in magnitude are bf16
+      subnormals, absolute error <= ``2**-70``), one accumulator over all of a
+      split's groups: no per-group float32 epilogue and no ``sum(x_g)``
+      operand; H200, B = 1: 1.8-2.2 us faster per product at the same splits
+      (14.0 vs 16.2 us at ``[4096, 14336]``). ``False``: codes times exact
+      powers of two, the affine per group in float32 (the spec's rounding; two
+      more XLA kernels per call, ``sum(x_g)`` and its padding).
   Returns:
     ``[..., out]`` float32.
   """
