@@ -193,15 +193,11 @@ def default_layout(n_in: int, n_out: int, bits: int, group: int) -> str:
   return "in_major"
 
 
-def quantize_kernel(w: jax.Array, *, bits: int = 4, group_size: int = 128,
-                    layout: str = "auto", fit: str = "mse") -> QuantizedWeight:
-  """Quantizes one ``[in, out]`` kernel; the group is ``gcd(in, group_size)``;
-  ``layout``: ``"auto"`` (`default_layout`) or one of `LAYOUTS`; ``fit``: one of
-  `FITS`, ``"mse"`` (`models.weight_fit.fit_groups`: the least squared error per
-  group; the default) or ``"rtn"`` (round to nearest over each group's min/max)."""
+def _check_args(w, bits, group_size, layout: str, fit: str) -> tuple[int, int]:
+  """`quantize_kernel`'s arguments checked (ValueError naming the value); returns
+  ``(bits, group)`` with the group ``gcd(in, group_size)``."""
   if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or bits not in _BITS:
     raise ValueError(f"bits={bits!r} must be one of {list(_BITS)} (an int)")
-  bits = int(bits)
   if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)) \
       or group_size < 1:
     raise ValueError(f"group_size={group_size!r} must be a positive int")
@@ -212,11 +208,21 @@ def quantize_kernel(w: jax.Array, *, bits: int = 4, group_size: int = 128,
   if getattr(w, "ndim", None) != 2 or not jnp.issubdtype(w.dtype, jnp.floating):
     raise ValueError(f"w (shape {getattr(w, 'shape', None)}, dtype {getattr(w, 'dtype', None)}) "
                      f"must be a 2-D [in, out] float kernel")
-  n_in, n_out = w.shape
-  group = math.gcd(n_in, int(group_size))
+  group = math.gcd(w.shape[0], int(group_size))
   if bits == 4 and group % 2:
-    raise ValueError(f"4-bit weights pack two rows per byte: the group gcd({n_in}, "
+    raise ValueError(f"4-bit weights pack two rows per byte: the group gcd({w.shape[0]}, "
                      f"{group_size}) = {group} must be even")
+  return int(bits), group
+
+
+def quantize_kernel(w: jax.Array, *, bits: int = 4, group_size: int = 128,
+                    layout: str = "auto", fit: str = "mse") -> QuantizedWeight:
+  """Quantizes one ``[in, out]`` kernel; the group is ``gcd(in, group_size)``;
+  ``layout``: ``"auto"`` (`default_layout`) or one of `LAYOUTS`; ``fit``: one of
+  `FITS`, ``"mse"`` (`models.weight_fit.fit_groups`: the least squared error per
+  group; the default) or ``"rtn"`` (round to nearest over each group's min/max)."""
+  bits, group = _check_args(w, bits, group_size, layout, fit)
+  n_in, n_out = w.shape
   if layout == "auto":
     layout = default_layout(n_in, n_out, bits, group)
   else:
@@ -312,18 +318,14 @@ def _fused(kernels, bits, group_size, layout, fit) -> QuantizedWeight:
   """One weight ``[in, sum(out)]`` of ``kernels`` side by side, each quantized on its own
   (scales and zeros are per column: the same codes column for column as quantizing the
   concatenation, with no dependence of a fit's float rounding on the fused shape)."""
-  first = quantize_kernel(kernels[0], bits=bits, group_size=group_size, layout=layout, fit=fit)
+  bits, group = _check_args(kernels[0], bits, group_size, layout, fit)
   if layout == "auto":  # the fused shape's choice, for every part
-    n_out = sum(k.shape[1] for k in kernels)
-    layout = default_layout(kernels[0].shape[0], n_out, first.bits, first.group)
-    if layout != first.layout:
-      first = quantize_kernel(kernels[0], bits=bits, group_size=group_size, layout=layout,
-                              fit=fit)
-  parts = [first] + [quantize_kernel(k, bits=bits, group_size=group_size, layout=layout, fit=fit)
-                     for k in kernels[1:]]
+    layout = default_layout(kernels[0].shape[0], sum(k.shape[1] for k in kernels), bits, group)
+  parts = [quantize_kernel(k, bits=bits, group_size=group_size, layout=layout, fit=fit)
+           for k in kernels]
   cat = [jnp.concatenate([getattr(p, f) for p in parts], axis=1)
          for f in ("codes", "scale", "zero")]
-  return QuantizedWeight(*cat, group=first.group, bits=first.bits, layout=layout)
+  return QuantizedWeight(*cat, group=group, bits=bits, layout=layout)
 
 
 def draft_model(model, weights: dict[str, QuantizedWeight], *, use_kernel: bool = True):

@@ -99,33 +99,32 @@ def default_splits(n_in: int, n_out: int, num_sms: int = 132, per_sm: int = 3) -
   return max(d for d in range(1, groups + 1) if groups % d == 0 and d <= want)
 
 
-def _folded_operand(x, rows: int, n: int):
-  """x ``[rows, in]`` -> the B tiles ``[groups * N, 128]`` bf16 of the folded kernel
-  (MMA column order, times ``2**K_SHIFT``, rows zero-padded to N)."""
-  groups = x.shape[-1] // GROUP
-  perm = mosaic_dequant.code_permutation(GROUP, 4)
-  xs = x.reshape(rows, groups, GROUP)[..., perm].astype(jnp.float32)
-  xs = (xs * (2.0 ** mosaic_dequant.K_SHIFT)).astype(jnp.bfloat16)
+def _x_tiles(xg, rows: int, n: int, factor):
+  """x ``[rows, groups, 128]`` float32 -> the B tiles ``[groups * N, 128]`` bf16: each
+  group's inputs in the MMA's column order (`mosaic_dequant.code_permutation`), times
+  ``factor`` (a scalar or one per MMA column), rows zero-padded to N."""
+  groups = xg.shape[1]
+  xs = (xg[..., mosaic_dequant.code_permutation(GROUP, 4)] * factor).astype(jnp.bfloat16)
   xs = jnp.pad(xs, ((0, n - rows), (0, 0), (0, 0))).transpose(1, 0, 2)  # [groups, N, 128]
   return xs.reshape(groups * n, GROUP)
 
 
+def _folded_operand(x, rows: int, n: int):
+  """x ``[rows, in]`` -> the folded kernel's B tiles (`_x_tiles`, times ``2**K_SHIFT``)."""
+  xg = x.reshape(rows, -1, GROUP).astype(jnp.float32)
+  return _x_tiles(xg, rows, n, 2.0 ** mosaic_dequant.K_SHIFT)
+
+
 def _operands(x, rows: int, n: int):
-  """x ``[rows, in]`` -> the B tiles ``[groups * N, 128]`` bf16 (MMA column order,
-  times ``2**(69 - b)``, rows zero-padded to N) and ``sum(x_g)`` ``[groups, max(N, 32)]``
-  f32 (zero-padded)."""
-  n_in = x.shape[-1]
-  groups = n_in // GROUP
-  xg = x.reshape(rows, groups, GROUP).astype(jnp.float32)
-  perm = mosaic_dequant.code_permutation(GROUP, 4)
+  """x ``[rows, in]`` -> the B tiles (`_x_tiles`, times ``2**(69 - b)`` per column) and
+  ``sum(x_g)`` ``[groups, max(N, 32)]`` f32 (zero-padded)."""
+  xg = x.reshape(rows, -1, GROUP).astype(jnp.float32)
   exps = mosaic_dequant.code_column_exponents(GROUP, 4)
   # registers hold c 2**(b - 133): x carries 2**(133 - b - 64), products c x 2**-64
   factor = jnp.asarray(2.0 ** (mosaic_dequant.SUBNORMAL_EXP - _SHIFT - exps), jnp.float32)
-  xs = (xg[..., perm] * factor).astype(jnp.bfloat16)                  # [rows, groups, 128]
-  xs = jnp.pad(xs, ((0, n - rows), (0, 0), (0, 0))).transpose(1, 0, 2)  # [groups, N, 128]
   # [groups, max(N, 32)]: a TMA copy moves a multiple of 128 bytes
   sums = jnp.pad(xg.sum(-1), ((0, max(n, 32) - rows), (0, 0))).T
-  return xs.reshape(groups * n, GROUP), sums
+  return _x_tiles(xg, rows, n, factor), sums
 
 
 @functools.partial(jax.jit, static_argnames=("group", "num_splits", "stages", "fold"))
@@ -177,9 +176,9 @@ def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: j
     xs, sums = _folded_operand(x.reshape(rows, n_in), rows, n), None
   else:
     xs, sums = _operands(x.reshape(rows, n_in), rows, n)
-  # No XLA work on the weight per call: 2**64 is applied to each loaded scale row
-  # in the kernel (a per-call multiply of the [groups, out] scales was a kernel of
-  # its own, ~2 us per product on an H200).
+  # No XLA work on the weight per call: the powers of two go on each loaded scale
+  # row in the kernel (a per-call multiply of the [groups, out] scales was a kernel
+  # of its own, ~2 us per product on an H200).
   scale = scale.astype(jnp.float32)
   zero = zero.astype(jnp.float32)
   bo, f32 = _BLOCK_OUT, jnp.float32
