@@ -145,6 +145,21 @@ class MosaicAttentionConfig:
       so K's codes need no per-value ``fma`` and no scale-pair work; one more
       fence + warpgroup barrier per step. Off: correct on an H100 but 2-10 %
       slower there (`attention-ab-k-scale-in-q-20261126-*`, mosaic-NOTES).
+    wide_rows: (with ``register_k`` / ``register_v``) the code tiles those paths
+      read are copied as `mosaic_dequant.WIDE_ROW`-byte rows (``128 / W``
+      tokens per row: a free view of the same bytes) instead of one ``W``-byte
+      token row each (4-bit D = 128: 64 bytes). TMA streams 64-byte rows at
+      ~75 % of the HBM bandwidth and 128-byte rows at ~93 % (H200, a copy-only
+      pipeline of the kivi4 tiles at (1, 131072, 32, 8): 41.9 vs 33.7 us;
+      `bench/results/mosaic-NOTES.md`, 2026-11-28).
+    lean_barriers: (tokens_m only) the kernel is compiled without Pallas's
+      automatic warpgroup barriers (``unsafe_no_auto_barriers``: one before
+      every TMA copy, six per refilled pipeline stage, and two around every
+      shared-memory store) and places its own: one per pipeline step, after
+      the step's last read of its stage and before the stage is refilled.
+      Every other store is followed by `plgpu.commit_smem` (a fence and a
+      barrier) before a TMA or MMA reads it, and is preceded by the wait of
+      the MMA that read its previous contents.
     shuffle_scales: (with register K and its affine) each K scale/zero pair is
       converted by one of the 8 lanes of a warp that share its columns and
       handed to the others by ``shfl.sync`` (`mosaic_dequant.dequant_codes`):
@@ -171,6 +186,8 @@ class MosaicAttentionConfig:
   byte_masks: bool = True
   k_scale_in_q: bool = False
   shuffle_scales: bool = False
+  wide_rows: bool = True
+  lean_barriers: bool = True
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -385,26 +402,37 @@ def _plane_blocks(i, plane_block: int, bk: int):
 
 
 def _side_specs(side: SideSpec, width: int, head_dim: int, bk: int, values_transforms,
-                plain_codes: bool = False, plane_block: int = 0):
+                plain_codes: bool = False, plane_block: int = 0, wide: bool = False):
   """Pipeline BlockSpecs of one side: code tile ``[bk, width]`` (+ scale, zero),
   or a ``[bk, D]`` value tile (``values_transforms``) for a 16-bit side.
   ``plain_codes``: the code tile untiled and unswizzled (`mosaic_dequant` reads rows).
   ``plane_block``: the codes are a hierarchical cache's plane-blocked rows
-  ``[2C, D/2]`` and the tiles read its upper planes (the draft view)."""
+  ``[2C, D/2]`` and the tiles read its upper planes (the draft view).
+  ``wide``: the codes come as `wide_view` rows and the code tile is
+  ``[bk * width / WIDE_ROW, WIDE_ROW]`` (the same bytes)."""
   if side.bits == 16:
     return [plgpu.BlockSpec((bk, head_dim), lambda i: (i, 0), transforms=values_transforms)]
   if plane_block:
     code_map = lambda i: (_plane_blocks(i, plane_block, bk), 0)  # noqa: E731
   else:
     code_map = lambda i: (i, 0)  # noqa: E731
-  specs = [plgpu.BlockSpec((bk, width), code_map,
-                           transforms=() if plain_codes else _tiled(width, 8))]
+  rows, cols = (bk * width // mosaic_dequant.WIDE_ROW, mosaic_dequant.WIDE_ROW) if wide else (
+      bk, width)
+  specs = [plgpu.BlockSpec((rows, cols), code_map,
+                           transforms=() if plain_codes else _tiled(cols, 8))]
   if side.axis == "token":
     specs += [plgpu.BlockSpec((bk,), lambda i: (i,))] * 2
   else:
     g = side.group // bk
     specs += [plgpu.BlockSpec((1, head_dim), lambda i, _g=g: (i // _g, 0))] * 2
   return specs
+
+
+def wide_view(codes):
+  """``[..., C, W]`` code rows as ``[..., C W / WIDE_ROW, WIDE_ROW]`` (free: the
+  same contiguous bytes), the rows `_side_specs(wide=True)` tiles read."""
+  return codes.reshape(*codes.shape[:-2], codes.shape[-2] * codes.shape[-1]
+                       // mosaic_dequant.WIDE_ROW, mosaic_dequant.WIDE_ROW)
 
 
 def _split_blocks(packed, j, num_splits: int, bk: int, skip: int = 0):
@@ -1143,12 +1171,19 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     register_vt = _register_vt(config, v_side, head_dim, dtype)
     # Code tiles are D bits/8 bytes of each row (a hierarchical cache's draft
     # view: its upper-plane rows, `plane_block`).
-    k_specs = _side_specs(k_side, _code_width(k_side, head_dim, k_in[0]), head_dim, bk, q_tf,
-                          plain_codes=register_k, plane_block=plane_block)
+    k_width = _code_width(k_side, head_dim, k_in[0])
+    v_width = _code_width(v_side, head_dim, v_in[0])
+    # the register paths read wide rows (`MosaicAttentionConfig.wide_rows`)
+    wide_k = config.wide_rows and register_k and mosaic_dequant.wide_rows(k_width)
+    wide_v = config.wide_rows and register_v and mosaic_dequant.wide_rows(v_width)
+    k_specs = _side_specs(k_side, k_width, head_dim, bk, q_tf, plain_codes=register_k,
+                          plane_block=plane_block, wide=wide_k)
     # register_vt reads rows with ldmatrix: TMA-swizzled (by row width) or plain tiles
-    v_specs = _side_specs(v_side, _code_width(v_side, head_dim, v_in[0]), head_dim, bk, v_tf,
+    v_specs = _side_specs(v_side, v_width, head_dim, bk, v_tf,
                           plain_codes=register_v and not (register_vt and config.vt_swizzle),
-                          plane_block=plane_block)
+                          plane_block=plane_block, wide=wide_v)
+    k_in = [wide_view(k_in[0]) if wide_k else k_in[0], *k_in[1:]]
+    v_in = [wide_view(v_in[0]) if wide_v else v_in[0], *v_in[1:]]
     fold_k = config.fold_scales and k_side.bits < 16 and k_side.axis == "token"
     fold_v = config.fold_scales and v_side.bits < 16
     books = []
@@ -1179,9 +1214,9 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
 
     def v_values():  # the step's V tile in registers (register_v / VQ paths)
       if register_vt:  # [D, bk]: the value MMA's A operand itself
-        width = head_dim * v_side.bits // 8
         return mosaic_dequant.dequant_codes_t(v_tiles[0], head_dim, v_side.bits,
-                                              swizzle=width if config.vt_swizzle else 0,
+                                              swizzle=v_tiles[0].shape[-1] if config.vt_swizzle
+                                              else 0,
                                               subnormal=sub_v, byte_masks=bytes_v)
       if vq is not None:
         return mosaic_dequant.gather_codebook(v_tiles[0], book_smems[1], head_dim, v_vec,
@@ -1340,8 +1375,14 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
                         valid_below=packed, row_limit=row_limit, q_sum=q_sum,
                         book_smems=book_smems, flag_smem=flag_smem)
 
+        def step_then_release(tiles, carry, token0):
+          carry = step(tiles, carry, token0)
+          if config.lean_barriers:  # every thread is done with the stage it read
+            mosaic_dequant.warpgroup_barrier()
+          return carry
+
         gm = [r.at[cb] for r in k_refs[:nk]] + [r.at[cb] for r in v_refs[:nv]]
-        return _run_split(step, k_specs + v_specs, gm, packed=packed, j=j,
+        return _run_split(step_then_release, k_specs + v_specs, gm, packed=packed, j=j,
                           num_splits=num_splits, bk=bk,
                           max_concurrent_steps=config.max_concurrent_steps,
                           init_carry=(acc0, m0, l0, l0), skip=skip_tokens)
@@ -1393,7 +1434,8 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       grid=(batch, kv_heads, grid_j),
       grid_names=("b", "h", "j"),
       scratch_types=scratch,
-      compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=_SEMANTICS),
+      compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=_SEMANTICS,
+                                           unsafe_no_auto_barriers=config.lean_barriers),
       kernel_name=(f"jaxkv_mosaic_tokens_m_attention_k{k_side.bits}v{v_side.bits}" if vq is None
                    else f"jaxkv_mosaic_vq_attention_k{k_vec}v{v_vec}"),
   )(lengths, row0, *head_rows([qh, *([jnp.sum(qh.astype(f32), axis=-1)] if fold_k else []),

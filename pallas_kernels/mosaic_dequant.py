@@ -165,20 +165,34 @@ def registers_reference(codes: np.ndarray, bits: int = 4, scale=None, zero=None)
   return channels[..., code_permutation(width * 8 // bits, bits)].astype(np.float32)
 
 
-def _code_tile(codes_smem, head_dim: int, bits: int, head_dims) -> tuple[int, int]:
-  """``(width, rows)`` of a ``[64 | 128, D*bits/8]`` uint8 code tile; ValueError
-  naming what does not fit (``head_dims``: the head sizes the caller serves)."""
+WIDE_ROW = 128  # bytes per row of a wide code tile (`wide_rows`)
+
+
+def wide_rows(width: int) -> bool:
+  """Whether code rows of ``width`` bytes can be read as `WIDE_ROW`-byte rows
+  (several tokens per row; the same bytes in the same order)."""
+  return width < WIDE_ROW and WIDE_ROW % width == 0
+
+
+def _code_tile(codes_smem, head_dim: int, bits: int, head_dims) -> tuple[int, int, bool]:
+  """``(width, rows, wide)`` of a ``[64 | 128, D*bits/8]`` uint8 code tile, or of
+  the same bytes as a *wide* tile ``[rows * width / 128, 128]`` (`WIDE_ROW`:
+  ``128 / width`` tokens per row, what TMA copies at full bandwidth);
+  ValueError naming what does not fit (``head_dims``: the head sizes the
+  caller serves)."""
   if head_dim not in head_dims:
     raise ValueError(f"head_dim={head_dim} must be one of {head_dims}")
   if bits not in _MASK:
     raise ValueError(f"bits={bits} must be 4 or 2")
   width = head_dim * bits // 8
-  rows = codes_smem.shape[0]
-  if (rows not in (_ROWS, 2 * _ROWS) or tuple(codes_smem.shape[1:]) != (width,)
-      or codes_smem.dtype != jnp.uint8):
-    raise ValueError(f"codes_smem must be uint8 [64 | 128, {width}], got "
-                     f"{codes_smem.dtype} {tuple(codes_smem.shape)}")
-  return width, rows
+  shape = tuple(codes_smem.shape)
+  wide = wide_rows(width) and len(shape) == 2 and shape[1] == WIDE_ROW
+  rows = shape[0] * WIDE_ROW // width if wide else shape[0]
+  if (rows not in (_ROWS, 2 * _ROWS) or len(shape) != 2
+      or shape[1] != (WIDE_ROW if wide else width) or codes_smem.dtype != jnp.uint8):
+    raise ValueError(f"codes_smem must be uint8 [64 | 128, {width}] (or those bytes as "
+                     f"rows of {WIDE_ROW}), got {codes_smem.dtype} {shape}")
+  return width, rows, wide
 
 
 def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zero_smem=None,
@@ -189,8 +203,9 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
   ``rows`` is 64 or 128 (two warpgroup row tiles).
 
   ``codes_smem`` must be untiled and unswizzled (row stride ``D*bits/8``
-  bytes); a warp's 8 rows x 4 threads then read contiguous bytes, so the
-  loads are free of bank conflicts. Columns follow `code_permutation`.
+  bytes, or the same bytes as a wide tile of `WIDE_ROW`-byte rows); a warp's
+  8 rows x 4 threads then read contiguous bytes, so the loads are free of
+  bank conflicts. Columns follow `code_permutation`.
 
   With ``scale_smem`` and ``zero_smem`` (``[1, D]`` rows in *channel*
   order, untiled, bfloat16 or float16 (rounded to bfloat16 once): a
@@ -219,7 +234,7 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
   shuffles instead of 16 loads and 32 conversions. Same registers, bit for
   bit.
   """
-  width, rows = _code_tile(codes_smem, head_dim, bits, (64, 128))
+  width, rows, wide = _code_tile(codes_smem, head_dim, bits, (64, 128))
   affine = scale_smem is not None
   if affine != (zero_smem is not None):
     raise ValueError("pass both scale_smem and zero_smem, or neither")
@@ -259,6 +274,8 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
 
   def body_fn(_, ref, *rows_refs):
     i32 = ir.IntegerType.get_signless(32)
+    if wide:  # the same bytes, one token per row
+      ref = mgpu_utils.memref_reshape(ref, (rows, width))
     lane, row0, col = _thread_place(span)
     regs = np.empty(want_regs, dtype=object)
     affine_pairs = {}
@@ -311,7 +328,7 @@ def dequant_codes_rows(codes_smem, scale_smem, zero_smem, bits: int = 4):
   to bfloat16). Columns follow `code_permutation`; numpy oracle
   `registers_rows_reference`. The MMA's other operand carries ``2**K_SHIFT``.
   """
-  width, rows = _code_tile(codes_smem, 128, bits, (128,))
+  width, rows, wide = _code_tile(codes_smem, 128, bits, (128,))
   for name, ref in (("scale_smem", scale_smem), ("zero_smem", zero_smem)):
     if tuple(ref.shape) != (1, rows) or ref.dtype != jnp.float32:
       raise ValueError(f"{name} must be float32 [1, {rows}], got {ref.dtype} {tuple(ref.shape)}")
@@ -327,6 +344,8 @@ def dequant_codes_rows(codes_smem, scale_smem, zero_smem, bits: int = 4):
   def body_fn(_, ref, sref, zref):
     i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
     index = ir.IndexType.get()
+    if wide:  # the same bytes, one row per tile row
+      ref = mgpu_utils.memref_reshape(ref, (rows, width))
     _, row0, col = _thread_place(span)
     zero_i = arith.index_cast(index, mgpu_utils.c(0, i32))
 
@@ -557,7 +576,9 @@ def dequant_codes_t(codes_smem, head_dim: int = 128, bits: int = 4, *, swizzle: 
   ``swizzle``: 0 for an untiled, unswizzled tile; else the tile TMA writes with
   ``TilingTransform((8, W)), SwizzleTransform(W)`` for its row width ``W`` (64
   or 32 bytes; 16-byte chunk ``c`` of row ``r`` stored at chunk ``c ^ ((r >> 1)
-  & 3)``, resp. ``c ^ ((r >> 2) & 1)``): the ``ldmatrix`` rows then hit distinct banks.
+  & 3)``, resp. ``c ^ ((r >> 2) & 1)``; a wide tile (`WIDE_ROW`-byte rows of
+  ``128 / W`` tokens, `_code_tile`): ``c ^ (r & 7)``): the ``ldmatrix`` rows
+  then hit distinct banks.
 
   ``subnormal``: registers hold ``code * 2**-SUBNORMAL_EXP`` (one ``and`` per
   pair); the caller scales ``P`` up and the product back down.
@@ -567,11 +588,12 @@ def dequant_codes_t(codes_smem, head_dim: int = 128, bits: int = 4, *, swizzle: 
   ``2**bits`` times their codes (`vt_row_factors`), which the caller takes
   off the product (`scale_halves`).
   """
-  width, rows = _code_tile(codes_smem, head_dim, bits, (128,))
+  width, rows, wide = _code_tile(codes_smem, head_dim, bits, (128,))
   if byte_masks and not subnormal:
     raise ValueError("byte_masks needs subnormal=True")
-  if swizzle not in (0, width):
-    raise ValueError(f"swizzle={swizzle} must be 0 or {width} (the row width)")
+  row_bytes = WIDE_ROW if wide else width
+  if swizzle not in (0, row_bytes):
+    raise ValueError(f"swizzle={swizzle} must be 0 or {row_bytes} (the tile's row width)")
   want_regs = (head_dim // _ROWS, rows // 8, 1, 1, 2) + (1,) * 4
   if fa.WGMMA_LAYOUT.registers_shape((head_dim, rows)) != want_regs:
     raise NotImplementedError("WGMMA_LAYOUT's register tiling changed; dequant_codes_t assumes "
@@ -580,8 +602,9 @@ def dequant_codes_t(codes_smem, head_dim: int = 128, bits: int = 4, *, swizzle: 
   pair_src = [_byte_mask(s, bits, byte_masks) for s in _vt_shifts(bits)]
   asm = [(_ASM_SUB if subnormal else _ASM).format(mask=mask) for _, mask, _ in pair_src]
   body_type = plgpu.ShapeDtypeStruct((head_dim, rows), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
-  transforms = ((plgpu.TilingTransform((8, width)), plgpu.SwizzleTransform(width))
+  transforms = ((plgpu.TilingTransform((8, row_bytes)), plgpu.SwizzleTransform(row_bytes))
                 if swizzle else ())
+  per_row = row_bytes // width  # tokens per tile row
 
   def body_fn(_, ref):
     i32 = ir.IntegerType.get_signless(32)
@@ -597,13 +620,16 @@ def dequant_codes_t(codes_smem, head_dim: int = 128, bits: int = 4, *, swizzle: 
     regs = np.empty(want_regs, dtype=object)
     quad_ty = llvm.StructType.get_literal([i32] * 4)
     for t0 in range(0, rows, 32):
-      tok = arith.addi(lane, c(t0))          # the row this thread addresses
+      tok = arith.addi(lane, c(t0))          # the token this thread addresses
+      # its 16-byte chunk: chunk `phys` of tile row `row` (per_row tokens a row)
+      row = arith.shrui(tok, c(per_row.bit_length() - 1)) if per_row > 1 else tok
       phys = chunk
-      if swizzle == 64:
-        phys = arith.xori(chunk, arith.andi(arith.shrui(tok, c(1)), c(3)))
-      elif swizzle == 32:
-        phys = arith.xori(chunk, arith.andi(arith.shrui(tok, c(2)), c(1)))
-      addr = arith.addi(base, arith.addi(arith.muli(tok, c(width)), arith.muli(phys, c(16))))
+      if per_row > 1:
+        phys = arith.addi(chunk, arith.muli(arith.andi(tok, c(per_row - 1)), c(width // 16)))
+      if swizzle:  # chunk c of row r sits at c ^ ((r * swizzle >> 7) & (swizzle / 16 - 1))
+        rbits = arith.andi(arith.shrui(arith.muli(row, c(swizzle)), c(7)), c(swizzle // 16 - 1))
+        phys = arith.xori(phys, rbits)
+      addr = arith.addi(base, arith.addi(arith.muli(row, c(row_bytes)), arith.muli(phys, c(16))))
       got = llvm.inline_asm(quad_ty, [addr], _LDMATRIX_T, "=r,=r,=r,=r,r",
                             has_side_effects=True)
       for mat in range(4):
@@ -1009,6 +1035,17 @@ def scale_halves(x, lo: float, hi: float):
   return body(x)
 
 
+def warpgroup_barrier() -> None:
+  """A barrier over this warpgroup's 128 threads (Mosaic's named barrier ``1 +
+  warpgroup``), for kernels compiled without Pallas's automatic barriers
+  (``CompilerParams(unsafe_no_auto_barriers=True)``) that place their own."""
+  @plgpu.inline_mgpu()
+  def body(_):
+    mgpu_utils.warpgroup_barrier()
+
+  body()
+
+
 def warpgroup_any(flags, flag_smem) -> None:
   """OR of a WGMMA-layout int32 array over this warpgroup, into ``flag_smem[0]``.
 
@@ -1055,14 +1092,26 @@ def _params():
   return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "subnormal", "byte_masks", "shuffle_scales"))
+def _wide_tile(codes: jax.Array, wide: bool) -> jax.Array:
+  """The probes' code input, as `WIDE_ROW`-byte rows with ``wide`` (same bytes)."""
+  rows, width = codes.shape
+  if not wide:
+    return codes
+  if not wide_rows(width):
+    raise ValueError(f"wide=True needs code rows narrower than {WIDE_ROW} bytes, got {width}")
+  return codes.reshape(rows * width // WIDE_ROW, WIDE_ROW)
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "subnormal", "byte_masks", "shuffle_scales",
+                                             "wide"))
 def probe_dequant(codes: jax.Array, scale: jax.Array | None = None, zero: jax.Array | None = None,
                   *, bits: int = 4, subnormal: bool = False,
-                  byte_masks: bool = False, shuffle_scales: bool = False) -> jax.Array:
+                  byte_masks: bool = False, shuffle_scales: bool = False,
+                  wide: bool = False) -> jax.Array:
   """``[64, D*bits/8]`` uint8 -> the ``[64, D]`` bf16 registers of `dequant_codes` (a probe).
 
   With ``scale`` and ``zero`` (bf16 ``[1, D]``, channel order) the registers
-  hold ``code * scale + zero``.
+  hold ``code * scale + zero``. ``wide``: the tile is copied as `WIDE_ROW`-byte rows.
   """
   rows, width = codes.shape
   head_dim = width * 8 // bits
@@ -1088,14 +1137,15 @@ def probe_dequant(codes: jax.Array, scale: jax.Array | None = None, zero: jax.Ar
                out_smem, out_gmem)
 
   rows_smem = [plgpu.SMEM((1, head_dim), x.dtype) for x in rows_in]
+  codes = _wide_tile(codes, wide)
   return plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((rows, head_dim), jnp.bfloat16),
-      scratch_types=[plgpu.SMEM((rows, width), jnp.uint8), *rows_smem,
+      scratch_types=[plgpu.SMEM(codes.shape, jnp.uint8), *rows_smem,
                      plgpu.SMEM((rows, head_dim), jnp.bfloat16), plgpu.Barrier()],
       compiler_params=_params(),
       kernel_name=f"jaxkv_probe_dequant_{bits}{'_affine' if rows_in else ''}"
                   f"{'_sub' if subnormal else ''}{'_bytes' if byte_masks else ''}"
-                  f"{'_shfl' if shuffle_scales else ''}")(
+                  f"{'_shfl' if shuffle_scales else ''}{'_wide' if wide else ''}")(
                       codes, *rows_in)
 
 
@@ -1224,16 +1274,17 @@ def probe_fold_scores(codes: jax.Array, q: jax.Array, scale: jax.Array, zero: ja
           codes, q_perm, scale, zero)
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "swizzle", "subnormal", "byte_masks"))
+@functools.partial(jax.jit, static_argnames=("bits", "swizzle", "subnormal", "byte_masks", "wide"))
 def probe_pv(codes: jax.Array, p_t: jax.Array, *, bits: int = 4, swizzle: int = 0,
-             subnormal: bool = False, byte_masks: bool = False) -> jax.Array:
+             subnormal: bool = False, byte_masks: bool = False, wide: bool = False) -> jax.Array:
   """``O^T [D, N] = codes^T @ p_t`` through `dequant_codes_t` as the wgmma A operand
   (a probe); ``codes [64 | 128, D bits/8]`` uint8, ``p_t [rows, N]`` bf16, N a
   multiple of 16; ``swizzle`` 0 or the row width. Rows come out in
   `vt_permutation` order. ``subnormal``: subnormal codes, ``p_t`` times
   ``2**P_SHIFT`` and the product times ``2**(SUBNORMAL_EXP - P_SHIFT)``, as
   the attention kernel does; ``byte_masks`` (with ``subnormal``) takes
-  `vt_row_factors` off the product with `scale_halves`, as the kernel does."""
+  `vt_row_factors` off the product with `scale_halves`, as the kernel does.
+  ``wide``: the tile is copied as `WIDE_ROW`-byte rows (``swizzle`` 0 or 128)."""
   rows, width = codes.shape
   head_dim = width * 8 // bits
   n = p_t.shape[1]
@@ -1241,7 +1292,8 @@ def probe_pv(codes: jax.Array, p_t: jax.Array, *, bits: int = 4, swizzle: int = 
     raise ValueError(f"codes {codes.shape} must be [64 | 128, D bits/8] and p_t {p_t.shape} "
                      "[rows, N % 16 == 0]")
   p_transforms = (plgpu.TilingTransform((8, n)), plgpu.SwizzleTransform(2 * n))
-  c_transforms = ((plgpu.TilingTransform((8, width)), plgpu.SwizzleTransform(width))
+  codes = _wide_tile(codes, wide)
+  c_transforms = ((plgpu.TilingTransform((8, codes.shape[1])), plgpu.SwizzleTransform(swizzle))
                   if swizzle else ())
 
   def kernel(codes_gmem, p_gmem, out_gmem, codes_smem, p_smem, out_smem, barrier):
@@ -1263,12 +1315,12 @@ def probe_pv(codes: jax.Array, p_t: jax.Array, *, bits: int = 4, swizzle: int = 
 
   return plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((head_dim, n), jnp.float32),
-      scratch_types=[plgpu.SMEM((rows, width), jnp.uint8, transforms=c_transforms),
+      scratch_types=[plgpu.SMEM(codes.shape, jnp.uint8, transforms=c_transforms),
                      plgpu.SMEM((rows, n), jnp.bfloat16, transforms=p_transforms),
                      plgpu.SMEM((head_dim, n), jnp.float32), plgpu.Barrier()],
       compiler_params=_params(),
       kernel_name=f"jaxkv_probe_pv_{bits}_sw{swizzle}{'_sub' if subnormal else ''}"
-                  f"{'_bytes' if byte_masks else ''}")(
+                  f"{'_bytes' if byte_masks else ''}{'_wide' if wide else ''}")(
           codes, p_t * jnp.asarray(2.0 ** P_SHIFT, p_t.dtype) if subnormal else p_t)
 
 
@@ -1277,4 +1329,5 @@ __all__ = ["K_SHIFT", "P_SHIFT", "SUBNORMAL_EXP", "code_permutation", "dequant_c
            "gather_reference", "probe_dequant", "probe_gather", "probe_pv", "probe_scores",
            "registers_reference", "registers_t_reference", "scale_halves", "fold_k_operands",
            "code_column_exponents", "probe_fold_scores", "FOLD_SHIFT", "FOLD_BIAS_COLUMNS", "vq_book_rows",
-           "vq_permutation", "vt_permutation", "vt_row_factors", "warpgroup_any", "widen_columns"]
+           "vq_permutation", "vt_permutation", "vt_row_factors", "warpgroup_any", "widen_columns",
+           "WIDE_ROW", "wide_rows", "warpgroup_barrier"]

@@ -55,15 +55,19 @@ def test_reference_reads_planar_nibbles():
     np.testing.assert_array_equal(ref2[:, col], (c2[:, byte] >> (2 * plane)) & 3)
 
 
-@pytest.mark.parametrize("head_dim,bits,rows", [(64, 4, 64), (128, 4, 64), (64, 2, 64),
-                                                (128, 2, 64), (128, 4, 128), (128, 2, 128)])
-def test_dequant_registers(head_dim, bits, rows):
+@pytest.mark.parametrize("head_dim,bits,rows,wide", [
+    (64, 4, 64, False), (128, 4, 64, False), (64, 2, 64, False), (128, 2, 64, False),
+    (128, 4, 128, False), (128, 2, 128, False),
+    (128, 4, 128, True), (64, 4, 64, True), (128, 2, 64, True), (64, 2, 128, True)])
+def test_dequant_registers(head_dim, bits, rows, wide):
+  """`dequant_codes` registers equal the numpy reading of the codes; ``wide``: the
+  same tile copied as 128-byte rows of several tokens gives the same registers."""
   codes = _codes(head_dim * bits // 8, head_dim + bits + rows, rows)
   if not ON_HOPPER:
-    jax.jit(md.probe_dequant, static_argnames="bits").trace(codes, bits=bits).lower(
-        lowering_platforms=("cuda",))
+    jax.jit(md.probe_dequant, static_argnames=("bits", "wide")).trace(
+        codes, bits=bits, wide=wide).lower(lowering_platforms=("cuda",))
     return
-  got = np.asarray(md.probe_dequant(codes, bits=bits), np.float32)
+  got = np.asarray(md.probe_dequant(codes, bits=bits, wide=wide), np.float32)
   np.testing.assert_array_equal(got, md.registers_reference(np.asarray(codes), bits))
 
 
@@ -140,20 +144,24 @@ def test_vt_permutation_is_a_bijection_and_reference_reads_planes():
     md.vt_permutation(128, 8)
 
 
-@pytest.mark.parametrize("bits,rows,n,swizzle", [
-    (4, 64, 16, 0), (4, 64, 16, 64), (4, 128, 16, 64), (4, 64, 32, 64), (4, 128, 32, 0),
-    (2, 64, 16, 0), (2, 128, 16, 32), (2, 64, 32, 32)])
-def test_transposed_codes_as_wgmma_operand(bits, rows, n, swizzle):
+@pytest.mark.parametrize("bits,rows,n,swizzle,wide", [
+    (4, 64, 16, 0, False), (4, 64, 16, 64, False), (4, 128, 16, 64, False),
+    (4, 64, 32, 64, False), (4, 128, 32, 0, False), (2, 64, 16, 0, False),
+    (2, 128, 16, 32, False), (2, 64, 32, 32, False),
+    (4, 128, 16, 128, True), (4, 64, 32, 0, True), (2, 128, 16, 128, True),
+    (2, 64, 16, 0, True)])
+def test_transposed_codes_as_wgmma_operand(bits, rows, n, swizzle, wide):
   """``dequant_codes_t`` registers as the A operand of ``O^T = V^T P^T``: equals the
-  float64 product of the codes with P, rows in `vt_permutation` order."""
+  float64 product of the codes with P, rows in `vt_permutation` order; ``wide``:
+  the tile copied as 128-byte rows (swizzled by 128 bytes or plain)."""
   codes = _codes(128 * bits // 8, bits + rows + n + swizzle, rows)
   p_t = jax.random.uniform(jax.random.PRNGKey(rows + n), (rows, n), jnp.float32).astype(
       jnp.bfloat16)
   if not ON_HOPPER:
-    jax.jit(md.probe_pv, static_argnames=("bits", "swizzle")).trace(
-        codes, p_t, bits=bits, swizzle=swizzle).lower(lowering_platforms=("cuda",))
+    jax.jit(md.probe_pv, static_argnames=("bits", "swizzle", "wide")).trace(
+        codes, p_t, bits=bits, swizzle=swizzle, wide=wide).lower(lowering_platforms=("cuda",))
     return
-  got = np.asarray(md.probe_pv(codes, p_t, bits=bits, swizzle=swizzle), np.float64)
+  got = np.asarray(md.probe_pv(codes, p_t, bits=bits, swizzle=swizzle, wide=wide), np.float64)
   want = md.registers_t_reference(np.asarray(codes), bits).astype(np.float64) @ np.asarray(
       p_t, np.float64)
   np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
@@ -272,7 +280,7 @@ def test_byte_mask_registers_equal_subnormal(head_dim, bits, rows, rows_dtype):
   scale = jnp.asarray(rng.uniform(0.01, 0.5, (1, head_dim)), rows_dtype)
   zero = jnp.asarray(rng.normal(0.0, 2.0, (1, head_dim)), rows_dtype)
   probe = jax.jit(md.probe_dequant,
-                  static_argnames=("bits", "subnormal", "byte_masks", "shuffle_scales"))
+                  static_argnames=("bits", "subnormal", "byte_masks", "shuffle_scales", "wide"))
   with pytest.raises(ValueError, match="byte_masks"):
     probe.trace(codes, scale, zero, bits=bits, subnormal=False, byte_masks=True).lower(
         lowering_platforms=("cuda",))
@@ -281,7 +289,8 @@ def test_byte_mask_registers_equal_subnormal(head_dim, bits, rows, rows_dtype):
   if not ON_HOPPER:
     for kw in ({"subnormal": True, "byte_masks": True},
                {"subnormal": True, "byte_masks": True, "shuffle_scales": True},
-               {"shuffle_scales": True}, {"shuffle_scales": True, "subnormal": True}):
+               {"shuffle_scales": True}, {"shuffle_scales": True, "subnormal": True},
+               {"subnormal": True, "byte_masks": True, "shuffle_scales": True, "wide": True}):
       probe.trace(codes, scale, zero, bits=bits, **kw).lower(lowering_platforms=("cuda",))
     return
   got = np.asarray(probe(codes, scale, zero, bits=bits, subnormal=True, byte_masks=True),
@@ -298,28 +307,34 @@ def test_byte_mask_registers_equal_subnormal(head_dim, bits, rows, rows_dtype):
   shf = probe(codes, scale, zero, bits=bits, subnormal=True, byte_masks=True,
               shuffle_scales=True)
   np.testing.assert_array_equal(np.asarray(shf, np.float64), got)
+  # the tile copied as 128-byte rows (the attention kernel's K tiles): the same registers
+  wide = md.probe_dequant(codes, scale, zero, bits=bits, subnormal=True, byte_masks=True,
+                          shuffle_scales=True, wide=True)
+  np.testing.assert_array_equal(np.asarray(wide, np.float64), got)
   for kw in ({}, {"subnormal": True}):  # exact codes; subnormal without byte masks
     np.testing.assert_array_equal(
         np.asarray(probe(codes, scale, zero, bits=bits, shuffle_scales=True, **kw), np.float64),
         np.asarray(probe(codes, scale, zero, bits=bits, **kw), np.float64), err_msg=f"{kw}")
 
 
-@pytest.mark.parametrize("bits,rows,n,swizzle", [(4, 128, 16, 64), (2, 128, 16, 32),
-                                                 (4, 64, 32, 0), (2, 64, 16, 0)])
-def test_byte_mask_transposed_codes(bits, rows, n, swizzle):
+@pytest.mark.parametrize("bits,rows,n,swizzle,wide", [
+    (4, 128, 16, 64, False), (2, 128, 16, 32, False), (4, 64, 32, 0, False),
+    (2, 64, 16, 0, False), (4, 128, 16, 128, True), (2, 128, 16, 128, True)])
+def test_byte_mask_transposed_codes(bits, rows, n, swizzle, wide):
   """``dequant_codes_t(byte_masks=True)``: the product with P, its rows' powers of two
   taken off by `scale_halves`, meets the float64 product of the codes with P."""
   codes = _codes(128 * bits // 8, 13 * bits + rows + n, rows)
   p_t = (jax.random.uniform(jax.random.PRNGKey(rows + 5), (rows, n), jnp.float32)
          * jnp.exp2(jax.random.randint(jax.random.PRNGKey(n + 5), (rows, 1), -20, 20))
          ).astype(jnp.bfloat16)
-  probe = jax.jit(md.probe_pv, static_argnames=("bits", "swizzle", "subnormal", "byte_masks"))
+  probe = jax.jit(md.probe_pv,
+                  static_argnames=("bits", "swizzle", "subnormal", "byte_masks", "wide"))
   if not ON_HOPPER:
-    probe.trace(codes, p_t, bits=bits, swizzle=swizzle, subnormal=True, byte_masks=True).lower(
-        lowering_platforms=("cuda",))
+    probe.trace(codes, p_t, bits=bits, swizzle=swizzle, subnormal=True, byte_masks=True,
+                wide=wide).lower(lowering_platforms=("cuda",))
     return
   got = np.asarray(probe(codes, p_t, bits=bits, swizzle=swizzle, subnormal=True,
-                         byte_masks=True), np.float64)
+                         byte_masks=True, wide=wide), np.float64)
   want = md.registers_t_reference(np.asarray(codes), bits).astype(np.float64) @ np.asarray(
       p_t, np.float64)
   np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
