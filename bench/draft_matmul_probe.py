@@ -103,6 +103,16 @@ def mosaic_sweep(n_in, n_out, mqs, calls):
   return _time_variants(fns, mqs, n_in, n_out, calls)
 
 
+def mosaic_ab(n_in, n_out, mqs, calls):
+  """The Mosaic kernel's default (folded) config with its code-tile row width and
+  barrier placement toggled (`mosaic_int4_matmul`'s ``wide_rows``, ``lean_barriers``)."""
+  fns = {f"mosaic_{name}": (lambda x, w, _kw=kw: m4.mosaic_int4_matmul(x, *w, **_kw))
+         for name, kw in (("new", {}), ("narrow", {"wide_rows": False}),
+                          ("heavy", {"lean_barriers": False}),
+                          ("old", {"wide_rows": False, "lean_barriers": False}))}
+  return _time_variants(fns, mqs, n_in, n_out, calls)
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--batches", default="1,8")
@@ -112,6 +122,8 @@ def main(argv=None) -> int:
                  help="also time kernel config variants at B=1 (correctness checked)")
   p.add_argument("--mosaic-sweep", action="store_true",
                  help="also time the Mosaic kernel's split counts and depths at B=1")
+  p.add_argument("--mosaic-ab", action="store_true",
+                 help="also time the Mosaic kernel with wide_rows / lean_barriers toggled")
   p.add_argument("--shapes", default=None, metavar="IN:OUT,...",
                  help="only these [in, out] shapes (default: Llama-3.1-8B's four)")
   p.add_argument("--out", default=None)
@@ -181,6 +193,8 @@ def main(argv=None) -> int:
       rows += sweep(n_in, n_out, qs, args.group, args.calls)
     if args.mosaic_sweep and mqs:
       rows += mosaic_sweep(n_in, n_out, mqs, args.calls)
+    if args.mosaic_ab and mqs:
+      rows += mosaic_ab(n_in, n_out, mqs, args.calls)
     del ws, qs, mqs
   if args.out:
     with open(args.out, "w") as fh:

@@ -127,10 +127,12 @@ def _operands(x, rows: int, n: int):
   return _x_tiles(xg, rows, n, factor), sums
 
 
-@functools.partial(jax.jit, static_argnames=("group", "num_splits", "stages", "fold"))
+@functools.partial(jax.jit, static_argnames=("group", "num_splits", "stages", "fold",
+                                             "wide_rows", "lean_barriers"))
 def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: jax.Array, *,
                        group: int = GROUP, num_splits: int | None = None,
-                       stages: int = 3, fold: bool = True) -> jax.Array:
+                       stages: int = 3, fold: bool = True, wide_rows: bool = True,
+                       lean_barriers: bool = True) -> jax.Array:
   """``x @ W`` for a 4-bit group-wise ``W`` (Hopper).
 
   Args:
@@ -151,6 +153,12 @@ def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: j
       (14.0 vs 16.2 us at ``[4096, 14336]``). ``False``: codes times exact
       powers of two, the affine per group in float32 (the spec's rounding; two
       more XLA kernels per call, ``sum(x_g)`` and its padding).
+    wide_rows: the code tiles are copied as 128-byte rows (two output rows
+      each; `mosaic_attention.wide_view`): TMA streams 64-byte rows at ~75 %
+      of the HBM bandwidth (`MosaicAttentionConfig.wide_rows`).
+    lean_barriers: compiled without Pallas's automatic barriers (one before
+      each of a step's four TMA copies), with one explicit barrier per step
+      before its stage is refilled (`MosaicAttentionConfig.lean_barriers`).
   Returns:
     ``[..., out]`` float32.
   """
@@ -165,6 +173,9 @@ def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: j
     raise ValueError(f"codes {codes.shape} {codes.dtype} must be uint8 [in / 128, out, 64] = "
                      f"[{groups}, {n_out}, 64] (`transpose_packed` of pack_weight's codes)")
   codes = codes.reshape(groups * n_out, GROUP // 2)  # free: row-major
+  if wide_rows:  # two output rows per 128-byte row (free)
+    codes = ma.wide_view(codes)
+  code_rows = _BLOCK_OUT * (GROUP // 2) // codes.shape[-1]   # a tile's rows
   if scale.shape != (groups, n_out) or zero.shape != (groups, n_out):
     raise ValueError(f"scale {scale.shape} / zero {zero.shape} must be [{groups}, {n_out}]")
   splits = num_splits or default_splits(n_in, n_out, _triton.num_sms())
@@ -190,7 +201,7 @@ def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: j
     o = lax.axis_index("o")
     first = lax.axis_index("s") * per_split
     specs = [
-        plgpu.BlockSpec((bo, GROUP // 2),                                     # codes, plain
+        plgpu.BlockSpec((code_rows, codes.shape[-1]),                         # codes, plain
                         lambda i: ((first + i) * (n_out // bo) + o, 0)),
         plgpu.BlockSpec((1, bo), lambda i: (first + i, o)),                  # scale
         plgpu.BlockSpec((1, bo), lambda i: (first + i, o)),                  # zero
@@ -203,6 +214,8 @@ def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: j
       a = mosaic_dequant.dequant_codes_rows(c_smem, s_smem, z_smem)
       plgpu.wgmma(acc_ref, a, ma._t(x_smem))  # pylint: disable=protected-access
       plgpu.wgmma_wait(0)  # a's registers are reused by the next group's dequant
+      if lean_barriers:  # every thread is done with the stage before it is refilled
+        mosaic_dequant.warpgroup_barrier()
 
     def body(_, c_smem, s_smem, z_smem, x_smem, sum_smem, acc):
       a = mosaic_dequant.dequant_codes(c_smem, GROUP, 4, subnormal=True, byte_masks=True)
@@ -216,6 +229,8 @@ def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: j
       zr = ma._load(z_smem.at[0], layout=row_l, optimized=False)  # pylint: disable=protected-access
       sx = ma._load(sum_smem.at[0, pl.ds(0, n)], layout=col_l,  # pylint: disable=protected-access
                     optimized=False)
+      if lean_barriers:  # every thread is done with the stage before it is refilled
+        mosaic_dequant.warpgroup_barrier()
       return (acc + prod * lax.broadcast_in_dim(sc, (bo, n), [0])
               + lax.broadcast_in_dim(zr, (bo, n), [0]) * lax.broadcast_in_dim(sx, (bo, n), [1]))
 
@@ -247,7 +262,8 @@ def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: j
       grid=(n_out // bo, splits),
       grid_names=("o", "s"),
       compiler_params=plgpu.CompilerParams(approx_math=True,
-                                           lowering_semantics=ma._SEMANTICS),  # pylint: disable=protected-access
+                                           lowering_semantics=ma._SEMANTICS,  # pylint: disable=protected-access
+                                           unsafe_no_auto_barriers=lean_barriers),
       kernel_name="jaxkv_mosaic_int4_matmul" + ("_folded" if fold else ""),
   )(codes, scale, zero, xs, *(() if fold else (sums,)))
   return part.sum(axis=0).T[:rows].reshape(*lead, n_out)

@@ -112,3 +112,26 @@ def test_kernel(n_in, n_out, lead, splits, fold):
   want = np.asarray(im.int4_matmul_reference(x, packed, scale, zero, group=128), np.float64)
   assert got.shape == (*lead, n_out)
   np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("fold", [False, True])
+def test_row_width_and_barriers_leave_the_product_unchanged(fold):
+  """``wide_rows`` (code tiles as 128-byte rows) and ``lean_barriers`` (one explicit
+  barrier per pipeline step) read the same bytes into the same registers: the
+  product is bit for bit the one of 64-byte rows with Pallas's barriers."""
+  n_in, n_out, lead = 512, 384, (5,)
+  packed, scale, zero = _weight(jax.random.PRNGKey(11), n_in, n_out)
+  x = jax.random.normal(jax.random.PRNGKey(12), (*lead, n_in)).astype(jnp.bfloat16)
+  codes = mm.transpose_packed(packed)
+  combos = [dict(wide_rows=w, lean_barriers=b) for w in (True, False) for b in (True, False)]
+  if not ON_HOPPER:
+    for kw in combos:
+      fn = lambda x, c, s, z, _kw=kw: mm.mosaic_int4_matmul(x, c, s, z, num_splits=2,  # noqa: E731
+                                                            fold=fold, **_kw)
+      assert "mosaic_gpu" in jax.jit(fn).trace(x, codes, scale, zero).lower(
+          lowering_platforms=("cuda",)).as_text()
+    return
+  outs = [np.asarray(mm.mosaic_int4_matmul(x, codes, scale, zero, num_splits=2, fold=fold, **kw))
+          for kw in combos]
+  for kw, out in zip(combos[1:], outs[1:]):
+    np.testing.assert_array_equal(out, outs[0], err_msg=str(kw))
