@@ -11,7 +11,8 @@ can be split into "what its memory pipeline costs" and "what its compute adds":
 * ``copy bkB sS stT [codes] [wW]``: the copy-only pipeline in ``B``-token blocks,
   ``S`` splits per kv head, ``T`` stages; ``codes``: the two code arrays only
   (no scale/zero rows); ``wW``: the code arrays viewed as ``W``-byte rows
-  (``W / 64`` tokens per row, the same bytes: `mosaic_attention.wide_view`).
+  (``W / 64`` tokens per row, the same bytes: `mosaic_attention.wide_view`;
+  both code tiles unswizzled there, where the kernel swizzles V's by 128 bytes).
 
 Each row: main-kernel us (profiler) and the fraction of the HBM read probe's
 bandwidth it reaches on the cache's bytes. Findings: `bench/results/mosaic-NOTES.md`

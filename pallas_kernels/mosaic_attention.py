@@ -156,10 +156,12 @@ class MosaicAttentionConfig:
       automatic warpgroup barriers (``unsafe_no_auto_barriers``: one before
       every TMA copy, six per refilled pipeline stage, and two around every
       shared-memory store) and places its own: one per pipeline step, after
-      the step's last read of its stage and before the stage is refilled.
-      Every other store is followed by `plgpu.commit_smem` (a fence and a
-      barrier) before a TMA or MMA reads it, and is preceded by the wait of
-      the MMA that read its previous contents.
+      every warp has waited for the step's MMAs and made its last read of the
+      stage, before the stage is refilled, and one before the partials are
+      written over the shared memory the last MMAs read (a warp's wgmma wait
+      covers only its own part of an MMA). Every other store comes after such
+      a barrier and is followed by `plgpu.commit_smem` (a fence and a
+      barrier) before a TMA or MMA reads it.
     shuffle_scales: (with register K and its affine) each K scale/zero pair is
       converted by one of the 8 lanes of a warp that share its columns and
       handed to the others by ``shfl.sync`` (`mosaic_dequant.dequant_codes`):
@@ -1174,8 +1176,8 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     k_width = _code_width(k_side, head_dim, k_in[0])
     v_width = _code_width(v_side, head_dim, v_in[0])
     # the register paths read wide rows (`MosaicAttentionConfig.wide_rows`)
-    wide_k = config.wide_rows and register_k and mosaic_dequant.wide_rows(k_width)
-    wide_v = config.wide_rows and register_v and mosaic_dequant.wide_rows(v_width)
+    wide_k = config.wide_rows and register_k and mosaic_dequant.fits_wide_row(k_width)
+    wide_v = config.wide_rows and register_v and mosaic_dequant.fits_wide_row(v_width)
     k_specs = _side_specs(k_side, k_width, head_dim, bk, q_tf, plain_codes=register_k,
                           plane_block=plane_block, wide=wide_k)
     # register_vt reads rows with ldmatrix: TMA-swizzled (by row width) or plain tiles
@@ -1342,7 +1344,13 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       l_sum = l_i.sum(axis=0)
 
       # Scoped after the pipeline's (or the residual tile's) scope has closed,
-      # so the output tiles reuse that shared memory.
+      # so the output tiles reuse that shared memory: with lean barriers every
+      # warp must be past its MMAs on it first (a warp's wgmma wait covers its
+      # own part of an MMA only; the packed steps end on a barrier, the
+      # residual tile does not).
+      if config.lean_barriers:
+        mosaic_dequant.warpgroup_barrier()
+
       def write(o_smem, lm_smem):
         _write_partials(acc, l_sum, m_i, o_smem, lm_smem, o_gmem, l_gmem, m_gmem,
                         bh * grid_j + j)

@@ -168,7 +168,7 @@ def registers_reference(codes: np.ndarray, bits: int = 4, scale=None, zero=None)
 WIDE_ROW = 128  # bytes per row of a wide code tile (`wide_rows`)
 
 
-def wide_rows(width: int) -> bool:
+def fits_wide_row(width: int) -> bool:
   """Whether code rows of ``width`` bytes can be read as `WIDE_ROW`-byte rows
   (several tokens per row; the same bytes in the same order)."""
   return width < WIDE_ROW and WIDE_ROW % width == 0
@@ -186,9 +186,13 @@ def _code_tile(codes_smem, head_dim: int, bits: int, head_dims) -> tuple[int, in
     raise ValueError(f"bits={bits} must be 4 or 2")
   width = head_dim * bits // 8
   shape = tuple(codes_smem.shape)
-  wide = wide_rows(width) and len(shape) == 2 and shape[1] == WIDE_ROW
+  if len(shape) != 2:
+    raise ValueError(f"codes_smem must be a 2-D uint8 tile, got {codes_smem.dtype} {shape}")
+  # A wide tile carries no width of its own: it is read as head_dim * bits / 8
+  # bytes per token, which the caller states.
+  wide = fits_wide_row(width) and shape[1] == WIDE_ROW
   rows = shape[0] * WIDE_ROW // width if wide else shape[0]
-  if (rows not in (_ROWS, 2 * _ROWS) or len(shape) != 2
+  if (rows not in (_ROWS, 2 * _ROWS)
       or shape[1] != (WIDE_ROW if wide else width) or codes_smem.dtype != jnp.uint8):
     raise ValueError(f"codes_smem must be uint8 [64 | 128, {width}] (or those bytes as "
                      f"rows of {WIDE_ROW}), got {codes_smem.dtype} {shape}")
@@ -344,7 +348,7 @@ def dequant_codes_rows(codes_smem, scale_smem, zero_smem, bits: int = 4):
   def body_fn(_, ref, sref, zref):
     i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
     index = ir.IndexType.get()
-    if wide:  # the same bytes, one row per tile row
+    if wide:  # the same bytes, one weight output row per row
       ref = mgpu_utils.memref_reshape(ref, (rows, width))
     _, row0, col = _thread_place(span)
     zero_i = arith.index_cast(index, mgpu_utils.c(0, i32))
@@ -1097,7 +1101,7 @@ def _wide_tile(codes: jax.Array, wide: bool) -> jax.Array:
   rows, width = codes.shape
   if not wide:
     return codes
-  if not wide_rows(width):
+  if not fits_wide_row(width):
     raise ValueError(f"wide=True needs code rows narrower than {WIDE_ROW} bytes, got {width}")
   return codes.reshape(rows * width // WIDE_ROW, WIDE_ROW)
 
@@ -1330,4 +1334,4 @@ __all__ = ["K_SHIFT", "P_SHIFT", "SUBNORMAL_EXP", "code_permutation", "dequant_c
            "registers_reference", "registers_t_reference", "scale_halves", "fold_k_operands",
            "code_column_exponents", "probe_fold_scores", "FOLD_SHIFT", "FOLD_BIAS_COLUMNS", "vq_book_rows",
            "vq_permutation", "vt_permutation", "vt_row_factors", "warpgroup_any", "widen_columns",
-           "WIDE_ROW", "wide_rows", "warpgroup_barrier"]
+           "WIDE_ROW", "fits_wide_row", "warpgroup_barrier"]

@@ -187,13 +187,15 @@ def test_mosaic_attention(name, b, hkv, group, d, s, lengths, capacity, dtype):
   # Code tiles as one token per 64-byte row (and narrower) with Pallas's automatic
   # barriers: the same bytes into the same registers, so the same output bit for bit.
   narrow_twin = dataclasses.replace(twins[0], wide_rows=False, lean_barriers=False)
-  configs.append(narrow_twin)
+  barrier_twin = dataclasses.replace(twins[0], lean_barriers=False)  # one switch alone
+  configs += [narrow_twin, barrier_twin]
   outs = _checked_outputs(q, cache, lengths, configs, dtype)
   if outs is None:
     return
   ref = outs.pop("oracle")
   np.testing.assert_array_equal(outs[shuffle_twin], outs[twins[0]])
   np.testing.assert_array_equal(outs[narrow_twin], outs[twins[0]])
+  np.testing.assert_array_equal(outs[barrier_twin], outs[twins[0]])
   ulp = 2.0 ** -(7 if dtype == jnp.bfloat16 else 10)  # one unit, relative
   for other in (twins[1], byte_twin):
     a, b = outs[twins[0]], outs[other]

@@ -149,7 +149,7 @@ def test_vt_permutation_is_a_bijection_and_reference_reads_planes():
     (4, 64, 32, 64, False), (4, 128, 32, 0, False), (2, 64, 16, 0, False),
     (2, 128, 16, 32, False), (2, 64, 32, 32, False),
     (4, 128, 16, 128, True), (4, 64, 32, 0, True), (2, 128, 16, 128, True),
-    (2, 64, 16, 0, True)])
+    (2, 64, 16, 0, True), (4, 64, 16, 128, True), (2, 64, 16, 128, True)])
 def test_transposed_codes_as_wgmma_operand(bits, rows, n, swizzle, wide):
   """``dequant_codes_t`` registers as the A operand of ``O^T = V^T P^T``: equals the
   float64 product of the codes with P, rows in `vt_permutation` order; ``wide``:
@@ -319,7 +319,8 @@ def test_byte_mask_registers_equal_subnormal(head_dim, bits, rows, rows_dtype):
 
 @pytest.mark.parametrize("bits,rows,n,swizzle,wide", [
     (4, 128, 16, 64, False), (2, 128, 16, 32, False), (4, 64, 32, 0, False),
-    (2, 64, 16, 0, False), (4, 128, 16, 128, True), (2, 128, 16, 128, True)])
+    (2, 64, 16, 0, False), (4, 128, 16, 128, True), (2, 128, 16, 128, True),
+    (4, 64, 16, 128, True)])
 def test_byte_mask_transposed_codes(bits, rows, n, swizzle, wide):
   """``dequant_codes_t(byte_masks=True)``: the product with P, its rows' powers of two
   taken off by `scale_halves`, meets the float64 product of the codes with P."""
@@ -369,3 +370,16 @@ def test_fold_scores(bits, rows, n, rows_dtype):
   tol = 2.0 ** -8 * (np.abs(chans * np.asarray(scale, np.float64)) @ np.abs(
       np.asarray(q, np.float64)).T) + 1e-4 * np.abs(want).max()
   assert np.all(np.abs(got - want) <= tol), np.abs(got - want).max()
+
+
+def test_wide_tiles_refused_where_they_do_not_fit():
+  """A wide tile takes only its own row width (128 bytes) as swizzle, and rows
+  already `WIDE_ROW` bytes wide have no wide view."""
+  p_t = jnp.ones((128, 16), jnp.bfloat16)
+  with pytest.raises(ValueError, match="[Ss]wizzle.?64"):  # the probe tile or the kernel
+    jax.jit(md.probe_pv, static_argnames=("bits", "swizzle", "wide")).trace(
+        _codes(64, 3, 128), p_t, bits=4, swizzle=64, wide=True).lower(
+            lowering_platforms=("cuda",))
+  with pytest.raises(ValueError, match="wide=True needs code rows narrower than 128"):
+    jax.jit(md.probe_dequant, static_argnames=("bits", "wide")).trace(
+        _codes(128, 4, 64), bits=4, wide=True).lower(lowering_platforms=("cuda",))
