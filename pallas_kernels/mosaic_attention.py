@@ -1383,14 +1383,9 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
                         valid_below=packed, row_limit=row_limit, q_sum=q_sum,
                         book_smems=book_smems, flag_smem=flag_smem)
 
-        def step_then_release(tiles, carry, token0):
-          carry = step(tiles, carry, token0)
-          if config.lean_barriers:  # every thread is done with the stage it read
-            mosaic_dequant.warpgroup_barrier()
-          return carry
-
         gm = [r.at[cb] for r in k_refs[:nk]] + [r.at[cb] for r in v_refs[:nv]]
-        return _run_split(step_then_release, k_specs + v_specs, gm, packed=packed, j=j,
+        return _run_split(mosaic_dequant.release_stages(step, config.lean_barriers),
+                          k_specs + v_specs, gm, packed=packed, j=j,
                           num_splits=num_splits, bk=bk,
                           max_concurrent_steps=config.max_concurrent_steps,
                           init_carry=(acc0, m0, l0, l0), skip=skip_tokens)

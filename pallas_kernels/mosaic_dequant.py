@@ -1050,6 +1050,22 @@ def warpgroup_barrier() -> None:
   body()
 
 
+def release_stages(body, lean_barriers: bool):
+  """``body`` of an `plgpu.emit_pipeline` with a `warpgroup_barrier` after it when
+  ``lean_barriers`` (the kernel compiled with ``unsafe_no_auto_barriers``): every
+  warp has waited for the step's MMAs and read its stage before the pipeline
+  refills it. ``body`` itself otherwise."""
+  if not lean_barriers:
+    return body
+
+  def released(*args):
+    out = body(*args)
+    warpgroup_barrier()
+    return out
+
+  return released
+
+
 def warpgroup_any(flags, flag_smem) -> None:
   """OR of a WGMMA-layout int32 array over this warpgroup, into ``flag_smem[0]``.
 
@@ -1334,4 +1350,4 @@ __all__ = ["K_SHIFT", "P_SHIFT", "SUBNORMAL_EXP", "code_permutation", "dequant_c
            "registers_reference", "registers_t_reference", "scale_halves", "fold_k_operands",
            "code_column_exponents", "probe_fold_scores", "FOLD_SHIFT", "FOLD_BIAS_COLUMNS", "vq_book_rows",
            "vq_permutation", "vt_permutation", "vt_row_factors", "warpgroup_any", "widen_columns",
-           "WIDE_ROW", "fits_wide_row", "warpgroup_barrier"]
+           "WIDE_ROW", "fits_wide_row", "release_stages", "warpgroup_barrier"]

@@ -216,8 +216,6 @@ def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: j
       a = mosaic_dequant.dequant_codes_rows(c_smem, s_smem, z_smem)
       plgpu.wgmma(acc_ref, a, ma._t(x_smem))  # pylint: disable=protected-access
       plgpu.wgmma_wait(0)  # a's registers are reused by the next group's dequant
-      if lean_barriers:  # every thread is done with the stage before it is refilled
-        mosaic_dequant.warpgroup_barrier()
 
     def body(_, c_smem, s_smem, z_smem, x_smem, sum_smem, acc):
       a = mosaic_dequant.dequant_codes(c_smem, GROUP, 4, subnormal=True, byte_masks=True)
@@ -231,14 +229,13 @@ def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: j
       zr = ma._load(z_smem.at[0], layout=row_l, optimized=False)  # pylint: disable=protected-access
       sx = ma._load(sum_smem.at[0, pl.ds(0, n)], layout=col_l,  # pylint: disable=protected-access
                     optimized=False)
-      if lean_barriers:  # every thread is done with the stage before it is refilled
-        mosaic_dequant.warpgroup_barrier()
       return (acc + prod * lax.broadcast_in_dim(sc, (bo, n), [0])
               + lax.broadcast_in_dim(zr, (bo, n), [0]) * lax.broadcast_in_dim(sx, (bo, n), [1]))
 
     if fold:
       def run(acc_ref):
-        plgpu.emit_pipeline(functools.partial(folded_body, acc_ref), grid=(per_split,),
+        plgpu.emit_pipeline(mosaic_dequant.release_stages(functools.partial(folded_body, acc_ref),
+                                                          lean_barriers), grid=(per_split,),
                             in_specs=specs, max_concurrent_steps=stages)(
                                 codes_gmem, scale_gmem, zero_gmem, x_gmem)
         return acc_ref[...]
@@ -246,7 +243,8 @@ def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: j
       acc = pl.run_scoped(run, plgpu.ACC((bo, n), f32))
     else:
       acc0 = plgpu.layout_cast(jnp.zeros((bo, n), f32), plgpu.Layout.WGMMA)
-      acc = plgpu.emit_pipeline(body, grid=(per_split,), in_specs=specs,
+      acc = plgpu.emit_pipeline(mosaic_dequant.release_stages(body, lean_barriers),
+                                grid=(per_split,), in_specs=specs,
                                 max_concurrent_steps=stages, init_carry=acc0)(
                                     codes_gmem, scale_gmem, zero_gmem, x_gmem, sum_gmem)
 
