@@ -162,6 +162,15 @@ class MosaicAttentionConfig:
       covers only its own part of an MMA). Every other store comes after such
       a barrier and is followed by `plgpu.commit_smem` (a fence and a
       barrier) before a TMA or MMA reads it.
+    edge_masks: (tokens_m only) with one query per row (``q_len`` 1) and
+      blocks that tile the token group, the packed steps skip the length and
+      causal masks: the packed region ends on a block boundary and every row
+      sees all of it (a compare and select per score less; the residual
+      program keeps them). A branch on whether a block needs them instead cost
+      5-13 registers (H200, 2026-11-29: kivi4 164 -> 169, a program per SM).
+    lazy_rescale: (tokens_m only) o, l and the folded zero sums are rescaled
+      inside the exact branch of the running max (`new_max`) only, so the
+      lazy steps that keep the reference skip multiplying them by one.
     shuffle_scales: (with register K and its affine) each K scale/zero pair is
       converted by one of the 8 lanes of a warp that share its columns and
       handed to the others by ``shfl.sync`` (`mosaic_dequant.dequant_codes`):
@@ -190,6 +199,8 @@ class MosaicAttentionConfig:
   shuffle_scales: bool = False
   wide_rows: bool = True
   lean_barriers: bool = True
+  edge_masks: bool = True
+  lazy_rescale: bool = True
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -341,8 +352,13 @@ class MosaicAttentionConfig:
     # (`attention-ab-k8v4-byte-masks-20261126-*`). Without byte masks kivi2
     # lost with subnormal codes on either side (1304 vs 1226 at (96, 32768)).
     # So the fields' defaults (on) stand for every format.
+    # 4-bit K and V in 128-token blocks at small batch keep the plain rescale:
+    # the lazy one gave (1, 131072) 45.5 vs 45.1 us, rescale without edge masks
+    # 48.6 vs 46.8, (8, 32768) equal (H200, main kernel; 0.2-1 % faster for
+    # the other shapes and kivi2; `attention-ab-edge-masks-lazy-rescale-20261129-*`)
+    lazy_rescale = not kivi4_wide
     return cls(block_k=block_k, num_splits=splits, max_concurrent_steps=stages, early_v=early_v,
-               shuffle_scales=shuffle)
+               shuffle_scales=shuffle, lazy_rescale=lazy_rescale)
 
 
 def one_wave_splits(slots: int, heads: int, blocks: int, fill_waves: bool = True,
@@ -963,7 +979,7 @@ def _combine(o, l, m):
 LAZY_MARGIN = 8.0  # natural-log units: p = exp(s - m) <= e^8 ~ 2981 between rescales
 
 
-def new_max(s, m_i, colmax, flag_smem=None):
+def new_max(s, m_i, colmax, flag_smem=None, state=None, rescale=None):
   """``(m_new, alpha)`` of an online-softmax step over scores ``s [bk, N]``
   (tokens on rows, masked to -inf) with running reference ``m_i [N]``.
 
@@ -973,29 +989,45 @@ def new_max(s, m_i, colmax, flag_smem=None):
   (`mosaic_dequant.warpgroup_any` into ``flag_smem``); then the exact update
   runs. Either way o, l and m stay consistent with the reference, so the
   result is the same up to float rounding (p <= e^8 between rescales).
+
+  With ``rescale`` (``rescale(state, alpha) -> state``) the running ``state``
+  is rescaled in the exact update only and ``(m_new, state)`` is returned:
+  the lazy steps that keep the reference skip the multiplies by one.
   """
-  def exact(s, m_i):
+  def exact(s, m_i, state):
     m_new = jnp.maximum(m_i, colmax(s))
-    return m_new, jnp.exp(m_i - jnp.where(m_new == -jnp.inf, 0.0, m_new))
+    alpha = jnp.exp(m_i - jnp.where(m_new == -jnp.inf, 0.0, m_new))
+    return (m_new, alpha) if rescale is None else (m_new, rescale(state, alpha))
 
   if flag_smem is None:
-    return exact(s, m_i)
+    return exact(s, m_i, state)
   above = s > lax.broadcast_in_dim(m_i + LAZY_MARGIN, s.shape, [1])
   mosaic_dequant.warpgroup_any(above.astype(jnp.int32), flag_smem)
-  one = plgpu.layout_cast(jnp.ones(m_i.shape, jnp.float32), plgpu.Layout.WGMMA.reduce(0))
-  return lax.cond(flag_smem[0] != 0, exact, lambda s, m: (m, one), s, m_i)
+  if rescale is None:
+    one = plgpu.layout_cast(jnp.ones(m_i.shape, jnp.float32), plgpu.Layout.WGMMA.reduce(0))
+    keep = lambda s, m, st: (m, one)  # noqa: E731
+  else:
+    keep = lambda s, m, st: (m, st)  # noqa: E731
+  return lax.cond(flag_smem[0] != 0, exact, keep, s, m_i, state)
 
 
-def masked_softmax(s, m_i, *, token0, valid_below, row_limit, colmax, flag_smem=None):
+def masked_softmax(s, m_i, *, token0, valid_below, row_limit, colmax, flag_smem=None,
+                   masked: bool = True, state=None, rescale=None):
   """``(p, m_new, alpha)`` of one online-softmax step over scores ``s [bk, N]``
   of tokens ``token0 + [0, bk)``: tokens ``>= valid_below`` or past a query
   row's causal limit (``row_limit [N]``) are masked, then `new_max` (``colmax``
-  the column max; lazy with ``flag_smem``), then ``p = exp(s - m_new)``."""
+  the column max; lazy with ``flag_smem``), then ``p = exp(s - m_new)``.
+
+  ``masked=False``: the caller knows every query row sees every token of the
+  block (no masks). ``state`` / ``rescale``: `new_max`'s (then ``(p, m_new,
+  state)`` is returned).
+  """
   bk, n_rows = s.shape
-  tok = token0 + plgpu.broadcasted_iota(jnp.int32, (bk, n_rows), 0, layout=plgpu.Layout.WGMMA)
-  lim = lax.broadcast_in_dim(row_limit, (bk, n_rows), [1])
-  s = jnp.where((tok < valid_below) & (tok <= lim), s, -jnp.inf)
-  m_new, alpha = new_max(s, m_i, colmax, flag_smem)                    # [N]
+  if masked:
+    tok = token0 + plgpu.broadcasted_iota(jnp.int32, (bk, n_rows), 0, layout=plgpu.Layout.WGMMA)
+    lim = lax.broadcast_in_dim(row_limit, (bk, n_rows), [1])
+    s = jnp.where((tok < valid_below) & (tok <= lim), s, -jnp.inf)
+  m_new, alpha = new_max(s, m_i, colmax, flag_smem, state, rescale)   # [N] (or the state)
   m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
   return jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [1])), m_new, alpha
 
@@ -1199,9 +1231,14 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     qh = qh * jnp.asarray(2.0 ** mosaic_dequant.K_SHIFT, qh.dtype)
   q_tiling = (q_tf[0].tiling[1], q_tf[1].swizzle)
   nk, nv = len(k_specs), len(v_specs)
+  # One query per row and whole blocks: the packed region ends on a block
+  # boundary (the residual rule packs whole token groups) and every row sees
+  # every packed token, so the packed steps need no masks.
+  packed_unmasked = config.edge_masks and num_queries == 1 and token_group % bk == 0
 
   def attend(q_smem, k_tiles, v_tiles, pt_smem, vdq_smem, carry, *, token0, valid_below,
-             row_limit, q_sum, book_smems=None, flag_smem=None, fold_smems=None):
+             row_limit, q_sum, masked=True, book_smems=None, flag_smem=None,
+             fold_smems=None):
     """One online-softmax step over ``bk`` tokens (tokens on M).
 
     Folded scales (``config.fold_scales``): a per-token K side is applied to the
@@ -1269,21 +1306,26 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       ksc, kzr = _token_affine(k_tiles[1], k_tiles[2])
       s = (s * lax.broadcast_in_dim(ksc, s.shape, [0])
            + lax.broadcast_in_dim(kzr, s.shape, [0]) * lax.broadcast_in_dim(q_sum, s.shape, [1]))
-    p, m_new, alpha = masked_softmax(s, m_i, token0=token0, valid_below=valid_below,
-                                     row_limit=row_limit, colmax=lambda x: x.max(axis=0),
-                                     flag_smem=flag_smem if config.lazy_max else None)
-    alpha_b = lax.broadcast_in_dim(alpha, l_i.shape, [1])
-    l_i = l_i * alpha_b + p                                    # row sums deferred
-    acc = acc * mosaic_dequant.widen_columns(
-        lax.broadcast_in_dim(alpha, (head_dim, n_rows), [1]), n_pv, 1.0)
+    def rescale(state, alpha):  # o, l and the zero sums to a new reference
+      acc, l_i, z_i = state
+      alpha_b = lax.broadcast_in_dim(alpha, l_i.shape, [1])
+      return (acc * mosaic_dequant.widen_columns(
+          lax.broadcast_in_dim(alpha, (head_dim, n_rows), [1]), n_pv, 1.0),
+              l_i * alpha_b, z_i * alpha_b)
+
+    p, m_new, state = masked_softmax(
+        s, m_i, token0=token0, valid_below=valid_below, row_limit=row_limit,
+        colmax=lambda x: x.max(axis=0), flag_smem=flag_smem if config.lazy_max else None,
+        masked=masked,
+        state=(acc, l_i, z_i), rescale=rescale if config.lazy_rescale else None)
+    acc, l_i, z_i = state if config.lazy_rescale else rescale((acc, l_i, z_i), state)
+    l_i = l_i + p                                              # row sums deferred
     if packed_v and fold_v:
       vsc, vzr = _token_affine(v_tiles[1], v_tiles[2])
-      z_i = z_i * alpha_b + p * lax.broadcast_in_dim(vzr, p.shape, [0])
+      z_i = z_i + p * lax.broadcast_in_dim(vzr, p.shape, [0])
       if sub_v:  # subnormal V codes: P carries 2**P_SHIFT
         vsc = vsc * (2.0 ** mosaic_dequant.P_SHIFT)
       p = p * lax.broadcast_in_dim(vsc, p.shape, [0])
-    else:
-      z_i = z_i * alpha_b
     pt_smem[...] = mosaic_dequant.widen_columns(p.astype(dtype), n_pv)
     if packed_v and register_vt:  # exact codes, [D, bk] in registers, `vt_permutation` rows
       v_op = vt if early_v else v_values()
@@ -1381,6 +1423,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
           return attend(q_smem, k_tiles, v_tiles, pt_smem, vdq_smem, carry, token0=token0,
                         fold_smems=fold_smems,
                         valid_below=packed, row_limit=row_limit, q_sum=q_sum,
+                        masked=not packed_unmasked,
                         book_smems=book_smems, flag_smem=flag_smem)
 
         gm = [r.at[cb] for r in k_refs[:nk]] + [r.at[cb] for r in v_refs[:nv]]

@@ -161,9 +161,11 @@ def _two_wg_smem(head_dim: int, n_pv: int, n_rows: int, book_elems: int, stages:
 
 def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, lengths, books, *,
                  token_group, residual, num_queries, q_rows, num_splits, stages, dtype,
-                 row0, early_v=True, lazy_max=True, skip_tokens: int = 0):
+                 row0, early_v=True, lazy_max=True, edge_masks=True, skip_tokens: int = 0):
   """Partials ``o [B,H,2(J+1),D,N_pv], l, m [B,H,2(J+1),N]`` (``J = num_splits``).
   ``skip_tokens``: packed tokens left to the caller (`mosaic_attention._split_blocks`).
+  ``edge_masks``: `MosaicAttentionConfig.edge_masks` (whole 128-token groups
+  are a condition of this kernel, `supports`).
 
   ``row0``: ``[1]`` int32, the cache arrays' row of sequence 0
   (`mosaic_attention.stacked_rows`)."""
@@ -181,7 +183,7 @@ def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, length
   widen = mosaic_dequant.widen_columns
 
   def attend(q_smem, k_tile, v_tile, pt_smem, vdq_smem, red, flag, book_smems, carry, *,
-             token0, valid_below, row_limit):
+             token0, valid_below, row_limit, masked=True):
     """One online-softmax step of a warpgroup over its 64 tokens."""
     acc, m_i, l_i = carry
 
@@ -199,7 +201,8 @@ def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, length
     s = pl.run_scoped(scores, plgpu.ACC((_HALF, n_rows), f32))        # [64, N]
     p, m_new, alpha = ma.masked_softmax(
         s, m_i, token0=token0, valid_below=valid_below, row_limit=row_limit,
-        colmax=lambda x: _wg_reduce(x, red, "max"), flag_smem=flag if lazy_max else None)
+        colmax=lambda x: _wg_reduce(x, red, "max"), flag_smem=flag if lazy_max else None,
+        masked=masked)
     l_i = l_i * lax.broadcast_in_dim(alpha, l_i.shape, [1]) + p      # row sums deferred
     acc = acc * widen(lax.broadcast_in_dim(alpha, (head_dim, n_rows), [1]), n_pv, 1.0)
     pt_smem[...] = widen(p.astype(dtype), n_pv)
@@ -266,7 +269,7 @@ def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, length
         return attend(q_smem, k_tile.at[rows], v_tile.at[rows], pt2.at[wg], vdq2.at[wg],
                       red2.at[wg], flag2.at[wg], (kb_smem, vb_smem), carry,
                       token0=(first + i) * bk + wg * _HALF, valid_below=packed,
-                      row_limit=row_limit)
+                      row_limit=row_limit, masked=not (edge_masks and num_queries == 1))
 
       pipeline = plgpu.emit_pipeline_warp_specialized(
           body, grid=(num_blocks,), memory_registers=40,
@@ -445,8 +448,8 @@ def mosaic_vq_decode_attention(
         qh[..., perm], qh, k_codes, v_codes, k_residual, v_residual, lengths.astype(jnp.int32),
         tuple(books), token_group=token_group, residual=residual, num_queries=num_queries,
         q_rows=q_rows, num_splits=config.num_splits, stages=config.max_concurrent_steps,
-        dtype=dtype, early_v=config.early_v, lazy_max=config.lazy_max, row0=row0,
-        skip_tokens=skip_tokens)
+        dtype=dtype, early_v=config.early_v, lazy_max=config.lazy_max,
+        edge_masks=config.edge_masks, row0=row0, skip_tokens=skip_tokens)
     tail = _WGS  # the residual program's partials, one per compute warpgroup
   else:
     placeholder = SideSpec(16)  # the side specs of the quantized formats do not apply

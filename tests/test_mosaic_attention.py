@@ -189,6 +189,13 @@ def test_mosaic_attention(name, b, hkv, group, d, s, lengths, capacity, dtype):
   narrow_twin = dataclasses.replace(twins[0], wide_rows=False, lean_barriers=False)
   barrier_twin = dataclasses.replace(twins[0], lean_barriers=False)  # one switch alone
   configs += [narrow_twin, barrier_twin]
+  # Masks on the packed steps too (`edge_masks` off): the same scores, so the
+  # same output bit for bit. o, l and the zero sums multiplied by one on the
+  # lazy steps too (`lazy_rescale` off): the same arithmetic up to the float32
+  # contraction of the exact steps' multiply-adds (checked below).
+  mask_twin = dataclasses.replace(twins[0], edge_masks=False)
+  rescale_twin = dataclasses.replace(twins[0], lazy_rescale=False)
+  configs += [mask_twin, rescale_twin]
   outs = _checked_outputs(q, cache, lengths, configs, dtype)
   if outs is None:
     return
@@ -196,11 +203,17 @@ def test_mosaic_attention(name, b, hkv, group, d, s, lengths, capacity, dtype):
   np.testing.assert_array_equal(outs[shuffle_twin], outs[twins[0]])
   np.testing.assert_array_equal(outs[narrow_twin], outs[twins[0]])
   np.testing.assert_array_equal(outs[barrier_twin], outs[twins[0]])
+  np.testing.assert_array_equal(outs[mask_twin], outs[twins[0]])
   ulp = 2.0 ** -(7 if dtype == jnp.bfloat16 else 10)  # one unit, relative
   for other in (twins[1], byte_twin):
     a, b = outs[twins[0]], outs[other]
     np.testing.assert_array_less(np.abs(a - b), ulp * np.maximum(np.abs(a), np.abs(b)) + 1e-30,
                                  err_msg=f"{other=}")
+  # float32 rounding of sums whose terms are as large as V (where the output
+  # cancels to ~1e-4, a unit of its float32 sums is a few float16 units there):
+  # within 2**-16 of the output's scale, far below the quantization error (_TOL)
+  np.testing.assert_allclose(outs[rescale_twin], outs[twins[0]], rtol=ulp,
+                             atol=2.0 ** -16 * np.abs(ref).max())
   # And through the public entry point with the default config.
   got = jaxkv.decode_attention(q, cache, implementation="mosaic")
   err2 = np.abs(np.asarray(got, np.float64) - ref).max() / np.abs(ref).max()
