@@ -41,6 +41,7 @@ bfloat16 cache's dtype per call, as in the Triton VQ kernel).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -351,8 +352,13 @@ def auto_config(*, q_rows: int, head_dim: int, k_spec: VQSideSpec, v_spec: VQSid
          and capacity % 128 == 0 and token_group % 128 == 0 and residual % 128 == 0
          and smem(2) <= _SMEM_LIMIT)
   stages = max(st for st in (2, 3, 4) if smem(st) <= _SMEM_LIMIT) if two else 4
-  return default_config(batch=batch, tokens=capacity, kv_heads=kv_heads, num_sms=num_sms,
-                        two_warpgroups=two, stages=stages, residual=residual)
+  config = default_config(batch=batch, tokens=capacity, kv_heads=kv_heads, num_sms=num_sms,
+                          two_warpgroups=two, stages=stages, residual=residual)
+  # Unmasked packed steps (`MosaicAttentionConfig.edge_masks`) for vectors of
+  # >= 4 channels: H200, main kernel us, cq2 90.6 vs 92.6 at (1, 131072, 32,
+  # 8), 178.6 vs 181.9 at (8, 32768); cq4 (2-channel vectors) lost with them,
+  # 111.8 vs 107.4 and 221.9 vs 212.1 (`attention-ab-vq-edge-masks-20261129-*`)
+  return dataclasses.replace(config, edge_masks=min(k_spec.vector, v_spec.vector) >= 4)
 
 
 @functools.partial(jax.jit, static_argnames=("k_spec", "v_spec", "token_group", "config",
