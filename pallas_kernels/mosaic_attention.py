@@ -225,8 +225,8 @@ class MosaicAttentionConfig:
     register V operand: 69.5 vs 73.5 us at (1, 131072), 133.9 vs 148.7 at
     (8, 32768); 29.1 vs 26.7 at (1, 32768), 4 blocks per split, so 64
     there); 4 stages unless both sides are 8-bit (int8 lost 10-25 % with 4,
-    k8v4 gained 2-5 %), but 2 for kivi4 (and V built after the softmax in
-    128-token blocks at <= 64 (sequence, kv head) pairs); K scale pairs shared
+    k8v4 gained 2-5 %), but 2 for kivi4; the lazy rescale (``lazy_rescale``)
+    except for kivi4 in 128-token blocks over <= 8 pairs; K scale pairs shared
     by warp shuffles (``shuffle_scales``) for 2-bit and 4-bit K (in 128-token
     blocks only over at most 64 (sequence, kv head) pairs). Over more than 64
     pairs, kivi4 whose 4-per-SM split count would fill its last wave at the 2
@@ -312,11 +312,11 @@ class MosaicAttentionConfig:
     # (H100, kernel us: (8, 32768) 114.4 vs 123.9 early, (96, 32768) 1208 vs
     # 1295; at (1, 131072) 57.4 vs 56.5)
     early_v = not (v_bits <= 2 and heads >= 64)
-    if kivi4_wide:
-      # 4-bit K and V in 128-token blocks at small batch: V after the softmax, 2
-      # stages (H100, kernel us: (1, 131072) 61.6 vs 63.0, (8, 32768) 120.1 vs
-      # 125.8; (96, 32768) 1282 vs 1272, so not there)
-      early_v = False
+    # 4-bit K and V in 128-token blocks at small batch built V after the softmax
+    # (H100, kernel us: (1, 131072) 61.6 vs 63.0, (8, 32768) 120.1 vs 125.8)
+    # until the unmasked packed steps: now early (H200, main kernel us: (1,
+    # 131072) 44.6 vs 45.2, (1, 32768) 14.7 vs 15.1, (8, 32768) 84.4 vs 87.4;
+    # `attention-ab-kivi4-wide-early-v-20261129-*`)
     if (k_bits, v_bits) == (4, 4):
       # 2 stages at any batch and block size since the byte-mask codes (H100,
       # whole call us, 4 vs 2 stages: (1, 32768) 25.9 vs 24.6, (48, 32768)
@@ -352,11 +352,12 @@ class MosaicAttentionConfig:
     # (`attention-ab-k8v4-byte-masks-20261126-*`). Without byte masks kivi2
     # lost with subnormal codes on either side (1304 vs 1226 at (96, 32768)).
     # So the fields' defaults (on) stand for every format.
-    # 4-bit K and V in 128-token blocks at small batch keep the plain rescale:
-    # the lazy one gave (1, 131072) 45.5 vs 45.1 us, rescale without edge masks
-    # 48.6 vs 46.8, (8, 32768) equal (H200, main kernel; 0.2-1 % faster for
-    # the other shapes and kivi2; `attention-ab-edge-masks-lazy-rescale-20261129-*`)
-    lazy_rescale = not kivi4_wide
+    # 4-bit K and V in 128-token blocks over <= 8 (sequence, kv head) pairs keep
+    # the plain rescale: the lazy one gave (1, 131072) 45.8 vs 45.2 us, 15.2 vs
+    # 15.1 at (1, 32768), but 85.7 vs 87.4 at (8, 32768) (H200, main kernel;
+    # 0.2-1 % faster for kivi2 and at large batch;
+    # `attention-ab-edge-masks-lazy-rescale-20261129-*`, `-kivi4-wide-early-v-`)
+    lazy_rescale = not (kivi4_wide and heads <= 8)
     return cls(block_k=block_k, num_splits=splits, max_concurrent_steps=stages, early_v=early_v,
                shuffle_scales=shuffle, lazy_rescale=lazy_rescale)
 

@@ -329,9 +329,11 @@ def test_default_config_per_format(name, tokens, block_k, stages):
       batch=1, tokens=tokens, kv_heads=8, k_bits=fmt.k_bits, v_bits=fmt.v_bits,
       token_group=fmt.token_group, residual=fmt.residual)
   assert (config.block_k, config.max_concurrent_steps) == (block_k, stages)
-  # 4-bit or 2-bit K and V: subnormal codes; kivi4 in 128-token blocks at small batch V after the softmax
+  # 4-bit or 2-bit K and V: subnormal codes; V built while the score MMA runs
   assert config.subnormal_k and config.subnormal_v and config.byte_masks
-  assert config.early_v == (name != "kivi4" or block_k == 64)
+  assert config.early_v
+  # the plain rescale for kivi4 in 128-token blocks of a single sequence
+  assert config.lazy_rescale == (name != "kivi4" or block_k == 64)
   # K scale pairs by warp shuffles: 2-bit K, and 4-bit K (in 128-token blocks up
   # to 64 (sequence, kv head) pairs: here 8)
   assert config.shuffle_scales == (fmt.k_bits in (2, 4))
@@ -385,13 +387,12 @@ def test_default_splits_follow_the_documented_rule(name, batch, tokens, splits):
   assert config.num_splits == splits
   assert tokens // config.block_k >= 4 * config.num_splits
   # 2-bit V is built after the softmax from 64 (sequence, kv head) pairs on, 4-bit V
-  # in 128-token blocks up to 64 pairs
+  # in 128-token blocks where over 64 pairs they run 3 per SM
   late = (batch * 8 >= 64 if fmt.v_bits <= 2
-          else name == "kivi4" and config.block_k == 128
-          and (batch * 8 <= 64 or batch in (24, 48, 100)))
+          else name == "kivi4" and config.block_k == 128 and batch in (24, 48, 100))
   assert config.early_v == (not late)
-  if name == "kivi4" and config.block_k == 128:
-    assert config.shuffle_scales == late
+  if name == "kivi4" and config.block_k == 128:  # shuffled scales up to 64 pairs and when late
+    assert config.shuffle_scales == (batch * 8 <= 64 or late)
 
 
 @pytest.mark.parametrize("name,dtype,head_dim,first", [
