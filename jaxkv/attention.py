@@ -162,6 +162,11 @@ def _check_q_cache(q, cache: KVCache):
 def _triton_supported(q, cache, view: str = "target") -> tuple[bool, str]:
   del view  # the Triton family reads both views of every format it takes
   import pallas_kernels  # pylint: disable=import-outside-toplevel
+  from pallas_kernels import _triton  # pylint: disable=import-outside-toplevel
+  # arrays the Triton lowering would address wrongly (1-byte codes of 2-4 GiB)
+  why = _triton.offsets_overflow(*jax.tree_util.tree_leaves(cache))
+  if why:
+    return False, why
   # A sink format: `decode_attention` attends the prefix [0, skip) itself
   # (`jaxkv.sink_attention`, skip a multiple of the config's block_k >= S).
   return pallas_kernels.supports(cache.fmt, head_dim=cache.head_dim,

@@ -93,7 +93,7 @@ class QuantizedKV:
     if self.hierarchical:  # no pack kernel for two planes yet: the jnp reference
       return hierarchical.quantize(x, axis=self.axis, group=self.group, block=self.plane_block,
                                    scale_dtype=scale_dtype)
-    if use_kernel:
+    if use_kernel and _pack_addressable(x, self.bits):
       # Compiled on a GPU, Pallas interpret mode elsewhere (same bits, slowly).
       from pallas_kernels import quantize_pack
       b, h, t, d = x.shape
@@ -406,6 +406,15 @@ def _jitted_extend(cls):
   return _JITTED[cls]
 
 
+def _pack_addressable(x: jax.Array, bits: int) -> bool:
+  """Whether the pack kernel's input ``x [B, H, T, D]`` and its codes are arrays
+  the Triton lowering addresses right (`pallas_kernels._triton.offsets_overflow`;
+  otherwise the jnp quantizer, the same bits)."""
+  from pallas_kernels._triton import offsets_overflow  # pylint: disable=import-outside-toplevel
+  codes = jax.ShapeDtypeStruct((*x.shape[:-1], x.shape[-1] * bits // 8), jnp.uint8)
+  return offsets_overflow(x, codes) is None
+
+
 def quantize_kv(k_side: QuantizedKV, v_side: QuantizedKV, xk: jax.Array, xv: jax.Array,
                 scale_dtype: str, *, use_kernel: bool = False, active: jax.Array | None = None):
   """Both sides' ``(codes, scale, zero)`` of ``xk``/``xv [B, H, T, D]`` (a flush).
@@ -414,7 +423,8 @@ def quantize_kv(k_side: QuantizedKV, v_side: QuantizedKV, xk: jax.Array, xv: jax
   launch packs K and V (`pallas_kernels.pack.quantize_pack_kv`); otherwise
   `QuantizedKV.quantize` per side. The same bits either way.
   """
-  if not (use_kernel and k_side.fuses_with(v_side)):
+  if not (use_kernel and k_side.fuses_with(v_side) and _pack_addressable(xk, k_side.bits)
+          and _pack_addressable(xv, v_side.bits)):
     return (k_side.quantize(xk, scale_dtype, use_kernel=use_kernel, active=active),
             v_side.quantize(xv, scale_dtype, use_kernel=use_kernel, active=active))
   from pallas_kernels.pack import quantize_pack_kv

@@ -60,6 +60,7 @@ from jaxkv.cache import (KVCache, QuantizedKV, ResidualBlockCache, check_int, fl
 from jaxkv import vq
 from jaxkv.formats import KVFormat
 from pallas_kernels import residual_write, token_append
+from pallas_kernels._triton import offsets_overflow
 
 
 def _static(**kw):
@@ -455,8 +456,12 @@ class ModelCache:
       return (*operands[:2], jnp.zeros_like(flushing))
 
     on_gpu = jax.default_backend() == "gpu"
+    # (not where the Triton lowering would address the stacked arrays wrongly:
+    # 1-byte codes of 2-4 GiB, `pallas_kernels._triton.offsets_overflow`)
     kernel = ((self.use_kernel or on_gpu) and isinstance(index, (int, np.integer))
-              and residual_write.supported(self.k_residual.shape))
+              and residual_write.supported(self.k_residual.shape)
+              and offsets_overflow(*jax.tree_util.tree_leaves(
+                  (self.k, self.v, self.k_residual, self.v_residual))) is None)
     row = jnp.where(plan.num_new > 0, res_len, r)                       # [B]; r: none
     sides = (self.k, self.v)
     if kernel and all(isinstance(s, QuantizedKV) and not s.hierarchical for s in sides):

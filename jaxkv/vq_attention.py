@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jaxkv.vq_cache import VQCache
 from pallas_kernels import mosaic_attention as mosaic_kernel
 from pallas_kernels import vq_attention as vq_kernel
-from pallas_kernels._triton import sink_skip
+from pallas_kernels._triton import offsets_overflow, sink_skip
 
 _NAMES = ("reference", "xla", "triton", "mosaic", "pallas")
 
@@ -52,6 +52,9 @@ def _check_q(q, cache: VQCache):
 def kernel_supports(q, cache: VQCache) -> tuple[bool, str]:
   """Whether the fused VQ kernel serves this query and cache (a sink format: with
   the prefix attended beside it, `jaxkv.sink_attention`)."""
+  why = offsets_overflow(*jax.tree_util.tree_leaves(cache))
+  if why:
+    return False, why
   sinks = cache.fmt.sink_tokens
   return vq_kernel.supports(
       head_dim=cache.head_dim, k_spec=cache.fmt.spec("k"), v_spec=cache.fmt.spec("v"),

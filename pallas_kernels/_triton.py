@@ -23,6 +23,52 @@ def compiler_params(*, num_warps: int, num_stages: int):
   return _COMPILER_PARAMS_CLS(num_warps=num_warps, num_stages=num_stages)
 
 
+def offsets_overflow(*arrays) -> str | None:
+  """Why the Pallas Triton lowering would address one of ``arrays`` (arrays or
+  `jax.ShapeDtypeStruct`s; entries without a shape are skipped) at wrong
+  places, or None.
+
+  The lowering computes a ref's element offsets in int32 unless the array
+  holds more than 2**32 bytes, so an array of more than 2**31 elements and at
+  most 2**32 bytes (1-byte codes of 2-4 GiB) overflows them: loads and stores
+  land at wrong addresses, silently (jax 0.10.2 and 0.11.2,
+  `jax/_src/pallas/triton/lowering.py`; H200, 2026-11-29: a kivi4 cache of 160
+  sequences x 32768 tokens, 2.7 GB of codes per side, read sequences 130 and
+  on with errors of 0.2-0.3 while the Mosaic kernel read them right).
+  """
+  for x in arrays:
+    shape = getattr(x, "shape", None)
+    if shape is None or not hasattr(x, "dtype"):
+      continue
+    size = int(np.prod(shape, dtype=np.int64))
+    nbytes = size * jnp.dtype(x.dtype).itemsize
+    if size > 2**31 and nbytes <= 2**32:
+      return (f"a {jnp.dtype(x.dtype).name} array of shape {tuple(shape)} ({nbytes} bytes): "
+              f"Pallas Triton addresses arrays of more than 2**31 elements and at most 2**32 "
+              f"bytes with 32-bit offsets that overflow")
+  return None
+
+
+def check_offsets(*arrays) -> None:
+  """ValueError naming the array when `offsets_overflow` finds one."""
+  why = offsets_overflow(*arrays)
+  if why:
+    raise ValueError(f"{why}; use implementation='mosaic' or 'xla' (or another cache size)")
+
+
+def pallas_call(kernel, **kwargs):
+  """`pl.pallas_call` whose call first refuses (`check_offsets`) any operand or
+  output the Triton lowering would address wrongly; every Pallas Triton kernel
+  of this package launches through it."""
+  call = pl.pallas_call(kernel, **kwargs)
+
+  def checked(*args):
+    check_offsets(*jax.tree.leaves(args), *jax.tree.leaves(kwargs.get("out_shape")))
+    return call(*args)
+
+  return checked
+
+
 def is_int(value) -> bool:
   """Whether ``value`` is a Python or numpy integer (not a bool)."""
   return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))

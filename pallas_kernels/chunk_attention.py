@@ -218,7 +218,7 @@ def pallas_chunk_attention(q: jax.Array, k_hist: jax.Array, v_hist: jax.Array,
   kernel = functools.partial(_kernel, scale=float(scale), block_q=block_q, block_k=block_k)
   kv_spec = lambda n: pl.BlockSpec((None, n, None, d), lambda bb, h, i: (bb, 0, h // g, 0))  # noqa: E731
   q_spec = pl.BlockSpec((None, block_q, None, d), lambda bb, h, i: (bb, i, h, 0))
-  out = pl.pallas_call(
+  out = _triton.pallas_call(
       kernel,
       grid=(b, hq, cp // block_q),
       in_specs=[pl.BlockSpec((None,), lambda bb, h, i: (bb,)), q_spec,

@@ -164,7 +164,7 @@ def combine_t(o_t: jax.Array, l: jax.Array, m: jax.Array, *, rows: int, packed_r
                              rows=rows, width=width, permuted=permuted, plain_tail=plain_tail,
                              query=query)
   o_flat = o_t.reshape(batch, heads, num_parts, head_dim * width)  # free
-  return pl.pallas_call(
+  return _triton.pallas_call(
       kernel,
       grid=(batch, heads, head_dim // dblk),
       in_specs=[

@@ -1175,7 +1175,7 @@ def _dequant_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_z
     rest = refs[num_k + num_v:]
     kernel(lengths_ref, scale_ref, q_ref, *k_refs, *v_refs, *rest)
 
-  o_part, l_part, m_part = pl.pallas_call(
+  o_part, l_part, m_part = _triton.pallas_call(
       kernel_with_nones,
       grid=(batch, kv_heads, num_parts),
       in_specs=in_specs,
@@ -1224,7 +1224,7 @@ def _dequant_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_z
     in_specs += [pl.BlockSpec((None, None, rows, head_dim), lambda b, h, d: (b, h, 0, 0)),
                  pl.BlockSpec((1,), lambda b, h, d: (b,))]
     combine_in += [qh, seq_bad.astype(jnp.int32)]
-  outs = pl.pallas_call(
+  outs = _triton.pallas_call(
       functools.partial(_combine_kernel, parts_block=parts_block, poison=poison),
       grid=(batch, kv_heads, head_dim // dblk),
       in_specs=in_specs,

@@ -203,7 +203,7 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, zero: jax.Arr
   x_rows = 1 if rows == 1 else m
   x2 = jnp.pad(x.reshape(rows, n_in), ((0, x_rows - rows), (0, 0)))
   bn, splits = config.block_n, config.num_splits
-  part = pl.pallas_call(
+  part = _triton.pallas_call(
       functools.partial(_kernel, group=group, groups_per_split=groups // splits,
                         code_dtype=code_dtype, use_asm=not interpret),
       grid=(n_out // bn, splits),

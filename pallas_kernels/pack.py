@@ -262,7 +262,7 @@ def quantize_pack(
     # Each program writes only its byte columns of the codes and the channels
     # that pack into them of scale/zero; whole rows are in its blocks, and
     # writes outside its columns do not happen, so programs never overlap.
-    codes, scale, zero = pl.pallas_call(
+    codes, scale, zero = _triton.pallas_call(
         kernel,
         grid=(n, ngroups, packed_dim // block_w),
         in_specs=[pl.BlockSpec((None, group, head_dim), lambda i, t, j: (i, t, 0)),
@@ -291,7 +291,7 @@ def quantize_pack(
     x3 = jnp.pad(x3, ((0, 0), (0, padded - tokens), (0, 0)))
   kernel = functools.partial(
       gate(_pack_per_token_kernel), bits=bits, channel_group=group)
-  codes, scale, zero = pl.pallas_call(
+  codes, scale, zero = _triton.pallas_call(
       kernel,
       grid=(n, padded // block_t),
       in_specs=[pl.BlockSpec((None, block_t, head_dim), lambda i, t: (i, t, 0)),
@@ -471,7 +471,7 @@ def quantize_pack_kv(
       _pack_kv_kernel, k_programs=k_programs, k_columns=k_columns, k_kernel=k_kernel,
       v_kernel=functools.partial(_pack_per_token_kernel, bits=v_bits, channel_group=v_group),
       gated=active is not None)
-  outs = pl.pallas_call(
+  outs = _triton.pallas_call(
       kernel,
       grid=(n, k_programs + v_blocks),
       in_specs=[k_in, v_in, *extra_specs],

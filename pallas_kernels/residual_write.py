@@ -100,7 +100,7 @@ def write_token_rows(k_residual, v_residual, k_new, v_new, row, clear, *, layer:
   token = pl.BlockSpec((None, h, d), lambda i: (i, 0, 0))
   block = pl.BlockSpec((None, None, h, r, d), lambda i: (layer, i, 0, 0, 0))
   anywhere = [pl.BlockSpec(memory_space=pl.ANY)] * len(after)
-  k_out, v_out, bad = pl.pallas_call(
+  k_out, v_out, bad = _triton.pallas_call(
       functools.partial(_kernel, rows=r, heads=h),
       grid=(b,),
       in_specs=[flags, token, token, block, block, *anywhere],

@@ -205,7 +205,7 @@ def sink_prefix_attention(q, kv, lengths, packed_len, o, lse, *, scale, seq_bad=
   kernel = functools.partial(_kernel, n=n, block_n=block_n, rows=rows,
                              num_queries=num_queries, group=group, q_heads=q_heads,
                              head_dim=head_dim)
-  out, lse_out = pl.pallas_call(
+  out, lse_out = _triton.pallas_call(
       kernel,
       grid=(batch, kv_heads),
       in_specs=[per_seq, per_seq, per_seq, per_seq, flat(q_size),

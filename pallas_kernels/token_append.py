@@ -214,7 +214,7 @@ def append_token(k_residual, v_residual, k_new, v_new, row, clear, start, k_pack
   stacked = (k_residual, v_residual, *k_packed, *v_packed)
   specs = [whole(x) for x in stacked]
   first = 4  # code, start, k_new, v_new
-  out = pl.pallas_call(
+  out = _triton.pallas_call(
       functools.partial(_kernel, rows=r, heads=h, k_side=k_side, v_side=v_side,
                         nk=len(k_packed), nv=len(v_packed), block_t=min(64, r),
                         barrier=not interpret),

@@ -504,7 +504,7 @@ def vq_decode_attention(
       _vq_split_kernel, k_layout=k_layout, v_layout=v_layout, token_group=token_group,
       residual=residual, num_queries=num_queries, num_splits=num_parts, block_k=block_k,
       res_block=res_block, skip_tokens=skip_tokens)
-  o_part, l_part, m_part = pl.pallas_call(
+  o_part, l_part, m_part = _triton.pallas_call(
       kernel,
       grid=(batch, kv_heads, num_parts),
       in_specs=[per_seq, per_seq, per_head(qh), per_head(k_codes), codebook_spec(k_flat),

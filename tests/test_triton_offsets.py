@@ -1,0 +1,102 @@
+"""Arrays the Pallas Triton lowering would address wrongly are refused.
+
+The lowering computes element offsets in int32 unless an array holds more than
+2**32 bytes, so 1-byte arrays of 2-4 GiB overflow them (`_triton.offsets_overflow`;
+a kivi4 cache of 160 x 32768 tokens read wrong values on an H200). Every Triton
+launch refuses them with a ValueError, and the dispatchers fall back to a path
+that reads them right. Shapes only (`jax.eval_shape`): nothing of that size is
+allocated.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv import attention as attn
+from jaxkv.cache import QuantizedKV, _pack_addressable
+from jaxkv.formats import KVFormat
+from jaxkv.model_cache import ModelCache
+import pallas_kernels as pk
+from pallas_kernels import _triton
+
+S = jax.ShapeDtypeStruct
+BIG_B = 136  # kivi4, 8 kv heads, 32768 tokens, D 128: 2.28e9 bytes of codes per side
+
+
+@pytest.mark.parametrize("shape,dtype,bad", [
+    ((2**31,), jnp.uint8, False),            # last offset 2**31 - 1: fits
+    ((2**31 + 64,), jnp.uint8, True),
+    ((2**32,), jnp.int8, True),              # 2**32 bytes: still 32-bit offsets
+    ((2**32 + 1,), jnp.uint8, False),        # > 2**32 bytes: 64-bit offsets
+    ((2**31 + 2,), jnp.bfloat16, False),     # > 2**32 bytes
+    ((2**30 + 1,), jnp.bfloat16, False),     # < 2**31 elements
+    ((BIG_B, 8, 32768, 64), jnp.uint8, True),
+])
+def test_offsets_overflow_window(shape, dtype, bad):
+  why = _triton.offsets_overflow(S(shape, dtype), None, 3)
+  assert (why is not None) == bad
+  if bad:
+    assert str(tuple(shape)) in why and "2**31" in why
+    with pytest.raises(ValueError, match="implementation='mosaic' or 'xla'"):
+      _triton.check_offsets(S(shape, dtype))
+
+
+def _kivi4_cache_shapes(batch):
+  fmt = KVFormat.preset("kivi4")
+  return fmt, jax.eval_shape(functools.partial(
+      jaxkv.KVCache.init, fmt, batch, 8, 128, 32768, jnp.bfloat16))
+
+
+def test_triton_kernel_refuses_before_launch():
+  fmt, cache = _kivi4_cache_shapes(BIG_B)
+  q = S((BIG_B, 1, 32, 128), jnp.bfloat16)
+  args = (q, cache.k.codes, cache.k.scale, cache.k.zero, cache.v.codes, cache.v.scale,
+          cache.v.zero, cache.k_residual, cache.v_residual, cache.lengths)
+  with pytest.raises(ValueError, match=r"\(136, 8, 32768, 64\).*2\*\*31"):
+    jax.eval_shape(functools.partial(pk.dequant_decode_attention, fmt=fmt), *args)
+
+
+def test_dispatch_does_not_pick_triton_for_such_a_cache():
+  _, cache = _kivi4_cache_shapes(BIG_B)
+  q = S((BIG_B, 1, 32, 128), jnp.bfloat16)
+  ok, why = attn._triton_supported(q, cache)  # pylint: disable=protected-access
+  assert not ok and "2**31" in why
+  # a cache half that size is served
+  _, small = _kivi4_cache_shapes(BIG_B // 2)
+  ok, _ = attn._triton_supported(S((BIG_B // 2, 1, 32, 128), jnp.bfloat16), small)
+  assert ok
+  with pytest.raises(ValueError, match="2\\*\\*31"):
+    jax.eval_shape(lambda q, c: jaxkv.decode_attention(q, c, implementation="triton"), q, cache)
+
+
+def test_pack_kernel_left_for_the_jnp_quantizer():
+  # a flush block whose 4-bit codes would be 2.28e9 bytes: the jnp quantizer
+  x = S((BIG_B, 8, 32768, 128), jnp.bfloat16)
+  assert not _pack_addressable(x, 4)
+  assert _pack_addressable(S((BIG_B // 2, 8, 32768, 128), jnp.bfloat16), 4)
+  side = _kivi4_cache_shapes(BIG_B)[1].v  # 4-bit codes per token
+  assert isinstance(side, QuantizedKV)
+  out = jax.eval_shape(lambda x: side.quantize(x, "float16", use_kernel=True), x)
+  assert out[0].shape == (BIG_B, 8, 32768, 64) and out[0].dtype == jnp.uint8
+
+
+def test_model_cache_append_leaves_the_kernels():
+  # 32 layers x 8 sequences x 32768 tokens of 4-bit codes: 2**32 bytes per side
+  cache = jax.eval_shape(lambda: ModelCache.init("kivi4", 32, 8, 8, 128, 32768,
+                                                 use_kernel=True))
+  assert _triton.offsets_overflow(cache.k.codes) is not None
+  k = S((8, 1, 8, 128), jnp.bfloat16)
+
+  def step(cache, k):
+    plan = cache.plan_append(jnp.ones((8,), jnp.int32))
+    return cache.append_layer(31, k, k, plan)
+
+  out = jax.eval_shape(step, cache, k)  # the kernels would raise: the XLA write is taken
+  assert out.k.codes.shape == cache.k.codes.shape
+  assert np.dtype(out.k.codes.dtype) == np.uint8
