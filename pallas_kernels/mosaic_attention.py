@@ -230,9 +230,8 @@ class MosaicAttentionConfig:
     by warp shuffles (``shuffle_scales``) for 2-bit and 4-bit K (in 128-token
     blocks only over at most 64 (sequence, kv head) pairs). Over more than 64
     pairs, kivi4 whose 4-per-SM split count would fill its last wave at the 2
-    per SM it runs at (V built early: 171-172 registers) under 90 % takes V
-    after the softmax and shuffled scales instead (163-170 registers: 3 per
-    SM) with at least 2 splits (the packed programs are counted; the short
+    per SM it runs at (171-172 registers) under 90 % takes shuffled scales
+    instead (162-170 registers: 3 per SM) with at least 2 splits (the packed programs are counted; the short
     residual program of each pair is not).
 
     Programs: the split counts assume 4 per SM for 4-bit K and V (3 in
@@ -308,15 +307,17 @@ class MosaicAttentionConfig:
     stages = 3 if k_bits >= 8 and v_bits >= 8 else 4
     if min(k_bits, v_bits) <= 2 and block_k == 128:
       stages = 2
-    # 2-bit V built after the softmax once several sequences share the GPU
-    # (H100, kernel us: (8, 32768) 114.4 vs 123.9 early, (96, 32768) 1208 vs
-    # 1295; at (1, 131072) 57.4 vs 56.5)
-    early_v = not (v_bits <= 2 and heads >= 64)
-    # 4-bit K and V in 128-token blocks at small batch built V after the softmax
-    # (H100, kernel us: (1, 131072) 61.6 vs 63.0, (8, 32768) 120.1 vs 125.8)
-    # until the unmasked packed steps: now early (H200, main kernel us: (1,
-    # 131072) 44.6 vs 45.2, (1, 32768) 14.7 vs 15.1, (8, 32768) 84.4 vs 87.4;
-    # `attention-ab-kivi4-wide-early-v-20261129-*`)
+    # V is built while the score MMA runs. 2-bit V over >= 64 (sequence, kv
+    # head) pairs (H100, kernel us: (8, 32768) 114.4 vs 123.9, (96, 32768) 1208
+    # vs 1295) and 4-bit K and V in 128-token blocks (H100: (1, 131072) 61.6 vs
+    # 63.0) were built after the softmax until the unmasked packed steps
+    # (`edge_masks`) freed their registers; since, early wins (H200, main
+    # kernel us, early vs late: kivi2 (8, 32768) 81.2 vs 83.9, (48, 32768) 444.7
+    # vs 455.5, (160, 32768) 1405.7 vs 1443.5; kivi4 (1, 131072) 44.6 vs 45.2,
+    # (1, 32768) 14.7 vs 15.1, (8, 32768) 84.4 vs 87.4, (48, 32768) 452.0 vs
+    # 464.0; `attention-ab-kivi4-wide-early-v-20261129-*`,
+    # `attention-ab-k-scale-in-q-early-v-large-batch-20261129-*`)
+    early_v = True
     if (k_bits, v_bits) == (4, 4):
       # 2 stages at any batch and block size since the byte-mask codes (H100,
       # whole call us, 4 vs 2 stages: (1, 32768) 25.9 vs 24.6, (48, 32768)
@@ -330,10 +331,11 @@ class MosaicAttentionConfig:
     # 2-per-SM split count above.
     shuffle = k_bits == 2 or (k_bits == 4 and block_k == 64) or kivi4_wide
     if (k_bits, v_bits) == (4, 4) and block_k == 128 and heads > 64:
-      # Over more than 64 pairs, V built early keeps them at 171-172 registers
-      # (2 per SM); where those split counts fill their last wave at 2 per SM
-      # poorly (< 90 %), shuffled scales with V after the softmax run 3 per SM
-      # (163-170 registers), at least 2 splits (H100, whole call us: (48,
+      # Over more than 64 pairs, unshuffled scales kept them at 171-172 registers
+      # (2 per SM, with V early); where those split counts fill their last wave
+      # at 2 per SM poorly (< 90 %), shuffled scales (and, before the unmasked
+      # packed steps, V after the softmax) run 3 per SM (163-170 registers; 166
+      # with V early since), at least 2 splits (H100, whole call us: (48,
       # 32768) 624.9 (2 splits) vs 659.8 (3, the 2-per-SM count; 1.87 waves of
       # its 4.36 used), (100, 32768) 1274.0 vs 1324.4; where the count fills
       # its waves, it stays: (16 / 32 / 64, 32768) 216.0 / 416.0 / 822.9 vs
@@ -342,7 +344,7 @@ class MosaicAttentionConfig:
       programs, two_per_sm = heads * splits, 2 * num_sms
       if programs * 10 < -(-programs // two_per_sm) * two_per_sm * 9:
         splits = max(one_wave(3 * num_sms, heads, blocks, block_k), min(2, blocks // 4))
-        early_v, shuffle = False, True
+        shuffle = True
     # Subnormal codes for 4-bit K and V (H100, kernel us, kivi4: 68.4 vs 70.4 at
     # (1, 131072), 132.3 vs 134.8 at (8, 32768), 1291 vs 1342 at (96, 32768)),
     # and with byte masks (one shift per word) for 2-bit too: whole call, H100,

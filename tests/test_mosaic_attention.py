@@ -378,21 +378,20 @@ def test_default_splits_follow_the_documented_rule(name, batch, tokens, splits):
   slots idle (large batches); never fewer than 4 blocks per split. kivi4 over
   more than 64 pairs whose 4-per-SM count fills its last wave at the 2 per SM
   it runs at under 90 % (24 sequences: 6 splits, 1152 programs in 5 waves of
-  264; 48: 3, 1152; 100: 2, 1600 in 7) runs 3 per SM instead (V after the
-  softmax, shuffled scales), at least 2 splits."""
+  264; 48: 3, 1152; 100: 2, 1600 in 7) runs 3 per SM instead (shuffled
+  scales), at least 2 splits; V is built early everywhere."""
   fmt = _fmt(name)
   config = ma.MosaicAttentionConfig.default(
       batch=batch, tokens=tokens, kv_heads=8, k_bits=fmt.k_bits, v_bits=fmt.v_bits,
       token_group=fmt.token_group, residual=fmt.residual)
   assert config.num_splits == splits
   assert tokens // config.block_k >= 4 * config.num_splits
-  # 2-bit V is built after the softmax from 64 (sequence, kv head) pairs on, 4-bit V
-  # in 128-token blocks where over 64 pairs they run 3 per SM
-  late = (batch * 8 >= 64 if fmt.v_bits <= 2
-          else name == "kivi4" and config.block_k == 128 and batch in (24, 48, 100))
-  assert config.early_v == (not late)
-  if name == "kivi4" and config.block_k == 128:  # shuffled scales up to 64 pairs and when late
-    assert config.shuffle_scales == (batch * 8 <= 64 or late)
+  # V is built while the score MMA runs
+  assert config.early_v
+  # 4-bit K in 128-token blocks: shuffled scales up to 64 pairs and where over 64
+  # pairs they run 3 per SM
+  if name == "kivi4" and config.block_k == 128:
+    assert config.shuffle_scales == (batch * 8 <= 64 or batch in (24, 48, 100))
 
 
 @pytest.mark.parametrize("name,dtype,head_dim,first", [
