@@ -10,6 +10,7 @@ allocated.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -100,3 +101,41 @@ def test_model_cache_append_leaves_the_kernels():
   out = jax.eval_shape(step, cache, k)  # the kernels would raise: the XLA write is taken
   assert out.k.codes.shape == cache.k.codes.shape
   assert np.dtype(out.k.codes.dtype) == np.uint8
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="allocates ~6 GB on a GPU")
+def test_large_cache_read_right_by_default_on_gpu():
+  """A kivi4 cache of 136 sequences x 32768 tokens (2.28e9 bytes of codes per
+  side): forced Triton refuses it; the default path (Mosaic on Hopper, else
+  the XLA path) gives the spec's output for a sequence below the 2**31-th byte
+  and one past it (sequence 135; Triton read those wrong, H200 2026-11-29)."""
+  from pallas_kernels.dequant_attention import dequant_decode_attention_reference
+  fmt = KVFormat.preset("kivi4")
+  b, t = BIG_B, 32768
+  cache = jaxkv.KVCache.init(fmt, b, 8, 128, t, jnp.bfloat16)
+  keys = iter(jax.random.split(jax.random.PRNGKey(3), 8))
+
+  def side(s):
+    codes = jax.random.randint(next(keys), s.codes.shape, 0, 256, jnp.int32).astype(jnp.uint8)
+    scale = jax.random.uniform(next(keys), s.scale.shape, jnp.float32, 0.03, 0.1)
+    zero = jax.random.uniform(next(keys), s.zero.shape, jnp.float32, -1.0, 0.0)
+    return dataclasses.replace(s, codes=codes, scale=scale.astype(s.scale.dtype),
+                               zero=zero.astype(s.zero.dtype))
+
+  cache = dataclasses.replace(
+      cache, k=side(cache.k), v=side(cache.v),
+      k_residual=jax.random.normal(next(keys), cache.k_residual.shape, jnp.bfloat16),
+      v_residual=jax.random.normal(next(keys), cache.v_residual.shape, jnp.bfloat16),
+      lengths=jnp.full((b,), t - 7, jnp.int32))
+  q = jax.random.normal(next(keys), (b, 1, 32, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"2\*\*31"):
+    jaxkv.decode_attention(q, cache, implementation="triton")
+  out = np.asarray(jaxkv.decode_attention(q, cache), np.float64)
+  for s in (0, b - 1):
+    arrays = [x[s:s + 1] for x in (cache.k.codes, cache.k.scale, cache.k.zero, cache.v.codes,
+                                  cache.v.scale, cache.v.zero, cache.k_residual,
+                                  cache.v_residual)]
+    ref = np.asarray(dequant_decode_attention_reference(
+        q[s:s + 1], *arrays, cache.lengths[s:s + 1], fmt=fmt), np.float64)
+    err = np.abs(out[s:s + 1] - ref).max() / np.abs(ref).max()
+    assert err < 2e-2, f"sequence {s}: relative error {err:.2e}"
