@@ -409,9 +409,11 @@ def _jitted_extend(cls):
 def _pack_addressable(x: jax.Array, bits: int) -> bool:
   """Whether the pack kernel's input ``x [B, H, T, D]`` and its codes are arrays
   the Triton lowering addresses right (`pallas_kernels._triton.offsets_overflow`;
-  otherwise the jnp quantizer, the same bits)."""
+  otherwise the jnp quantizer, the same bits). The codes are counted with T
+  padded to the kernel's largest token block (64), as the kernel writes them."""
   from pallas_kernels._triton import offsets_overflow  # pylint: disable=import-outside-toplevel
-  codes = jax.ShapeDtypeStruct((*x.shape[:-1], x.shape[-1] * bits // 8), jnp.uint8)
+  b, h, t, d = x.shape
+  codes = jax.ShapeDtypeStruct((b, h, -(-t // 64) * 64, d * bits // 8), jnp.uint8)
   return offsets_overflow(x, codes) is None
 
 

@@ -53,7 +53,8 @@ def check_offsets(*arrays) -> None:
   """ValueError naming the array when `offsets_overflow` finds one."""
   why = offsets_overflow(*arrays)
   if why:
-    raise ValueError(f"{why}; use implementation='mosaic' or 'xla' (or another cache size)")
+    raise ValueError(f"{why} (decode attention: implementation='mosaic' or 'xla' reads it; "
+                     f"or another cache size)")
 
 
 def pallas_call(kernel, **kwargs):

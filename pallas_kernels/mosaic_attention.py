@@ -162,11 +162,12 @@ class MosaicAttentionConfig:
       covers only its own part of an MMA). Every other store comes after such
       a barrier and is followed by `plgpu.commit_smem` (a fence and a
       barrier) before a TMA or MMA reads it.
-    edge_masks: (tokens_m only) with one query per row (``q_len`` 1) and
-      blocks that tile the token group, the packed steps skip the length and
-      causal masks: the packed region ends on a block boundary and every row
-      sees all of it (a compare and select per score less; the residual
-      program keeps them). A branch on whether a block needs them instead cost
+    edge_masks: (tokens_m and both VQ kernels) with one query per row
+      (``q_len`` 1), blocks that tile the token group and ``residual >=
+      token_group``, the packed steps skip the length and causal masks: the
+      packed region ends on a block boundary and every row sees all of it
+      (`unmasked_packed_steps`; a compare and select per score less; the
+      residual program keeps them). A branch on whether a block needs them instead cost
       5-13 registers (H200, 2026-11-29: kivi4 164 -> 169, a program per SM).
     lazy_rescale: (tokens_m only) o, l and the folded zero sums are rescaled
       inside the exact branch of the running max (`new_max`) only, so the
@@ -231,12 +232,12 @@ class MosaicAttentionConfig:
     blocks only over at most 64 (sequence, kv head) pairs). Over more than 64
     pairs, kivi4 whose 4-per-SM split count would fill its last wave at the 2
     per SM it runs at (171-172 registers) under 90 % takes shuffled scales
-    instead (162-170 registers: 3 per SM) with at least 2 splits (the packed programs are counted; the short
-    residual program of each pair is not).
+    instead (162-170 registers: 3 per SM) with at least 2 splits (the packed
+    programs are counted; the short residual program of each pair is not).
 
     Programs: the split counts assume 4 per SM for 4-bit K and V (3 in
-    128-token blocks over 9-64 (sequence, kv head) pairs and in the late-V case
-    above, 2 over <= 8), 3 for
+    128-token blocks over 9-64 (sequence, kv head) pairs and in the
+    shuffled-scales case above, 2 over <= 8), 3 for
     8-bit K with 4-bit V and for 2-bit K and V (over at most 8 pairs only
     where every split keeps >= 8 blocks), 2 otherwise. Nsight Compute (H100, (1, 131072),
     2026-11-26) finds kivi4 at 4 per SM in 64-token blocks (120 registers,
@@ -316,8 +317,9 @@ class MosaicAttentionConfig:
     # vs 455.5, (160, 32768) 1405.7 vs 1443.5; kivi4 (1, 131072) 44.6 vs 45.2,
     # (1, 32768) 14.7 vs 15.1, (8, 32768) 84.4 vs 87.4, (48, 32768) 452.0 vs
     # 464.0; `attention-ab-kivi4-wide-early-v-20261129-*`,
-    # `attention-ab-k-scale-in-q-early-v-large-batch-20261129-*`)
-    early_v = True
+    # `attention-ab-k-scale-in-q-early-v-large-batch-20261129-*`; the field's
+    # default). Measured at q_len 1 only: with q_len > 1 (speculative verify)
+    # the packed steps keep their masks, and late V may win there again.
     if (k_bits, v_bits) == (4, 4):
       # 2 stages at any batch and block size since the byte-mask codes (H100,
       # whole call us, 4 vs 2 stages: (1, 32768) 25.9 vs 24.6, (48, 32768)
@@ -334,7 +336,7 @@ class MosaicAttentionConfig:
       # Over more than 64 pairs, unshuffled scales kept them at 171-172 registers
       # (2 per SM, with V early); where those split counts fill their last wave
       # at 2 per SM poorly (< 90 %), shuffled scales (and, before the unmasked
-      # packed steps, V after the softmax) run 3 per SM (163-170 registers; 166
+      # packed steps, V after the softmax) run 3 per SM (162-170 registers; 166
       # with V early since), at least 2 splits (H100, whole call us: (48,
       # 32768) 624.9 (2 splits) vs 659.8 (3, the 2-per-SM count; 1.87 waves of
       # its 4.36 used), (100, 32768) 1274.0 vs 1324.4; where the count fills
@@ -360,7 +362,7 @@ class MosaicAttentionConfig:
     # 0.2-1 % faster for kivi2 and at large batch;
     # `attention-ab-edge-masks-lazy-rescale-20261129-*`, `-kivi4-wide-early-v-`)
     lazy_rescale = not (kivi4_wide and heads <= 8)
-    return cls(block_k=block_k, num_splits=splits, max_concurrent_steps=stages, early_v=early_v,
+    return cls(block_k=block_k, num_splits=splits, max_concurrent_steps=stages,
                shuffle_scales=shuffle, lazy_rescale=lazy_rescale)
 
 
@@ -486,6 +488,17 @@ def _run_split(step, specs, gmem_refs, *, packed, j, num_splits: int, bk: int,
       body, grid=(num_blocks,), in_specs=[_shifted(spec, first) for spec in specs],
       max_concurrent_steps=max_concurrent_steps, init_carry=init_carry)
   return pipeline(*gmem_refs)
+
+
+def unmasked_packed_steps(num_queries: int, token_group: int, residual: int,
+                          block_k: int) -> bool:
+  """Whether every query row sees every token of every packed block
+  (`MosaicAttentionConfig.edge_masks`): one query per row (its causal limit
+  is ``length - 1``), blocks that tile the token group (the packed region, a
+  whole number of groups, ends on a block boundary) and ``residual >=
+  token_group`` (so ``packed <= length - residual + token_group <= length``;
+  `KVFormat` requires it, the raw kernel entries do not)."""
+  return num_queries == 1 and token_group % block_k == 0 and residual >= token_group
 
 
 def residual_parts(residual: int, block_k: int) -> int:
@@ -1234,10 +1247,8 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     qh = qh * jnp.asarray(2.0 ** mosaic_dequant.K_SHIFT, qh.dtype)
   q_tiling = (q_tf[0].tiling[1], q_tf[1].swizzle)
   nk, nv = len(k_specs), len(v_specs)
-  # One query per row and whole blocks: the packed region ends on a block
-  # boundary (the residual rule packs whole token groups) and every row sees
-  # every packed token, so the packed steps need no masks.
-  packed_unmasked = config.edge_masks and num_queries == 1 and token_group % bk == 0
+  packed_unmasked = config.edge_masks and unmasked_packed_steps(num_queries, token_group,
+                                                                residual, bk)
 
   def attend(q_smem, k_tiles, v_tiles, pt_smem, vdq_smem, carry, *, token0, valid_below,
              row_limit, q_sum, masked=True, book_smems=None, flag_smem=None,
@@ -1316,12 +1327,17 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
           lax.broadcast_in_dim(alpha, (head_dim, n_rows), [1]), n_pv, 1.0),
               l_i * alpha_b, z_i * alpha_b)
 
-    p, m_new, state = masked_softmax(
-        s, m_i, token0=token0, valid_below=valid_below, row_limit=row_limit,
-        colmax=lambda x: x.max(axis=0), flag_smem=flag_smem if config.lazy_max else None,
-        masked=masked,
-        state=(acc, l_i, z_i), rescale=rescale if config.lazy_rescale else None)
-    acc, l_i, z_i = state if config.lazy_rescale else rescale((acc, l_i, z_i), state)
+    if config.lazy_rescale:  # rescaled in the exact branch only
+      p, m_new, (acc, l_i, z_i) = masked_softmax(
+          s, m_i, token0=token0, valid_below=valid_below, row_limit=row_limit,
+          colmax=lambda x: x.max(axis=0), flag_smem=flag_smem if config.lazy_max else None,
+          masked=masked, state=(acc, l_i, z_i), rescale=rescale)
+    else:
+      p, m_new, alpha = masked_softmax(
+          s, m_i, token0=token0, valid_below=valid_below, row_limit=row_limit,
+          colmax=lambda x: x.max(axis=0), flag_smem=flag_smem if config.lazy_max else None,
+          masked=masked)
+      acc, l_i, z_i = rescale((acc, l_i, z_i), alpha)
     l_i = l_i + p                                              # row sums deferred
     if packed_v and fold_v:
       vsc, vzr = _token_affine(v_tiles[1], v_tiles[2])

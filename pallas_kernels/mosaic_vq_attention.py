@@ -175,6 +175,7 @@ def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, length
   n_pv = max(n_rows, 16)
   bk = _WGS * _HALF
   grid_j = num_splits + 1
+  unmasked = edge_masks and ma.unmasked_packed_steps(num_queries, token_group, residual, bk)
   f32 = jnp.float32
   (k_vec, k_entries, k_book), (v_vec, v_entries, v_book) = books
   q_tf = ma._tiled(64, 16)  # pylint: disable=protected-access
@@ -270,7 +271,7 @@ def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, length
         return attend(q_smem, k_tile.at[rows], v_tile.at[rows], pt2.at[wg], vdq2.at[wg],
                       red2.at[wg], flag2.at[wg], (kb_smem, vb_smem), carry,
                       token0=(first + i) * bk + wg * _HALF, valid_below=packed,
-                      row_limit=row_limit, masked=not (edge_masks and num_queries == 1))
+                      row_limit=row_limit, masked=not unmasked)
 
       pipeline = plgpu.emit_pipeline_warp_specialized(
           body, grid=(num_blocks,), memory_registers=40,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ import pytest
 
 import jaxkv
 from jaxkv import attention as attn
-from jaxkv.cache import QuantizedKV, _pack_addressable
+from jaxkv.cache import QuantizedKV, _pack_addressable, quantize_kv
 from jaxkv.formats import KVFormat
 from jaxkv.model_cache import ModelCache
 import pallas_kernels as pk
@@ -85,6 +86,50 @@ def test_pack_kernel_left_for_the_jnp_quantizer():
   assert isinstance(side, QuantizedKV)
   out = jax.eval_shape(lambda x: side.quantize(x, "float16", use_kernel=True), x)
   assert out[0].shape == (BIG_B, 8, 32768, 64) and out[0].dtype == jnp.uint8
+  # T short of a block: the kernel writes codes padded to 64 tokens, which cross
+  # 2**31 bytes where the unpadded ones would not
+  t = 11184810
+  x = S((1, 3, t, 128), jnp.bfloat16)
+  assert 3 * t * 64 <= 2**31 < 3 * (-(-t // 64) * 64) * 64
+  assert not _pack_addressable(x, 4)
+  jax.eval_shape(lambda x: side.quantize(x, "float16", use_kernel=True), x)
+  # K and V packed in one launch: the same fallback (per-channel K, 128-token groups)
+  k_side = _kivi4_cache_shapes(BIG_B)[1].k
+  x = S((BIG_B, 8, 32768, 128), jnp.bfloat16)
+  out = jax.eval_shape(lambda a, b: quantize_kv(k_side, side, a, b, "float16", use_kernel=True),
+                       x, x)
+  assert out[0][0].shape == out[1][0].shape == (BIG_B, 8, 32768, 64)
+
+
+def test_every_triton_launch_goes_through_the_check():
+  root = pathlib.Path(__file__).resolve().parents[1] / "pallas_kernels"
+  for path in root.glob("*.py"):
+    text = path.read_text()
+    if path.name != "_triton.py":
+      assert "pl.pallas_call(" not in text, f"{path.name} launches Pallas Triton unchecked"
+
+
+@pytest.mark.parametrize("num_queries,differs", [(1, True), (2, False)])
+def test_edge_masks_change_the_program_only_at_one_query(num_queries, differs):
+  """Lowered for CUDA: the unmasked packed steps are taken at q_len 1 only."""
+  from pallas_kernels import mosaic_attention as ma
+  from pallas_kernels.side_spec import SideSpec
+  fmt = KVFormat.preset("kivi4")
+  cache = jaxkv.KVCache.init(fmt, 1, 2, 128, 1024, jnp.bfloat16)
+  q = jnp.zeros((1, num_queries, 8, 128), jnp.bfloat16)
+
+  def text(edge_masks):
+    config = ma.MosaicAttentionConfig(block_k=128, num_splits=2, edge_masks=edge_masks)
+    call = functools.partial(
+        ma.mosaic_decode_attention, k_side=SideSpec.of(fmt, "k", 128),
+        v_side=SideSpec.of(fmt, "v", 128), token_group=fmt.token_group, residual=fmt.residual,
+        sm_scale=0.1, config=config)
+    return jax.jit(call).trace(
+        q, cache.k.codes, cache.k.scale, cache.k.zero, cache.v.codes, cache.v.scale,
+        cache.v.zero, cache.k_residual, cache.v_residual, cache.lengths).lower(
+            lowering_platforms=("cuda",)).as_text()
+
+  assert (text(True) != text(False)) == differs
 
 
 def test_model_cache_append_leaves_the_kernels():
@@ -103,7 +148,7 @@ def test_model_cache_append_leaves_the_kernels():
   assert np.dtype(out.k.codes.dtype) == np.uint8
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="allocates ~6 GB on a GPU")
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="allocates ~5 GB on a GPU")
 def test_large_cache_read_right_by_default_on_gpu():
   """A kivi4 cache of 136 sequences x 32768 tokens (2.28e9 bytes of codes per
   side): forced Triton refuses it; the default path (Mosaic on Hopper, else
@@ -116,7 +161,7 @@ def test_large_cache_read_right_by_default_on_gpu():
   keys = iter(jax.random.split(jax.random.PRNGKey(3), 8))
 
   def side(s):
-    codes = jax.random.randint(next(keys), s.codes.shape, 0, 256, jnp.int32).astype(jnp.uint8)
+    codes = jax.random.bits(next(keys), s.codes.shape, jnp.uint8)
     scale = jax.random.uniform(next(keys), s.scale.shape, jnp.float32, 0.03, 0.1)
     zero = jax.random.uniform(next(keys), s.zero.shape, jnp.float32, -1.0, 0.0)
     return dataclasses.replace(s, codes=codes, scale=scale.astype(s.scale.dtype),
