@@ -1327,17 +1327,13 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
           lax.broadcast_in_dim(alpha, (head_dim, n_rows), [1]), n_pv, 1.0),
               l_i * alpha_b, z_i * alpha_b)
 
-    if config.lazy_rescale:  # rescaled in the exact branch only
-      p, m_new, (acc, l_i, z_i) = masked_softmax(
-          s, m_i, token0=token0, valid_below=valid_below, row_limit=row_limit,
-          colmax=lambda x: x.max(axis=0), flag_smem=flag_smem if config.lazy_max else None,
-          masked=masked, state=(acc, l_i, z_i), rescale=rescale)
-    else:
-      p, m_new, alpha = masked_softmax(
-          s, m_i, token0=token0, valid_below=valid_below, row_limit=row_limit,
-          colmax=lambda x: x.max(axis=0), flag_smem=flag_smem if config.lazy_max else None,
-          masked=masked)
-      acc, l_i, z_i = rescale((acc, l_i, z_i), alpha)
+    lazy = config.lazy_rescale  # rescaled in the exact branch only
+    p, m_new, out = masked_softmax(
+        s, m_i, token0=token0, valid_below=valid_below, row_limit=row_limit,
+        colmax=lambda x: x.max(axis=0), flag_smem=flag_smem if config.lazy_max else None,
+        masked=masked, state=(acc, l_i, z_i) if lazy else None,
+        rescale=rescale if lazy else None)
+    acc, l_i, z_i = out if lazy else rescale((acc, l_i, z_i), out)     # out: alpha if not lazy
     l_i = l_i + p                                              # row sums deferred
     if packed_v and fold_v:
       vsc, vzr = _token_affine(v_tiles[1], v_tiles[2])
