@@ -172,6 +172,14 @@ class MosaicAttentionConfig:
     lazy_rescale: (tokens_m only) o, l and the folded zero sums are rescaled
       inside the exact branch of the running max (`new_max`) only, so the
       lazy steps that keep the reference skip multiplying them by one.
+    finite_guards: (tokens_m) keep the online softmax's guards against a
+      running max of ``-inf`` (no visible key yet) on the unmasked packed
+      steps (``edge_masks``) too. Off by default: a score there is ``-inf``
+      only from a non-finite query row (the input policy's NaN anyway) or a
+      product overflowing float32 (``|q k| > 3e38``: then NaN instead of that
+      block's weight of zero), so the first step's max is finite and the
+      guards are dead (0.5-1.6 % of the main kernel, H200, 2026-11-29; the
+      same output bit for bit).
     shuffle_scales: (with register K and its affine) each K scale/zero pair is
       converted by one of the 8 lanes of a warp that share its columns and
       handed to the others by ``shfl.sync`` (`mosaic_dequant.dequant_codes`):
@@ -202,6 +210,7 @@ class MosaicAttentionConfig:
   lean_barriers: bool = True
   edge_masks: bool = True
   lazy_rescale: bool = True
+  finite_guards: bool = False
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -995,7 +1004,7 @@ def _combine(o, l, m):
 LAZY_MARGIN = 8.0  # natural-log units: p = exp(s - m) <= e^8 ~ 2981 between rescales
 
 
-def new_max(s, m_i, colmax, flag_smem=None, state=None, rescale=None):
+def new_max(s, m_i, colmax, flag_smem=None, state=None, rescale=None, guard: bool = True):
   """``(m_new, alpha)`` of an online-softmax step over scores ``s [bk, N]``
   (tokens on rows, masked to -inf) with running reference ``m_i [N]``.
 
@@ -1009,10 +1018,11 @@ def new_max(s, m_i, colmax, flag_smem=None, state=None, rescale=None):
   With ``rescale`` (``rescale(state, alpha) -> state``) the running ``state``
   is rescaled in the exact update only and ``(m_new, state)`` is returned:
   the lazy steps that keep the reference skip the multiplies by one.
+  ``guard=False``: the scores are finite (no ``-inf`` new max to guard).
   """
   def exact(s, m_i, state):
     m_new = jnp.maximum(m_i, colmax(s))
-    alpha = jnp.exp(m_i - jnp.where(m_new == -jnp.inf, 0.0, m_new))
+    alpha = jnp.exp(m_i - (jnp.where(m_new == -jnp.inf, 0.0, m_new) if guard else m_new))
     return (m_new, alpha) if rescale is None else (m_new, rescale(state, alpha))
 
   if flag_smem is None:
@@ -1028,7 +1038,7 @@ def new_max(s, m_i, colmax, flag_smem=None, state=None, rescale=None):
 
 
 def masked_softmax(s, m_i, *, token0, valid_below, row_limit, colmax, flag_smem=None,
-                   masked: bool = True, state=None, rescale=None):
+                   masked: bool = True, state=None, rescale=None, guards: bool = True):
   """``(p, m_new, alpha)`` of one online-softmax step over scores ``s [bk, N]``
   of tokens ``token0 + [0, bk)``: tokens ``>= valid_below`` or past a query
   row's causal limit (``row_limit [N]``) are masked, then `new_max` (``colmax``
@@ -1036,15 +1046,17 @@ def masked_softmax(s, m_i, *, token0, valid_below, row_limit, colmax, flag_smem=
 
   ``masked=False``: the caller knows every query row sees every token of the
   block (no masks). ``state`` / ``rescale``: `new_max`'s (then ``(p, m_new,
-  state)`` is returned).
+  state)`` is returned). ``guards=False`` (with ``masked=False`` only): the
+  scores are finite, so no ``-inf`` running max needs guarding.
   """
   bk, n_rows = s.shape
   if masked:
     tok = token0 + plgpu.broadcasted_iota(jnp.int32, (bk, n_rows), 0, layout=plgpu.Layout.WGMMA)
     lim = lax.broadcast_in_dim(row_limit, (bk, n_rows), [1])
     s = jnp.where((tok < valid_below) & (tok <= lim), s, -jnp.inf)
-  m_new, alpha = new_max(s, m_i, colmax, flag_smem, state, rescale)   # [N] (or the state)
-  m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  m_new, alpha = new_max(s, m_i, colmax, flag_smem, state, rescale,
+                         guard=guards or masked)   # [N] (or the state)
+  m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if guards or masked else m_new
   return jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [1])), m_new, alpha
 
 
@@ -1332,7 +1344,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
         s, m_i, token0=token0, valid_below=valid_below, row_limit=row_limit,
         colmax=lambda x: x.max(axis=0), flag_smem=flag_smem if config.lazy_max else None,
         masked=masked, state=(acc, l_i, z_i) if lazy else None,
-        rescale=rescale if lazy else None)
+        rescale=rescale if lazy else None, guards=config.finite_guards)
     acc, l_i, z_i = out if lazy else rescale((acc, l_i, z_i), out)     # out: alpha if not lazy
     l_i = l_i + p                                              # row sums deferred
     if packed_v and fold_v:

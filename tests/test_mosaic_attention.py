@@ -195,7 +195,9 @@ def test_mosaic_attention(name, b, hkv, group, d, s, lengths, capacity, dtype):
   # contraction of the exact steps' multiply-adds (checked below).
   mask_twin = dataclasses.replace(twins[0], edge_masks=False)
   rescale_twin = dataclasses.replace(twins[0], lazy_rescale=False)
-  configs += [mask_twin, rescale_twin]
+  # The -inf guards kept on the unmasked steps: dead there, the same output.
+  guard_twin = dataclasses.replace(twins[0], finite_guards=not twins[0].finite_guards)
+  configs += [mask_twin, rescale_twin, guard_twin]
   outs = _checked_outputs(q, cache, lengths, configs, dtype)
   if outs is None:
     return
@@ -204,6 +206,7 @@ def test_mosaic_attention(name, b, hkv, group, d, s, lengths, capacity, dtype):
   np.testing.assert_array_equal(outs[narrow_twin], outs[twins[0]])
   np.testing.assert_array_equal(outs[barrier_twin], outs[twins[0]])
   np.testing.assert_array_equal(outs[mask_twin], outs[twins[0]])
+  np.testing.assert_array_equal(outs[guard_twin], outs[twins[0]])
   ulp = 2.0 ** -(7 if dtype == jnp.bfloat16 else 10)  # one unit, relative
   for other in (twins[1], byte_twin):
     a, b = outs[twins[0]], outs[other]

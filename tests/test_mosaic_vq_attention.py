@@ -151,8 +151,10 @@ def test_mosaic_vq_attention(name, b, hkv, group, d, s, lengths, capacity, dtype
     configs.append(ma.MosaicAttentionConfig(block_k=128, num_splits=5, max_concurrent_steps=2))
     configs.append(ma.MosaicAttentionConfig(block_k=128, num_splits=3, max_concurrent_steps=2,
                                             lazy_max=False, early_v=False))
-  # Masks on the packed steps too: the same scores, so the same output bit for bit.
-  twins = [(c, dataclasses.replace(c, edge_masks=False)) for c in configs[1::2]]
+  # Masks on the packed steps too: the same scores, so the same output bit for bit;
+  # likewise the -inf guards kept there (dead on finite scores).
+  twins = [(c, dataclasses.replace(c, **change)) for c in configs[1::2]
+           for change in ({"edge_masks": False}, {"finite_guards": True})]
   configs += [t for _, t in twins]
   if not ON_HOPPER:
     for config in configs:

@@ -109,9 +109,11 @@ def test_every_triton_launch_goes_through_the_check():
       assert "pl.pallas_call(" not in text, f"{path.name} launches Pallas Triton unchecked"
 
 
+@pytest.mark.parametrize("field", ["edge_masks", "finite_guards"])
 @pytest.mark.parametrize("num_queries,differs", [(1, True), (2, False)])
-def test_edge_masks_change_the_program_only_at_one_query(num_queries, differs):
-  """The kernel's jaxpr: the unmasked packed steps are taken at q_len 1 only.
+def test_unmasked_steps_change_the_program_only_at_one_query(num_queries, differs, field):
+  """The kernel's jaxpr: the unmasked packed steps (no masks, no -inf guards) are
+  taken at q_len 1 only.
   (Not the lowered text: on jax 0.11.2 the serialized Mosaic module differs
   between the two configs even at q_len 2, where the jaxprs are equal; the
   cause was not traced.)"""
@@ -121,8 +123,8 @@ def test_edge_masks_change_the_program_only_at_one_query(num_queries, differs):
   cache = jaxkv.KVCache.init(fmt, 1, 2, 128, 1024, jnp.bfloat16)
   q = jnp.zeros((1, num_queries, 8, 128), jnp.bfloat16)
 
-  def text(edge_masks):
-    config = ma.MosaicAttentionConfig(block_k=128, num_splits=2, edge_masks=edge_masks)
+  def text(on):
+    config = ma.MosaicAttentionConfig(block_k=128, num_splits=2, **{field: on})
     call = functools.partial(
         ma.mosaic_decode_attention, k_side=SideSpec.of(fmt, "k", 128),
         v_side=SideSpec.of(fmt, "v", 128), token_group=fmt.token_group, residual=fmt.residual,
