@@ -456,19 +456,17 @@ class ModelCache:
       return (*operands[:2], jnp.zeros_like(flushing))
 
     on_gpu = jax.default_backend() == "gpu"
-    # (not where the Triton lowering would address the stacked arrays wrongly:
-    # 1-byte codes of 2-4 GiB, `pallas_kernels._triton.offsets_overflow`)
     kernel = ((self.use_kernel or on_gpu) and isinstance(index, (int, np.integer))
-              and residual_write.supported(self.k_residual.shape)
-              and offsets_overflow(*jax.tree_util.tree_leaves(
-                  (self.k, self.v, self.k_residual, self.v_residual))) is None)
+              and residual_write.supported(self.k_residual.shape))
     row = jnp.where(plan.num_new > 0, res_len, r)                       # [B]; r: none
     sides = (self.k, self.v)
     if kernel and all(isinstance(s, QuantizedKV) and not s.hierarchical for s in sides):
       info = tuple((s.bits, s.axis, s.group) for s in sides)
       if token_append.supported(*info, self.k_residual.shape, self.fmt.token_group):
         # One launch writes the row or flushes the filled block in place: no
-        # flush `lax.cond` (`pallas_kernels.token_append`).
+        # flush `lax.cond` (`pallas_kernels.token_append`; it writes 2-4 GiB
+        # code arrays as uint16 words, which the Triton lowering addresses
+        # right, `pallas_kernels._triton.offsets_overflow`).
         packed = tuple((s.codes,) if s.bits == 16 else (s.codes, s.scale, s.zero)
                        for s in sides)
         k_res, v_res, k_arr, v_arr, bad = token_append.append_token(
@@ -479,6 +477,10 @@ class ModelCache:
         return dataclasses.replace(self, k=k_side, v=v_side, k_residual=k_res,
                                    v_residual=v_res, nonfinite=self.nonfinite | bad)
     operands = (self.k, self.v, self.k_residual, self.v_residual)
+    # The residual write kernel takes the packed K codes as an operand (below):
+    # not where the Triton lowering would address them wrongly (1-byte codes of
+    # 2-4 GiB, `pallas_kernels._triton.offsets_overflow`).
+    kernel = kernel and offsets_overflow(*jax.tree_util.tree_leaves(operands)) is None
     if kernel:  # the cond's flags are `flushing` itself (keep runs only when none flushes)
       out["k"], out["v"] = jax.lax.cond(jnp.any(flushing), lambda o: write(o)[:2],
                                         lambda o: keep(o)[:2], operands)

@@ -49,6 +49,20 @@ def offsets_overflow(*arrays) -> str | None:
   return None
 
 
+def word_view(codes: jax.Array) -> jax.Array:
+  """``[..., W]`` uint8 code bytes as ``[..., W / 2]`` little-endian uint16 words
+  (a bitcast: the same bytes). Half the elements, so a 2-4 GiB code array is
+  addressed right (`offsets_overflow`) by a kernel that writes whole words."""
+  return jax.lax.bitcast_convert_type(
+      codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2), jnp.uint16)
+
+
+def byte_view(words: jax.Array) -> jax.Array:
+  """The inverse of `word_view`."""
+  return jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(
+      *words.shape[:-1], words.shape[-1] * 2)
+
+
 def check_offsets(*arrays) -> None:
   """ValueError naming the array when `offsets_overflow` finds one."""
   why = offsets_overflow(*arrays)

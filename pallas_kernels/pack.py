@@ -94,13 +94,17 @@ def _pack_per_token_kernel(
     # inputs
     x_ref,      # [block_t, D]
     # outputs
-    codes_ref,  # [block_t, D * bits // 8] uint8
+    codes_ref,  # [block_t, D * bits // 8] uint8 (words: [block_t, D * bits // 16] uint16)
     scale_ref,  # [block_t, D // channel_group]
     zero_ref,   # [block_t, D // channel_group]
     *,
     bits: int,
     channel_group: int,
+    words: bool = False,
 ):
+  """``words``: ``codes_ref`` is the code bytes viewed as little-endian uint16
+  words (`word_view`): word ``k`` holds bytes ``2k`` and ``2k + 1``, built
+  from the even and odd channels of each plane (strided loads)."""
   head_dim = x_ref.shape[-1]
   levels = (1 << bits) - 1
   inv_levels = np.float32(1.0 / levels)  # XLA rewrites `/ levels` into this.
@@ -123,18 +127,25 @@ def _pack_per_token_kernel(
   zero_ref[...] = _triton.stack_last(zeros)
 
   for c in range(width // chunk):
-    packed = None
-    for i in range(per_byte):
-      col = i * width + c * chunk
-      g = col // channel_group
-      x = x_ref[:, pl.ds(col, chunk)].astype(jnp.float32)
-      scale = scales[g].astype(jnp.float32)[:, None]
-      zero = zeros[g].astype(jnp.float32)[:, None]
-      code = _codes(x, zero, scale, levels)
-      if i:
-        code = code << np.uint8(i * bits)
-      packed = code if packed is None else packed | code
-    codes_ref[:, pl.ds(c * chunk, chunk)] = packed
+    word = None
+    for parity in (0, 1) if words else (0,):
+      packed = None
+      for i in range(per_byte):
+        col = i * width + c * chunk
+        g = col // channel_group
+        cols = (pl.ds(col + parity, chunk // 2, stride=2) if words else pl.ds(col, chunk))
+        x = x_ref[:, cols].astype(jnp.float32)
+        scale = scales[g].astype(jnp.float32)[:, None]
+        zero = zeros[g].astype(jnp.float32)[:, None]
+        code = _codes(x, zero, scale, levels)
+        if i:
+          code = code << np.uint8(i * bits)
+        packed = code if packed is None else packed | code
+      word = _word(word, packed, parity) if words else packed
+    if words:
+      codes_ref[:, pl.ds(c * chunk // 2, chunk // 2)] = word
+    else:
+      codes_ref[:, pl.ds(c * chunk, chunk)] = word
 
 
 def _pack_per_channel_kernel(
@@ -148,16 +159,43 @@ def _pack_per_channel_kernel(
     bits: int,
     block_w: int,
     col_block=None,  # program_id(2), when the caller read it already
+    words: bool = False,
 ):
+  """``words``: ``codes_ref`` is ``[G, bw]`` uint16 words ``[j bw, (j+1) bw)``
+  of the code bytes (`word_view`; bytes ``2k``, ``2k + 1`` in word ``k``): the
+  even and odd channels of each plane are packed apart (strided loads)."""
   head_dim = x_ref.shape[-1]
   levels = (1 << bits) - 1
   inv_levels = np.float32(1.0 / levels)
   per_byte = 8 // bits
   width = head_dim // per_byte
   j0 = (pl.program_id(2) if col_block is None else col_block) * block_w
+  word = None
+  for parity in (0, 1) if words else (0,):
+    packed = _pack_channel_bytes(x_ref, scale_ref, zero_ref, bits=bits, levels=levels,
+                                 inv_levels=inv_levels, width=width, block_w=block_w,
+                                 first=2 * j0 + parity if words else j0,
+                                 stride=2 if words else 1)
+    word = _word(word, packed, parity) if words else packed
+  codes_ref[...] = word
+
+
+def _word(word, packed, parity: int):
+  """``word | packed << 8 parity`` as uint16 (bytes ``2k + parity`` of words ``k``)."""
+  part = packed.astype(jnp.uint16)
+  if parity:
+    part = part << np.uint16(8)
+  return part if word is None else word | part
+
+
+def _pack_channel_bytes(x_ref, scale_ref, zero_ref, *, bits: int, levels: int, inv_levels,
+                        width: int, block_w: int, first, stride: int):
+  """The ``[G, block_w]`` code bytes of channels ``i width + first + stride [0,
+  block_w)`` of every plane ``i`` (their scale and zero rows stored)."""
   packed = None
-  for i in range(per_byte):
-    cols = pl.ds(i * width + j0, block_w)
+  for i in range(8 // bits):
+    cols = pl.ds(i * width + first, block_w, stride=stride) if stride > 1 else pl.ds(
+        i * width + first, block_w)
     x = x_ref[:, cols].astype(jnp.float32)
     lo = jnp.min(x, axis=0)
     hi = jnp.max(x, axis=0)
@@ -173,7 +211,7 @@ def _pack_per_channel_kernel(
     if i:
       code = code << np.uint8(i * bits)
     packed = code if packed is None else packed | code
-  codes_ref[...] = packed
+  return packed
 
 
 def _active_flags(active, lead, name):

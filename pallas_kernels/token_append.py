@@ -69,9 +69,11 @@ class _At:
     self._ref[self._h, self._rows, idx] = value.astype(self._ref.dtype)
 
 
-def _pack_side(side, res_ref, new_ref, refs, h, start, *, rows: int, block_t: int):
+def _pack_side(side, res_ref, new_ref, refs, h, start, *, rows: int, block_t: int,
+               words: bool = False):
   """Quantizes the flushed block of head ``h`` into ``refs`` (codes[, scale, zero]
-  ``[H, C, ...]``) at packed token row ``start`` (a multiple of G)."""
+  ``[H, C, ...]``) at packed token row ``start`` (a multiple of G). ``words``:
+  the codes are `_triton.word_view` words (``[H, C, W / 2]`` uint16)."""
   bits, axis, group = side
   if bits == 16:
     for t0 in range(0, rows, block_t):
@@ -80,24 +82,25 @@ def _pack_side(side, res_ref, new_ref, refs, h, start, *, rows: int, block_t: in
     return
   codes, scale, zero = refs
   if axis == "channel":  # one group of G = rows tokens: scale/zero row start // G
-    width = res_ref.shape[-1] * bits // 8
+    width = res_ref.shape[-1] * bits // 8 // (2 if words else 1)   # code columns
     block_w = min(16, width)
     x = _Rows(res_ref, new_ref, h, 0, rows, rows - 1)
     grp = start // rows
     for j in range(width // block_w):
       pack._pack_per_channel_kernel(
           x, _At(codes, h, pl.ds(start, rows), pl.ds(j * block_w, block_w)),
-          _At(scale, h, grp), _At(zero, h, grp), bits=bits, block_w=block_w, col_block=j)
+          _At(scale, h, grp), _At(zero, h, grp), bits=bits, block_w=block_w, col_block=j,
+          words=words)
     return
   for t0 in range(0, rows, block_t):
     pack._pack_per_token_kernel(
         _Rows(res_ref, new_ref, h, t0, block_t, rows - 1),
         _At(codes, h, pl.ds(start + t0, block_t)), _At(scale, h, pl.ds(start + t0, block_t)),
-        _At(zero, h, pl.ds(start + t0, block_t)), bits=bits, channel_group=group)
+        _At(zero, h, pl.ds(start + t0, block_t)), bits=bits, channel_group=group, words=words)
 
 
 def _kernel(code_ref, start_ref, k_new_ref, v_new_ref, *refs, rows: int, heads: int,
-            k_side, v_side, nk: int, nv: int, block_t: int, barrier: bool):
+            k_side, v_side, nk: int, nv: int, block_t: int, barrier: bool, words: bool):
   outs = refs[2 + nk + nv:]  # the inputs before them are aliased to them
   bad_out = outs[-1]
   k_out, v_out = outs[0], outs[1]
@@ -125,8 +128,10 @@ def _kernel(code_ref, start_ref, k_new_ref, v_new_ref, *refs, rows: int, heads: 
   @pl.when(row == -1)
   def _():
     def flush(h, carry):
-      _pack_side(k_side, k_out, k_new_ref, k_packed, h, start, rows=rows, block_t=block_t)
-      _pack_side(v_side, v_out, v_new_ref, v_packed, h, start, rows=rows, block_t=block_t)
+      _pack_side(k_side, k_out, k_new_ref, k_packed, h, start, rows=rows, block_t=block_t,
+                 words=words and k_side[0] < 16)
+      _pack_side(v_side, v_out, v_new_ref, v_packed, h, start, rows=rows, block_t=block_t,
+                 words=words and v_side[0] < 16)
       return carry
 
     jax.lax.fori_loop(0, heads, flush, 0)
@@ -174,9 +179,10 @@ def supported(k_side, v_side, residual_shape, token_group: int) -> bool:
   return True
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "k_side", "v_side", "interpret"))
+@functools.partial(jax.jit, static_argnames=("layer", "k_side", "v_side", "interpret", "words"))
 def append_token(k_residual, v_residual, k_new, v_new, row, clear, start, k_packed, v_packed,
-                 *, layer: int, k_side, v_side, interpret: bool = False):
+                 *, layer: int, k_side, v_side, interpret: bool = False,
+                 words: bool | None = None):
   """One decode token per sequence into layer ``layer``: its residual row, or the
   flush of the filled block into the packed region, in place.
 
@@ -192,6 +198,11 @@ def append_token(k_residual, v_residual, k_new, v_new, row, clear, start, k_pack
     layer: static layer index.
     k_side, v_side: static ``(bits, axis, group)`` of each side.
     interpret: Pallas interpret mode (CPU).
+    words: write the quantized sides' codes as `_triton.word_view` uint16
+      words (same bytes). None: where a code array of 2-4 GiB would
+      otherwise be addressed wrongly (`_triton.offsets_overflow`; a stacked
+      kivi4 cache of 32 layers at one sequence of more than 128K tokens, or
+      5-8 sequences of 32K).
   Returns:
     ``(k_residual, v_residual, k_packed, v_packed, nonfinite [B])``, each array
     updated in place under an outer `jit` with donated or loop-carried
@@ -206,6 +217,12 @@ def append_token(k_residual, v_residual, k_new, v_new, row, clear, start, k_pack
   code, flags = token_codes(row, clear)
   start_pad, _ = _triton.flags_block(start)
   k_packed, v_packed = tuple(k_packed), tuple(v_packed)
+  quantized = [(s, p) for s, p in ((k_side, k_packed), (v_side, v_packed)) if s[0] < 16]
+  if words is None:
+    words = any(_triton.offsets_overflow(p[0]) for _, p in quantized)
+  if words:  # the code arrays as uint16 words (free views)
+    k_packed, v_packed = ((_triton.word_view(p[0]), *p[1:]) if s[0] < 16 else p
+                          for s, p in ((k_side, k_packed), (v_side, v_packed)))
   token = pl.BlockSpec((None, h, d), lambda i: (i, 0, 0))
 
   def whole(x):  # the sequence's [H, ...] slab of the layer, indexed in the kernel
@@ -217,7 +234,7 @@ def append_token(k_residual, v_residual, k_new, v_new, row, clear, start, k_pack
   out = _triton.pallas_call(
       functools.partial(_kernel, rows=r, heads=h, k_side=k_side, v_side=v_side,
                         nk=len(k_packed), nv=len(v_packed), block_t=min(64, r),
-                        barrier=not interpret),
+                        barrier=not interpret, words=words),
       grid=(b,),
       in_specs=[flags, flags, token, token, *specs],
       out_specs=[*specs, flags],
@@ -229,7 +246,11 @@ def append_token(k_residual, v_residual, k_new, v_new, row, clear, start, k_pack
       name="jaxkv_token_append",
   )(code, start_pad, k_new, v_new, *stacked)
   nk = len(k_packed)
-  return (out[0], out[1], tuple(out[2:2 + nk]), tuple(out[2 + nk:-1]), out[-1][:b] > 0)
+  k_out, v_out = tuple(out[2:2 + nk]), tuple(out[2 + nk:-1])
+  if words:
+    k_out, v_out = ((_triton.byte_view(p[0]), *p[1:]) if s[0] < 16 else p
+                    for s, p in ((k_side, k_out), (v_side, v_out)))
+  return (out[0], out[1], k_out, v_out, out[-1][:b] > 0)
 
 
 __all__ = ["append_token", "supported"]

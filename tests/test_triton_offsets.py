@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import pathlib
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -136,20 +137,77 @@ def test_unmasked_steps_change_the_program_only_at_one_query(num_queries, differ
   assert (text(True) != text(False)) == differs
 
 
-def test_model_cache_append_leaves_the_kernels():
-  # 32 layers x 8 sequences x 32768 tokens of 4-bit codes: 2**32 bytes per side
-  cache = jax.eval_shape(lambda: ModelCache.init("kivi4", 32, 8, 8, 128, 32768,
+@pytest.mark.parametrize("batch,capacity", [(8, 32768), (1, 131072 + 256)])
+def test_model_cache_append_writes_words(batch, capacity):
+  """Stacked code arrays of 2-4 GiB (32 layers of kivi4: 8 x 32K, or one
+  sequence of a little more than 128K) keep the one-launch token append: it
+  writes them as uint16 words (no per-layer flush `lax.cond`, which costs ~1 ms
+  per 32-layer step on an H200 through its host round trips)."""
+  cache = jax.eval_shape(lambda: ModelCache.init("kivi4", 32, batch, 8, 128, capacity,
                                                  use_kernel=True))
   assert _triton.offsets_overflow(cache.k.codes) is not None
-  k = S((8, 1, 8, 128), jnp.bfloat16)
+  k = S((batch, 1, 8, 128), jnp.bfloat16)
 
   def step(cache, k):
-    plan = cache.plan_append(jnp.ones((8,), jnp.int32))
+    plan = cache.plan_append(jnp.ones((batch,), jnp.int32))
     return cache.append_layer(31, k, k, plan)
 
-  out = jax.eval_shape(step, cache, k)  # the kernels would raise: the XLA write is taken
+  def primitives(jaxpr):  # outside the Pallas kernels' bodies
+    for eqn in jaxpr.eqns:
+      yield eqn.primitive.name, eqn.params
+      if eqn.primitive.name == "pallas_call":
+        continue
+      for value in eqn.params.values():
+        for sub in value if isinstance(value, (tuple, list)) else (value,):
+          sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr
+          if hasattr(sub, "eqns"):
+            yield from primitives(sub)
+
+  found = list(primitives(jax.make_jaxpr(step)(cache, k).jaxpr))
+  names = [name for name, _ in found]
+  assert "cond" not in names
+  kernels = [str(p.get("name_and_src_info", p.get("name", ""))) for n, p in found
+             if n == "pallas_call"]
+  assert any("jaxkv_token_append" in x for x in kernels), kernels
+  out = jax.eval_shape(step, cache, k)
   assert out.k.codes.shape == cache.k.codes.shape
   assert np.dtype(out.k.codes.dtype) == np.uint8
+
+
+@pytest.mark.parametrize("preset", ["kivi4", "kivi2", "int8", "k8v4"])
+def test_token_append_words_equal_bytes(preset):
+  """The token append's uint16-word writes (`_triton.word_view`, taken for
+  2-4 GiB code arrays) store the same bytes as its byte writes: a flush, a
+  plain row and a skipped sequence, bit for bit (interpret mode)."""
+  from pallas_kernels import token_append
+  fmt = KVFormat.preset(preset)
+  layers, b, h, d, cap = 2, 3, 2, 64, 512
+  r = fmt.residual
+  cache = ModelCache.init(fmt, layers, b, h, d, cap, jnp.float32)
+  keys = iter(jax.random.split(jax.random.PRNGKey(zlib.crc32(preset.encode())), 16))
+
+  def fill(x):
+    if np.dtype(x.dtype) == np.uint8:
+      return jax.random.bits(next(keys), x.shape, jnp.uint8)
+    return jax.random.normal(next(keys), x.shape, x.dtype)
+
+  sides = [tuple(fill(x) for x in ((s.codes,) if s.bits == 16 else (s.codes, s.scale, s.zero)))
+           for s in (cache.k, cache.v)]
+  k_res, v_res = fill(cache.k_residual), fill(cache.v_residual)
+  k_new, v_new = (jax.random.normal(next(keys), (b, h, d), jnp.float32) for _ in range(2))
+  row = jnp.asarray([r - 1, 5, r], jnp.int32)      # flush, one row, none
+  start = jnp.asarray([128, 0, 0], jnp.int32)
+  info = [(s.bits, s.axis, s.group) for s in (cache.k, cache.v)]
+  assert token_append.supported(*info, k_res.shape, fmt.token_group)
+  outs = [token_append.append_token(
+      k_res, v_res, k_new, v_new, row, row == r - 1, start, *sides, layer=1, k_side=info[0],
+      v_side=info[1], interpret=True, words=words) for words in (False, True)]
+  flat = [jax.tree_util.tree_leaves(o) for o in outs]
+  for a, w in zip(*flat):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(w))
+  # the flush did write: sequence 0's group at packed rows [128, 256) of layer 1 changed
+  assert not np.array_equal(np.asarray(outs[0][2][0][1, 0, :, 128:256]),
+                            np.asarray(sides[0][0][1, 0, :, 128:256]))
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="allocates ~5 GB on a GPU")
@@ -188,3 +246,40 @@ def test_large_cache_read_right_by_default_on_gpu():
         q[s:s + 1], *arrays, cache.lengths[s:s + 1], fmt=fmt), np.float64)
     err = np.abs(out[s:s + 1] - ref).max() / np.abs(ref).max()
     assert err < 2e-2, f"sequence {s}: relative error {err:.2e}"
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="allocates ~4.5 GB on a GPU")
+def test_word_append_flushes_the_top_of_a_large_cache_on_gpu():
+  """A stacked kivi4 cache of 32 layers x 1 sequence x 131328 tokens (2**31 +
+  4 Mi code bytes per side): the token that fills the last group of layer 31
+  flushes it at the arrays' highest addresses (past the 2**31-th byte), through
+  the word writes; the bytes written equal those of the same block flushed by
+  a one-layer cache (byte writes) at its start."""
+  fmt = KVFormat.preset("kivi4")
+  cap, layers, h, d = 131072 + 256, 32, 8, 128
+  big = ModelCache.init(fmt, layers, 1, h, d, cap, jnp.bfloat16)
+  small = ModelCache.init(fmt, 1, 1, h, d, 256, jnp.bfloat16)
+  assert _triton.offsets_overflow(big.k.codes) and not _triton.offsets_overflow(small.k.codes)
+  key = jax.random.PRNGKey(11)
+  k1, k2, k3, k4 = jax.random.split(key, 4)
+  res = [jax.random.normal(k, (1, h, fmt.residual, d), jnp.bfloat16) for k in (k1, k2)]
+  new = [jax.random.normal(k, (1, 1, h, d), jnp.bfloat16) for k in (k3, k4)]
+
+  def staged(cache, layer, packed):  # group [packed, packed + R) holds R - 1 rows
+    return dataclasses.replace(
+        cache, k_residual=cache.k_residual.at[layer].set(res[0]),
+        v_residual=cache.v_residual.at[layer].set(res[1]),
+        lengths=jnp.full((1,), packed + fmt.residual - 1, jnp.int32))
+
+  def flush(cache, layer):
+    plan = cache.plan_append(jnp.ones((1,), jnp.int32))
+    return cache.append_layer(layer, *new, plan)
+
+  top = cap - fmt.residual
+  got = jax.jit(flush, static_argnums=1, donate_argnums=0)(staged(big, layers - 1, top),
+                                                           layers - 1)
+  want = jax.jit(flush, static_argnums=1)(staged(small, 0, 0), 0)
+  for g, w in ((got.k, want.k), (got.v, want.v)):
+    np.testing.assert_array_equal(np.asarray(g.codes[layers - 1, 0, :, top:]),
+                                  np.asarray(w.codes[0, 0, :, :fmt.residual]))
+    assert np.asarray(w.codes[0, 0, :, :fmt.residual]).any()
