@@ -462,13 +462,14 @@ class ModelCache:
     sides = (self.k, self.v)
     if kernel and all(isinstance(s, QuantizedKV) and not s.hierarchical for s in sides):
       info = tuple((s.bits, s.axis, s.group) for s in sides)
-      if token_append.supported(*info, self.k_residual.shape, self.fmt.token_group):
+      packed = tuple((s.codes,) if s.bits == 16 else (s.codes, s.scale, s.zero)
+                     for s in sides)
+      if (token_append.supported(*info, self.k_residual.shape, self.fmt.token_group)
+          and token_append.addressable(*info, self.k_residual, self.v_residual, *packed)):
         # One launch writes the row or flushes the filled block in place: no
         # flush `lax.cond` (`pallas_kernels.token_append`; it writes 2-4 GiB
         # code arrays as uint16 words, which the Triton lowering addresses
         # right, `pallas_kernels._triton.offsets_overflow`).
-        packed = tuple((s.codes,) if s.bits == 16 else (s.codes, s.scale, s.zero)
-                       for s in sides)
         k_res, v_res, k_arr, v_arr, bad = token_append.append_token(
             self.k_residual, self.v_residual, *news, row, flushing, plan.old_packed, *packed,
             layer=int(index), k_side=info[0], v_side=info[1], interpret=not on_gpu)

@@ -172,14 +172,17 @@ class MosaicAttentionConfig:
     lazy_rescale: (tokens_m only) o, l and the folded zero sums are rescaled
       inside the exact branch of the running max (`new_max`) only, so the
       lazy steps that keep the reference skip multiplying them by one.
-    finite_guards: (tokens_m) keep the online softmax's guards against a
-      running max of ``-inf`` (no visible key yet) on the unmasked packed
-      steps (``edge_masks``) too. Off by default: a score there is ``-inf``
-      only from a non-finite query row (the input policy's NaN anyway) or a
-      product overflowing float32 (``|q k| > 3e38``: then NaN instead of that
-      block's weight of zero), so the first step's max is finite and the
-      guards are dead (0.5-1.6 % of the main kernel, H200, 2026-11-29; the
-      same output bit for bit).
+    unmasked_guards: (tokens_m and the VQ kernels) keep the online softmax's
+      guards against a running max of ``-inf`` (no visible key yet) on the
+      unmasked packed steps (``edge_masks``) too. Off by default: they matter
+      only while every score a row has seen is ``-inf``, which there needs a
+      non-finite query row (the input policy's NaN anyway) or a product that
+      overflows (q is scaled by 2**64 in bfloat16 with ``subnormal_k``, so
+      ``|q| > ~1.8e19`` is already ``inf``): then NaN instead of a zero weight.
+      The guards are dead otherwise (0.5-1.6 % of the kivi4 / kivi2 main
+      kernel, H200, 2026-11-29; the same output bit for bit). VQ's
+      `mosaic_vq_attention.auto_config` keeps them (cq2 was 2-3 % slower
+      without); an explicit VQ config takes this field as given.
     shuffle_scales: (with register K and its affine) each K scale/zero pair is
       converted by one of the 8 lanes of a warp that share its columns and
       handed to the others by ``shfl.sync`` (`mosaic_dequant.dequant_codes`):
@@ -210,7 +213,7 @@ class MosaicAttentionConfig:
   lean_barriers: bool = True
   edge_masks: bool = True
   lazy_rescale: bool = True
-  finite_guards: bool = False
+  unmasked_guards: bool = False
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -1344,7 +1347,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
         s, m_i, token0=token0, valid_below=valid_below, row_limit=row_limit,
         colmax=lambda x: x.max(axis=0), flag_smem=flag_smem if config.lazy_max else None,
         masked=masked, state=(acc, l_i, z_i) if lazy else None,
-        rescale=rescale if lazy else None, guards=config.finite_guards)
+        rescale=rescale if lazy else None, guards=config.unmasked_guards)
     acc, l_i, z_i = out if lazy else rescale((acc, l_i, z_i), out)     # out: alpha if not lazy
     l_i = l_i + p                                              # row sums deferred
     if packed_v and fold_v:

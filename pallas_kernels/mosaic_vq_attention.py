@@ -162,13 +162,13 @@ def _two_wg_smem(head_dim: int, n_pv: int, n_rows: int, book_elems: int, stages:
 
 def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, lengths, books, *,
                  token_group, residual, num_queries, q_rows, num_splits, stages, dtype,
-                 row0, early_v=True, lazy_max=True, edge_masks=True, finite_guards=False,
+                 row0, early_v=True, lazy_max=True, edge_masks=True, unmasked_guards=False,
                  skip_tokens: int = 0):
   """Partials ``o [B,H,2(J+1),D,N_pv], l, m [B,H,2(J+1),N]`` (``J = num_splits``).
   ``skip_tokens``: packed tokens left to the caller (`mosaic_attention._split_blocks`).
   ``edge_masks``: `MosaicAttentionConfig.edge_masks` (whole 128-token groups
-  are a condition of this kernel, `supports`); ``finite_guards``:
-  `MosaicAttentionConfig.finite_guards`.
+  are a condition of this kernel, `supports`); ``unmasked_guards``:
+  `MosaicAttentionConfig.unmasked_guards`.
 
   ``row0``: ``[1]`` int32, the cache arrays' row of sequence 0
   (`mosaic_attention.stacked_rows`)."""
@@ -206,7 +206,7 @@ def _two_wg_call(q_perm, q_res, k_codes, v_codes, k_residual, v_residual, length
     p, m_new, alpha = ma.masked_softmax(
         s, m_i, token0=token0, valid_below=valid_below, row_limit=row_limit,
         colmax=lambda x: _wg_reduce(x, red, "max"), flag_smem=flag if lazy_max else None,
-        masked=masked, guards=finite_guards)
+        masked=masked, guards=unmasked_guards)
     l_i = l_i * lax.broadcast_in_dim(alpha, l_i.shape, [1]) + p      # row sums deferred
     acc = acc * widen(lax.broadcast_in_dim(alpha, (head_dim, n_rows), [1]), n_pv, 1.0)
     pt_smem[...] = widen(p.astype(dtype), n_pv)
@@ -361,11 +361,11 @@ def auto_config(*, q_rows: int, head_dim: int, k_spec: VQSideSpec, v_spec: VQSid
   # >= 4 channels: H200, main kernel us, cq2 90.6 vs 92.6 at (1, 131072, 32,
   # 8), 178.6 vs 181.9 at (8, 32768); cq4 (2-channel vectors) lost with them,
   # 111.8 vs 107.4 and 221.9 vs 212.1 (`attention-ab-vq-edge-masks-20261129-*`).
-  # The -inf guards stay on those steps (`finite_guards`): cq2 was 2-3 % slower
+  # The -inf guards stay on those steps (`unmasked_guards`): cq2 was 2-3 % slower
   # without them (93.8 vs 91.3 us at (1, 131072), 183.6 vs 179.6 at (8, 32768)),
   # cq4 the same (`attention-ab-vq-finite-guards-20261129-*`); unexplained.
   return dataclasses.replace(config, edge_masks=min(k_spec.vector, v_spec.vector) >= 4,
-                             finite_guards=True)
+                             unmasked_guards=True)
 
 
 @functools.partial(jax.jit, static_argnames=("k_spec", "v_spec", "token_group", "config",
@@ -462,7 +462,7 @@ def mosaic_vq_decode_attention(
         tuple(books), token_group=token_group, residual=residual, num_queries=num_queries,
         q_rows=q_rows, num_splits=config.num_splits, stages=config.max_concurrent_steps,
         dtype=dtype, early_v=config.early_v, lazy_max=config.lazy_max,
-        edge_masks=config.edge_masks, finite_guards=config.finite_guards, row0=row0,
+        edge_masks=config.edge_masks, unmasked_guards=config.unmasked_guards, row0=row0,
         skip_tokens=skip_tokens)
     tail = _WGS  # the residual program's partials, one per compute warpgroup
   else:

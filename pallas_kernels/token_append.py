@@ -16,6 +16,11 @@ reports NaN/inf tokens like `residual_write`.
 Pallas Triton takes one indexer per load or store, so the pack bodies see
 small adapters (`_Rows`, `_At`) that prepend the head and offset the token
 rows instead of ``ref.at[...]`` views.
+
+Code arrays of 2-4 GiB, which the Triton lowering would address with
+overflowing int32 offsets (`_triton.offsets_overflow`), are written as uint16
+words (`_triton.word_view`; the pack bodies' ``words=True``): see
+`addressable` for what that covers.
 """
 
 from __future__ import annotations
@@ -163,6 +168,35 @@ def _kernel(code_ref, start_ref, k_new_ref, v_new_ref, *refs, rows: int, heads: 
   bad_out[b] = jnp.where(written, bad, 0)
 
 
+def _word_writes(side, head_dim: int) -> bool:
+  """Whether a quantized side's codes can be written as uint16 words: rows of
+  an even number of bytes and, per token, runs of an even number (>= 2) of
+  channels per plane (the pack body's chunks)."""
+  bits, axis, group = side
+  width = head_dim * bits // 8
+  if width % 2:
+    return False
+  return axis != "token" or min(head_dim * bits // 8, group) % 2 == 0
+
+
+def addressable(k_side, v_side, k_residual, v_residual, k_packed, v_packed) -> bool:
+  """Whether `append_token` addresses these operands right: every operand
+  outside the Triton lowering's overflowing int32 offsets
+  (`_triton.offsets_overflow`), or only quantized code arrays inside them and
+  those writable as words (`_word_writes`). Otherwise `append_token` raises
+  `ValueError` (the model cache takes its XLA path)."""
+  head_dim = k_residual.shape[-1]
+  others = [k_residual, v_residual]
+  for side, packed in ((k_side, tuple(k_packed)), (v_side, tuple(v_packed))):
+    if side[0] < 16 and _triton.offsets_overflow(packed[0]):
+      if not _word_writes(side, head_dim):
+        return False
+      others += packed[1:]
+    else:
+      others += packed
+  return _triton.offsets_overflow(*others) is None
+
+
 def supported(k_side, v_side, residual_shape, token_group: int) -> bool:
   """Whether `append_token` serves these sides (``(bits, axis, group)``; no
   hierarchical ones) and a residual ``[L, B, H, R, D]`` with ``R == G``."""
@@ -220,6 +254,9 @@ def append_token(k_residual, v_residual, k_new, v_new, row, clear, start, k_pack
   quantized = [(s, p) for s, p in ((k_side, k_packed), (v_side, v_packed)) if s[0] < 16]
   if words is None:
     words = any(_triton.offsets_overflow(p[0]) for _, p in quantized)
+  if words and not all(_word_writes(s, d) for s, _ in quantized):
+    raise ValueError(f"sides {k_side}, {v_side} of head_dim {d}: codes not writable as "
+                     "uint16 words (odd row bytes or per-token runs of one channel)")
   if words:  # the code arrays as uint16 words (free views)
     k_packed, v_packed = ((_triton.word_view(p[0]), *p[1:]) if s[0] < 16 else p
                           for s, p in ((k_side, k_packed), (v_side, v_packed)))

@@ -196,7 +196,7 @@ def test_mosaic_attention(name, b, hkv, group, d, s, lengths, capacity, dtype):
   mask_twin = dataclasses.replace(twins[0], edge_masks=False)
   rescale_twin = dataclasses.replace(twins[0], lazy_rescale=False)
   # The -inf guards kept on the unmasked steps: dead there, the same output.
-  guard_twin = dataclasses.replace(twins[0], finite_guards=not twins[0].finite_guards)
+  guard_twin = dataclasses.replace(twins[0], unmasked_guards=not twins[0].unmasked_guards)
   configs += [mask_twin, rescale_twin, guard_twin]
   outs = _checked_outputs(q, cache, lengths, configs, dtype)
   if outs is None:

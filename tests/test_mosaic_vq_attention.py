@@ -154,7 +154,7 @@ def test_mosaic_vq_attention(name, b, hkv, group, d, s, lengths, capacity, dtype
   # Masks on the packed steps too: the same scores, so the same output bit for bit;
   # likewise the -inf guards kept there (dead on finite scores).
   twins = [(c, dataclasses.replace(c, **change)) for c in configs[1::2]
-           for change in ({"edge_masks": False}, {"finite_guards": True})]
+           for change in ({"edge_masks": False}, {"unmasked_guards": True})]
   configs += [t for _, t in twins]
   if not ON_HOPPER:
     for config in configs:

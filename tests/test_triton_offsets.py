@@ -4,8 +4,9 @@ The lowering computes element offsets in int32 unless an array holds more than
 2**32 bytes, so 1-byte arrays of 2-4 GiB overflow them (`_triton.offsets_overflow`;
 a kivi4 cache of 160 x 32768 tokens read wrong values on an H200). Every Triton
 launch refuses them with a ValueError, and the dispatchers fall back to a path
-that reads them right. Shapes only (`jax.eval_shape`): nothing of that size is
-allocated.
+that reads them right, except the model cache's token append, which writes
+such code arrays as uint16 words. Shapes only (`jax.eval_shape`) on the CPU:
+nothing of that size is allocated there.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def test_every_triton_launch_goes_through_the_check():
       assert "pl.pallas_call(" not in text, f"{path.name} launches Pallas Triton unchecked"
 
 
-@pytest.mark.parametrize("field", ["edge_masks", "finite_guards"])
+@pytest.mark.parametrize("field", ["edge_masks", "unmasked_guards"])
 @pytest.mark.parametrize("num_queries,differs", [(1, True), (2, False)])
 def test_unmasked_steps_change_the_program_only_at_one_query(num_queries, differs, field):
   """The kernel's jaxpr: the unmasked packed steps (no masks, no -inf guards) are
@@ -174,14 +175,17 @@ def test_model_cache_append_writes_words(batch, capacity):
   assert np.dtype(out.k.codes.dtype) == np.uint8
 
 
-@pytest.mark.parametrize("preset", ["kivi4", "kivi2", "int8", "k8v4"])
-def test_token_append_words_equal_bytes(preset):
+@pytest.mark.parametrize("preset,d", [("kivi4", 64), ("kivi4", 128), ("kivi2", 64),
+                                      ("int8", 64), ("k8v4", 128), ("int4-token-g4", 128)])
+def test_token_append_words_equal_bytes(preset, d):
   """The token append's uint16-word writes (`_triton.word_view`, taken for
   2-4 GiB code arrays) store the same bytes as its byte writes: a flush, a
-  plain row and a skipped sequence, bit for bit (interpret mode)."""
+  plain row and a skipped sequence, bit for bit (interpret mode). D 128 at
+  4 bits: two column blocks per channel group; int4-token-g4: two per-token
+  chunks per plane."""
   from pallas_kernels import token_append
   fmt = KVFormat.preset(preset)
-  layers, b, h, d, cap = 2, 3, 2, 64, 512
+  layers, b, h, cap = 2, 3, 2, 512
   r = fmt.residual
   cache = ModelCache.init(fmt, layers, b, h, d, cap, jnp.float32)
   keys = iter(jax.random.split(jax.random.PRNGKey(zlib.crc32(preset.encode())), 16))
@@ -206,8 +210,39 @@ def test_token_append_words_equal_bytes(preset):
   for a, w in zip(*flat):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(w))
   # the flush did write: sequence 0's group at packed rows [128, 256) of layer 1 changed
-  assert not np.array_equal(np.asarray(outs[0][2][0][1, 0, :, 128:256]),
-                            np.asarray(sides[0][0][1, 0, :, 128:256]))
+  for out, side in ((outs[0][2], sides[0]), (outs[0][3], sides[1])):
+    assert not np.array_equal(np.asarray(out[0][1, 0, :, 128:256]),
+                              np.asarray(side[0][1, 0, :, 128:256]))
+
+
+def test_token_append_addressable_only_with_word_writes():
+  """`token_append.addressable`: 2-4 GiB quantized code arrays are (as words),
+  unless their rows or per-token runs are odd; any other 1-byte operand of
+  that size is not (a 16-bit side stored in float8), and the model cache then
+  takes its XLA path instead of raising."""
+  from pallas_kernels import token_append
+  res = S((32, 8, 8, 128, 128), jnp.bfloat16)
+  codes = S((32, 8, 8, 32768, 64), jnp.uint8)       # 2**32 bytes: in the window
+  scale = S((32, 8, 8, 32768, 1), jnp.float16)
+  kivi_k, kivi_v = (4, "channel", 128), (4, "token", 128)
+  assert token_append.addressable(kivi_k, kivi_v, res, res, (codes, scale, scale),
+                                  (codes, scale, scale))
+  per_token_1 = (4, "token", 1)                      # runs of one channel
+  assert not token_append.addressable(kivi_k, per_token_1, res, res, (codes, scale, scale),
+                                      (codes, scale, scale))
+  f8 = S((32, 3, 8, 32768, 128), jnp.float8_e4m3fn)  # a 16-bit side's values, 1 byte
+  assert not token_append.addressable((16, "token", None), (16, "token", None), res, res,
+                                      (f8,), (f8,))
+  cache = jax.eval_shape(lambda: ModelCache.init("bf16", 32, 3, 8, 128, 32768,
+                                                 jnp.float8_e4m3fn, use_kernel=True))
+  k = S((3, 1, 8, 128), jnp.float8_e4m3fn)
+
+  def step(cache, k):
+    plan = cache.plan_append(jnp.ones((3,), jnp.int32))
+    return cache.append_layer(31, k, k, plan)
+
+  out = jax.eval_shape(step, cache, k)
+  assert out.k.codes.shape == cache.k.codes.shape
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="allocates ~5 GB on a GPU")
