@@ -1057,9 +1057,9 @@ def masked_softmax(s, m_i, *, token0, valid_below, row_limit, colmax, flag_smem=
     tok = token0 + plgpu.broadcasted_iota(jnp.int32, (bk, n_rows), 0, layout=plgpu.Layout.WGMMA)
     lim = lax.broadcast_in_dim(row_limit, (bk, n_rows), [1])
     s = jnp.where((tok < valid_below) & (tok <= lim), s, -jnp.inf)
-  m_new, alpha = new_max(s, m_i, colmax, flag_smem, state, rescale,
-                         guard=guards or masked)   # [N] (or the state)
-  m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if guards or masked else m_new
+  guard = guards or masked
+  m_new, alpha = new_max(s, m_i, colmax, flag_smem, state, rescale, guard)  # [N] (or the state)
+  m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if guard else m_new
   return jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [1])), m_new, alpha
 
 

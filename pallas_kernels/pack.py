@@ -126,15 +126,15 @@ def _pack_per_token_kernel(
   scale_ref[...] = _triton.stack_last(scales)
   zero_ref[...] = _triton.stack_last(zeros)
 
+  n = 2 if words else 1  # bytes per stored element; byte 2k + parity of word k
   for c in range(width // chunk):
     word = None
-    for parity in (0, 1) if words else (0,):
+    for parity in range(n):
       packed = None
       for i in range(per_byte):
         col = i * width + c * chunk
         g = col // channel_group
-        cols = (pl.ds(col + parity, chunk // 2, stride=2) if words else pl.ds(col, chunk))
-        x = x_ref[:, cols].astype(jnp.float32)
+        x = x_ref[:, pl.ds(col + parity, chunk // n, stride=n)].astype(jnp.float32)
         scale = scales[g].astype(jnp.float32)[:, None]
         zero = zeros[g].astype(jnp.float32)[:, None]
         code = _codes(x, zero, scale, levels)
@@ -142,10 +142,7 @@ def _pack_per_token_kernel(
           code = code << np.uint8(i * bits)
         packed = code if packed is None else packed | code
       word = _word(word, packed, parity) if words else packed
-    if words:
-      codes_ref[:, pl.ds(c * chunk // 2, chunk // 2)] = word
-    else:
-      codes_ref[:, pl.ds(c * chunk, chunk)] = word
+    codes_ref[:, pl.ds(c * chunk // n, chunk // n)] = word
 
 
 def _pack_per_channel_kernel(
@@ -170,12 +167,12 @@ def _pack_per_channel_kernel(
   per_byte = 8 // bits
   width = head_dim // per_byte
   j0 = (pl.program_id(2) if col_block is None else col_block) * block_w
+  n = 2 if words else 1  # bytes per stored element; byte 2k + parity of word k
   word = None
-  for parity in (0, 1) if words else (0,):
+  for parity in range(n):
     packed = _pack_channel_bytes(x_ref, scale_ref, zero_ref, bits=bits, levels=levels,
                                  inv_levels=inv_levels, width=width, block_w=block_w,
-                                 first=2 * j0 + parity if words else j0,
-                                 stride=2 if words else 1)
+                                 first=n * j0 + parity, stride=n)
     word = _word(word, packed, parity) if words else packed
   codes_ref[...] = word
 
@@ -194,8 +191,7 @@ def _pack_channel_bytes(x_ref, scale_ref, zero_ref, *, bits: int, levels: int, i
   block_w)`` of every plane ``i`` (their scale and zero rows stored)."""
   packed = None
   for i in range(8 // bits):
-    cols = pl.ds(i * width + first, block_w, stride=stride) if stride > 1 else pl.ds(
-        i * width + first, block_w)
+    cols = pl.ds(i * width + first, block_w, stride=stride)
     x = x_ref[:, cols].astype(jnp.float32)
     lo = jnp.min(x, axis=0)
     hi = jnp.max(x, axis=0)

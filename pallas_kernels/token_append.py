@@ -78,7 +78,8 @@ def _pack_side(side, res_ref, new_ref, refs, h, start, *, rows: int, block_t: in
                words: bool = False):
   """Quantizes the flushed block of head ``h`` into ``refs`` (codes[, scale, zero]
   ``[H, C, ...]``) at packed token row ``start`` (a multiple of G). ``words``:
-  the codes are `_triton.word_view` words (``[H, C, W / 2]`` uint16)."""
+  a quantized side's codes are `_triton.word_view` words (``[H, C, W / 2]``
+  uint16)."""
   bits, axis, group = side
   if bits == 16:
     for t0 in range(0, rows, block_t):
@@ -134,9 +135,9 @@ def _kernel(code_ref, start_ref, k_new_ref, v_new_ref, *refs, rows: int, heads: 
   def _():
     def flush(h, carry):
       _pack_side(k_side, k_out, k_new_ref, k_packed, h, start, rows=rows, block_t=block_t,
-                 words=words and k_side[0] < 16)
+                 words=words)
       _pack_side(v_side, v_out, v_new_ref, v_packed, h, start, rows=rows, block_t=block_t,
-                 words=words and v_side[0] < 16)
+                 words=words)
       return carry
 
     jax.lax.fori_loop(0, heads, flush, 0)
@@ -174,9 +175,7 @@ def _word_writes(side, head_dim: int) -> bool:
   channels per plane (the pack body's chunks)."""
   bits, axis, group = side
   width = head_dim * bits // 8
-  if width % 2:
-    return False
-  return axis != "token" or min(head_dim * bits // 8, group) % 2 == 0
+  return width % 2 == 0 and (axis != "token" or min(width, group) % 2 == 0)
 
 
 def addressable(k_side, v_side, k_residual, v_residual, k_packed, v_packed) -> bool:
@@ -258,8 +257,7 @@ def append_token(k_residual, v_residual, k_new, v_new, row, clear, start, k_pack
     raise ValueError(f"sides {k_side}, {v_side} of head_dim {d}: codes not writable as "
                      "uint16 words (odd row bytes or per-token runs of one channel)")
   if words:  # the code arrays as uint16 words (free views)
-    k_packed, v_packed = ((_triton.word_view(p[0]), *p[1:]) if s[0] < 16 else p
-                          for s, p in ((k_side, k_packed), (v_side, v_packed)))
+    k_packed, v_packed = _codes_viewed(k_side, v_side, k_packed, v_packed, _triton.word_view)
   token = pl.BlockSpec((None, h, d), lambda i: (i, 0, 0))
 
   def whole(x):  # the sequence's [H, ...] slab of the layer, indexed in the kernel
@@ -285,9 +283,14 @@ def append_token(k_residual, v_residual, k_new, v_new, row, clear, start, k_pack
   nk = len(k_packed)
   k_out, v_out = tuple(out[2:2 + nk]), tuple(out[2 + nk:-1])
   if words:
-    k_out, v_out = ((_triton.byte_view(p[0]), *p[1:]) if s[0] < 16 else p
-                    for s, p in ((k_side, k_out), (v_side, v_out)))
+    k_out, v_out = _codes_viewed(k_side, v_side, k_out, v_out, _triton.byte_view)
   return (out[0], out[1], k_out, v_out, out[-1][:b] > 0)
 
 
-__all__ = ["append_token", "supported"]
+def _codes_viewed(k_side, v_side, k_packed, v_packed, view):
+  """Each side's arrays with a quantized side's codes through ``view``."""
+  return tuple((view(p[0]), *p[1:]) if s[0] < 16 else p
+               for s, p in ((k_side, k_packed), (v_side, v_packed)))
+
+
+__all__ = ["addressable", "append_token", "supported"]
