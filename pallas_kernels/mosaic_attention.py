@@ -289,6 +289,7 @@ class MosaicAttentionConfig:
       wide = one_wave(2 * num_sms if heads <= 64 else slots, heads, max(1, tokens // 128))
       block_k = 128 if tokens // 128 >= 8 * wide else 64
     blocks = max(1, tokens // block_k)
+    many = 2 * heads >= 3 * num_sms  # >= 1.5 programs per slot at 3 per SM, 1 split
     # 4-bit K and V in 128-token blocks over <= 64 (sequence, kv head) pairs
     kivi4_wide = (k_bits, v_bits) == (4, 4) and block_k == 128 and heads <= 64
     splits = one_wave(slots, heads, blocks, block_k)
@@ -315,8 +316,12 @@ class MosaicAttentionConfig:
       # 173-185 before), and at least 2 splits (H200, whole call us: (8,
       # 32768) 95.9 (6) vs 131.1 (4), 99.6 (8); (48, 32768) 497 (2), 490 (3),
       # 522 (1); (186, 32768) 1798 (2) vs 1916 (1);
-      # `attention-ab-flat-splits-20261127e-*`)
-      splits = max(one_wave(3 * num_sms, heads, blocks, block_k), min(2, blocks // 4))
+      # `attention-ab-flat-splits-20261127e-*`); over many sequences at least 4
+      # (H200, main kernel us, 2 vs 4 splits: (48, 32768) 438.0 vs 429.3, (64,
+      # 32768) 576.8 vs 565.6, (100, 32768) 911.1 vs 869.8, (160, 32768) 1384.7
+      # vs 1355.0, (188, 32768) 1595.3 vs 1592.7; `ab-kivi2-*-splits-nvidia-h200-20261129r.json`)
+      splits = max(one_wave(3 * num_sms, heads, blocks, block_k),
+                   min(4 if many else 2, blocks // 4))
     stages = 3 if k_bits >= 8 and v_bits >= 8 else 4
     if min(k_bits, v_bits) <= 2 and block_k == 128:
       stages = 2
@@ -354,10 +359,17 @@ class MosaicAttentionConfig:
       # its 4.36 used), (100, 32768) 1274.0 vs 1324.4; where the count fills
       # its waves, it stays: (16 / 32 / 64, 32768) 216.0 / 416.0 / 822.9 vs
       # 219.9 / 424.4 / 833.2 at the best 3-per-SM count;
-      # `attention-ab-kivi4-wide-20261127f-*`)
+      # `attention-ab-kivi4-wide-20261127f-*`). Over >= 1.5 programs per slot at
+      # 3 per SM and one split each (many sequences), shuffled scales and at
+      # least 4 splits everywhere: shorter programs, a shorter tail (H200, main
+      # kernel us, the former pick vs 4 shuffled splits: (48, 32768) 447.7 (2)
+      # vs 439.9, (64, 32768) 672.0 (1, unshuffled) vs 579.7, (100, 32768) 926.3
+      # (2) vs 888.2, (160, 32768) 1647.4 (1, unshuffled) vs 1390.1; 6 splits
+      # within 1 % of 4; `ab-kivi4-large-batch-splits-nvidia-h200-20261129r.json`)
       programs, two_per_sm = heads * splits, 2 * num_sms
-      if programs * 10 < -(-programs // two_per_sm) * two_per_sm * 9:
-        splits = max(one_wave(3 * num_sms, heads, blocks, block_k), min(2, blocks // 4))
+      if many or programs * 10 < -(-programs // two_per_sm) * two_per_sm * 9:
+        splits = max(one_wave(3 * num_sms, heads, blocks, block_k),
+                     min(4 if many else 2, blocks // 4))
         shuffle = True
     # Subnormal codes for 4-bit K and V (H100, kernel us, kivi4: 68.4 vs 70.4 at
     # (1, 131072), 132.3 vs 134.8 at (8, 32768), 1291 vs 1342 at (96, 32768)),
