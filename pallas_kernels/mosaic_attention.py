@@ -189,8 +189,9 @@ class MosaicAttentionConfig:
       per thread and tile 4 pair conversions and 32 shuffles instead of 32
       conversions. Same registers.
 
-  Search space (`jaxkv.autotune`): block_k in {64, 128}, num_splits around
-  the heuristic (x1/2, x1, x2), max_concurrent_steps in {2, 3, 4}.
+  Searched around the heuristic by `bench/attention.py` (``mosaic_configs``:
+  num_splits x1/2, x1, x2, max_concurrent_steps 2 or 4, block_k 128); the
+  library's tuned table (`pallas_kernels.tuned`) holds Triton configs only.
   """
 
   block_k: int = 64
@@ -246,6 +247,10 @@ class MosaicAttentionConfig:
     per SM it runs at (171-172 registers) under 90 % takes shuffled scales
     instead (162-170 registers: 3 per SM) with at least 2 splits (the packed
     programs are counted; the short residual program of each pair is not).
+    Over many pairs (``10 B Hkv >= 29 num_sms``: about one program per slot
+    at 3 per SM with one split each; 48+ sequences at 8 kv heads), kivi4 in
+    128-token blocks and kivi2 take at least 4 splits where each keeps >= 4
+    blocks, kivi4 with shuffled scales.
 
     Programs: the split counts assume 4 per SM for 4-bit K and V (3 in
     128-token blocks over 9-64 (sequence, kv head) pairs and in the
@@ -268,7 +273,7 @@ class MosaicAttentionConfig:
     kivi2 [32] 74.9 vs 76.4 (33), 98.7 (48); [4] 152 vs 202 (3); k8v4 [32]
     106 vs 131 (48); k8v4 on the H100 with the register V operand [48] 90.2
     vs 89.5 (32), [6] 177.6 vs 232.4 (4) at (8, 32768). The placement of
-    programs on SMs makes these counts jumpy; `jaxkv.autotune` searches
+    programs on SMs makes these counts jumpy; `bench/attention.py` searches
     around them.
     """
     del unused
@@ -289,7 +294,9 @@ class MosaicAttentionConfig:
       wide = one_wave(2 * num_sms if heads <= 64 else slots, heads, max(1, tokens // 128))
       block_k = 128 if tokens // 128 >= 8 * wide else 64
     blocks = max(1, tokens // block_k)
-    many = 2 * heads >= 3 * num_sms  # >= 1.5 programs per slot at 3 per SM, 1 split
+    # about one program per slot at 3 per SM with one split each (measured from
+    # 384 pairs: 48 sequences at 8 kv heads)
+    many = 10 * heads >= 29 * num_sms
     # 4-bit K and V in 128-token blocks over <= 64 (sequence, kv head) pairs
     kivi4_wide = (k_bits, v_bits) == (4, 4) and block_k == 128 and heads <= 64
     splits = one_wave(slots, heads, blocks, block_k)
@@ -319,7 +326,8 @@ class MosaicAttentionConfig:
       # `attention-ab-flat-splits-20261127e-*`); over many sequences at least 4
       # (H200, main kernel us, 2 vs 4 splits: (48, 32768) 438.0 vs 429.3, (64,
       # 32768) 576.8 vs 565.6, (100, 32768) 911.1 vs 869.8, (160, 32768) 1384.7
-      # vs 1355.0, (188, 32768) 1595.3 vs 1592.7; `ab-kivi2-*-splits-nvidia-h200-20261129r.json`)
+      # vs 1355.0, (188, 32768) 1595.3 vs 1592.7; `ab-kivi2-*-splits-nvidia-h200-20261129r.json`,
+      # `ab-kivi4-large-batch-splits-nvidia-h200-20261129r.json` (64, 160))
       splits = max(one_wave(3 * num_sms, heads, blocks, block_k),
                    min(4 if many else 2, blocks // 4))
     stages = 3 if k_bits >= 8 and v_bits >= 8 else 4
@@ -359,8 +367,8 @@ class MosaicAttentionConfig:
       # its 4.36 used), (100, 32768) 1274.0 vs 1324.4; where the count fills
       # its waves, it stays: (16 / 32 / 64, 32768) 216.0 / 416.0 / 822.9 vs
       # 219.9 / 424.4 / 833.2 at the best 3-per-SM count;
-      # `attention-ab-kivi4-wide-20261127f-*`). Over >= 1.5 programs per slot at
-      # 3 per SM and one split each (many sequences), shuffled scales and at
+      # `attention-ab-kivi4-wide-20261127f-*`). Over about one program per slot
+      # at 3 per SM and one split each (many sequences), shuffled scales and at
       # least 4 splits everywhere: shorter programs, a shorter tail (H200, main
       # kernel us, the former pick vs 4 shuffled splits: (48, 32768) 447.7 (2)
       # vs 439.9, (64, 32768) 672.0 (1, unshuffled) vs 579.7, (100, 32768) 926.3
