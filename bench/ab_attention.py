@@ -193,9 +193,9 @@ def vq_rows(name, q, shape, mosaic_variants, cudnn, calls, ptxas=False):
   return _time_variants(name, shape, configs, call, (q, cache), copies, cudnn, calls, ptxas)
 
 
-def view_rows(name, q, shape, variants, cudnn, calls, ptxas=False):
-  """Triton variants of one hierarchical view on a cache filled with random K/V (and
-  the Mosaic kernel with its default config for the draft view, ``mosaic``)."""
+def view_rows(name, q, shape, variants, cudnn, calls, ptxas=False, mosaic_variants=None):
+  """Triton variants of one hierarchical view on a cache filled with random K/V, and
+  the Mosaic kernel: its default config (``mosaic``) and ``mosaic_variants``."""
   b, t, hq, hkv, d, _ = shape
   view = name.split(":")[1]
   cache = A.filled_cache(name, jax.random.PRNGKey(4), b, t, hkv, d)
@@ -203,12 +203,16 @@ def view_rows(name, q, shape, variants, cudnn, calls, ptxas=False):
                                  num_queries=q.shape[1], capacity=cache.storage_len, view=view)
   configs = {"default": default}
   configs.update({k_: replace_config(default, kv) for k_, kv in variants.items()})
-  if view == "draft":
-    configs["mosaic"] = "mosaic"
+  from jaxkv import attention  # pylint: disable=import-outside-toplevel
+  mosaic = attention._mosaic_default(cache, view)  # pylint: disable=protected-access
+  configs["mosaic"] = mosaic
+  configs.update({f"mosaic_{k_}": replace_config(mosaic, kv)
+                  for k_, kv in (mosaic_variants or {}).items()})
 
   def call(q, cache, *, config):
-    if config == "mosaic":
-      return A.jaxkv.decode_attention(q, cache, implementation="mosaic", view=view)
+    if isinstance(config, A.ma.MosaicAttentionConfig):
+      return A.jaxkv.decode_attention(q, cache, implementation="mosaic", view=view,
+                                      config=config)
     return pk.pallas_decode_attention(q, cache, config=config, view=view)
 
   copies = A.rotating_copies((q, cache), A.nbytes(*jax.tree.leaves(cache)))
@@ -254,7 +258,8 @@ def main(argv=None) -> int:
     print(f"== {A.shape_id(shape)}: cuDNN bf16 {cudnn:.1f} us", flush=True)
     for name in args.formats.split(","):
       if ":" in name:  # a hierarchical view ("quantspec:draft" / "quantspec:target")
-        rows += view_rows(name, q, shape, variants, cudnn, args.calls, args.ptxas)
+        rows += view_rows(name, q, shape, variants, cudnn, args.calls, args.ptxas,
+                          parse_variants(args.mosaic))
         continue
       if name in A.jaxkv.VQ_PRESETS:
         rows += vq_rows(name, q, shape, parse_variants(args.mosaic), cudnn, args.calls,

@@ -176,13 +176,15 @@ def _triton_supported(q, cache, view: str = "target") -> tuple[bool, str]:
 
 
 def _mosaic_specs(cache, view: str = "target"):
-  """The Mosaic kernel's K and V `SideSpec`: the storage's, or for the draft
-  view of a hierarchical cache its upper plane, a plain 4-bit side with the
-  stored scale and zero (the upper-plane rows of the plane-blocked codes)."""
+  """The Mosaic kernel's K and V `SideSpec`: the storage's, or for a
+  hierarchical cache its planes' (plain 4-bit sides with the stored scale and
+  zero: the upper-plane rows of the plane-blocked codes for the draft view;
+  the target view joins the lower planes to them in the kernel)."""
   from pallas_kernels.side_spec import SideSpec  # pylint: disable=import-outside-toplevel
+  del view  # both views: the 4-bit planes
   k_side = SideSpec.of(cache.fmt, "k", cache.head_dim)
   v_side = SideSpec.of(cache.fmt, "v", cache.head_dim)
-  if cache.fmt.hierarchical and view == "draft":
+  if cache.fmt.hierarchical:
     k_side, v_side = (dataclasses.replace(x, bits=4) for x in (k_side, v_side))
   return k_side, v_side
 
@@ -194,22 +196,27 @@ def is_hopper() -> bool:
 
 
 def _mosaic_supported(q, cache, config=None, view: str = "target") -> tuple[bool, str]:
-  if cache.fmt.hierarchical and view != "draft":
-    return False, ("the Mosaic GPU kernels read only the draft view of hierarchical "
-                   "(quantspec) caches")
+  if cache.fmt.hierarchical and view == "target":
+    from pallas_kernels import mosaic_attention  # pylint: disable=import-outside-toplevel
+    why = mosaic_attention.target_view_refusal(
+        config if config is not None else _mosaic_default(cache, view), cache.head_dim,
+        cache.dtype)
+    if why:
+      return False, why
   if cache.fmt.hierarchical and cache.head_dim != 128:
     # D = 64 failed its compiled test on an H100 (2026-11-26), not yet understood
-    return False, (f"the Mosaic draft view of hierarchical caches needs head_dim 128, got "
+    return False, (f"the Mosaic views of hierarchical caches need head_dim 128, got "
                    f"{cache.head_dim}")
   if cache.fmt.hierarchical and config is not None and not config.tokens_m:
-    return False, "the Mosaic draft view needs tokens_m=True (v1 reads whole code rows)"
+    return False, ("the Mosaic views of hierarchical caches need tokens_m=True (v1 reads "
+                   "whole code rows)")
   if not is_hopper():
     return False, "the Mosaic GPU kernels need a Hopper (sm_90) GPU"
   from pallas_kernels import mosaic_attention  # pylint: disable=import-outside-toplevel
   k_side, v_side = _mosaic_specs(cache, view)
   block_k = (config if config is not None else _mosaic_default(cache, view)).block_k
   if cache.fmt.hierarchical and cache.fmt.token_group % block_k:
-    return False, (f"the Mosaic draft view reads plane blocks of token_group="
+    return False, (f"the Mosaic views of hierarchical caches read plane blocks of token_group="
                    f"{cache.fmt.token_group} tokens: not a multiple of block_k={block_k}")
   sinks = cache.fmt.sink_tokens
   return mosaic_attention.supports(
@@ -421,7 +428,8 @@ def _mosaic_attention(q, cache, *, scale, config, layer=None, view: str = "targe
       k_side=k_side, v_side=v_side, token_group=cache.fmt.token_group,
       residual=cache.fmt.residual, sm_scale=sm_scale, config=config, layer=layer,
       return_lse=return_lse, seq_bad=seq_bad, skip_tokens=skip_tokens,
-      plane_block=cache.fmt.plane_block)
+      plane_block=cache.fmt.plane_block,
+      target_view=bool(cache.fmt.hierarchical and view == "target"))
 
 
 def _kernel_attention(impl: str, q, cache, *, scale, config, layer, view: str,

@@ -247,8 +247,8 @@ class MosaicAttentionConfig:
     per SM it runs at (171-172 registers) under 90 % takes shuffled scales
     instead (162-170 registers: 3 per SM) with at least 2 splits (the packed
     programs are counted; the short residual program of each pair is not).
-    Over many pairs (``10 B Hkv >= 29 num_sms``: about one program per slot
-    at 3 per SM with one split each; 48+ sequences at 8 kv heads), kivi4 in
+    Over many pairs (``33 B Hkv >= 64 num_sms``: 256+ pairs on 132 SMs, 32+
+    sequences at 8 kv heads), kivi4 in
     128-token blocks and kivi2 take at least 4 splits where each keeps >= 4
     blocks, kivi4 with shuffled scales.
 
@@ -294,9 +294,13 @@ class MosaicAttentionConfig:
       wide = one_wave(2 * num_sms if heads <= 64 else slots, heads, max(1, tokens // 128))
       block_k = 128 if tokens // 128 >= 8 * wide else 64
     blocks = max(1, tokens // block_k)
-    # about one program per slot at 3 per SM with one split each (measured from
-    # 384 pairs: 48 sequences at 8 kv heads)
-    many = 10 * heads >= 29 * num_sms
+    # 256+ (sequence, kv head) pairs on 132 SMs: 32+ sequences at 8 kv heads
+    # (H200, main kernel us, the former pick vs 4 shuffled splits: kivi4 (32,
+    # 32768) 344.1 (2 splits, unshuffled) vs 299.7, (40, 32768) 389.3 vs 373.6;
+    # kivi2 (32, 32768) 293.3 (2) vs 292.6, (40, 32768) 385.2 (3) vs 363.8; but
+    # at 25 sequences (200 pairs) kivi4 260.6 (6 splits) vs 266.5;
+    # `ab-kivi4-kivi2-25-40-seqs-splits-nvidia-h200-20261129s.json`)
+    many = 33 * heads >= 64 * num_sms
     # 4-bit K and V in 128-token blocks over <= 64 (sequence, kv head) pairs
     kivi4_wide = (k_bits, v_bits) == (4, 4) and block_k == 128 and heads <= 64
     splits = one_wave(slots, heads, blocks, block_k)
@@ -457,12 +461,15 @@ def _plane_blocks(i, plane_block: int, bk: int):
 
 
 def _side_specs(side: SideSpec, width: int, head_dim: int, bk: int, values_transforms,
-                plain_codes: bool = False, plane_block: int = 0, wide: bool = False):
+                plain_codes: bool = False, plane_block: int = 0, wide: bool = False,
+                lower: bool = False):
   """Pipeline BlockSpecs of one side: code tile ``[bk, width]`` (+ scale, zero),
   or a ``[bk, D]`` value tile (``values_transforms``) for a 16-bit side.
   ``plain_codes``: the code tile untiled and unswizzled (`mosaic_dequant` reads rows).
   ``plane_block``: the codes are a hierarchical cache's plane-blocked rows
-  ``[2C, D/2]`` and the tiles read its upper planes (the draft view).
+  ``[2C, D/2]`` and the tiles read its upper planes (the draft view);
+  ``lower`` (with it): a second code tile of the same tokens' lower planes,
+  ``plane_block`` rows further (the target view).
   ``wide``: the codes come as `wide_view` rows and the code tile is
   ``[bk * width / WIDE_ROW, WIDE_ROW]`` (the same bytes)."""
   if side.bits == 16:
@@ -473,8 +480,15 @@ def _side_specs(side: SideSpec, width: int, head_dim: int, bk: int, values_trans
     code_map = lambda i: (i, 0)  # noqa: E731
   rows, cols = (bk * width // mosaic_dequant.WIDE_ROW, mosaic_dequant.WIDE_ROW) if wide else (
       bk, width)
-  specs = [plgpu.BlockSpec((rows, cols), code_map,
-                           transforms=() if plain_codes else _tiled(cols, 8))]
+  code_tf = () if plain_codes else _tiled(cols, 8)
+  specs = [plgpu.BlockSpec((rows, cols), code_map, transforms=code_tf)]
+  if lower:
+    if not plane_block:
+      raise ValueError("lower planes need plane-blocked codes (plane_block)")
+    per = plane_block // bk  # tiles per plane block: the lower planes follow the upper
+    specs.append(plgpu.BlockSpec(
+        (rows, cols), lambda i: (_plane_blocks(i, plane_block, bk) + per, 0),
+        transforms=code_tf))
   if side.axis == "token":
     specs += [plgpu.BlockSpec((bk,), lambda i: (i,))] * 2
   else:
@@ -639,6 +653,23 @@ def unpack_rows(out, num_queries: int, q_heads: int):
   return out.transpose(0, 3, 1, 2, 4).reshape(batch, num_queries, q_heads, head_dim)
 
 
+def target_view_refusal(config: MosaicAttentionConfig, head_dim: int, dtype) -> str:
+  """Why the Mosaic kernel cannot read a hierarchical cache's target view with
+  ``config`` ("" if it can): the two planes are joined only on the register
+  paths (K codes as the score MMA's operand, V's as the value MMA's) with
+  subnormal codes, so bfloat16 caches with head_dim 128 and a config keeping
+  ``tokens_m``, ``register_k``, ``register_v``, ``register_vt``,
+  ``fold_scales``, ``subnormal_k`` and ``subnormal_v`` on."""
+  if jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16) or head_dim != 128:
+    return (f"the Mosaic target view needs a bfloat16 cache with head_dim 128, got "
+            f"{jnp.dtype(dtype)} and {head_dim}")
+  off = [f for f in ("tokens_m", "register_k", "register_v", "register_vt", "fold_scales",
+                     "subnormal_k", "subnormal_v") if not getattr(config, f)]
+  if off:
+    return f"the Mosaic target view needs {', '.join(off)}=True in the config"
+  return ""
+
+
 def supports(k_side: SideSpec, v_side: SideSpec, *, head_dim: int, q_rows: int,
              dtype, token_group: int, residual: int, block_k: int = 64,
              sink_tokens: int = 0, skip_tokens: int = 0) -> tuple[bool, str]:
@@ -733,7 +764,7 @@ def _attend_block(q_smem, kdq_smem, vdq_smem, carry, *, token0, valid_below, row
 
 @functools.partial(
     jax.jit, static_argnames=("k_side", "v_side", "token_group", "residual", "config",
-                              "return_lse", "skip_tokens", "plane_block"))
+                              "return_lse", "skip_tokens", "plane_block", "target_view"))
 def mosaic_decode_attention(
     q: jax.Array,           # [B, S, Hq, D]
     k_codes: jax.Array,     # [B, H, C, D*kb/8] uint8 | [B, H, C, D] (16-bit; plane_block)
@@ -757,6 +788,7 @@ def mosaic_decode_attention(
     seq_bad: jax.Array | None = None,
     skip_tokens: int = 0,
     plane_block: int = 0,
+    target_view: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Decode attention of S new queries over a packed cache (Hopper kernel).
 
@@ -766,7 +798,9 @@ def mosaic_decode_attention(
   ``[..., C, D]`` (`jaxkv.hierarchical`, blocks of ``plane_block`` tokens,
   a multiple of ``config.block_k``) and 4-bit ``k_side``/``v_side`` read
   their upper planes in place (the draft view): whole contiguous runs of
-  upper-plane rows, never the lower plane;
+  upper-plane rows, never the lower plane; ``target_view``: both planes
+  (QuantSpec's target view, the 8-bit codes joined in registers,
+  `target_view_refusal` for what it needs);
   ``sm_scale`` may be a traced scalar (it scales q before the kernel).
   ``layer``: with every cache array stacked on a leading layer axis
   (``[L, B, H, ...]``, a `jaxkv.ModelCache`), the (possibly traced) layer to
@@ -809,6 +843,11 @@ def mosaic_decode_attention(
                        f"block_k={bk} dividing the capacity {capacity}")
     # [B, H, C, D] -> the rows of one plane, [B, H, 2C, D/2] (free)
     k_codes, v_codes = hierarchical.plane_view(k_codes), hierarchical.plane_view(v_codes)
+  if target_view:
+    why = target_view_refusal(config, head_dim, dtype) or (
+        "" if plane_block else "target_view needs plane-blocked codes (plane_block)")
+    if why:
+      raise ValueError(why)
   why = _triton.skip_refusal(0, skip_tokens, bk)
   if why:
     raise ValueError(why)
@@ -853,7 +892,7 @@ def mosaic_decode_attention(
         arrays_of(v_codes, v_scale, v_zero, v_side), k_residual, v_residual, lengths,
         k_side=k_side, v_side=v_side, token_group=token_group, residual=residual,
         num_queries=num_queries, q_rows=q_rows, config=config, dtype=dtype, row0=row0,
-        skip_tokens=skip_tokens, plane_block=plane_block)
+        skip_tokens=skip_tokens, plane_block=plane_block, target_view=target_view)
     # One combine kernel reads the O^T partials as they are: with register_v
     # the packed programs' rows are in the MMA's V column order (channel c at
     # row argsort(perm)[c]), the residual programs' in channel order.
@@ -1205,13 +1244,18 @@ def unflatten_partials(parts, batch: int, kv_heads: int) -> list:
 
 def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v_side,
                    token_group, residual, num_queries, q_rows, config, dtype, row0, vq=None,
-                   skip_tokens: int = 0, plane_block: int = 0):
+                   skip_tokens: int = 0, plane_block: int = 0, target_view: bool = False):
   """The v2 kernel; returns partials ``o [B,H,P,D,N_pv], l, m [B,H,P,N]``
   (``P = J + R / block_k``: the splits', then the residual tiles', `residual_parts`).
 
   ``skip_tokens``: packed tokens left to the caller (`_split_blocks`).
   ``plane_block``: the code inputs are plane-blocked rows ``[., 2C, D/2]``
-  (`mosaic_decode_attention`); the tiles read the upper planes.
+  (`mosaic_decode_attention`); the tiles read the upper planes, and with
+  ``target_view`` the lower planes too (each side's inputs ``[codes, codes,
+  scale, zero]``, the tiles ``(upper, lower, scale, zero)``): K's 8-bit codes
+  joined in registers with ``scale / 16`` and ``zero - scale / 2``
+  (`mosaic_dequant.dequant_codes`' ``lower_smem``), V's joined codes as the
+  value MMA's operand with the same affine folded into P.
 
   ``row0``: ``[1]`` int32, the cache arrays' row of sequence 0 (`stacked_rows`).
 
@@ -1261,14 +1305,19 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     # the register paths read wide rows (`MosaicAttentionConfig.wide_rows`)
     wide_k = config.wide_rows and register_k and mosaic_dequant.fits_wide_row(k_width)
     wide_v = config.wide_rows and register_v and mosaic_dequant.fits_wide_row(v_width)
+    if target_view and not (register_k and register_vt):
+      raise ValueError("target_view needs the register K and transposed V paths "
+                       f"({target_view_refusal(config, head_dim, dtype)})")
     k_specs = _side_specs(k_side, k_width, head_dim, bk, q_tf, plain_codes=register_k,
-                          plane_block=plane_block, wide=wide_k)
+                          plane_block=plane_block, wide=wide_k, lower=target_view)
     # register_vt reads rows with ldmatrix: TMA-swizzled (by row width) or plain tiles
     v_specs = _side_specs(v_side, v_width, head_dim, bk, v_tf,
                           plain_codes=register_v and not (register_vt and config.vt_swizzle),
-                          plane_block=plane_block, wide=wide_v)
+                          plane_block=plane_block, wide=wide_v, lower=target_view)
     k_in = [wide_view(k_in[0]) if wide_k else k_in[0], *k_in[1:]]
     v_in = [wide_view(v_in[0]) if wide_v else v_in[0], *v_in[1:]]
+    if target_view:  # the same codes twice: upper- and lower-plane tiles
+      k_in, v_in = [k_in[0], *k_in], [v_in[0], *v_in]
     fold_k = config.fold_scales and k_side.bits < 16 and k_side.axis == "token"
     fold_v = config.fold_scales and v_side.bits < 16
     books = []
@@ -1277,7 +1326,9 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
   bytes_k = sub_k and config.byte_masks        # codes masked in place in their bytes
   bytes_v = sub_v and config.byte_masks        # (V rows with half = 1: times 2**bits)
   # K's scale and zero in the score MMA's B operands (q stays unscaled)
-  fold_kq = (bytes_k and config.k_scale_in_q and head_dim == 128 and n_rows in (8, 16))
+  fold_kq = (bytes_k and config.k_scale_in_q and head_dim == 128 and n_rows in (8, 16)
+             and not target_view)
+  slots = 4 if target_view else 3  # inputs per side: codes (, lower planes), scale, zero
   if sub_k and not fold_kq:  # the K registers are (c s + z) 2**-K_SHIFT
     qh = qh * jnp.asarray(2.0 ** mosaic_dequant.K_SHIFT, qh.dtype)
   q_tiling = (q_tf[0].tiling[1], q_tf[1].swizzle)
@@ -1305,7 +1356,8 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
         return mosaic_dequant.dequant_codes_t(v_tiles[0], head_dim, v_side.bits,
                                               swizzle=v_tiles[0].shape[-1] if config.vt_swizzle
                                               else 0,
-                                              subnormal=sub_v, byte_masks=bytes_v)
+                                              subnormal=sub_v, byte_masks=bytes_v,
+                                              lower_smem=v_tiles[1] if target_view else None)
       if vq is not None:
         return mosaic_dequant.gather_codebook(v_tiles[0], book_smems[1], head_dim, v_vec,
                                               v_entries)
@@ -1333,9 +1385,10 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
         plgpu.wgmma(acc_ref, ones, _t(bias_smem))
       elif register_k:
         # code * scale + zero in registers; the scale/zero rows stay in channel order
-        x = mosaic_dequant.dequant_codes(k_tiles[0], head_dim, k_side.bits, k_tiles[1],
-                                         k_tiles[2], subnormal=sub_k, byte_masks=bytes_k,
-                                         shuffle_scales=config.shuffle_scales)
+        x = mosaic_dequant.dequant_codes(k_tiles[0], head_dim, k_side.bits, k_tiles[-2],
+                                         k_tiles[-1], subnormal=sub_k, byte_masks=bytes_k,
+                                         shuffle_scales=config.shuffle_scales,
+                                         lower_smem=k_tiles[1] if target_view else None)
         plgpu.wgmma(acc_ref, x, _t(q_smem))
       else:
         for c0, x in _dequant_planes(*k_tiles, k_side, head_dim, dtype, affine=not fold_k):
@@ -1371,7 +1424,9 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     acc, l_i, z_i = out if lazy else rescale((acc, l_i, z_i), out)     # out: alpha if not lazy
     l_i = l_i + p                                              # row sums deferred
     if packed_v and fold_v:
-      vsc, vzr = _token_affine(v_tiles[1], v_tiles[2])
+      vsc, vzr = _token_affine(v_tiles[-2], v_tiles[-1])
+      if target_view:  # the joined codes' affine: scale / 16, zero - scale / 2
+        vzr, vsc = vzr - 0.5 * vsc, vsc * (1.0 / 16.0)
       z_i = z_i + p * lax.broadcast_in_dim(vzr, p.shape, [0])
       if sub_v:  # subnormal V codes: P carries 2**P_SHIFT
         vsc = vsc * (2.0 ** mosaic_dequant.P_SHIFT)
@@ -1403,9 +1458,10 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       qsum_gmem, qres_gmem, *refs = refs
     else:
       qsum_gmem, (qres_gmem, *refs) = None, refs
-    k_refs, v_refs = refs[:3], refs[3:6]
-    kres_gmem, vres_gmem = refs[6:8]
-    book_gmems, refs = refs[8:8 + len(books)], refs[8 + len(books):]
+    k_refs, v_refs = refs[:slots], refs[slots:2 * slots]
+    kres_gmem, vres_gmem = refs[2 * slots:2 * slots + 2]
+    book_gmems, refs = refs[2 * slots + 2:2 * slots + 2 + len(books)], refs[
+        2 * slots + 2 + len(books):]
     o_gmem, l_gmem, m_gmem = refs[:3]
     q_smem, pt_smem, flag_smem, barrier, *fold_smems = refs[3:]
     fold_smems = tuple(fold_smems) if fold_kq else None
@@ -1511,8 +1567,8 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       finish(pl.run_scoped(attend_residual, plgpu.SMEM((bk, head_dim), dtype, transforms=q_tf),
                            vdq_type))
 
-  k_in = list(k_in) + [k_in[0]] * (3 - len(k_in))  # unused slots repeat the codes
-  v_in = list(v_in) + [v_in[0]] * (3 - len(v_in))
+  k_in = list(k_in) + [k_in[0]] * (slots - len(k_in))  # unused slots repeat the codes
+  v_in = list(v_in) + [v_in[0]] * (slots - len(v_in))
   scratch = [
       plgpu.SMEM((n_rows, head_dim), dtype, transforms=q_tf),     # q
       plgpu.SMEM((bk, n_pv), dtype, transforms=v_tf),             # P^T
@@ -1532,7 +1588,8 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=_SEMANTICS,
                                            unsafe_no_auto_barriers=config.lean_barriers),
-      kernel_name=(f"jaxkv_mosaic_tokens_m_attention_k{k_side.bits}v{v_side.bits}" if vq is None
+      kernel_name=(f"jaxkv_mosaic_tokens_m_attention_k{k_side.bits}v{v_side.bits}"
+                   f"{'_target' if target_view else ''}" if vq is None
                    else f"jaxkv_mosaic_vq_attention_k{k_vec}v{v_vec}"),
   )(lengths, row0, *head_rows([qh, *([jnp.sum(qh.astype(f32), axis=-1)] if fold_k else []),
                                q_res, *k_in, *v_in, k_residual, v_residual]), *books),

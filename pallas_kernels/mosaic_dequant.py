@@ -104,6 +104,34 @@ _ASM_POW2 = "{\n.reg .b32 z;\nmov.b32 z, 0x80008000;\nfma.rn.bf16x2 $0, $1, $2, 
 # Lane $2's value of $1 (the whole warp takes part).
 _ASM_SHFL = "shfl.sync.idx.b32 $0, $1, $2, 31, -1;"
 
+# Two 4-bit planes of a hierarchical code (``lower``: QuantSpec's target view,
+# `pallas_kernels.hierarchical`): the upper and lower codes of a pair masked
+# alike ($1, $2), joined to the 8-bit code ``16 C_U + C_L'`` by one exact fma
+# (each half ``c * 2**(e - 133)`` with ``c < 256``: a bf16 subnormal or in the
+# first normal binade, whose spacing is the same 2**(e - 133)).
+_JOIN = "mov.b32 h, 0x41804180;\nand.b32 t, $1, {mask};\nand.b32 u, $2, {mask};\n" \
+        "fma.rn.bf16x2 t, t, h, u;\n"
+_ASM_JOIN = "{{\n.reg .b32 t, u, h;\n" + _JOIN + "mov.b32 $0, t;\n}}"
+_ASM_JOIN_AFFINE = "{{\n.reg .b32 t, u, h;\n" + _JOIN + "fma.rn.bf16x2 $0, t, $3, $4;\n}}"
+
+
+def _zero_pair_asm(rows_f16: bool, off: int) -> str:
+  """PTX of the target view's zero pair ``zero - scale / 2`` (float32, then one
+  rounding to bfloat16) of elements ``off`` and ``off + 2`` of a quad: ``$1, $2``
+  the scale quad's words, ``$3, $4`` the zero quad's (`_quad_pairs`' order)."""
+  a, c, e, g = ("a", "c", "e", "g") if off == 0 else ("b", "d", "f", "h")
+  if rows_f16:
+    cvt = "".join(f"cvt.f32.f16 {x}, {y};\n" for x, y in
+                  (("sx", a), ("sy", c), ("zx", e), ("zy", g)))
+  else:  # bfloat16 bits are the upper half of the float32's
+    cvt = "".join(f"mov.b32 w, {{n, {y}}};\nmov.b32 {x}, w;\n" for x, y in
+                  (("sx", a), ("sy", c), ("zx", e), ("zy", g)))
+  return ("{\n.reg .b16 a, b, c, d, e, f, g, h, n;\n.reg .f32 sx, sy, zx, zy;\n.reg .b32 w;\n"
+          "mov.b16 n, 0;\nmov.b32 {a, b}, $1;\nmov.b32 {c, d}, $2;\n"
+          "mov.b32 {e, f}, $3;\nmov.b32 {g, h}, $4;\n" + cvt
+          + "fma.rn.f32 zx, sx, 0fBF000000, zx;\nfma.rn.f32 zy, sy, 0fBF000000, zy;\n"
+          "cvt.rn.bf16x2.f32 $0, zy, zx;\n}")
+
 
 def _bf16_pow2_pair(exp: int):
   """``2**exp`` in both halves of a bf16x2 register, as an i32 constant."""
@@ -149,18 +177,34 @@ def code_permutation(head_dim: int, bits: int = 4) -> np.ndarray:
   return perm
 
 
-def registers_reference(codes: np.ndarray, bits: int = 4, scale=None, zero=None) -> np.ndarray:
+def _planar_channels(codes: np.ndarray, bits: int) -> np.ndarray:
+  """``[rows, D]`` float64 codes of planar ``[rows, D bits/8]`` uint8 rows."""
+  codes = np.asarray(codes)
+  mask = (1 << bits) - 1
+  return np.concatenate([(codes >> (bits * p)) & mask for p in range(8 // bits)],
+                        axis=-1).astype(np.float64)
+
+
+def registers_reference(codes: np.ndarray, bits: int = 4, scale=None, zero=None,
+                        lower=None) -> np.ndarray:
   """``[rows, D]`` float values `dequant_codes` holds: code of channel ``perm[col]``
-  (times its scale plus its zero, rounded once to bfloat16, when given)."""
+  (times its scale plus its zero, rounded once to bfloat16, when given).
+  ``lower``: the lower-plane tile of hierarchical codes (`dequant_codes`'
+  ``lower_smem``): ``(16 C_U + C_L') * scale / 16 + (zero - scale / 2)``, the
+  zero term rounded to bfloat16 from float32 first, as the kernel does."""
   codes = np.asarray(codes)
   width = codes.shape[-1]
-  mask = (1 << bits) - 1
-  channels = np.concatenate([(codes >> (bits * p)) & mask for p in range(8 // bits)],
-                            axis=-1).astype(np.float64)                 # [rows, D] planar
+  channels = _planar_channels(codes, bits)                              # [rows, D] planar
+  if lower is not None:
+    channels = 16.0 * channels + _planar_channels(lower, bits)
   if scale is not None:  # float16 rows are rounded to bfloat16 first, as the kernel does
     def bf16(x):
       return np.asarray(x, np.float32).astype(jnp.bfloat16).astype(np.float64).reshape(-1)
-    channels = channels * bf16(scale) + bf16(zero)
+    if lower is None:
+      channels = channels * bf16(scale) + bf16(zero)
+    else:
+      s32, z32 = np.asarray(scale, np.float32), np.asarray(zero, np.float32)
+      channels = channels * (bf16(scale) / 16.0) + bf16(z32 - s32 * np.float32(0.5))
     channels = channels.astype(jnp.bfloat16).astype(np.float64)  # ml_dtypes: round to nearest
   return channels[..., code_permutation(width * 8 // bits, bits)].astype(np.float32)
 
@@ -201,7 +245,7 @@ def _code_tile(codes_smem, head_dim: int, bits: int, head_dims) -> tuple[int, in
 
 def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zero_smem=None,
                   *, subnormal: bool = False, byte_masks: bool = False,
-                  shuffle_scales: bool = False):
+                  shuffle_scales: bool = False, lower_smem=None):
   """``[rows, D]`` bfloat16 codes (WGMMA layout) of a ``[rows, D*bits/8]`` uint8 smem tile.
 
   ``rows`` is 64 or 128 (two warpgroup row tiles).
@@ -237,6 +281,16 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
   ``shfl.sync`` per pair: per thread and tile 2 loads, 4 conversions and 32
   shuffles instead of 16 loads and 32 conversions. Same registers, bit for
   bit.
+
+  ``lower_smem`` (4-bit, with ``subnormal`` and an affine): a second code tile
+  of the same shape, the lower plane of a hierarchical code
+  (`pallas_kernels.hierarchical`, QuantSpec's target view): the values are
+  ``(16 C_U + C_L') * scale / 16 + zero - scale / 2`` with ``C_U`` from
+  ``codes_smem`` and ``C_L'`` from ``lower_smem`` (both ``[0, 15]``), one
+  rounding; the 8-bit code is joined exactly in registers (`_ASM_JOIN_AFFINE`:
+  two ``and`` and two ``fma`` per pair) and ``zero - scale / 2`` computed in
+  float32 from the stored rows and rounded once. Oracle: `registers_reference`
+  with ``lower``.
   """
   width, rows, wide = _code_tile(codes_smem, head_dim, bits, (64, 128))
   affine = scale_smem is not None
@@ -244,6 +298,14 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
     raise ValueError("pass both scale_smem and zero_smem, or neither")
   if byte_masks and not subnormal:
     raise ValueError("byte_masks needs subnormal=True")
+  hier = lower_smem is not None
+  if hier and (bits != 4 or not affine or not subnormal):
+    raise ValueError("lower_smem (hierarchical codes) needs bits=4, subnormal=True and "
+                     "scale_smem/zero_smem")
+  if hier and (tuple(lower_smem.shape) != tuple(codes_smem.shape)
+               or lower_smem.dtype != codes_smem.dtype):
+    raise ValueError(f"lower_smem {lower_smem.dtype} {tuple(lower_smem.shape)} must match "
+                     f"codes_smem {codes_smem.dtype} {tuple(codes_smem.shape)}")
   rows_f16 = False
   if affine:
     for name, ref in (("scale_smem", scale_smem), ("zero_smem", zero_smem)):
@@ -260,9 +322,11 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
   # Pair k of a word: (shift, mask, exponent of the power of two it carries).
   pair_src = [_byte_mask(bits * k, bits, byte_masks) for k in range(pairs)]
   if subnormal:
-    asm = [(_ASM_SUB_AFFINE if affine else _ASM_SUB).format(mask=mask)
-           for _, mask, _ in pair_src]
-    prescale = {("s", k): SUBNORMAL_EXP - K_SHIFT - e for k, (_, _, e) in enumerate(pair_src)}
+    asm = [(_ASM_JOIN_AFFINE if hier else _ASM_SUB_AFFINE if affine else _ASM_SUB).format(
+        mask=mask) for _, mask, _ in pair_src]
+    # hierarchical: the joined code carries scale / 16
+    prescale = {("s", k): SUBNORMAL_EXP - K_SHIFT - e - 4 * hier
+                for k, (_, _, e) in enumerate(pair_src)}
     prescale.update({("z", k): -K_SHIFT for k in range(pairs)})   # exponents of the factors
   else:
     asm = [(_ASM_AFFINE if affine else _ASM).format(mask=mask) for _, mask, _ in pair_src]
@@ -278,15 +342,18 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
 
   def body_fn(_, ref, *rows_refs):
     i32 = ir.IntegerType.get_signless(32)
+    code_refs = [ref] + ([rows_refs[0]] if hier else [])
+    rows_refs = rows_refs[1:] if hier else rows_refs
     if wide:  # the same bytes, one token per row
-      ref = mgpu_utils.memref_reshape(ref, (rows, width))
+      code_refs = [mgpu_utils.memref_reshape(r, (rows, width)) for r in code_refs]
     lane, row0, col = _thread_place(span)
     regs = np.empty(want_regs, dtype=object)
     affine_pairs = {}
     if rows_refs and shuffle_scales:
       affine_pairs = _shuffled_affine_pairs(rows_refs, lane, bits=bits, width=width, span=span,
                                             words=words, rows_f16=rows_f16,
-                                            subnormal=subnormal, byte_masks=byte_masks)
+                                            subnormal=subnormal, byte_masks=byte_masks,
+                                            hier=hier)
     elif rows_refs:
       # Pair (w, k) of a thread holds channels base + k // (8 / bits) + {0, 2},
       # base = plane * width + c * span + 4 w with plane = k % (8 / bits): one
@@ -297,7 +364,9 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
         for w, plane in itertools.product(range(words), range(planes)):
           base = arith.addi(arith.muli(cc, mgpu_utils.c(span, i32)),
                             mgpu_utils.c(plane * width + 4 * w, i32))
-          for off, pair in enumerate(_quad_pairs(rref, base, rows_f16)):
+          quad = (_zero_pairs(*rows_refs, base, rows_f16) if hier and name == "z"
+                  else _quad_pairs(rref, base, rows_f16))
+          for off, pair in enumerate(quad):
             k = plane + planes * off
             if subnormal:
               pair = llvm.inline_asm(i32, [pair, _bf16_pow2_pair(prescale[name, k])],
@@ -306,14 +375,15 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
     def emit(m, half, w, k, shifted):
       del m, half
       if rows_refs:
-        return llvm.inline_asm(i32, [shifted, affine_pairs["s", w, k], affine_pairs["z", w, k]],
-                               asm[k], "=r,r,r,r")
-      return llvm.inline_asm(i32, [shifted], asm[k], "=r,r")
+        ops = [*shifted, affine_pairs["s", w, k], affine_pairs["z", w, k]]
+        return llvm.inline_asm(i32, ops, asm[k], "=r" + ",r" * len(ops))
+      return llvm.inline_asm(i32, list(shifted), asm[k], "=r,r")
 
-    _unpack_words(regs, ref, row0, col, span=span, pair_src=pair_src, emit=emit)
+    _unpack_words(regs, code_refs, row0, col, span=span, pair_src=pair_src, emit=emit)
     return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
-  refs = (codes_smem, scale_smem, zero_smem) if affine else (codes_smem,)
+  refs = (codes_smem, *([lower_smem] if hier else []), scale_smem, zero_smem) if affine else (
+      codes_smem,)
   return plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(refs),
                            return_type=body_type)(body_fn)(*refs)
 
@@ -369,10 +439,10 @@ def dequant_codes_rows(codes_smem, scale_smem, zero_smem, bits: int = 4):
     def emit(m, half, w, k, shifted):
       del w
       s_pairs, z_pair = row_pairs[m, half]
-      return llvm.inline_asm(i32, [shifted, s_pairs[k], z_pair], asm[k], "=r,r,r,r")
+      return llvm.inline_asm(i32, [*shifted, s_pairs[k], z_pair], asm[k], "=r,r,r,r")
 
     regs = np.empty(want_regs, dtype=object)
-    _unpack_words(regs, ref, row0, col, span=span, pair_src=pair_src, emit=emit)
+    _unpack_words(regs, [ref], row0, col, span=span, pair_src=pair_src, emit=emit)
     return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
   return plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3, return_type=body_type)(body_fn)(
@@ -408,13 +478,15 @@ def _thread_place(span: int):
   return lane, row0, arith.index_cast(ir.IndexType.get(), col)
 
 
-def _unpack_words(regs, ref, row0, col, *, span: int, pair_src, emit) -> None:
-  """Fills a thread's WGMMA registers ``regs`` from its ``span`` code bytes per row.
+def _unpack_words(regs, refs, row0, col, *, span: int, pair_src, emit) -> None:
+  """Fills a thread's WGMMA registers ``regs`` from its ``span`` code bytes per row
+  of each tile of ``refs`` (tiles of one shape: a hierarchical code's planes).
 
   Register ``(m, j, 0, 0, half)`` (columns ``8 j + 2 (lane % 4) + {0, 1}`` of
   row ``row0 + 64 m + 8 half``) is ``emit(m, half, w, k, shifted)`` for pair
-  ``k`` of word ``w`` (``j = pairs * w + k``), ``shifted`` the word moved
-  right by ``pair_src[k]``'s shift (each shift computed once per word).
+  ``k`` of word ``w`` (``j = pairs * w + k``), ``shifted`` the tiles' words
+  (one per ref) moved right by ``pair_src[k]``'s shift (each shift computed
+  once per word).
   """
   i32 = ir.IntegerType.get_signless(32)
   index = ir.IndexType.get()
@@ -422,15 +494,16 @@ def _unpack_words(regs, ref, row0, col, *, span: int, pair_src, emit) -> None:
   words, pairs = span // 4, len(pair_src)
   for m, half in itertools.product(range(regs.shape[0]), range(2)):
     row = arith.index_cast(index, arith.addi(row0, mgpu_utils.c(_ROWS * m + 8 * half, i32)))
-    raw = vector.load(ir.VectorType.get((span,), ir.IntegerType.get_signless(8)), ref, [row, col])
-    packed = vector.bitcast(ir.VectorType.get((words,), i32), raw)
+    packed = [vector.bitcast(ir.VectorType.get((words,), i32), vector.load(
+        ir.VectorType.get((span,), ir.IntegerType.get_signless(8)), ref, [row, col]))
+              for ref in refs]
     for w in range(words):
-      word = vector.extract(packed, [], [w])
+      word = tuple(vector.extract(p, [], [w]) for p in packed)
       shifted_by = {0: word}
       for k in range(pairs):
         shift = pair_src[k][0]
         if shift not in shifted_by:
-          shifted_by[shift] = arith.shrui(word, mgpu_utils.c(shift, i32))
+          shifted_by[shift] = tuple(arith.shrui(x, mgpu_utils.c(shift, i32)) for x in word)
         pair = emit(m, half, w, k, shifted_by[shift])
         regs[(m, pairs * w + k, 0, 0, half) + (0,) * (regs.ndim - 5)] = (
             mgpu_utils.bitcast(pair, bf16x2))
@@ -451,8 +524,27 @@ def _quad_pairs(rref, base, rows_f16: bool) -> tuple:
                                "=r,r,r") for off in (0, 1))
 
 
+def _zero_pairs(sref, zref, base, rows_f16: bool) -> tuple:
+  """The hierarchical target view's zero ``zero - scale / 2`` of channels ``[base,
+  base + 4)`` as `_quad_pairs` gives pairs (float32 from the stored rows, one
+  rounding to bfloat16)."""
+  i32 = ir.IntegerType.get_signless(32)
+  index = ir.IndexType.get()
+  elem = ir.F16Type.get() if rows_f16 else ir.BF16Type.get()
+  words = []
+  for rref in (sref, zref):
+    quad = vector.load(ir.VectorType.get((4,), elem), rref,
+                       [arith.index_cast(index, mgpu_utils.c(0, i32)),
+                        arith.index_cast(index, base)])
+    quad = vector.bitcast(ir.VectorType.get((2,), i32), quad)
+    words += [vector.extract(quad, [], [e]) for e in range(2)]
+  return tuple(llvm.inline_asm(i32, words, _zero_pair_asm(rows_f16, off), "=r,r,r,r,r")
+               for off in (0, 1))
+
+
 def _shuffled_affine_pairs(rows_refs, lane, *, bits: int, width: int, span: int, words: int,
-                           rows_f16: bool, subnormal: bool, byte_masks: bool) -> dict:
+                           rows_f16: bool, subnormal: bool, byte_masks: bool,
+                           hier: bool = False) -> dict:
   """`dequant_codes`' ``{(name, w, k): bf16x2 pair}`` of a thread, through warp shuffles.
 
   A thread with ``c = lane % 4`` needs, per row (``s``, ``z``), the pairs of
@@ -461,6 +553,8 @@ def _shuffled_affine_pairs(rows_refs, lane, *, bits: int, width: int, span: int,
   channels ``+off`` and ``+off + 2``). The 8 lanes ``c + 4 r`` alike split the
   quads: lane ``r`` converts quad ``r % quads`` of each row (two pairs), and
   pair ``(w, k)`` comes from lane ``c + 4 (w planes + plane)``.
+  ``hier``: a hierarchical target view's pairs (`dequant_codes`' ``lower_smem``):
+  scale / 16 and zero - scale / 2.
   """
   i32 = ir.IntegerType.get_signless(32)
   planes = 8 // bits
@@ -478,7 +572,7 @@ def _shuffled_affine_pairs(rows_refs, lane, *, bits: int, width: int, span: int,
   if subnormal:
     # scale pairs: 2**(SUBNORMAL_EXP - K_SHIFT - e), e = bits * plane with byte
     # masks (`_byte_mask`: the pair's bit offset inside its byte), else 0.
-    expo = mgpu_utils.c(SUBNORMAL_EXP - K_SHIFT + 127, i32)
+    expo = mgpu_utils.c(SUBNORMAL_EXP - K_SHIFT - 4 * hier + 127, i32)
     if byte_masks:
       expo = arith.subi(expo, arith.muli(plane, mgpu_utils.c(bits, i32)))
     half = arith.shli(expo, mgpu_utils.c(7, i32))
@@ -486,7 +580,9 @@ def _shuffled_affine_pairs(rows_refs, lane, *, bits: int, width: int, span: int,
     factors["z"] = _bf16_pow2_pair(-K_SHIFT)
   local = {}
   for name, rref in zip(("s", "z"), rows_refs):
-    for off, pair in enumerate(_quad_pairs(rref, base, rows_f16)):
+    quad = (_zero_pairs(*rows_refs, base, rows_f16) if hier and name == "z"
+            else _quad_pairs(rref, base, rows_f16))
+    for off, pair in enumerate(quad):
       if subnormal:
         pair = llvm.inline_asm(i32, [pair, factors[name]], _ASM_POW2, "=r,r,r")
       local[name, off] = pair
@@ -533,14 +629,15 @@ def vt_permutation(head_dim: int = 128, bits: int = 4) -> np.ndarray:
   return perm
 
 
-def registers_t_reference(codes: np.ndarray, bits: int = 4) -> np.ndarray:
+def registers_t_reference(codes: np.ndarray, bits: int = 4, lower=None) -> np.ndarray:
   """``[D, rows]`` float values `dequant_codes_t` holds for ``codes [rows, D bits/8]``:
-  the code of channel ``vt_permutation()[row]`` at each token (column)."""
+  the code of channel ``vt_permutation()[row]`` at each token (column);
+  ``lower``: the hierarchical code ``16 C_U + C_L'`` with the lower-plane tile."""
   codes = np.asarray(codes)
-  mask = (1 << bits) - 1
-  channels = np.concatenate([(codes >> (bits * p)) & mask for p in range(8 // bits)],
-                            axis=-1).astype(np.float32)                  # [rows, D] planar
-  return channels[:, vt_permutation(codes.shape[-1] * 8 // bits, bits)].T
+  channels = _planar_channels(codes, bits)                               # [rows, D] planar
+  if lower is not None:
+    channels = 16.0 * channels + _planar_channels(lower, bits)
+  return channels[:, vt_permutation(codes.shape[-1] * 8 // bits, bits)].T.astype(np.float32)
 
 
 def _vt_shifts(bits: int) -> list[int]:
@@ -562,7 +659,7 @@ def vt_row_factors(head_dim: int = 128, bits: int = 4) -> np.ndarray:
 
 
 def dequant_codes_t(codes_smem, head_dim: int = 128, bits: int = 4, *, swizzle: int = 0,
-                    subnormal: bool = False, byte_masks: bool = False):
+                    subnormal: bool = False, byte_masks: bool = False, lower_smem=None):
   """``[D, rows]`` bfloat16 codes (WGMMA layout) of a ``[rows, D bits/8]`` uint8 smem
   tile of 4/2-bit codes: the *transposed* tile, as the register A operand of
   ``O^T += V^T P^T`` (tokens on the MMA's K axis), with no shared-memory store.
@@ -591,10 +688,23 @@ def dequant_codes_t(codes_smem, head_dim: int = 128, bits: int = 4, *, swizzle: 
   code masked where it sits in its byte; rows with ``half = 1`` then hold
   ``2**bits`` times their codes (`vt_row_factors`), which the caller takes
   off the product (`scale_halves`).
+
+  ``lower_smem`` (4-bit, with ``subnormal``): a second tile of the same shape
+  and transforms, the lower plane of a hierarchical code (QuantSpec's target
+  view): the registers hold the 8-bit codes ``16 C_U + C_L'`` (times the same
+  powers of two), joined exactly by one ``fma`` per pair (`_ASM_JOIN`); the
+  caller folds ``scale / 16`` and ``zero - scale / 2`` into P.
   """
   width, rows, wide = _code_tile(codes_smem, head_dim, bits, (128,))
   if byte_masks and not subnormal:
     raise ValueError("byte_masks needs subnormal=True")
+  hier = lower_smem is not None
+  if hier and (bits != 4 or not subnormal):
+    raise ValueError("lower_smem (hierarchical codes) needs bits=4 and subnormal=True")
+  if hier and (tuple(lower_smem.shape) != tuple(codes_smem.shape)
+               or lower_smem.dtype != codes_smem.dtype):
+    raise ValueError(f"lower_smem {lower_smem.dtype} {tuple(lower_smem.shape)} must match "
+                     f"codes_smem {codes_smem.dtype} {tuple(codes_smem.shape)}")
   row_bytes = WIDE_ROW if wide else width
   if swizzle not in (0, row_bytes):
     raise ValueError(f"swizzle={swizzle} must be 0 or {row_bytes} (the tile's row width)")
@@ -604,20 +714,21 @@ def dequant_codes_t(codes_smem, head_dim: int = 128, bits: int = 4, *, swizzle: 
                               f"{want_regs}")
   # Pair k of a (pre-shifted) word: (shift, mask, exponent).
   pair_src = [_byte_mask(s, bits, byte_masks) for s in _vt_shifts(bits)]
-  asm = [(_ASM_SUB if subnormal else _ASM).format(mask=mask) for _, mask, _ in pair_src]
+  asm = [(_ASM_JOIN if hier else _ASM_SUB if subnormal else _ASM).format(mask=mask)
+         for _, mask, _ in pair_src]
   body_type = plgpu.ShapeDtypeStruct((head_dim, rows), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
   transforms = ((plgpu.TilingTransform((8, row_bytes)), plgpu.SwizzleTransform(row_bytes))
                 if swizzle else ())
   per_row = row_bytes // width  # tokens per tile row
 
-  def body_fn(_, ref):
+  def body_fn(_, ref, *lower):
     i32 = ir.IntegerType.get_signless(32)
     c = lambda v: mgpu_utils.c(v, i32)  # noqa: E731
     bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
     tid = arith.remui(mgpu_utils.thread_idx(), c(128))
     warp = arith.shrui(tid, c(5))
     lane = arith.andi(tid, c(31))
-    base = llvm.ptrtoint(i32, mgpu_utils.memref_ptr(ref))
+    bases = [llvm.ptrtoint(i32, mgpu_utils.memref_ptr(r)) for r in (ref, *lower)]
     chunk = warp if bits == 4 else arith.andi(warp, c(1))
     # 2-bit: warps 2-3 move planes 2-3 of each byte down to planes 0-1 first
     plane_shift = None if bits == 4 else arith.muli(arith.shrui(warp, c(1)), c(4))
@@ -633,26 +744,28 @@ def dequant_codes_t(codes_smem, head_dim: int = 128, bits: int = 4, *, swizzle: 
       if swizzle:  # chunk c of row r sits at c ^ ((r * swizzle >> 7) & (swizzle / 16 - 1))
         rbits = arith.andi(arith.shrui(arith.muli(row, c(swizzle)), c(7)), c(swizzle // 16 - 1))
         phys = arith.xori(phys, rbits)
-      addr = arith.addi(base, arith.addi(arith.muli(row, c(row_bytes)), arith.muli(phys, c(16))))
-      got = llvm.inline_asm(quad_ty, [addr], _LDMATRIX_T, "=r,=r,=r,=r,r",
-                            has_side_effects=True)
+      offset = arith.addi(arith.muli(row, c(row_bytes)), arith.muli(phys, c(16)))
+      got = [llvm.inline_asm(quad_ty, [arith.addi(base, offset)], _LDMATRIX_T,
+                             "=r,=r,=r,=r,r", has_side_effects=True) for base in bases]
       for mat in range(4):
-        word = llvm.extractvalue(i32, got, [mat])
+        words = [llvm.extractvalue(i32, g, [mat]) for g in got]   # upper (and lower) plane
         if plane_shift is not None:
-          word = arith.shrui(word, plane_shift)
+          words = [arith.shrui(word, plane_shift) for word in words]
         j = t0 // 8 + mat
-        shifted_by = {0: word}
+        shifted_by = {0: words}
         for k in range(4):
           m, half = divmod(k, 2)
           shift = pair_src[k][0]
           if shift not in shifted_by:
-            shifted_by[shift] = arith.shrui(word, c(shift))
-          pair = llvm.inline_asm(i32, [shifted_by[shift]], asm[k], "=r,r")
+            shifted_by[shift] = [arith.shrui(word, c(shift)) for word in words]
+          ops = shifted_by[shift]
+          pair = llvm.inline_asm(i32, ops, asm[k], "=r" + ",r" * len(ops))
           regs[(m, j, 0, 0, half) + (0,) * (regs.ndim - 5)] = mgpu_utils.bitcast(pair, bf16x2)
     return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
-  return plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms),),
-                           return_type=body_type)(body_fn)(codes_smem)
+  refs = (codes_smem, *([lower_smem] if hier else []))
+  return plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms),) * len(refs),
+                           return_type=body_type)(body_fn)(*refs)
 
 
 def vq_permutation(head_dim: int) -> np.ndarray:
@@ -1127,11 +1240,12 @@ def _wide_tile(codes: jax.Array, wide: bool) -> jax.Array:
 def probe_dequant(codes: jax.Array, scale: jax.Array | None = None, zero: jax.Array | None = None,
                   *, bits: int = 4, subnormal: bool = False,
                   byte_masks: bool = False, shuffle_scales: bool = False,
-                  wide: bool = False) -> jax.Array:
+                  wide: bool = False, lower: jax.Array | None = None) -> jax.Array:
   """``[64, D*bits/8]`` uint8 -> the ``[64, D]`` bf16 registers of `dequant_codes` (a probe).
 
   With ``scale`` and ``zero`` (bf16 ``[1, D]``, channel order) the registers
   hold ``code * scale + zero``. ``wide``: the tile is copied as `WIDE_ROW`-byte rows.
+  ``lower``: a lower-plane tile like ``codes`` (`dequant_codes`' ``lower_smem``).
   """
   rows, width = codes.shape
   head_dim = width * 8 // bits
@@ -1143,30 +1257,30 @@ def probe_dequant(codes: jax.Array, scale: jax.Array | None = None, zero: jax.Ar
       raise ValueError(f"{name} must be bfloat16 or float16 [1, {head_dim}], got {x.dtype} "
                        f"{tuple(x.shape)}")
 
-  def kernel(codes_gmem, *refs):
-    if rows_in:
-      s_gmem, z_gmem, out_gmem, codes_smem, s_smem, z_smem, out_smem, barrier = refs
-      _copy_in(((s_gmem, s_smem), (z_gmem, z_smem)), barrier)
-      extra = (s_smem, z_smem)
-    else:
-      out_gmem, codes_smem, out_smem, barrier = refs
-      extra = ()
-    _copy_in(((codes_gmem, codes_smem),), barrier)
-    _write_out(dequant_codes(codes_smem, head_dim, bits, *extra, subnormal=subnormal,
-                             byte_masks=byte_masks, shuffle_scales=shuffle_scales),
+  tiles_in = [codes] + ([] if lower is None else [lower])
+  nt = len(tiles_in)
+
+  def kernel(*refs):
+    gm, refs = refs[:nt + len(rows_in)], refs[nt + len(rows_in):]
+    out_gmem, sm, (out_smem, barrier) = refs[0], refs[1:-2], refs[-2:]
+    _copy_in(tuple(zip(gm, sm)), barrier)
+    tiles, extra = sm[:nt], sm[nt:]
+    _write_out(dequant_codes(tiles[0], head_dim, bits, *extra, subnormal=subnormal,
+                             byte_masks=byte_masks, shuffle_scales=shuffle_scales,
+                             lower_smem=tiles[1] if nt > 1 else None),
                out_smem, out_gmem)
 
   rows_smem = [plgpu.SMEM((1, head_dim), x.dtype) for x in rows_in]
-  codes = _wide_tile(codes, wide)
+  tiles_in = [_wide_tile(t, wide) for t in tiles_in]
   return plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((rows, head_dim), jnp.bfloat16),
-      scratch_types=[plgpu.SMEM(codes.shape, jnp.uint8), *rows_smem,
+      scratch_types=[*(plgpu.SMEM(t.shape, jnp.uint8) for t in tiles_in), *rows_smem,
                      plgpu.SMEM((rows, head_dim), jnp.bfloat16), plgpu.Barrier()],
       compiler_params=_params(),
       kernel_name=f"jaxkv_probe_dequant_{bits}{'_affine' if rows_in else ''}"
                   f"{'_sub' if subnormal else ''}{'_bytes' if byte_masks else ''}"
-                  f"{'_shfl' if shuffle_scales else ''}{'_wide' if wide else ''}")(
-                      codes, *rows_in)
+                  f"{'_shfl' if shuffle_scales else ''}{'_wide' if wide else ''}"
+                  f"{'_hier' if nt > 1 else ''}")(*tiles_in, *rows_in)
 
 
 @jax.jit
@@ -1296,7 +1410,8 @@ def probe_fold_scores(codes: jax.Array, q: jax.Array, scale: jax.Array, zero: ja
 
 @functools.partial(jax.jit, static_argnames=("bits", "swizzle", "subnormal", "byte_masks", "wide"))
 def probe_pv(codes: jax.Array, p_t: jax.Array, *, bits: int = 4, swizzle: int = 0,
-             subnormal: bool = False, byte_masks: bool = False, wide: bool = False) -> jax.Array:
+             subnormal: bool = False, byte_masks: bool = False, wide: bool = False,
+             lower: jax.Array | None = None) -> jax.Array:
   """``O^T [D, N] = codes^T @ p_t`` through `dequant_codes_t` as the wgmma A operand
   (a probe); ``codes [64 | 128, D bits/8]`` uint8, ``p_t [rows, N]`` bf16, N a
   multiple of 16; ``swizzle`` 0 or the row width. Rows come out in
@@ -1304,7 +1419,8 @@ def probe_pv(codes: jax.Array, p_t: jax.Array, *, bits: int = 4, swizzle: int = 
   ``2**P_SHIFT`` and the product times ``2**(SUBNORMAL_EXP - P_SHIFT)``, as
   the attention kernel does; ``byte_masks`` (with ``subnormal``) takes
   `vt_row_factors` off the product with `scale_halves`, as the kernel does.
-  ``wide``: the tile is copied as `WIDE_ROW`-byte rows (``swizzle`` 0 or 128)."""
+  ``wide``: the tile is copied as `WIDE_ROW`-byte rows (``swizzle`` 0 or 128).
+  ``lower``: a lower-plane tile like ``codes`` (`dequant_codes_t`' ``lower_smem``)."""
   rows, width = codes.shape
   head_dim = width * 8 // bits
   n = p_t.shape[1]
@@ -1312,14 +1428,17 @@ def probe_pv(codes: jax.Array, p_t: jax.Array, *, bits: int = 4, swizzle: int = 
     raise ValueError(f"codes {codes.shape} must be [64 | 128, D bits/8] and p_t {p_t.shape} "
                      "[rows, N % 16 == 0]")
   p_transforms = (plgpu.TilingTransform((8, n)), plgpu.SwizzleTransform(2 * n))
-  codes = _wide_tile(codes, wide)
-  c_transforms = ((plgpu.TilingTransform((8, codes.shape[1])), plgpu.SwizzleTransform(swizzle))
-                  if swizzle else ())
+  tiles_in = [_wide_tile(t, wide) for t in [codes] + ([] if lower is None else [lower])]
+  nt = len(tiles_in)
+  c_transforms = ((plgpu.TilingTransform((8, tiles_in[0].shape[1])),
+                   plgpu.SwizzleTransform(swizzle)) if swizzle else ())
 
-  def kernel(codes_gmem, p_gmem, out_gmem, codes_smem, p_smem, out_smem, barrier):
-    _copy_in(((codes_gmem, codes_smem), (p_gmem, p_smem)), barrier)
-    a = dequant_codes_t(codes_smem, head_dim, bits, swizzle=swizzle, subnormal=subnormal,
-                        byte_masks=byte_masks)
+  def kernel(*refs):
+    gm, (p_gmem, out_gmem), refs = refs[:nt], refs[nt:nt + 2], refs[nt + 2:]
+    sm, (p_smem, out_smem, barrier) = refs[:nt], refs[nt:]
+    _copy_in((*zip(gm, sm), (p_gmem, p_smem)), barrier)
+    a = dequant_codes_t(sm[0], head_dim, bits, swizzle=swizzle, subnormal=subnormal,
+                        byte_masks=byte_masks, lower_smem=sm[1] if nt > 1 else None)
 
     def mma(acc_ref):
       plgpu.wgmma(acc_ref, a, p_smem)
@@ -1335,13 +1454,15 @@ def probe_pv(codes: jax.Array, p_t: jax.Array, *, bits: int = 4, swizzle: int = 
 
   return plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((head_dim, n), jnp.float32),
-      scratch_types=[plgpu.SMEM(codes.shape, jnp.uint8, transforms=c_transforms),
+      scratch_types=[*(plgpu.SMEM(t.shape, jnp.uint8, transforms=c_transforms)
+                       for t in tiles_in),
                      plgpu.SMEM((rows, n), jnp.bfloat16, transforms=p_transforms),
                      plgpu.SMEM((head_dim, n), jnp.float32), plgpu.Barrier()],
       compiler_params=_params(),
       kernel_name=f"jaxkv_probe_pv_{bits}_sw{swizzle}{'_sub' if subnormal else ''}"
-                  f"{'_bytes' if byte_masks else ''}{'_wide' if wide else ''}")(
-          codes, p_t * jnp.asarray(2.0 ** P_SHIFT, p_t.dtype) if subnormal else p_t)
+                  f"{'_bytes' if byte_masks else ''}{'_wide' if wide else ''}"
+                  f"{'_hier' if nt > 1 else ''}")(
+          *tiles_in, p_t * jnp.asarray(2.0 ** P_SHIFT, p_t.dtype) if subnormal else p_t)
 
 
 __all__ = ["K_SHIFT", "P_SHIFT", "SUBNORMAL_EXP", "code_permutation", "dequant_codes",

@@ -367,11 +367,12 @@ def test_default_splits_leave_the_wave_to_every_residual_program():
     ("kivi2", 1, 131072, 48), ("kivi2", 1, 32768, 32), ("kivi2", 8, 32768, 6),
     ("k8v4", 1, 131072, 47), ("k8v4", 8, 32768, 6),
     ("kivi4", 1, 2048, 8), ("kivi4", 16, 32768, 4), ("kivi4", 24, 32768, 2),
-    ("kivi4", 25, 32768, 6), ("kivi4", 32, 32768, 2), ("kivi4", 47, 32768, 2),
+    ("kivi4", 25, 32768, 6), ("kivi4", 31, 32768, 2), ("kivi4", 32, 32768, 4),
+    ("kivi4", 47, 32768, 4),
     ("kivi4", 48, 32768, 4), ("kivi4", 64, 32768, 4), ("kivi4", 96, 32768, 4),
     ("kivi4", 100, 32768, 4), ("kivi4", 64, 4096, 4), ("kivi4", 200, 1024, 2),
-    ("kivi2", 16, 32768, 3), ("kivi2", 24, 32768, 2), ("kivi2", 40, 32768, 3),
-    ("kivi2", 47, 32768, 2), ("kivi2", 48, 32768, 4), ("kivi2", 96, 32768, 4),
+    ("kivi2", 16, 32768, 3), ("kivi2", 24, 32768, 2), ("kivi2", 40, 32768, 4),
+    ("kivi2", 47, 32768, 4), ("kivi2", 48, 32768, 4), ("kivi2", 96, 32768, 4),
     ("kivi2", 186, 32768, 4), ("kivi2", 64, 2048, 4), ("kivi2", 64, 1536, 3)])
 def test_default_splits_follow_the_documented_rule(name, batch, tokens, splits):
   """One wave at 4 programs per SM for 4-bit K/V in 64-token blocks (and in
@@ -384,9 +385,9 @@ def test_default_splits_follow_the_documented_rule(name, batch, tokens, splits):
   slots idle (large batches); never fewer than 4 blocks per split. kivi4 over
   more than 64 pairs whose 4-per-SM count fills its last wave at the 2 per SM
   it runs at under 90 % (24 sequences: 6 splits, 1152 programs in 5 waves of
-  264; 47: 2) runs 3 per SM instead (shuffled scales), at least 2 splits; so
-  do kivi4 and kivi2 over >= 383 pairs (about one program per slot at 3 per
-  SM with one split each: 48 sequences and more), with at least 4 splits
+  264) runs 3 per SM instead (shuffled scales), at least 2 splits; so
+  do kivi4 and kivi2 over >= 256 pairs (32 sequences and more; 31: kivi4 2
+  unshuffled splits by the rule before), with at least 4 splits
   where each keeps >= 4 blocks (64 x 1536 tokens: 12 blocks, 3 splits); V is
   built early everywhere."""
   fmt = _fmt(name)
@@ -400,7 +401,7 @@ def test_default_splits_follow_the_documented_rule(name, batch, tokens, splits):
   # 4-bit K in 128-token blocks: shuffled scales up to 64 pairs and where over 64
   # pairs they run 3 per SM
   if name == "kivi4" and config.block_k == 128:
-    assert config.shuffle_scales == (batch * 8 <= 64 or batch in (24, 47) or batch >= 48)
+    assert config.shuffle_scales == (batch * 8 <= 64 or batch == 24 or batch >= 32)
 
 
 @pytest.mark.parametrize("name,dtype,head_dim,first", [
@@ -486,28 +487,33 @@ def _np_lse(q, k, lengths, scale):
   return out
 
 
-@pytest.mark.parametrize("b,hkv,group,d,s,lengths,capacity", [
-    (2, 2, 4, 128, 1, (700, 300), 1024),   # packed groups + residual; one packed group
-    (1, 2, 4, 128, 5, (900,), 1024),       # q_len 5 (a verification-sized query)
+@pytest.mark.parametrize("view,b,hkv,group,d,s,lengths,capacity", [
+    ("draft", 2, 2, 4, 128, 1, (700, 300), 1024),  # packed groups + residual; one packed group
+    ("draft", 1, 2, 4, 128, 5, (900,), 1024),      # q_len 5 (a verification-sized query)
+    ("target", 2, 2, 4, 128, 1, (700, 300), 1024),
+    ("target", 1, 2, 4, 128, 5, (900,), 1024),
+    ("target", 3, 1, 8, 128, 3, (1300, 77, 512), 1536),  # GQA 8, ragged, q_len 3
 ])
-def test_mosaic_draft_view_of_quantspec(b, hkv, group, d, s, lengths, capacity):
-  """The draft view of a hierarchical cache on Mosaic (the upper-plane rows of
-  its plane-blocked codes read in place, as a plain 4-bit side) against float64 attention over
-  ``cache.dequantize("draft")``, with the log-sum-exp the staged attention of
-  speculative decoding merges; and the staged path through it."""
+def test_mosaic_views_of_quantspec(view, b, hkv, group, d, s, lengths, capacity):
+  """Both views of a hierarchical cache on Mosaic against float64 attention over
+  ``cache.dequantize(view)``, with the log-sum-exp the staged attention of
+  speculative decoding merges; and the staged path through them. The draft view
+  reads the upper-plane rows of the plane-blocked codes in place as a plain
+  4-bit side; the target view reads both planes' tiles and joins the 8-bit
+  codes in registers."""
   from jaxkv import attention
   from jaxkv.staged_cache import staged_attention, write_staged
   fmt = PRESETS["quantspec"]
-  key = _key("draft", b, hkv, group, d, s, lengths)
+  key = _key(view, b, hkv, group, d, s, lengths)
   cache = _cache(fmt, b, hkv, d, lengths, capacity, jnp.bfloat16, key)
   q = jax.random.normal(jax.random.fold_in(key, 1), (b, s, hkv * group, d)).astype(jnp.bfloat16)
   scale = d ** -0.5
-  configs = [attention._mosaic_default(cache, "draft"),
+  configs = [attention._mosaic_default(cache, view),
              ma.MosaicAttentionConfig(block_k=64, num_splits=3),
              ma.MosaicAttentionConfig(block_k=128, num_splits=2)]  # long contexts' blocks
 
   def call(q, cache, config):
-    return attention._mosaic_attention(q, cache, scale=None, config=config, view="draft",
+    return attention._mosaic_attention(q, cache, scale=None, config=config, view=view,
                                        return_lse=True)
 
   staging = 6
@@ -519,7 +525,7 @@ def test_mosaic_draft_view_of_quantspec(b, hkv, group, d, s, lengths, capacity):
   staged = jnp.full((b,), s + 1, jnp.int32)
 
   def staged_call(q, cache):
-    return staged_attention(q, cache, stage_k, stage_v, staged, view="draft",
+    return staged_attention(q, cache, stage_k, stage_v, staged, view=view,
                             implementation="mosaic")
 
   if not ON_HOPPER:
@@ -530,7 +536,7 @@ def test_mosaic_draft_view_of_quantspec(b, hkv, group, d, s, lengths, capacity):
     with pytest.raises(ValueError, match="Hopper"):
       staged_call(q, cache)
     return
-  kd, vd = cache.dequantize("draft")
+  kd, vd = cache.dequantize(view)
   ref = np_attention(np.asarray(q, np.float64), np.asarray(kd), np.asarray(vd), lengths)
   lse_ref = _np_lse(q, kd, lengths, scale)
   for config in configs:
@@ -543,7 +549,7 @@ def test_mosaic_draft_view_of_quantspec(b, hkv, group, d, s, lengths, capacity):
   # target view on Triton.
   assert attention.resolve_implementation(q, cache, None, view="draft") == "mosaic"
   assert attention.resolve_implementation(q, cache, None, view="target") == "triton"
-  got = jaxkv.decode_attention(q, cache, view="draft", implementation="mosaic")
+  got = jaxkv.decode_attention(q, cache, view=view, implementation="mosaic")
   err = np.abs(np.asarray(got, np.float64) - ref).max() / np.abs(ref).max()
   assert err < _TOL[jnp.bfloat16], f"dispatch: max rel err {err:.2e}"
   # Staged: the committed tokens on Mosaic merged with the staged rows.
@@ -556,17 +562,28 @@ def test_mosaic_draft_view_of_quantspec(b, hkv, group, d, s, lengths, capacity):
   assert err < _TOL[jnp.bfloat16], f"staged: max rel err {err:.2e}"
 
 
-def test_mosaic_draft_view_refusals():
-  """Mosaic reads only the draft view of a hierarchical cache, at head_dim 128 (its D = 64
-  case failed compiled on an H100), and says so."""
+def test_mosaic_view_refusals():
+  """Mosaic reads hierarchical caches at head_dim 128 only (its D = 64 draft case
+  failed compiled on an H100), the target view in bfloat16 caches with the
+  register paths on only (`target_view_refusal`), and says so."""
   from jaxkv import attention
-  for d, view, why in ((128, "target", "only the draft view"), (64, "draft", "head_dim 128")):
-    cache = jaxkv.KVCache.init("quantspec", 1, 2, d, 512, jnp.bfloat16)
-    q = jnp.ones((1, 1, 8, d), jnp.bfloat16)
+  for d, dtype, view, why in ((64, jnp.bfloat16, "draft", "head_dim 128"),
+                              (64, jnp.bfloat16, "target", "head_dim 128"),
+                              (128, jnp.float16, "target", "bfloat16 cache")):
+    cache = jaxkv.KVCache.init("quantspec", 1, 2, d, 512, dtype)
+    q = jnp.ones((1, 1, 8, d), dtype)
     ok, msg = attention._mosaic_supported(q, cache, view=view)
     assert not ok and why in msg, msg
     with pytest.raises(ValueError, match=why):
       jaxkv.decode_attention(q, cache, view=view, implementation="mosaic")
+  cache = jaxkv.KVCache.init("quantspec", 1, 2, 128, 512, jnp.bfloat16)
+  q = jnp.ones((1, 1, 8, 128), jnp.bfloat16)
+  config = dataclasses.replace(attention._mosaic_default(cache, "target"), register_vt=False,
+                               subnormal_k=False)
+  ok, msg = attention._mosaic_supported(q, cache, config, view="target")
+  assert not ok and "register_vt, subnormal_k=True" in msg, msg
+  with pytest.raises(ValueError, match="register_vt, subnormal_k=True"):
+    attention._mosaic_attention(q, cache, scale=None, config=config, view="target")
 
 
 def test_partials_lse_merges_splits_like_float64():

@@ -383,3 +383,86 @@ def test_wide_tiles_refused_where_they_do_not_fit():
   with pytest.raises(ValueError, match="wide=True needs code rows narrower than 128"):
     jax.jit(md.probe_dequant, static_argnames=("bits", "wide")).trace(
         _codes(128, 4, 64), bits=4, wide=True).lower(lowering_platforms=("cuda",))
+
+
+# ------------------------------------------------ hierarchical codes (QuantSpec's target view)
+def _hier_tiles(rows, head_dim, seed, rows_dtype):
+  """Plane tiles of `jaxkv.hierarchical` codes of fresh random K rows (one channel group
+  of ``rows`` tokens), their stored scale/zero and the float32 target view."""
+  from jaxkv import hierarchical
+  x = jax.random.normal(jax.random.PRNGKey(seed), (rows, head_dim), jnp.float32) * 2.0 + 0.5
+  codes, scale, zero = hierarchical.quantize(x, axis="channel", group=rows, block=rows,
+                                             scale_dtype=rows_dtype)
+  upper, lower = hierarchical.packed_planes(codes, rows)
+  want = hierarchical.dequantize(codes, scale, zero, axis="channel", block=rows)
+  return upper, lower, scale, zero, np.asarray(want, np.float64)
+
+
+@pytest.mark.parametrize("head_dim,rows,rows_dtype,kw", [
+    (128, 128, jnp.float16, {"byte_masks": True, "shuffle_scales": True, "wide": True}),
+    (128, 128, jnp.bfloat16, {"byte_masks": True, "shuffle_scales": True}),
+    (128, 64, jnp.float16, {"byte_masks": True}),
+    (64, 64, jnp.bfloat16, {}),
+    (64, 128, jnp.float16, {"shuffle_scales": True})])
+def test_hierarchical_registers(head_dim, rows, rows_dtype, kw):
+  """``lower_smem``: the two planes joined to 8-bit codes with the target view's affine
+  in one rounding: equal to `registers_reference`, and within that rounding of
+  `jaxkv.hierarchical.dequantize`'s target view (float32, the library's oracle)."""
+  upper, lower, scale, zero, target = _hier_tiles(rows, head_dim, 11 * rows + head_dim,
+                                                  rows_dtype)
+  probe = jax.jit(md.probe_dequant,
+                  static_argnames=("bits", "subnormal", "byte_masks", "shuffle_scales", "wide"))
+  with pytest.raises(ValueError, match="lower_smem"):
+    probe.trace(upper, scale, zero, bits=4, lower=lower).lower(lowering_platforms=("cuda",))
+  with pytest.raises(ValueError, match="lower_smem"):
+    probe.trace(upper, scale, zero, bits=4, subnormal=True, lower=lower[:, :16]).lower(
+        lowering_platforms=("cuda",))
+  if not ON_HOPPER:
+    probe.trace(upper, scale, zero, bits=4, subnormal=True, lower=lower, **kw).lower(
+        lowering_platforms=("cuda",))
+    return
+  got = np.asarray(probe(upper, scale, zero, bits=4, subnormal=True, lower=lower, **kw),
+                   np.float64) * 2.0 ** md.K_SHIFT
+  want = md.registers_reference(np.asarray(upper), 4, scale, zero, lower=np.asarray(lower))
+  tiny = np.abs(want) < 2.0 ** -62
+  np.testing.assert_array_equal(np.where(tiny, 0, got), np.where(tiny, 0, want))
+  # Against the library's target view: the registers carry the scale rounded to
+  # bfloat16 (times the 8-bit code / 16 <= 16), the zero term's rounding and the
+  # result's (each <= 2**-8 relative: bfloat16's unit roundoff).
+  perm = md.code_permutation(head_dim, 4)
+  s64 = np.asarray(scale, np.float64).reshape(-1)[perm]
+  z64 = np.asarray(zero, np.float64).reshape(-1)[perm]
+  code8 = (md.registers_reference(np.asarray(upper), 4) * 16
+           + md.registers_reference(np.asarray(lower), 4)).astype(np.float64)
+  tol = 2.0 ** -8 * (code8 / 16 * np.abs(s64) + np.abs(z64 - s64 / 2)
+                     + 1.01 * np.abs(target[:, perm])) + 1e-6
+  assert np.all(np.abs(got - target[:, perm]) <= tol), np.abs(got - target[:, perm]).max()
+
+
+@pytest.mark.parametrize("rows,n,swizzle,wide,byte_masks", [
+    (128, 16, 64, False, True), (128, 32, 128, True, True), (64, 16, 0, False, False),
+    (128, 16, 0, False, True)])
+def test_hierarchical_transposed_codes(rows, n, swizzle, wide, byte_masks):
+  """``dequant_codes_t(lower_smem=...)``: the product of the joined 8-bit codes with P
+  meets the float64 product of ``16 C_U + C_L'`` with P (codes from `jaxkv.hierarchical`)."""
+  upper, lower, *_ = _hier_tiles(rows, 128, 5 * rows + n, jnp.float16)
+  p_t = (jax.random.uniform(jax.random.PRNGKey(rows + n), (rows, n), jnp.float32)
+         * jnp.exp2(jax.random.randint(jax.random.PRNGKey(n + 9), (rows, 1), -20, 20))
+         ).astype(jnp.bfloat16)
+  probe = jax.jit(md.probe_pv,
+                  static_argnames=("bits", "swizzle", "subnormal", "byte_masks", "wide"))
+  with pytest.raises(ValueError, match="lower_smem"):
+    probe.trace(upper, p_t, bits=4, lower=lower).lower(lowering_platforms=("cuda",))
+  kw = dict(bits=4, swizzle=swizzle, subnormal=True, byte_masks=byte_masks, wide=wide)
+  if not ON_HOPPER:
+    probe.trace(upper, p_t, lower=lower, **kw).lower(lowering_platforms=("cuda",))
+    return
+  got = np.asarray(probe(upper, p_t, lower=lower, **kw), np.float64)
+  u, lo = (np.asarray(hierarchical_planes, np.int64) for hierarchical_planes in (upper, lower))
+  chans = np.concatenate([u & 15, u >> 4], axis=-1) * 16 + np.concatenate([lo & 15, lo >> 4],
+                                                                          axis=-1)
+  want = chans[:, md.vt_permutation(128, 4)].T.astype(np.float64) @ np.asarray(p_t, np.float64)
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+  np.testing.assert_array_equal(
+      md.registers_t_reference(np.asarray(upper), 4, lower=np.asarray(lower)),
+      chans[:, md.vt_permutation(128, 4)].T)
