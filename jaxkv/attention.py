@@ -262,7 +262,11 @@ def pallas_order(fmt, dtype=None, head_dim: int | None = None,
   codes) follows kivi4's rule: with the residual block's two 128-row tiles as
   two programs it runs within 3-13 % of kivi4 (H200, 2026-11-28, whole call:
   22.2 / 53.3 / 103.6 us on Mosaic against 29.3 / 85.2 / 158.9 on Triton at
-  (1, 32K) / (1, 128K) / (8, 32K)); the target view is Triton's only. Triton
+  (1, 32K) / (1, 128K) / (8, 32K)); so does the target view (both planes'
+  tiles, the 8-bit codes joined in registers: H200, 2026-11-29, whole call
+  27.9 / 74.8 / 152.6 us on Mosaic against 39.4 / 117.0 / 214.4 on Triton at
+  (1, 32K) / (1, 128K) / (8, 32K), 107.7 vs 158.8 at (1, 128K) with 5
+  queries; `ab-quantspec-target-mosaic-nvidia-h200-20261129s.json`). Triton
   first elsewhere.
   """
   if not fmt.hierarchical and fmt.k_bits <= 2 and fmt.v_bits <= 2:
@@ -270,7 +274,8 @@ def pallas_order(fmt, dtype=None, head_dim: int | None = None,
   bf16 = dtype is None or jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
   short_and_wide = (tokens is not None and tokens <= MOSAIC_KIVI4_MIN_TOKENS
                     and heads is not None and heads >= 32)
-  four_bit = (view == "draft" if fmt.hierarchical else fmt.k_bits == 4 and fmt.v_bits == 4)
+  # a hierarchical cache's views: its 4-bit planes (one or both)
+  four_bit = fmt.hierarchical or (fmt.k_bits == 4 and fmt.v_bits == 4)
   if four_bit and bf16 and head_dim in (None, 128) and not short_and_wide:
     return PALLAS_ORDER_MOSAIC
   return PALLAS_ORDER
@@ -401,7 +406,8 @@ def _mosaic_default(cache, view: str = "target"):
   return mosaic_attention.MosaicAttentionConfig.default(
       batch=cache.batch, tokens=cache.storage_len, kv_heads=cache.kv_heads,
       num_sms=getattr(jax.devices()[0], "core_count", 132), k_bits=k_side.bits,
-      v_bits=v_side.bits, token_group=fmt.token_group, residual=fmt.residual)
+      v_bits=v_side.bits, token_group=fmt.token_group, residual=fmt.residual,
+      target_view=bool(fmt.hierarchical and view == "target"))
 
 
 def _triton_default(q, cache, view: str = "target"):

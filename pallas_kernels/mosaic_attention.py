@@ -227,7 +227,7 @@ class MosaicAttentionConfig:
   @classmethod
   def default(cls, *, batch: int, tokens: int, kv_heads: int, num_sms: int = 132,
               k_bits: int = 4, v_bits: int = 4, token_group: int = 128, residual: int = 128,
-              **unused) -> "MosaicAttentionConfig":
+              target_view: bool = False, **unused) -> "MosaicAttentionConfig":
     """Heuristic: one wave of programs at the occupancy the kernel reaches, at
     least 4 blocks per split.
 
@@ -248,9 +248,14 @@ class MosaicAttentionConfig:
     instead (162-170 registers: 3 per SM) with at least 2 splits (the packed
     programs are counted; the short residual program of each pair is not).
     Over many pairs (``33 B Hkv >= 64 num_sms``: 256+ pairs on 132 SMs, 32+
-    sequences at 8 kv heads), kivi4 in
-    128-token blocks and kivi2 take at least 4 splits where each keeps >= 4
-    blocks, kivi4 with shuffled scales.
+    sequences at 8 kv heads), kivi4 in 128-token blocks and kivi2 take at
+    least 4 splits where each keeps >= 4 blocks, kivi4 with shuffled scales.
+    ``target_view`` (a hierarchical cache's two 4-bit planes, ``k_bits`` and
+    ``v_bits`` 4): kivi4's rule, with twice its split count over 9-64 pairs
+    (at most ``blocks // 4``; more pairs not measured): its 198-200 registers
+    run 2 programs per SM, not 3 (H200, whole call us: (8, 32768) 152.6 with 12 splits vs 173.9
+    with 6; at (1, 32768) / (1, 131072) kivi4's count was best: 27.9 / 74.8 vs
+    32.2 / 79.6 doubled; `ab-quantspec-target-mosaic-nvidia-h200-20261129s.json`).
 
     Programs: the split counts assume 4 per SM for 4-bit K and V (3 in
     128-token blocks over 9-64 (sequence, kv head) pairs and in the
@@ -398,6 +403,8 @@ class MosaicAttentionConfig:
     # 0.2-1 % faster for kivi2 and at large batch;
     # `attention-ab-edge-masks-lazy-rescale-20261129-*`, `-kivi4-wide-early-v-`)
     lazy_rescale = not (kivi4_wide and heads <= 8)
+    if target_view and 8 < heads <= 64:
+      splits = max(splits, min(2 * splits, blocks // 4))
     return cls(block_k=block_k, num_splits=splits, max_concurrent_steps=stages,
                shuffle_scales=shuffle, lazy_rescale=lazy_rescale)
 

@@ -408,7 +408,7 @@ def test_default_splits_follow_the_documented_rule(name, batch, tokens, splits):
     ("kivi2", jnp.bfloat16, 128, "mosaic"), ("kivi2", jnp.float16, 64, "mosaic"),
     ("kivi4", jnp.bfloat16, 128, "mosaic"), ("kivi4", jnp.float16, 128, "triton"),
     ("kivi4", jnp.bfloat16, 64, "triton"), ("int8", jnp.bfloat16, 128, "triton"),
-    ("k8v4", jnp.bfloat16, 128, "triton"), ("quantspec", jnp.bfloat16, 128, "triton"),
+    ("k8v4", jnp.bfloat16, 128, "triton"), ("quantspec", jnp.bfloat16, 128, "mosaic"),
     ("bf16", jnp.bfloat16, 128, "triton")])
 def test_pallas_order_per_format(name, dtype, head_dim, first):
   """Mosaic first where it was measured faster: both sides at most 2 bits, and
@@ -423,18 +423,18 @@ def test_pallas_order_per_format(name, dtype, head_dim, first):
 
 @pytest.mark.parametrize("dtype,head_dim,first", [
     (jnp.bfloat16, 128, "mosaic"), (jnp.float16, 128, "triton"), (jnp.bfloat16, 64, "triton")])
-def test_pallas_order_quantspec_draft_view(dtype, head_dim, first):
-  """A hierarchical cache's draft view (a 4-bit read) follows kivi4's rule,
-  short caches at large batch included; its target view stays Triton-first."""
+def test_pallas_order_quantspec_views(dtype, head_dim, first):
+  """Both views of a hierarchical cache (4-bit reads of one or both planes) follow
+  kivi4's rule, short caches at large batch included."""
   from jaxkv.attention import MOSAIC_KIVI4_MIN_TOKENS, pallas_order
   fmt = PRESETS["quantspec"]
-  assert pallas_order(fmt, dtype, head_dim, view="draft")[0] == first
-  assert pallas_order(fmt, dtype, head_dim, view="target")[0] == "triton"
-  for heads, tokens in ((8, 131072), (512, 4 * MOSAIC_KIVI4_MIN_TOKENS)):
-    assert (pallas_order(fmt, dtype, head_dim, heads=heads, tokens=tokens, view="draft")
-            == pallas_order(PRESETS["kivi4"], dtype, head_dim, heads=heads, tokens=tokens))
-  assert pallas_order(fmt, jnp.bfloat16, 128, heads=32, tokens=MOSAIC_KIVI4_MIN_TOKENS,
-                      view="draft")[0] == "triton"
+  for view in ("draft", "target"):
+    assert pallas_order(fmt, dtype, head_dim, view=view)[0] == first
+    for heads, tokens in ((8, 131072), (512, 4 * MOSAIC_KIVI4_MIN_TOKENS)):
+      assert (pallas_order(fmt, dtype, head_dim, heads=heads, tokens=tokens, view=view)
+              == pallas_order(PRESETS["kivi4"], dtype, head_dim, heads=heads, tokens=tokens))
+    assert pallas_order(fmt, jnp.bfloat16, 128, heads=32, tokens=MOSAIC_KIVI4_MIN_TOKENS,
+                        view=view)[0] == "triton"
 
 
 def test_pallas_order_short_kivi4_caches_at_batch():
@@ -545,10 +545,8 @@ def test_mosaic_views_of_quantspec(view, b, hkv, group, d, s, lengths, capacity)
     assert err < _TOL[jnp.bfloat16], f"{config=}: max rel err {err:.2e}"
     np.testing.assert_allclose(np.asarray(lse, np.float64), lse_ref, rtol=0, atol=5e-2,
                                err_msg=f"{config=}")
-  # Dispatch: the draft view on Mosaic (kivi4's rule, `pallas_order`), the
-  # target view on Triton.
-  assert attention.resolve_implementation(q, cache, None, view="draft") == "mosaic"
-  assert attention.resolve_implementation(q, cache, None, view="target") == "triton"
+  # Dispatch: both views on Mosaic (kivi4's rule, `pallas_order`).
+  assert attention.resolve_implementation(q, cache, None, view=view) == "mosaic"
   got = jaxkv.decode_attention(q, cache, view=view, implementation="mosaic")
   err = np.abs(np.asarray(got, np.float64) - ref).max() / np.abs(ref).max()
   assert err < _TOL[jnp.bfloat16], f"dispatch: max rel err {err:.2e}"
@@ -688,3 +686,20 @@ def test_mosaic_k_scale_in_q(name, b, hkv, group, s, lengths, capacity):
   configs = [ma.MosaicAttentionConfig(block_k=bk, num_splits=3, k_scale_in_q=True)
              for bk in (64, 128)]
   _checked_outputs(q, cache, lengths, configs, dtype)
+
+
+@pytest.mark.parametrize("batch,tokens", [(1, 131072), (1, 32768), (2, 32768), (8, 32768),
+                                          (64, 4096), (48, 32768)])
+def test_target_view_default_doubles_splits_over_8_pairs(batch, tokens):
+  """A hierarchical cache's target view takes kivi4's config, with twice its split
+  count over 9-64 (sequence, kv head) pairs (at most blocks // 4)."""
+  kw = dict(batch=batch, tokens=tokens, kv_heads=8, k_bits=4, v_bits=4, token_group=128,
+            residual=256)
+  base = ma.MosaicAttentionConfig.default(**kw)
+  got = ma.MosaicAttentionConfig.default(**kw, target_view=True)
+  blocks = tokens // base.block_k
+  doubled = 8 < batch * 8 <= 64
+  want = max(base.num_splits, min(2 * base.num_splits, blocks // 4)) if doubled else (
+      base.num_splits)
+  assert got == dataclasses.replace(base, num_splits=want)
+  assert blocks >= 4 * got.num_splits
