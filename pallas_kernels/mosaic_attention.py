@@ -251,11 +251,15 @@ class MosaicAttentionConfig:
     sequences at 8 kv heads), kivi4 in 128-token blocks and kivi2 take at
     least 4 splits where each keeps >= 4 blocks, kivi4 with shuffled scales.
     ``target_view`` (a hierarchical cache's two 4-bit planes, ``k_bits`` and
-    ``v_bits`` 4): kivi4's rule, with twice its split count over 9-64 pairs
-    (at most ``blocks // 4``; more pairs not measured): its 198-200 registers
-    run 2 programs per SM, not 3 (H200, whole call us: (8, 32768) 152.6 with 12 splits vs 173.9
-    with 6; at (1, 32768) / (1, 131072) kivi4's count was best: 27.9 / 74.8 vs
-    32.2 / 79.6 doubled; `ab-quantspec-target-mosaic-nvidia-h200-20261129s.json`).
+    ``v_bits`` 4): kivi4's rule, except over 9-64 pairs, where its 198-200
+    registers run 2 programs per SM, not 3: one wave at 2 per SM, at least 8
+    splits (at most ``blocks // 4``). H200, whole call us, splits 4 / 6 / 8 /
+    12 / 16 / 24 / 33: (2, 32768) - / - / 66.9 / 50.5 / **47.3** / 53.3 / 50.8,
+    (4, 32768) - / - / **81.7** / 93.2 / 83.8 / 85.0 / 86.6, (8, 32768) 151.1 /
+    172.9 / **148.8** / 151.8 / 150.7 / 153.3 / 157.1; (16, 32768) 280.9-282.8
+    for 4-8 (kivi4's count kept); at one sequence kivi4's count (31) was best:
+    (1, 32768) 27.9 / (1, 131072) 74.8 us vs 32.2 / 79.6 with 62
+    (`ab-quantspec-target-mosaic-*-nvidia-h200-20261129s.json`).
 
     Programs: the split counts assume 4 per SM for 4-bit K and V (3 in
     128-token blocks over 9-64 (sequence, kv head) pairs and in the
@@ -404,7 +408,7 @@ class MosaicAttentionConfig:
     # `attention-ab-edge-masks-lazy-rescale-20261129-*`, `-kivi4-wide-early-v-`)
     lazy_rescale = not (kivi4_wide and heads <= 8)
     if target_view and 8 < heads <= 64:
-      splits = max(splits, min(2 * splits, blocks // 4))
+      splits = max(1, min(max(one_wave(2 * num_sms, heads, blocks, block_k), 8), blocks // 4))
     return cls(block_k=block_k, num_splits=splits, max_concurrent_steps=stages,
                shuffle_scales=shuffle, lazy_rescale=lazy_rescale)
 

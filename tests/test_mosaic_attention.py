@@ -688,18 +688,16 @@ def test_mosaic_k_scale_in_q(name, b, hkv, group, s, lengths, capacity):
   _checked_outputs(q, cache, lengths, configs, dtype)
 
 
-@pytest.mark.parametrize("batch,tokens", [(1, 131072), (1, 32768), (2, 32768), (8, 32768),
-                                          (64, 4096), (48, 32768)])
-def test_target_view_default_doubles_splits_over_8_pairs(batch, tokens):
-  """A hierarchical cache's target view takes kivi4's config, with twice its split
-  count over 9-64 (sequence, kv head) pairs (at most blocks // 4)."""
+@pytest.mark.parametrize("batch,tokens,splits", [
+    (1, 131072, 31), (1, 32768, 31), (2, 32768, 16), (4, 32768, 8), (8, 32768, 8),
+    (8, 4096, 8), (8, 1024, 4), (16, 32768, None), (48, 32768, None), (64, 4096, None)])
+def test_target_view_default_splits(batch, tokens, splits):
+  """A hierarchical cache's target view takes kivi4's config, except over 9-64
+  (sequence, kv head) pairs: one wave at 2 programs per SM, at least 8 splits,
+  at most blocks // 4 (None: kivi4's count)."""
   kw = dict(batch=batch, tokens=tokens, kv_heads=8, k_bits=4, v_bits=4, token_group=128,
             residual=256)
   base = ma.MosaicAttentionConfig.default(**kw)
   got = ma.MosaicAttentionConfig.default(**kw, target_view=True)
-  blocks = tokens // base.block_k
-  doubled = 8 < batch * 8 <= 64
-  want = max(base.num_splits, min(2 * base.num_splits, blocks // 4)) if doubled else (
-      base.num_splits)
-  assert got == dataclasses.replace(base, num_splits=want)
-  assert blocks >= 4 * got.num_splits
+  assert got == dataclasses.replace(base, num_splits=splits or base.num_splits)
+  assert tokens // got.block_k >= 4 * got.num_splits
