@@ -26,10 +26,10 @@ The whole loop (draft, verify, accept, commit) is one jitted program with a
 caller holds (e.g. after ``model.prefill``): exactly N of them in one jitted
 `lax.fori_loop`, cache donated, the speculative analogue of
 `jaxkv.decode_steps` (what `bench/speculative.py --timing` times). Attention
-(`jaxkv.staged_cache.staged_attention`) reads the committed tokens with the
-Triton kernel on a GPU (each layer in place, the draft or target view) and
-merges its log-sum-exp with dense attention over the few staged rows;
-elsewhere it is the jnp reference.
+(`jaxkv.staged_cache.staged_attention`) reads the committed tokens with a
+Pallas kernel on a GPU (each layer in place, the draft or target view; the
+Mosaic kernel first on Hopper, else Triton's) and merges its log-sum-exp with
+dense attention over the few staged rows; elsewhere it is the jnp reference.
 """
 
 from __future__ import annotations

@@ -115,12 +115,12 @@ def staged_attention(q: jax.Array, cache, k_stage: jax.Array, v_stage: jax.Array
       attention over them and the staged rows), ``"triton"`` or ``"mosaic"``
       (that Pallas kernel over the committed tokens, returning its
       log-sum-exp, merged with dense attention over the few staged rows;
-      Triton in interpret mode off GPU; Mosaic on Hopper, where it reads the
-      draft view of hierarchical caches at head_dim 128), ``"pallas"`` (the
-      first of `jaxkv.attention.pallas_order` that serves the input), or
-      None: ``"pallas"`` on a GPU when a family serves the cache (Mosaic for
-      the draft view on Hopper, Triton for the target view), the reference
-      elsewhere.
+      Triton in interpret mode off GPU; Mosaic on Hopper, where it reads
+      both views of bfloat16 hierarchical caches at head_dim 128),
+      ``"pallas"`` (the first of `jaxkv.attention.pallas_order` that serves
+      the input), or None: ``"pallas"`` on a GPU when a family serves the
+      cache (Mosaic first for both views on Hopper, else Triton), the
+      reference elsewhere.
   Returns:
     ``[B, S, Hq, D]`` in q's dtype; query i sees tokens ``[0, L + staged - S + i]``.
   """
