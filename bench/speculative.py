@@ -472,7 +472,8 @@ def timing_main(args) -> int:
           hbm_read_bytes_per_s=bandwidth, bandwidth_probe_gib=gib, batch=1,
           kv_format_speculative="quantspec", sampler="greedy",
           # the staged attention's family per view (`jaxkv.attention.pallas_order`;
-          # the draft view went from Triton to Mosaic first on 2026-11-28)
+          # Mosaic first for the draft view since 2026-11-28, the target view
+          # since 2026-11-29)
           attention_order={
               view: list(pallas_order(jaxkv.KVFormat.preset("quantspec"), jnp.bfloat16, 128,
                                       view=view))

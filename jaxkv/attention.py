@@ -179,7 +179,8 @@ def _mosaic_specs(cache, view: str = "target"):
   """The Mosaic kernel's K and V `SideSpec`: the storage's, or for a
   hierarchical cache its planes' (plain 4-bit sides with the stored scale and
   zero: the upper-plane rows of the plane-blocked codes for the draft view;
-  the target view joins the lower planes to them in the kernel)."""
+  the target view joins the lower planes to them in the kernel). ``view``:
+  the same sides for both (kept for callers)."""
   from pallas_kernels.side_spec import SideSpec  # pylint: disable=import-outside-toplevel
   del view  # both views: the 4-bit planes
   k_side = SideSpec.of(cache.fmt, "k", cache.head_dim)
@@ -200,7 +201,7 @@ def _mosaic_supported(q, cache, config=None, view: str = "target") -> tuple[bool
     from pallas_kernels import mosaic_attention  # pylint: disable=import-outside-toplevel
     why = mosaic_attention.target_view_refusal(
         config if config is not None else _mosaic_default(cache, view), cache.head_dim,
-        cache.dtype)
+        cache.dtype, *_mosaic_specs(cache, view))
     if why:
       return False, why
   if cache.fmt.hierarchical and cache.head_dim != 128:
@@ -264,10 +265,12 @@ def pallas_order(fmt, dtype=None, head_dim: int | None = None,
   22.2 / 53.3 / 103.6 us on Mosaic against 29.3 / 85.2 / 158.9 on Triton at
   (1, 32K) / (1, 128K) / (8, 32K)); so does the target view (both planes'
   tiles, the 8-bit codes joined in registers: H200, 2026-11-29, whole call
-  27.9 / 74.8 / 152.6 us on Mosaic against 39.4 / 117.0 / 214.4 on Triton at
-  (1, 32K) / (1, 128K) / (8, 32K), 107.7 vs 158.8 at (1, 128K) with 5
-  queries; `ab-quantspec-target-mosaic-nvidia-h200-20261129s.json`). Triton
-  first elsewhere.
+  27.9 / 74.8 us on Mosaic against 39.4 / 117.0 on Triton at (1, 32K) / (1,
+  128K), 107.7 vs 158.8 at (1, 128K) with 5 queries
+  (`ab-quantspec-target-mosaic-nvidia-h200-20261129s.json`), 148.7 vs 214.2
+  at (8, 32K) (`ab-quantspec-target-mosaic-splits-nvidia-h200-20261129s.json`)).
+  Triton first elsewhere. ``view`` no longer changes the order (both views of
+  a hierarchical cache follow kivi4's rule); kept for callers.
   """
   if not fmt.hierarchical and fmt.k_bits <= 2 and fmt.v_bits <= 2:
     return PALLAS_ORDER_MOSAIC

@@ -251,13 +251,14 @@ class MosaicAttentionConfig:
     sequences at 8 kv heads), kivi4 in 128-token blocks and kivi2 take at
     least 4 splits where each keeps >= 4 blocks, kivi4 with shuffled scales.
     ``target_view`` (a hierarchical cache's two 4-bit planes, ``k_bits`` and
-    ``v_bits`` 4): kivi4's rule, except over 9-64 pairs, where its 198-200
-    registers run 2 programs per SM, not 3: one wave at 2 per SM, at least 8
-    splits (at most ``blocks // 4``). H200, whole call us, splits 4 / 6 / 8 /
-    12 / 16 / 24 / 33: (2, 32768) - / - / 66.9 / 50.5 / **47.3** / 53.3 / 50.8,
-    (4, 32768) - / - / **81.7** / 93.2 / 83.8 / 85.0 / 86.6, (8, 32768) 151.1 /
-    172.9 / **148.8** / 151.8 / 150.7 / 153.3 / 157.1; (16, 32768) 280.9-282.8
-    for 4-8 (kivi4's count kept); at one sequence kivi4's count (31) was best:
+    ``v_bits`` 4): kivi4's rule, except over 9-64 pairs in 128-token blocks
+    (64-token blocks not measured), where its 198-200 registers run 2
+    programs per SM, not 3: one wave at 2 per SM, at least 8 splits (at most
+    ``blocks // 4``). H200, whole call us, splits 8 / 12 / 16 / 24 / 33:
+    (2, 32768) 66.9 / 50.5 / **47.3** / 53.3 / 50.8, (4, 32768) **81.7** /
+    93.2 / 83.8 / 85.0 / 86.6, (8, 32768) **148.7** / 151.8 / 150.7 / 153.3 /
+    157.1; in a second run, splits 4 / 6 / 8: (8, 32768) 151.1 / 172.9 /
+    **148.8**, (16, 32768) 280.9 / 282.8 / 281.8 (kivi4's count kept); at one sequence kivi4's count (31) was best:
     (1, 32768) 27.9 / (1, 131072) 74.8 us vs 32.2 / 79.6 with 62
     (`ab-quantspec-target-mosaic-*-nvidia-h200-20261129s.json`).
 
@@ -306,8 +307,8 @@ class MosaicAttentionConfig:
     # 256+ (sequence, kv head) pairs on 132 SMs: 32+ sequences at 8 kv heads
     # (H200, main kernel us, the former pick vs 4 shuffled splits: kivi4 (32,
     # 32768) 344.1 (2 splits, unshuffled) vs 299.7, (40, 32768) 389.3 vs 373.6;
-    # kivi2 (32, 32768) 293.3 (2) vs 292.6, (40, 32768) 385.2 (3) vs 363.8; but
-    # at 25 sequences (200 pairs) kivi4 260.6 (6 splits) vs 266.5;
+    # kivi2 (40, 32768) 385.2 (3) vs 363.8 (at 32 it had 4 already); but at 25
+    # sequences (200 pairs) kivi4 260.6 (6 splits) vs 266.5;
     # `ab-kivi4-kivi2-25-40-seqs-splits-nvidia-h200-20261129s.json`)
     many = 33 * heads >= 64 * num_sms
     # 4-bit K and V in 128-token blocks over <= 64 (sequence, kv head) pairs
@@ -407,7 +408,7 @@ class MosaicAttentionConfig:
     # 0.2-1 % faster for kivi2 and at large batch;
     # `attention-ab-edge-masks-lazy-rescale-20261129-*`, `-kivi4-wide-early-v-`)
     lazy_rescale = not (kivi4_wide and heads <= 8)
-    if target_view and 8 < heads <= 64:
+    if target_view and 8 < heads <= 64 and block_k == 128:
       splits = max(1, min(max(one_wave(2 * num_sms, heads, blocks, block_k), 8), blocks // 4))
     return cls(block_k=block_k, num_splits=splits, max_concurrent_steps=stages,
                shuffle_scales=shuffle, lazy_rescale=lazy_rescale)
@@ -664,16 +665,24 @@ def unpack_rows(out, num_queries: int, q_heads: int):
   return out.transpose(0, 3, 1, 2, 4).reshape(batch, num_queries, q_heads, head_dim)
 
 
-def target_view_refusal(config: MosaicAttentionConfig, head_dim: int, dtype) -> str:
+def target_view_refusal(config: MosaicAttentionConfig, head_dim: int, dtype,
+                        k_side: SideSpec | None = None, v_side: SideSpec | None = None) -> str:
   """Why the Mosaic kernel cannot read a hierarchical cache's target view with
   ``config`` ("" if it can): the two planes are joined only on the register
   paths (K codes as the score MMA's operand, V's as the value MMA's) with
-  subnormal codes, so bfloat16 caches with head_dim 128 and a config keeping
-  ``tokens_m``, ``register_k``, ``register_v``, ``register_vt``,
-  ``fold_scales``, ``subnormal_k`` and ``subnormal_v`` on."""
+  subnormal codes, so bfloat16 caches with head_dim 128, K per channel and V
+  per token with one group per head (the planes' 4-bit ``k_side`` /
+  ``v_side``, when given), and a config keeping ``tokens_m``, ``register_k``,
+  ``register_v``, ``register_vt``, ``fold_scales``, ``subnormal_k`` and
+  ``subnormal_v`` on."""
   if jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16) or head_dim != 128:
     return (f"the Mosaic target view needs a bfloat16 cache with head_dim 128, got "
             f"{jnp.dtype(dtype)} and {head_dim}")
+  if k_side is not None and k_side.axis != "channel":
+    return f"the Mosaic target view needs K quantized per channel, got k_axis={k_side.axis!r}"
+  if v_side is not None and (v_side.axis != "token" or v_side.group != head_dim):
+    return (f"the Mosaic target view needs V quantized per token with one group per head, "
+            f"got axis={v_side.axis!r}, group={v_side.group}")
   off = [f for f in ("tokens_m", "register_k", "register_v", "register_vt", "fold_scales",
                      "subnormal_k", "subnormal_v") if not getattr(config, f)]
   if off:
@@ -849,13 +858,13 @@ def mosaic_decode_attention(
   if plane_block:
     if plane_block % bk or capacity % plane_block or not config.tokens_m or any(
         s.bits != 4 for s in (k_side, v_side)):
-      raise ValueError(f"plane_block={plane_block}: the draft view of plane-blocked codes "
+      raise ValueError(f"plane_block={plane_block}: the views of plane-blocked codes "
                        f"needs 4-bit sides, tokens_m=True and a block of a multiple of "
                        f"block_k={bk} dividing the capacity {capacity}")
     # [B, H, C, D] -> the rows of one plane, [B, H, 2C, D/2] (free)
     k_codes, v_codes = hierarchical.plane_view(k_codes), hierarchical.plane_view(v_codes)
   if target_view:
-    why = target_view_refusal(config, head_dim, dtype) or (
+    why = target_view_refusal(config, head_dim, dtype, k_side, v_side) or (
         "" if plane_block else "target_view needs plane-blocked codes (plane_block)")
     if why:
       raise ValueError(why)
@@ -1316,9 +1325,9 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     # the register paths read wide rows (`MosaicAttentionConfig.wide_rows`)
     wide_k = config.wide_rows and register_k and mosaic_dequant.fits_wide_row(k_width)
     wide_v = config.wide_rows and register_v and mosaic_dequant.fits_wide_row(v_width)
-    if target_view and not (register_k and register_vt):
-      raise ValueError("target_view needs the register K and transposed V paths "
-                       f"({target_view_refusal(config, head_dim, dtype)})")
+    if target_view and not (register_k and register_vt):  # `target_view_refusal` checked
+      raise ValueError(f"target_view needs the register K and transposed V paths ("
+                       f"{target_view_refusal(config, head_dim, dtype, k_side, v_side)})")
     k_specs = _side_specs(k_side, k_width, head_dim, bk, q_tf, plain_codes=register_k,
                           plane_block=plane_block, wide=wide_k, lower=target_view)
     # register_vt reads rows with ldmatrix: TMA-swizzled (by row width) or plain tiles

@@ -574,8 +574,18 @@ def test_mosaic_view_refusals():
     assert not ok and why in msg, msg
     with pytest.raises(ValueError, match=why):
       jaxkv.decode_attention(q, cache, view=view, implementation="mosaic")
-  cache = jaxkv.KVCache.init("quantspec", 1, 2, 128, 512, jnp.bfloat16)
+  # K per token (a hierarchical format may take it): no register K path, so
+  # dispatch must not pick Mosaic (Triton serves it), and a forced call refuses.
+  token_k = dataclasses.replace(PRESETS["quantspec"], k_axis="token")
+  cache = jaxkv.KVCache.init(token_k, 1, 2, 128, 512, jnp.bfloat16)
   q = jnp.ones((1, 1, 8, 128), jnp.bfloat16)
+  ok, msg = attention._mosaic_supported(q, cache, view="target")
+  assert not ok and "K quantized per channel" in msg, msg
+  with pytest.raises(ValueError, match="K quantized per channel"):
+    attention._mosaic_attention(q, cache, scale=None,
+                                config=attention._mosaic_default(cache, "target"),
+                                view="target")
+  cache = jaxkv.KVCache.init("quantspec", 1, 2, 128, 512, jnp.bfloat16)
   config = dataclasses.replace(attention._mosaic_default(cache, "target"), register_vt=False,
                                subnormal_k=False)
   ok, msg = attention._mosaic_supported(q, cache, config, view="target")

@@ -463,6 +463,13 @@ def test_hierarchical_transposed_codes(rows, n, swizzle, wide, byte_masks):
                                                                           axis=-1)
   want = chans[:, md.vt_permutation(128, 4)].T.astype(np.float64) @ np.asarray(p_t, np.float64)
   np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+  # Small integer weights: every product and sum is exact in float32, so each
+  # token's joined code (both nibbles) is checked exactly.
+  p_int = jax.random.randint(jax.random.PRNGKey(rows + 2 * n), (rows, n), 0, 4).astype(
+      jnp.bfloat16)
+  got = np.asarray(probe(upper, p_int, lower=lower, **kw), np.float64)
+  np.testing.assert_array_equal(got, chans[:, md.vt_permutation(128, 4)].T.astype(np.float64)
+                                @ np.asarray(p_int, np.float64))
   np.testing.assert_array_equal(
       md.registers_t_reference(np.asarray(upper), 4, lower=np.asarray(lower)),
       chans[:, md.vt_permutation(128, 4)].T)
