@@ -258,8 +258,9 @@ class MosaicAttentionConfig:
     (2, 32768) 66.9 / 50.5 / **47.3** / 53.3 / 50.8, (4, 32768) **81.7** /
     93.2 / 83.8 / 85.0 / 86.6, (8, 32768) **148.7** / 151.8 / 150.7 / 153.3 /
     157.1; in a second run, splits 4 / 6 / 8: (8, 32768) 151.1 / 172.9 /
-    **148.8**, (16, 32768) 280.9 / 282.8 / 281.8 (kivi4's count kept); at one sequence kivi4's count (31) was best:
-    (1, 32768) 27.9 / (1, 131072) 74.8 us vs 32.2 / 79.6 with 62
+    **148.8**, (16, 32768) 280.9 / 282.8 / 281.8 (kivi4's count kept); at
+    one sequence kivi4's count (31) was best: (1, 32768) 27.9 / (1, 131072)
+    74.8 us vs 32.2 / 79.6 with 62
     (`ab-quantspec-target-mosaic-*-nvidia-h200-20261129s.json`).
 
     Programs: the split counts assume 4 per SM for 4-bit K and V (3 in
@@ -859,7 +860,7 @@ def mosaic_decode_attention(
     if plane_block % bk or capacity % plane_block or not config.tokens_m or any(
         s.bits != 4 for s in (k_side, v_side)):
       raise ValueError(f"plane_block={plane_block}: the views of plane-blocked codes "
-                       f"needs 4-bit sides, tokens_m=True and a block of a multiple of "
+                       f"need 4-bit sides, tokens_m=True and a block of a multiple of "
                        f"block_k={bk} dividing the capacity {capacity}")
     # [B, H, C, D] -> the rows of one plane, [B, H, 2C, D/2] (free)
     k_codes, v_codes = hierarchical.plane_view(k_codes), hierarchical.plane_view(v_codes)
