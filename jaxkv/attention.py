@@ -196,8 +196,14 @@ def is_hopper() -> bool:
   return dev.platform == "gpu" and getattr(dev, "compute_capability", "") == "9.0"
 
 
+def _both_planes(cache, view: str) -> bool:
+  """Whether the Mosaic kernel reads both planes of ``cache`` (a hierarchical
+  cache's target view: `mosaic_decode_attention`'s ``target_view``)."""
+  return bool(cache.fmt.hierarchical and view == "target")
+
+
 def _mosaic_supported(q, cache, config=None, view: str = "target") -> tuple[bool, str]:
-  if cache.fmt.hierarchical and view == "target":
+  if _both_planes(cache, view):
     from pallas_kernels import mosaic_attention  # pylint: disable=import-outside-toplevel
     why = mosaic_attention.target_view_refusal(
         config if config is not None else _mosaic_default(cache, view), cache.head_dim,
@@ -410,7 +416,7 @@ def _mosaic_default(cache, view: str = "target"):
       batch=cache.batch, tokens=cache.storage_len, kv_heads=cache.kv_heads,
       num_sms=getattr(jax.devices()[0], "core_count", 132), k_bits=k_side.bits,
       v_bits=v_side.bits, token_group=fmt.token_group, residual=fmt.residual,
-      target_view=bool(fmt.hierarchical and view == "target"))
+      target_view=_both_planes(cache, view))
 
 
 def _triton_default(q, cache, view: str = "target"):
@@ -438,7 +444,7 @@ def _mosaic_attention(q, cache, *, scale, config, layer=None, view: str = "targe
       residual=cache.fmt.residual, sm_scale=sm_scale, config=config, layer=layer,
       return_lse=return_lse, seq_bad=seq_bad, skip_tokens=skip_tokens,
       plane_block=cache.fmt.plane_block,
-      target_view=bool(cache.fmt.hierarchical and view == "target"))
+      target_view=_both_planes(cache, view))
 
 
 def _kernel_attention(impl: str, q, cache, *, scale, config, layer, view: str,

@@ -312,6 +312,9 @@ class MosaicAttentionConfig:
     # sequences (200 pairs) kivi4 260.6 (6 splits) vs 266.5;
     # `ab-kivi4-kivi2-25-40-seqs-splits-nvidia-h200-20261129s.json`)
     many = 33 * heads >= 64 * num_sms
+    # one wave at 3 per SM, at least 2 splits (4 over many pairs) of >= 4 blocks
+    three_per_sm = lambda: max(one_wave(3 * num_sms, heads, blocks, block_k),  # noqa: E731
+                               min(4 if many else 2, blocks // 4))
     # 4-bit K and V in 128-token blocks over <= 64 (sequence, kv head) pairs
     kivi4_wide = (k_bits, v_bits) == (4, 4) and block_k == 128 and heads <= 64
     splits = one_wave(slots, heads, blocks, block_k)
@@ -343,8 +346,7 @@ class MosaicAttentionConfig:
       # 32768) 576.8 vs 565.6, (100, 32768) 911.1 vs 869.8, (160, 32768) 1384.7
       # vs 1355.0, (188, 32768) 1595.3 vs 1592.7; `ab-kivi2-*-splits-nvidia-h200-20261129r.json`,
       # `ab-kivi4-large-batch-splits-nvidia-h200-20261129r.json` (64, 160))
-      splits = max(one_wave(3 * num_sms, heads, blocks, block_k),
-                   min(4 if many else 2, blocks // 4))
+      splits = three_per_sm()
     stages = 3 if k_bits >= 8 and v_bits >= 8 else 4
     if min(k_bits, v_bits) <= 2 and block_k == 128:
       stages = 2
@@ -391,8 +393,7 @@ class MosaicAttentionConfig:
       # within 1 % of 4; `ab-kivi4-large-batch-splits-nvidia-h200-20261129r.json`)
       programs, two_per_sm = heads * splits, 2 * num_sms
       if many or programs * 10 < -(-programs // two_per_sm) * two_per_sm * 9:
-        splits = max(one_wave(3 * num_sms, heads, blocks, block_k),
-                     min(4 if many else 2, blocks // 4))
+        splits = three_per_sm()
         shuffle = True
     # Subnormal codes for 4-bit K and V (H100, kernel us, kivi4: 68.4 vs 70.4 at
     # (1, 131072), 132.3 vs 134.8 at (8, 32768), 1291 vs 1342 at (96, 32768)),
@@ -1326,9 +1327,6 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
     # the register paths read wide rows (`MosaicAttentionConfig.wide_rows`)
     wide_k = config.wide_rows and register_k and mosaic_dequant.fits_wide_row(k_width)
     wide_v = config.wide_rows and register_v and mosaic_dequant.fits_wide_row(v_width)
-    if target_view and not (register_k and register_vt):  # `target_view_refusal` checked
-      raise ValueError(f"target_view needs the register K and transposed V paths ("
-                       f"{target_view_refusal(config, head_dim, dtype, k_side, v_side)})")
     k_specs = _side_specs(k_side, k_width, head_dim, bk, q_tf, plain_codes=register_k,
                           plane_block=plane_block, wide=wide_k, lower=target_view)
     # register_vt reads rows with ldmatrix: TMA-swizzled (by row width) or plain tiles

@@ -298,14 +298,8 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
     raise ValueError("pass both scale_smem and zero_smem, or neither")
   if byte_masks and not subnormal:
     raise ValueError("byte_masks needs subnormal=True")
-  hier = lower_smem is not None
-  if hier and (bits != 4 or not affine or not subnormal):
-    raise ValueError("lower_smem (hierarchical codes) needs bits=4, subnormal=True and "
-                     "scale_smem/zero_smem")
-  if hier and (tuple(lower_smem.shape) != tuple(codes_smem.shape)
-               or lower_smem.dtype != codes_smem.dtype):
-    raise ValueError(f"lower_smem {lower_smem.dtype} {tuple(lower_smem.shape)} must match "
-                     f"codes_smem {codes_smem.dtype} {tuple(codes_smem.shape)}")
+  hier = _check_lower(lower_smem, codes_smem, bits, affine and subnormal,
+                      "subnormal=True and scale_smem/zero_smem")
   rows_f16 = False
   if affine:
     for name, ref in (("scale_smem", scale_smem), ("zero_smem", zero_smem)):
@@ -360,13 +354,11 @@ def dequant_codes(codes_smem, head_dim: int, bits: int = 4, scale_smem=None, zer
       # 8-byte load of channels [base, base + 4) serves four pairs.
       planes = 8 // bits
       cc = arith.andi(lane, mgpu_utils.c(3, i32))
-      for name, rref in zip(("s", "z"), rows_refs):
+      for name in ("s", "z"):
         for w, plane in itertools.product(range(words), range(planes)):
           base = arith.addi(arith.muli(cc, mgpu_utils.c(span, i32)),
                             mgpu_utils.c(plane * width + 4 * w, i32))
-          quad = (_zero_pairs(*rows_refs, base, rows_f16) if hier and name == "z"
-                  else _quad_pairs(rref, base, rows_f16))
-          for off, pair in enumerate(quad):
+          for off, pair in enumerate(_affine_quad(rows_refs, name, base, rows_f16, hier)):
             k = plane + planes * off
             if subnormal:
               pair = llvm.inline_asm(i32, [pair, _bf16_pow2_pair(prescale[name, k])],
@@ -509,9 +501,9 @@ def _unpack_words(regs, refs, row0, col, *, span: int, pair_src, emit) -> None:
             mgpu_utils.bitcast(pair, bf16x2))
 
 
-def _quad_pairs(rref, base, rows_f16: bool) -> tuple:
-  """Channels ``[base, base + 4)`` of a ``[1, D]`` smem row (one 8-byte load) as the
-  bf16x2 pairs ``(base, base + 2)`` and ``(base + 1, base + 3)`` (i32 values)."""
+def _quad_words(rref, base, rows_f16: bool) -> list:
+  """Channels ``[base, base + 4)`` of a ``[1, D]`` smem row (one 8-byte load) as two
+  i32 words (channels ``base, base + 1`` and ``base + 2, base + 3``)."""
   i32 = ir.IntegerType.get_signless(32)
   index = ir.IndexType.get()
   elem = ir.F16Type.get() if rows_f16 else ir.BF16Type.get()
@@ -519,8 +511,15 @@ def _quad_pairs(rref, base, rows_f16: bool) -> tuple:
                      [arith.index_cast(index, mgpu_utils.c(0, i32)),
                       arith.index_cast(index, base)])
   quad = vector.bitcast(ir.VectorType.get((2,), i32), quad)
-  lo, hi = (vector.extract(quad, [], [e]) for e in range(2))
-  return tuple(llvm.inline_asm(i32, [lo, hi], (_PAIR_F16 if rows_f16 else _PAIR_BF16)[off],
+  return [vector.extract(quad, [], [e]) for e in range(2)]
+
+
+def _quad_pairs(rref, base, rows_f16: bool) -> tuple:
+  """Channels ``[base, base + 4)`` of a ``[1, D]`` smem row (`_quad_words`) as the
+  bf16x2 pairs ``(base, base + 2)`` and ``(base + 1, base + 3)`` (i32 values)."""
+  i32 = ir.IntegerType.get_signless(32)
+  words = _quad_words(rref, base, rows_f16)
+  return tuple(llvm.inline_asm(i32, words, (_PAIR_F16 if rows_f16 else _PAIR_BF16)[off],
                                "=r,r,r") for off in (0, 1))
 
 
@@ -529,17 +528,33 @@ def _zero_pairs(sref, zref, base, rows_f16: bool) -> tuple:
   base + 4)`` as `_quad_pairs` gives pairs (float32 from the stored rows, one
   rounding to bfloat16)."""
   i32 = ir.IntegerType.get_signless(32)
-  index = ir.IndexType.get()
-  elem = ir.F16Type.get() if rows_f16 else ir.BF16Type.get()
-  words = []
-  for rref in (sref, zref):
-    quad = vector.load(ir.VectorType.get((4,), elem), rref,
-                       [arith.index_cast(index, mgpu_utils.c(0, i32)),
-                        arith.index_cast(index, base)])
-    quad = vector.bitcast(ir.VectorType.get((2,), i32), quad)
-    words += [vector.extract(quad, [], [e]) for e in range(2)]
+  words = _quad_words(sref, base, rows_f16) + _quad_words(zref, base, rows_f16)
   return tuple(llvm.inline_asm(i32, words, _zero_pair_asm(rows_f16, off), "=r,r,r,r,r")
                for off in (0, 1))
+
+
+def _affine_quad(rows_refs, name: str, base, rows_f16: bool, hier: bool) -> tuple:
+  """Row ``name``'s (``"s"`` or ``"z"``) pairs of channels ``[base, base + 4)``
+  (`_quad_pairs`); with ``hier`` the zero row's are the target view's
+  ``zero - scale / 2`` (`_zero_pairs`)."""
+  if hier and name == "z":
+    return _zero_pairs(*rows_refs, base, rows_f16)
+  return _quad_pairs(rows_refs[0 if name == "s" else 1], base, rows_f16)
+
+
+def _check_lower(lower_smem, codes_smem, bits: int, ok: bool, needs: str) -> bool:
+  """Whether ``lower_smem`` (a hierarchical code's lower-plane tile) is given;
+  ValueError unless it is 4-bit, ``ok`` (what the caller ``needs`` besides) and
+  of ``codes_smem``'s shape and dtype."""
+  if lower_smem is None:
+    return False
+  if bits != 4 or not ok:
+    raise ValueError(f"lower_smem (hierarchical codes) needs bits=4, {needs}")
+  if (tuple(lower_smem.shape) != tuple(codes_smem.shape)
+      or lower_smem.dtype != codes_smem.dtype):
+    raise ValueError(f"lower_smem {lower_smem.dtype} {tuple(lower_smem.shape)} must match "
+                     f"codes_smem {codes_smem.dtype} {tuple(codes_smem.shape)}")
+  return True
 
 
 def _shuffled_affine_pairs(rows_refs, lane, *, bits: int, width: int, span: int, words: int,
@@ -579,10 +594,8 @@ def _shuffled_affine_pairs(rows_refs, lane, *, bits: int, width: int, span: int,
     factors["s"] = arith.ori(half, arith.shli(half, mgpu_utils.c(16, i32)))
     factors["z"] = _bf16_pow2_pair(-K_SHIFT)
   local = {}
-  for name, rref in zip(("s", "z"), rows_refs):
-    quad = (_zero_pairs(*rows_refs, base, rows_f16) if hier and name == "z"
-            else _quad_pairs(rref, base, rows_f16))
-    for off, pair in enumerate(quad):
+  for name in ("s", "z"):
+    for off, pair in enumerate(_affine_quad(rows_refs, name, base, rows_f16, hier)):
       if subnormal:
         pair = llvm.inline_asm(i32, [pair, factors[name]], _ASM_POW2, "=r,r,r")
       local[name, off] = pair
@@ -698,13 +711,7 @@ def dequant_codes_t(codes_smem, head_dim: int = 128, bits: int = 4, *, swizzle: 
   width, rows, wide = _code_tile(codes_smem, head_dim, bits, (128,))
   if byte_masks and not subnormal:
     raise ValueError("byte_masks needs subnormal=True")
-  hier = lower_smem is not None
-  if hier and (bits != 4 or not subnormal):
-    raise ValueError("lower_smem (hierarchical codes) needs bits=4 and subnormal=True")
-  if hier and (tuple(lower_smem.shape) != tuple(codes_smem.shape)
-               or lower_smem.dtype != codes_smem.dtype):
-    raise ValueError(f"lower_smem {lower_smem.dtype} {tuple(lower_smem.shape)} must match "
-                     f"codes_smem {codes_smem.dtype} {tuple(codes_smem.shape)}")
+  hier = _check_lower(lower_smem, codes_smem, bits, subnormal, "subnormal=True")
   row_bytes = WIDE_ROW if wide else width
   if swizzle not in (0, row_bytes):
     raise ValueError(f"swizzle={swizzle} must be 0 or {row_bytes} (the tile's row width)")

@@ -458,7 +458,7 @@ def test_hierarchical_transposed_codes(rows, n, swizzle, wide, byte_masks):
     probe.trace(upper, p_t, lower=lower, **kw).lower(lowering_platforms=("cuda",))
     return
   got = np.asarray(probe(upper, p_t, lower=lower, **kw), np.float64)
-  u, lo = (np.asarray(hierarchical_planes, np.int64) for hierarchical_planes in (upper, lower))
+  u, lo = np.asarray(upper, np.int64), np.asarray(lower, np.int64)
   chans = np.concatenate([u & 15, u >> 4], axis=-1) * 16 + np.concatenate([lo & 15, lo >> 4],
                                                                           axis=-1)
   want = chans[:, md.vt_permutation(128, 4)].T.astype(np.float64) @ np.asarray(p_t, np.float64)
