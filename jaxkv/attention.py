@@ -430,10 +430,12 @@ def _triton_default(q, cache, view: str = "target"):
 
 
 def _mosaic_attention(q, cache, *, scale, config, layer=None, view: str = "target",
-                      return_lse: bool = False, seq_bad=None, skip_tokens: int = 0):
+                      return_lse: bool = False, seq_bad=None, skip_tokens: int = 0,
+                      stage=None, stage_queries: int = 0):
   """The Mosaic kernel over a `KVCache`, or over layer ``layer`` of a
   `ModelCache`'s stacked arrays (read in place); ``view="draft"`` of a
-  hierarchical cache reads the upper planes of its plane-blocked codes in place."""
+  hierarchical cache reads the upper planes of its plane-blocked codes in place;
+  ``stage``: staged rows merged by the combine kernel (`jaxkv.staged_cache`)."""
   from pallas_kernels import mosaic_attention  # pylint: disable=import-outside-toplevel
   k_side, v_side = _mosaic_specs(cache, view)
   sm_scale = cache.head_dim ** -0.5 if scale is None else scale
@@ -444,7 +446,7 @@ def _mosaic_attention(q, cache, *, scale, config, layer=None, view: str = "targe
       residual=cache.fmt.residual, sm_scale=sm_scale, config=config, layer=layer,
       return_lse=return_lse, seq_bad=seq_bad, skip_tokens=skip_tokens,
       plane_block=cache.fmt.plane_block,
-      target_view=_both_planes(cache, view))
+      target_view=_both_planes(cache, view), stage=stage, stage_queries=stage_queries)
 
 
 def _kernel_attention(impl: str, q, cache, *, scale, config, layer, view: str,

@@ -180,6 +180,13 @@ def _staged_attention_kernel(q, cache, k_stage, v_stage, staged, *, view, scale,
   if isinstance(cache, LayerView):  # read the layer of the stacked arrays in place
     layer = cache.index
     cache = dataclasses.replace(cache.stacked, lengths=cache.lengths, overflow=cache.overflow)
+  nonfinite = cache.nonfinite if hasattr(cache, "nonfinite") else jnp.zeros((b,), bool)
+  if mosaic and not sinks:  # the staged rows, the merge and the NaN rows in the combine kernel
+    out = attention._mosaic_attention(q_fold, cache, scale=scale, config=config, layer=layer,
+                                      view=view, seq_bad=nonfinite,
+                                      stage=(k_stage, v_stage, staged.astype(jnp.int32)),
+                                      stage_queries=s)
+    return out.reshape(b, hkv, s, g, d).transpose(0, 2, 1, 3, 4).reshape(b, s, hq, d)
   kernel = functools.partial(attention._kernel_attention, "mosaic" if mosaic else "triton",
                              q_fold, cache, scale=scale, config=config, layer=layer, view=view,
                              return_lse=True)
@@ -201,7 +208,6 @@ def _staged_attention_kernel(q, cache, k_stage, v_stage, staged, *, view, scale,
   stage_rows = rows[None, :] < staged[:, None]                                      # [B, P]
   stage_bad = jnp.any(stage_rows[:, :, None, None]
                       & ~(jnp.isfinite(k_stage) & jnp.isfinite(v_stage)), axis=(1, 2, 3))
-  nonfinite = cache.nonfinite if hasattr(cache, "nonfinite") else jnp.zeros((b,), bool)
   return _poison(out, q, nonfinite | stage_bad).astype(q.dtype)
 
 

@@ -145,6 +145,12 @@ class MosaicAttentionConfig:
       so K's codes need no per-value ``fma`` and no scale-pair work; one more
       fence + warpgroup barrier per step. Off: correct on an H100 but 2-10 %
       slower there (`attention-ab-k-scale-in-q-20261126-*`, mosaic-NOTES).
+    fold_ahead: (with ``k_scale_in_q`` and ``lean_barriers``) the folded B
+      operands are built one block ahead, into the other of two buffers: the
+      pipeline hands step ``i`` the scale/zero rows of block ``i + 1`` (block
+      0's are copied before the pipeline), the step writes block ``i + 1``'s
+      operands while its own score MMA runs, and the barrier that ends every
+      step (a fence first) makes them visible. No barrier is added per step.
     wide_rows: (with ``register_k`` / ``register_v``) the code tiles those paths
       read are copied as `mosaic_dequant.WIDE_ROW`-byte rows (``128 / W``
       tokens per row: a free view of the same bytes) instead of one ``W``-byte
@@ -209,6 +215,7 @@ class MosaicAttentionConfig:
   subnormal_v: bool = True
   byte_masks: bool = True
   k_scale_in_q: bool = False
+  fold_ahead: bool = True
   shuffle_scales: bool = False
   wide_rows: bool = True
   lean_barriers: bool = True
@@ -786,7 +793,8 @@ def _attend_block(q_smem, kdq_smem, vdq_smem, carry, *, token0, valid_below, row
 
 @functools.partial(
     jax.jit, static_argnames=("k_side", "v_side", "token_group", "residual", "config",
-                              "return_lse", "skip_tokens", "plane_block", "target_view"))
+                              "return_lse", "skip_tokens", "plane_block", "target_view",
+                              "stage_queries"))
 def mosaic_decode_attention(
     q: jax.Array,           # [B, S, Hq, D]
     k_codes: jax.Array,     # [B, H, C, D*kb/8] uint8 | [B, H, C, D] (16-bit; plane_block)
@@ -811,6 +819,8 @@ def mosaic_decode_attention(
     skip_tokens: int = 0,
     plane_block: int = 0,
     target_view: bool = False,
+    stage: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    stage_queries: int = 0,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Decode attention of S new queries over a packed cache (Hopper kernel).
 
@@ -838,6 +848,12 @@ def mosaic_decode_attention(
   (and the residual); the caller attends the prefix (sink formats,
   `jaxkv.sink_attention`). A multiple of ``config.block_k``; 0 traces the
   kernel unchanged.
+  ``stage``: ``(k_stage, v_stage, staged)`` (``[B, P, H, D]``, ``[B]``):
+  speculative decoding's staged rows, attended exactly and merged by the
+  combine kernel (`combine_t.combine_t`'s ``stage``); q must then be the
+  folded queries of `jaxkv.staged_cache` (``S = 1``, ``Hq = H *
+  stage_queries * G``: row ``s G + g`` of each kv head is query ``s``), and
+  ``return_lse`` False.
   Returns ``[B, S, Hq, D]`` in q's dtype (and the log-sum-exp).
   """
   batch, num_queries, q_heads, head_dim = q.shape
@@ -928,11 +944,20 @@ def mosaic_decode_attention(
     # rows this kernel read (q_res: scaled, channel order), so q has one
     # consumer and its producer (RoPE in a model) can fuse into their preparation.
     poison = {} if seq_bad is None else dict(qh=q_res, q_rows=q_rows, seq_bad=seq_bad)
+    if stage is not None:
+      if num_queries != 1 or return_lse or stage_queries < 1 or q_rows % stage_queries:
+        raise ValueError(f"stage needs the folded queries (q_len 1, got {num_queries}; "
+                         f"stage_queries={stage_queries} dividing {q_rows} rows) and "
+                         f"return_lse=False")
+      poison["stage"] = (q.reshape(batch, kv_heads, q_rows, head_dim), *stage, sm_scale,
+                         stage_queries)
     return unpack_out(combine_t.combine_t(o_part, l_part, m_part, rows=rows,
                                           packed_rows=packed_rows, out_dtype=q.dtype,
                                           plain_tail=residual_parts(residual, bk), **poison),
                       l_part, m_part)
 
+  if stage is not None:
+    raise ValueError("stage needs config.tokens_m")
   k_w = k_codes.shape[-1]
   v_w = v_codes.shape[-1]
   for side, codes in ((k_side, k_codes), (v_side, v_codes)):
@@ -1347,6 +1372,12 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
   # K's scale and zero in the score MMA's B operands (q stays unscaled)
   fold_kq = (bytes_k and config.k_scale_in_q and head_dim == 128 and n_rows in (8, 16)
              and not target_view)
+  # ... built a block ahead, double-buffered (`MosaicAttentionConfig.fold_ahead`)
+  fold_ahead = fold_kq and config.fold_ahead and config.lean_barriers
+  if fold_ahead:  # step i gets block i + 1's scale/zero rows (the last block: its own)
+    k_groups, k_group_rows = k_side.group // bk, k_in[-2].shape[-2]
+    k_specs[-2:] = [dataclasses.replace(spec, index_map=lambda i: (
+        jnp.minimum((i + 1) // k_groups, k_group_rows - 1), 0)) for spec in k_specs[-2:]]
   slots = 4 if target_view else 3  # inputs per side: codes (, lower planes), scale, zero
   if sub_k and not fold_kq:  # the K registers are (c s + z) 2**-K_SHIFT
     qh = qh * jnp.asarray(2.0 ** mosaic_dequant.K_SHIFT, qh.dtype)
@@ -1389,6 +1420,21 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
         x = mosaic_dequant.gather_codebook(k_tiles[0], book_smems[0], head_dim, k_vec,
                                            k_entries)
         plgpu.wgmma(acc_ref, x, _t(q_smem))
+      elif register_k and fold_smems is not None and fold_ahead:
+        # codes only; this block's folded operands were written by the last step
+        qs_smem, bias_smem = fold_smems
+        slot = lax.rem(token0 // bk, 2)
+        x = mosaic_dequant.dequant_codes(k_tiles[0], head_dim, k_side.bits, subnormal=True,
+                                         byte_masks=True)
+        plgpu.wgmma(acc_ref, x, _t(qs_smem.at[slot]))
+        ones = plgpu.layout_cast(
+            jnp.full((bk, mosaic_dequant.FOLD_BIAS_COLUMNS), 1.0, jnp.bfloat16),
+            plgpu.Layout.WGMMA)
+        plgpu.wgmma(acc_ref, ones, _t(bias_smem.at[slot]))
+        # the next block's, from the scale/zero rows this step was handed
+        mosaic_dequant.fold_k_operands(q_smem, k_tiles[-2], k_tiles[-1], qs_smem.at[1 - slot],
+                                       bias_smem.at[1 - slot], bits=k_side.bits,
+                                       q_tiling=q_tiling)
       elif register_k and fold_smems is not None:
         # codes only; q * scale and the zero term are the B operands (written here)
         qsrc_smem, bias_smem = fold_smems
@@ -1534,7 +1580,23 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       def run(*scoped):
         book_smems = scoped[:len(books)]
         vdq_smem = scoped[len(books)] if packed_vdq else None
-        if fold_kq:  # q (column order) kept apart: q_smem takes q * scale each step
+        if fold_ahead:  # the first block's folded operands, from its scale/zero rows
+          first, _ = _split_blocks(packed, j, num_splits, bk, skip_tokens)
+          row = jnp.minimum(first // k_groups, k_group_rows - 1)
+
+          def fold_first(s_smem, z_smem):
+            for src, dst in ((k_refs[-2], s_smem), (k_refs[-1], z_smem)):
+              plgpu.copy_gmem_to_smem(src.at[cb, pl.ds(row, 1)], dst, barrier)
+              plgpu.barrier_wait(barrier)
+            slot = lax.rem(first, 2)
+            mosaic_dequant.fold_k_operands(q_smem, s_smem, z_smem, fold_smems[0].at[slot],
+                                           fold_smems[1].at[slot], bits=k_side.bits,
+                                           q_tiling=q_tiling)
+            plgpu.commit_smem()
+
+          row_type = plgpu.SMEM((1, head_dim), k_in[-2].dtype)
+          pl.run_scoped(fold_first, row_type, row_type)
+        elif fold_kq:  # q (column order) kept apart: q_smem takes q * scale each step
           plgpu.copy_gmem_to_smem(q_gmem.at[bh], fold_smems[0], barrier)
           plgpu.barrier_wait(barrier)
         for g, sm in zip(book_gmems, book_smems):  # a VQ head's codebooks, once
@@ -1552,7 +1614,8 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
                         book_smems=book_smems, flag_smem=flag_smem)
 
         gm = [r.at[cb] for r in k_refs[:nk]] + [r.at[cb] for r in v_refs[:nv]]
-        return _run_split(mosaic_dequant.release_stages(step, config.lean_barriers),
+        return _run_split(mosaic_dequant.release_stages(step, config.lean_barriers,
+                                                         fence=fold_ahead),
                           k_specs + v_specs, gm, packed=packed, j=j,
                           num_splits=num_splits, bk=bk,
                           max_concurrent_steps=config.max_concurrent_steps,
@@ -1593,8 +1656,12 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       plgpu.SMEM((bk, n_pv), dtype, transforms=v_tf),             # P^T
       plgpu.SMEM((1,), jnp.int32),                                # lazy-max flag
       plgpu.Barrier(),
-      *([plgpu.SMEM((n_rows, head_dim), dtype, transforms=q_tf),  # q kept apart (fold)
-         plgpu.SMEM((n_rows, mosaic_dequant.FOLD_BIAS_COLUMNS), jnp.bfloat16,
+      # fold: q kept apart and the bias tile; fold_ahead: q * scale and the bias
+      # tile, two of each (q stays in q_smem)
+      *([plgpu.SMEM((2, n_rows, head_dim) if fold_ahead else (n_rows, head_dim), dtype,
+                    transforms=q_tf),
+         plgpu.SMEM((2, n_rows, mosaic_dequant.FOLD_BIAS_COLUMNS) if fold_ahead
+                    else (n_rows, mosaic_dequant.FOLD_BIAS_COLUMNS), jnp.bfloat16,
                     transforms=_tiled(mosaic_dequant.FOLD_BIAS_COLUMNS, 16))]
         if fold_kq else []),
       # the V value tile, the residual K tile and o^T, l, m are scoped (see the kernel)

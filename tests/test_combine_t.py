@@ -9,6 +9,7 @@ compiled.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -195,3 +196,87 @@ def test_flags_from_the_kernels_query_rows(q_rows, n_rows, rows):
   np.testing.assert_array_equal(got[~flagged], plain[~flagged])
   with pytest.raises(ValueError, match="q_rows"):
     ct.combine_t(*args, rows=rows, interpret=True, qh=jnp.asarray(qh), q_rows=rows + 1)
+
+
+@pytest.mark.parametrize("batch,heads,num_queries,group,n_stage,head_dim,parts,rows", [
+    (1, 2, 5, 4, 6, 128, 9, 32),    # verify: 5 queries of GQA 4, P 6, rows padded 20 -> 32
+    (2, 3, 1, 8, 5, 64, 4, 8),      # a draft step: one query of GQA 8, ragged staged counts
+    (1, 1, 3, 1, 3, 128, 34, 4),    # GQA 1, staged == S, 33 splits + residual
+])
+def test_staged_rows_merged_in_the_kernel(batch, heads, num_queries, group, n_stage, head_dim,
+                                          parts, rows):
+  """``stage``: the staged rows attended exactly and merged with the partials give
+  softmax attention over the partials' keys plus each query's visible staged rows
+  (float64 numpy: row ``s G + g`` sees staged rows ``p <= staged - S + s``)."""
+  rng = np.random.default_rng(batch * 100 + n_stage)
+  q_rows = num_queries * group
+  width = max(rows, 16)
+  scale = head_dim ** -0.5
+  bf16 = lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64)  # noqa: E731
+  # q and the staged rows as the kernel reads them (bfloat16); the committed
+  # part: random keys split into parts, scored with the same q
+  q = bf16(rng.normal(size=(batch, heads, q_rows, head_dim)))
+  staged = rng.integers(num_queries, n_stage + 1, batch)
+  k_st, v_st = (bf16(rng.normal(size=(batch, n_stage, heads, head_dim))) for _ in range(2))
+  o_t = np.zeros((batch, heads, parts, head_dim, width))
+  l = np.zeros((batch, heads, parts, width))
+  m = np.full((batch, heads, parts, width), -np.inf)
+  want = np.zeros((batch, heads, rows, head_dim))
+  for b in range(batch):
+    for h in range(heads):
+      lens = rng.integers(0, 30, parts)
+      ks = [rng.normal(size=(n, head_dim)) for n in lens]
+      vs = [rng.normal(size=(n, head_dim)) for n in lens]
+      for j in range(parts):
+        if lens[j]:
+          s = ks[j] @ q[b, h].T * scale                                   # [T_j, R]
+          m[b, h, j, :q_rows] = s.max(axis=0)
+          p = np.exp(s - m[b, h, j, :q_rows])
+          l[b, h, j, :q_rows] = p.sum(axis=0)
+          o_t[b, h, j, :, :q_rows] = vs[j].T @ p
+      for r in range(q_rows):
+        vis = np.arange(n_stage) <= staged[b] - num_queries + r // group
+        k_all = np.concatenate([*ks, k_st[b, vis, h]])
+        v_all = np.concatenate([*vs, v_st[b, vis, h]])
+        s = k_all @ q[b, h, r] * scale
+        p = np.exp(s - s.max())
+        want[b, h, r] = p @ v_all / p.sum()
+  args = [jnp.asarray(x, jnp.float32) for x in (o_t, l, m)]
+  stage = (jnp.asarray(q, jnp.bfloat16), jnp.asarray(k_st, jnp.bfloat16),
+           jnp.asarray(v_st, jnp.bfloat16), jnp.asarray(staged, jnp.int32), scale, num_queries)
+  got = np.asarray(ct.combine_t(*args, rows=rows, interpret=INTERPRET, stage=stage), np.float64)
+  np.testing.assert_allclose(got[:, :, :q_rows], want[:, :, :q_rows], rtol=2e-5, atol=2e-5)
+  ref = np.asarray(ct.combine_t_reference(*args, rows=rows, stage=stage), np.float64)
+  np.testing.assert_allclose(ref[:, :, :q_rows], want[:, :, :q_rows], rtol=2e-5, atol=2e-5)
+  if INTERPRET:
+    lowered = jax.jit(lambda o, l_, m_: ct.combine_t(o, l_, m_, rows=rows, stage=stage)).trace(
+        *args).lower(lowering_platforms=("cuda",))
+    assert "triton" in lowered.as_text().lower()
+  # The input policy: a NaN/inf in a staged row p < staged of any kv head makes
+  # that sequence NaN; one in a row p >= staged (not staged yet) changes nothing.
+  k_bad, v_bad = np.array(k_st), np.array(v_st)
+  k_bad[0, staged[0] - 1, heads - 1, 3] = np.nan
+  if staged[-1] < n_stage:
+    v_bad[-1, staged[-1], 0, 0] = np.inf
+  bad_stage = (stage[0], jnp.asarray(k_bad, jnp.bfloat16), jnp.asarray(v_bad, jnp.bfloat16),
+               *stage[3:])
+  for fn in (functools.partial(ct.combine_t, interpret=INTERPRET), ct.combine_t_reference):
+    out = np.asarray(fn(*args, rows=rows, stage=bad_stage), np.float64)
+    assert np.isnan(out[0]).all()
+    if batch > 1:
+      np.testing.assert_array_equal(out[1:], np.asarray(
+          fn(*args, rows=rows, stage=stage), np.float64)[1:])
+
+
+def test_stage_refusals():
+  o_t, l, m, _ = _problem(5, 1, 2, 3, 64, 8, 8)
+  args = [jnp.asarray(x, jnp.float32) for x in (o_t, l, m)]
+  q = jnp.ones((1, 2, 8, 64))
+  kv = jnp.ones((1, 4, 2, 64))
+  staged = jnp.full((1,), 4, jnp.int32)
+  with pytest.raises(ValueError, match="S=3"):
+    ct.combine_t(*args, rows=8, stage=(q, kv, kv, staged, 0.1, 3), interpret=True)
+  with pytest.raises(ValueError, match="stage k"):
+    ct.combine_t(*args, rows=8, stage=(q, kv[:, :, :1], kv, staged, 0.1, 2), interpret=True)
+  with pytest.raises(ValueError, match="stage q"):
+    ct.combine_t(*args, rows=8, stage=(q[:, :1], kv, kv, staged, 0.1, 2), interpret=True)
