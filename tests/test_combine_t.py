@@ -23,13 +23,25 @@ from pallas_kernels import mosaic_attention as ma
 INTERPRET = os.environ.get("JAXKV_TEST_GPU", "0") != "1"
 
 
+def _partial(s, v):
+  """One split's unnormalized statistics of scores ``s [T, R]`` and values ``v [T,
+  D]`` (float64): ``m, l [R]`` and ``o^T [D, R]``."""
+  m = s.max(axis=0)
+  p = np.exp(s - m)
+  return m, p.sum(axis=0), v.T @ p
+
+
+def _empty(batch, heads, parts, head_dim, rows, width):
+  """Zeroed partials ``o_t, l, m`` (``m = -inf``: no key) and an answer ``[B, H, rows,
+  D]`` to fill (float64)."""
+  return (np.zeros((batch, heads, parts, head_dim, width)), np.zeros((batch, heads, parts, width)),
+          np.full((batch, heads, parts, width), -np.inf), np.zeros((batch, heads, rows, head_dim)))
+
+
 def _problem(seed, batch, heads, parts, head_dim, rows, width, empty_part=None):
   """Partials of random attention split into ``parts`` (numpy float64) and its answer."""
   rng = np.random.default_rng(seed)
-  o_t = np.zeros((batch, heads, parts, head_dim, width))
-  l = np.zeros((batch, heads, parts, width))
-  m = np.full((batch, heads, parts, width), -np.inf)
-  want = np.zeros((batch, heads, rows, head_dim))
+  o_t, l, m, want = _empty(batch, heads, parts, head_dim, rows, width)
   for b in range(batch):
     for h in range(heads):
       lens = rng.integers(1, 40, parts)
@@ -39,10 +51,7 @@ def _problem(seed, batch, heads, parts, head_dim, rows, width, empty_part=None):
       v = [rng.normal(0, 1, (n, head_dim)) for n in lens]
       for j in range(parts):
         if lens[j]:
-          m[b, h, j, :rows] = s[j].max(axis=0)
-          p = np.exp(s[j] - m[b, h, j, :rows])
-          l[b, h, j, :rows] = p.sum(axis=0)
-          o_t[b, h, j, :, :rows] = v[j].T @ p
+          m[b, h, j, :rows], l[b, h, j, :rows], o_t[b, h, j, :, :rows] = _partial(s[j], v[j])
       s_all, v_all = np.concatenate(s), np.concatenate(v)
       p_all = np.exp(s_all - s_all.max(axis=0))
       want[b, h] = (p_all / p_all.sum(axis=0)).T @ v_all
@@ -218,10 +227,7 @@ def test_staged_rows_merged_in_the_kernel(batch, heads, num_queries, group, n_st
   q = bf16(rng.normal(size=(batch, heads, q_rows, head_dim)))
   staged = rng.integers(num_queries, n_stage + 1, batch)
   k_st, v_st = (bf16(rng.normal(size=(batch, n_stage, heads, head_dim))) for _ in range(2))
-  o_t = np.zeros((batch, heads, parts, head_dim, width))
-  l = np.zeros((batch, heads, parts, width))
-  m = np.full((batch, heads, parts, width), -np.inf)
-  want = np.zeros((batch, heads, rows, head_dim))
+  o_t, l, m, want = _empty(batch, heads, parts, head_dim, rows, width)
   for b in range(batch):
     for h in range(heads):
       lens = rng.integers(0, 30, parts)
@@ -229,11 +235,8 @@ def test_staged_rows_merged_in_the_kernel(batch, heads, num_queries, group, n_st
       vs = [rng.normal(size=(n, head_dim)) for n in lens]
       for j in range(parts):
         if lens[j]:
-          s = ks[j] @ q[b, h].T * scale                                   # [T_j, R]
-          m[b, h, j, :q_rows] = s.max(axis=0)
-          p = np.exp(s - m[b, h, j, :q_rows])
-          l[b, h, j, :q_rows] = p.sum(axis=0)
-          o_t[b, h, j, :, :q_rows] = vs[j].T @ p
+          m[b, h, j, :q_rows], l[b, h, j, :q_rows], o_t[b, h, j, :, :q_rows] = _partial(
+              ks[j] @ q[b, h].T * scale, vs[j])                           # scores [T_j, R]
       for r in range(q_rows):
         vis = np.arange(n_stage) <= staged[b] - num_queries + r // group
         k_all = np.concatenate([*ks, k_st[b, vis, h]])
