@@ -28,8 +28,9 @@ caller holds (e.g. after ``model.prefill``): exactly N of them in one jitted
 `jaxkv.decode_steps` (what `bench/speculative.py --timing` times). Attention
 (`jaxkv.staged_cache.staged_attention`) reads the committed tokens with a
 Pallas kernel on a GPU (each layer in place, the draft or target view; the
-Mosaic kernel first on Hopper, else Triton's) and merges its log-sum-exp with
-dense attention over the few staged rows; elsewhere it is the jnp reference.
+Mosaic kernel first on Hopper, whose combine kernel attends and merges the few
+staged rows itself; else Triton's, whose log-sum-exp is merged with dense
+attention over them); elsewhere it is the jnp reference.
 """
 
 from __future__ import annotations

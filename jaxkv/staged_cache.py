@@ -113,10 +113,12 @@ def staged_attention(q: jax.Array, cache, k_stage: jax.Array, v_stage: jax.Array
     scale: softmax scale, default ``D ** -0.5``.
     implementation: ``"reference"`` (dequantize the committed tokens, dense
       attention over them and the staged rows), ``"triton"`` or ``"mosaic"``
-      (that Pallas kernel over the committed tokens, returning its
-      log-sum-exp, merged with dense attention over the few staged rows;
-      Triton in interpret mode off GPU; Mosaic on Hopper, where it reads
-      both views of bfloat16 hierarchical caches at head_dim 128),
+      (that Pallas kernel over the committed tokens merged with exact
+      attention over the few staged rows: Triton's log-sum-exp merged in
+      XLA, in interpret mode off GPU; Mosaic on Hopper, where it reads both
+      views of bfloat16 hierarchical caches at head_dim 128 and its combine
+      kernel attends and merges the staged rows, `combine_t`'s ``stage``;
+      a sink format's merge stays in XLA),
       ``"pallas"`` (the first of `jaxkv.attention.pallas_order` that serves
       the input), or None: ``"pallas"`` on a GPU when a family serves the
       cache (Mosaic first for both views on Hopper, else Triton), the
@@ -160,9 +162,10 @@ def _staged_implementation(q, cache, implementation, view: str = "target") -> st
 def _staged_attention_kernel(q, cache, k_stage, v_stage, staged, *, view, scale,
                              mosaic: bool = False):
   """A Pallas kernel (Triton, or Mosaic with ``mosaic``) over the committed
-  tokens, merged (log-sum-exp) with the staged rows. A sink format's committed
-  tokens are the kernel from its skip on plus the exact prefix
-  (`jaxkv.sink_attention`)."""
+  tokens, merged (log-sum-exp) with the staged rows: by the Mosaic combine
+  kernel itself, else in XLA. A sink format's committed tokens are the kernel
+  from its skip on plus the exact prefix (`jaxkv.sink_attention`). Staged rows
+  ``p >= staged`` (stale after a rollback) are never read."""
   from jaxkv import attention  # pylint: disable=import-outside-toplevel
   from jaxkv.attention import _poison  # pylint: disable=import-outside-toplevel
   from jaxkv.model_cache import LayerView  # pylint: disable=import-outside-toplevel
@@ -201,11 +204,13 @@ def _staged_attention_kernel(q, cache, k_stage, v_stage, staged, *, view, scale,
   # The staged rows: query i sees rows [0, staged - S + i].
   rows = jnp.arange(k_stage.shape[1])
   limit = staged[:, None] - s + jnp.arange(s)[None, :]                              # [B, S]
-  o_s, lse_s = lse_attention(q, jnp.swapaxes(k_stage, 1, 2), jnp.swapaxes(v_stage, 1, 2),
+  stage_rows = rows[None, :] < staged[:, None]                                      # [B, P]
+  k_here, v_here = (jnp.where(stage_rows[:, :, None, None], x, 0).astype(x.dtype)
+                    for x in (k_stage, v_stage))  # a stale inf times a zero weight is NaN
+  o_s, lse_s = lse_attention(q, jnp.swapaxes(k_here, 1, 2), jnp.swapaxes(v_here, 1, 2),
                              rows[None, None, :] <= limit[:, :, None], scale)
   # Merge the two softmax blocks by their log-sum-exps.
   out, _ = merge_lse(o_c.reshape(b, s, hq, d), lse_c.reshape(b, s, hq), o_s, lse_s)
-  stage_rows = rows[None, :] < staged[:, None]                                      # [B, P]
   stage_bad = jnp.any(stage_rows[:, :, None, None]
                       & ~(jnp.isfinite(k_stage) & jnp.isfinite(v_stage)), axis=(1, 2, 3))
   return _poison(out, q, nonfinite | stage_bad).astype(q.dtype)

@@ -17,7 +17,8 @@ us per layer of a B = 1 decode step on an H200), and reading the kernel's
 input rather than q leaves q one consumer, the query preparation, which its
 producer (RoPE in the model) can fuse into; reading q itself, as this kernel
 did before, q had to be written out by a kernel of its own (1.2-1.4 us per
-layer in the H100 step anatomy of 2026-11-28).
+layer in the H100 step anatomy of 2026-11-28). (``stage`` reads q again: the
+staged scores are float32 sums over the unrounded queries.)
 
 ``packed_rows`` (optional, ``[D]`` ints) says where channel ``c`` sits in the
 rows of every partial but the last ``plain_tail`` (default 1): the register V
@@ -44,6 +45,7 @@ visible key (``l == 0``) gives zeros; a NaN ``l`` stays NaN.
 from __future__ import annotations
 
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -307,16 +309,23 @@ def _stage_inputs(stage, batch: int, heads: int, head_dim: int, rows: int):
   if q.ndim != 4 or q.shape[:2] != (batch, heads) or q.shape[3] != head_dim:
     raise ValueError(f"stage q.shape={q.shape} must be [B={batch}, H={heads}, R, "
                      f"D={head_dim}]")
+  if not _triton.is_pow2(head_dim):
+    raise ValueError(f"head_dim={head_dim} must be a power of two with stage")
   q_rows = q.shape[2]
-  if (not isinstance(num_queries, int) or num_queries < 1 or q_rows % num_queries
-      or q_rows > rows):
-    raise ValueError(f"stage S={num_queries!r} must be an int dividing R={q_rows} (<= "
-                     f"rows={rows})")
+  if q_rows > rows:
+    raise ValueError(f"stage q has R={q_rows} rows, more than rows={rows}")
+  try:
+    num_queries = operator.index(num_queries)
+  except TypeError:
+    raise TypeError(f"stage S={num_queries!r} must be an int") from None
+  if isinstance(num_queries, bool) or num_queries < 1 or q_rows % num_queries:
+    raise ValueError(f"stage S={num_queries!r} must be an int >= 1 dividing R={q_rows}")
   if k.ndim != 4 or k.shape[0] != batch or k.shape[2:] != (heads, head_dim) or v.shape != k.shape:
     raise ValueError(f"stage k {k.shape} / v {v.shape} must be [B={batch}, P, H={heads}, "
                      f"D={head_dim}]")
-  if staged.shape != (batch,):
-    raise ValueError(f"stage staged.shape={staged.shape} must be ({batch},)")
+  if staged.shape != (batch,) or not jnp.issubdtype(staged.dtype, jnp.integer):
+    raise ValueError(f"stage staged ({staged.dtype} {staged.shape}) must be ({batch},) "
+                     f"integers")
   n_stage = k.shape[1]
   per_b = lambda size: pl.BlockSpec((None, size), lambda b, h, d: (b, 0))  # noqa: E731
   specs = [pl.BlockSpec((None, None, q_rows * head_dim), lambda b, h, d: (b, h, 0)),

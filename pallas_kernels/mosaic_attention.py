@@ -151,6 +151,10 @@ class MosaicAttentionConfig:
       0's are copied before the pipeline), the step writes block ``i + 1``'s
       operands while its own score MMA runs, and the barrier that ends every
       step (a fence first) makes them visible. No barrier is added per step.
+      Measured (H200, main kernel us, default / ``k_scale_in_q`` ahead / in the
+      step): kivi4 (1, 131072) 43.8 / 47.8 / 50.9, (8, 32768) 82.6 / 116.9 /
+      116.4; kivi2 (1, 131072) 41.8 / 59.3 / 60.4: the fold itself costs more
+      than the affine it removes (`ab-fold-ahead-20261129t-*`, mosaic-NOTES).
     wide_rows: (with ``register_k`` / ``register_v``) the code tiles those paths
       read are copied as `mosaic_dequant.WIDE_ROW`-byte rows (``128 / W``
       tokens per row: a free view of the same bytes) instead of one ``W``-byte
@@ -942,7 +946,9 @@ def mosaic_decode_attention(
     rows = _triton.next_pow2(q_rows)
     # The input policy's flags: computed in the combine kernel from the query
     # rows this kernel read (q_res: scaled, channel order), so q has one
-    # consumer and its producer (RoPE in a model) can fuse into their preparation.
+    # consumer and its producer (RoPE in a model) can fuse into their preparation
+    # (with staged rows the combine kernel reads q itself too: their scores in
+    # float32 from the unrounded q).
     poison = {} if seq_bad is None else dict(qh=q_res, q_rows=q_rows, seq_bad=seq_bad)
     if stage is not None:
       if num_queries != 1 or return_lse or stage_queries < 1 or q_rows % stage_queries:

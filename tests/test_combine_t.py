@@ -207,16 +207,17 @@ def test_flags_from_the_kernels_query_rows(q_rows, n_rows, rows):
     ct.combine_t(*args, rows=rows, interpret=True, qh=jnp.asarray(qh), q_rows=rows + 1)
 
 
-@pytest.mark.parametrize("batch,heads,num_queries,group,n_stage,head_dim,parts,rows", [
-    (1, 2, 5, 4, 6, 128, 9, 32),    # verify: 5 queries of GQA 4, P 6, rows padded 20 -> 32
-    (2, 3, 1, 8, 5, 64, 4, 8),      # a draft step: one query of GQA 8, ragged staged counts
-    (1, 1, 3, 1, 3, 128, 34, 4),    # GQA 1, staged == S, 33 splits + residual
+@pytest.mark.parametrize("staged,heads,num_queries,group,n_stage,head_dim,parts,rows", [
+    ((6,), 2, 5, 4, 6, 128, 9, 32),    # verify: 5 queries of GQA 4, P 6, rows padded 20 -> 32
+    ((4, 1, 5), 3, 1, 8, 5, 64, 4, 8),  # draft steps: one query of GQA 8, ragged staged counts
+    ((3, 5), 1, 3, 1, 6, 128, 34, 4),  # GQA 1, staged == S and > S, 33 splits + residual
 ])
-def test_staged_rows_merged_in_the_kernel(batch, heads, num_queries, group, n_stage, head_dim,
+def test_staged_rows_merged_in_the_kernel(staged, heads, num_queries, group, n_stage, head_dim,
                                           parts, rows):
   """``stage``: the staged rows attended exactly and merged with the partials give
   softmax attention over the partials' keys plus each query's visible staged rows
   (float64 numpy: row ``s G + g`` sees staged rows ``p <= staged - S + s``)."""
+  batch, staged = len(staged), np.asarray(staged)
   rng = np.random.default_rng(batch * 100 + n_stage)
   q_rows = num_queries * group
   width = max(rows, 16)
@@ -225,7 +226,6 @@ def test_staged_rows_merged_in_the_kernel(batch, heads, num_queries, group, n_st
   # q and the staged rows as the kernel reads them (bfloat16); the committed
   # part: random keys split into parts, scored with the same q
   q = bf16(rng.normal(size=(batch, heads, q_rows, head_dim)))
-  staged = rng.integers(num_queries, n_stage + 1, batch)
   k_st, v_st = (bf16(rng.normal(size=(batch, n_stage, heads, head_dim))) for _ in range(2))
   o_t, l, m, want = _empty(batch, heads, parts, head_dim, rows, width)
   for b in range(batch):
@@ -255,20 +255,60 @@ def test_staged_rows_merged_in_the_kernel(batch, heads, num_queries, group, n_st
     lowered = jax.jit(lambda o, l_, m_: ct.combine_t(o, l_, m_, rows=rows, stage=stage)).trace(
         *args).lower(lowering_platforms=("cuda",))
     assert "triton" in lowered.as_text().lower()
-  # The input policy: a NaN/inf in a staged row p < staged of any kv head makes
-  # that sequence NaN; one in a row p >= staged (not staged yet) changes nothing.
-  k_bad, v_bad = np.array(k_st), np.array(v_st)
-  k_bad[0, staged[0] - 1, heads - 1, 3] = np.nan
-  if staged[-1] < n_stage:
-    v_bad[-1, staged[-1], 0, 0] = np.inf
-  bad_stage = (stage[0], jnp.asarray(k_bad, jnp.bfloat16), jnp.asarray(v_bad, jnp.bfloat16),
-               *stage[3:])
-  for fn in (functools.partial(ct.combine_t, interpret=INTERPRET), ct.combine_t_reference):
-    out = np.asarray(fn(*args, rows=rows, stage=bad_stage), np.float64)
-    assert np.isnan(out[0]).all()
-    if batch > 1:
-      np.testing.assert_array_equal(out[1:], np.asarray(
-          fn(*args, rows=rows, stage=stage), np.float64)[1:])
+  # The input policy: a NaN/inf in a staged K or V row p < staged of any kv
+  # head (here the last staged row, which the first queries do not see) makes
+  # that sequence NaN; one in a row p >= staged (stale, or not staged yet)
+  # changes nothing.
+  for side, value, bad_b in ((1, np.nan, 0), (2, np.inf, batch - 1)):
+    bad = [np.array(k_st), np.array(v_st)]
+    bad[side - 1][bad_b, staged[bad_b] - 1, heads - 1, 3] = value
+    stale = [b for b in range(batch) if b != bad_b and staged[b] < n_stage]
+    for b in stale:
+      bad[2 - side][b, staged[b], 0, 0] = value
+    bad_stage = (stage[0], *(jnp.asarray(x, jnp.bfloat16) for x in bad), *stage[3:])
+    for fn in (functools.partial(ct.combine_t, interpret=INTERPRET), ct.combine_t_reference):
+      out = np.asarray(fn(*args, rows=rows, stage=bad_stage), np.float64)
+      assert np.isnan(out[bad_b]).all()
+      others = [b for b in range(batch) if b != bad_b]
+      np.testing.assert_array_equal(out[others], np.asarray(
+          fn(*args, rows=rows, stage=stage), np.float64)[others])
+  assert len(set(staged.tolist())) == batch  # ragged counts: each sequence reads its own
+
+
+def test_stage_with_flags_and_packed_rows():
+  """``stage`` beside the query-row flags (``qh``, ``seq_bad``) and permuted packed
+  rows, as the Mosaic path calls it: the flagged rows are NaN, every other row the
+  reference's (staged rows merged, rows in channel order); a sequence with no
+  committed key and no staged row gives zeros."""
+  batch, heads, num_queries, group, n_stage, head_dim, rows, width = 3, 2, 2, 4, 4, 64, 8, 16
+  o_t, l, m, _ = _problem(21, batch, heads, 6, head_dim, rows, width)
+  o_t[2], l[2], m[2] = 0.0, 0.0, -np.inf          # sequence 2: nothing committed ...
+  staged = np.array([4, 2, 0])                    # ... and nothing staged
+  perm = np.random.default_rng(3).permutation(head_dim)
+  o_t[:, :, :-1] = o_t[:, :, :-1][:, :, :, perm]
+  args = [jnp.asarray(x, jnp.float32) for x in (o_t, l, m)]
+  rng = np.random.default_rng(4)
+  q = rng.normal(size=(batch, heads, num_queries * group, head_dim)).astype(np.float32)
+  q[0, 1, 5, 7] = np.nan                          # one flagged row of sequence 0
+  k_st, v_st = (jnp.asarray(rng.normal(size=(batch, n_stage, heads, head_dim)), jnp.bfloat16)
+                for _ in range(2))
+  stage = (jnp.asarray(q), k_st, v_st, jnp.asarray(staged, jnp.int32), 0.125, num_queries)
+  seq_bad = jnp.asarray([False, True, False])
+  qh = ma.query_rows(jnp.asarray(q.reshape(batch, 1, heads * num_queries * group, head_dim)),
+                     heads, 0.125, jnp.bfloat16, width)
+  got = np.asarray(ct.combine_t(*args, rows=rows, packed_rows=np.argsort(perm), qh=qh,
+                                q_rows=num_queries * group, seq_bad=seq_bad, stage=stage,
+                                interpret=INTERPRET), np.float64)
+  q_clean = np.where(np.isnan(q), 0.0, q)
+  want = np.asarray(ct.combine_t_reference(
+      *args, rows=rows, packed_rows=np.argsort(perm),
+      stage=(jnp.asarray(q_clean), *stage[1:])), np.float64)
+  flagged = np.zeros(got.shape[:3], bool)
+  flagged[0, 1, 5] = True
+  flagged[1] = True
+  assert np.isnan(got[flagged]).all()
+  np.testing.assert_allclose(got[~flagged], want[~flagged], rtol=2e-5, atol=2e-5)
+  assert (got[2] == 0).all()
 
 
 def test_stage_refusals():
@@ -279,6 +319,13 @@ def test_stage_refusals():
   staged = jnp.full((1,), 4, jnp.int32)
   with pytest.raises(ValueError, match="S=3"):
     ct.combine_t(*args, rows=8, stage=(q, kv, kv, staged, 0.1, 3), interpret=True)
+  with pytest.raises(TypeError, match="S=2.0"):
+    ct.combine_t(*args, rows=8, stage=(q, kv, kv, staged, 0.1, 2.0), interpret=True)
+  with pytest.raises(ValueError, match="R=8 rows, more than rows=4"):
+    ct.combine_t(*args, rows=4, stage=(q, kv, kv, staged, 0.1, 2), interpret=True)
+  with pytest.raises(ValueError, match="staged"):
+    ct.combine_t(*args, rows=8, stage=(q, kv, kv, staged.astype(jnp.float32), 0.1, 2),
+                 interpret=True)
   with pytest.raises(ValueError, match="stage k"):
     ct.combine_t(*args, rows=8, stage=(q, kv[:, :, :1], kv, staged, 0.1, 2), interpret=True)
   with pytest.raises(ValueError, match="stage q"):

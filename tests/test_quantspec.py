@@ -443,7 +443,8 @@ def test_staged_attention_matches_float64_and_rollback_errors():
 @pytest.mark.parametrize("s,group,d", [(5, 4, 64), (1, 1, 32)])
 def test_staged_attention_kernel_path(s, group, d):
   """The Triton kernel over the committed tokens (its log-sum-exp) merged with the staged
-  rows equals the float64 oracle, for a `KVCache` and for a model cache's layer view."""
+  rows equals the float64 oracle, for a `KVCache` and for a model cache's layer view
+  (whose staged block holds infs past the staged count: never read)."""
   from jaxkv.staged_cache import StagedCache, staged_attention, write_staged
   b, hkv, staging = 3, 2, 6
   lengths = np.asarray([70, 37, 3], np.int32)
@@ -470,6 +471,10 @@ def test_staged_attention_kernel_path(s, group, d):
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=tol)
     stage_k = write_staged(jnp.zeros((b, staging, hkv, d)), k2, jnp.zeros((b,), jnp.int32))
     stage_v = write_staged(jnp.zeros((b, staging, hkv, d)), v2, jnp.zeros((b,), jnp.int32))
+    # rows past the staged count (stale after a rollback) are never read: an
+    # inf there must not turn a zero weight into NaN
+    stage_k = stage_k.at[:, s + 1:].set(jnp.inf)
+    stage_v = stage_v.at[:, s + 1:].set(-jnp.inf)
     got_view = staged_attention(q, model_cache.layer_view(1), stage_k, stage_v,
                                 jnp.full((b,), s + 1, jnp.int32), view=view,
                                 implementation="triton")
