@@ -60,7 +60,7 @@ _MIN_PROGRAMS = 64  # channel blocks split further until this many programs run
 _STAGE_BUDGET = 4096  # float32 products per step of the staged scores' sum
 
 
-def _stage_scores(stage, rows: int):
+def _stage_partials(stage, rows: int):
   """jnp: the staged rows' scaled scores ``[B, H, P, rows]`` (``-inf`` where not
   visible), their V ``[B, H, P, D]`` (float32) and ``[B]`` whether a row ``p <
   staged`` holds a NaN/inf (`combine_t`'s ``stage``)."""
@@ -94,7 +94,7 @@ def combine_t_reference(o_t, l, m, *, rows: int, packed_rows=None, out_dtype=jnp
                           axis=2)
   stage_bad = None
   if stage is not None:  # each staged row: one more partial (l = 1, m = its score, o = v)
-    sc, vs, stage_bad = _stage_scores(stage, rows)             # [B, H, P, M], [B, H, P, D]
+    sc, vs, stage_bad = _stage_partials(stage, rows)           # [B, H, P, M], [B, H, P, D]
     o_t = jnp.concatenate([o_t, jnp.broadcast_to(vs[..., None], (*vs.shape, rows))], axis=2)
     l = jnp.concatenate([l, jnp.where(sc == -jnp.inf, 0.0, 1.0)], axis=2)
     m = jnp.concatenate([m, sc], axis=2)
@@ -121,9 +121,9 @@ def _stage_chunk(stage_pad: int, rows: int, head_dim: int) -> int:
 def _staged_scores(qs_ref, ks_ref, vs_ref, scale_ref, staged_ref, *, rows, stage_pad,
                    head_dim, stage):
   """``[P', M]`` float32 scaled scores of the staged rows (``-inf`` where not
-  visible), ``[P', 1]`` which rows are staged (``p < staged``), and whether any of the sequence's
-  staged rows ``p < staged`` (any kv head) holds a NaN/inf; ``qs_ref [R * D]``
-  holds this kv head's folded queries, ``ks_ref, vs_ref [P * H * D]`` the
+  visible), ``[P', 1]`` which rows are staged (``p < staged``; no other row is
+  read), and whether one of them (any kv head) holds a NaN/inf; ``qs_ref [R *
+  D]`` holds this kv head's folded queries, ``ks_ref, vs_ref [P * H * D]`` the
   sequence's staged K and V."""
   num_queries, q_rows, n_stage, heads = stage
   h, staged = pl.program_id(1), staged_ref[()]
@@ -131,7 +131,7 @@ def _staged_scores(qs_ref, ks_ref, vs_ref, scale_ref, staged_ref, *, rows, stage
   p = jax.lax.broadcasted_iota(jnp.int32, (stage_pad, 1, 1), 0)         # [P', 1, 1]
   r = jax.lax.broadcasted_iota(jnp.int32, (1, rows, 1), 1)              # [1, M, 1]
   c = jax.lax.broadcasted_iota(jnp.int32, (1, 1, chunk), 2)             # [1, 1, C]
-  have_p, live_r = (p < n_stage) & (p < staged), r < q_rows  # rows p >= staged: never read
+  have_p, live_r = (p < n_stage) & (p < staged), r < q_rows
   sc = jnp.zeros((stage_pad, rows), jnp.float32)
   for c0 in range(0, head_dim, chunk):  # float32 products, summed per chunk
     k = plt.load(ks_ref.at[(p * heads + h) * head_dim + c0 + c],
@@ -143,14 +143,13 @@ def _staged_scores(qs_ref, ks_ref, vs_ref, scale_ref, staged_ref, *, rows, stage
   vis = have_p[:, :, 0] & (p[:, :, 0] <= limit) & live_r[:, :, 0]       # [P', M]
   # the staged rows' input policy: a NaN/inf in any kv head's K or V row poisons
   # the sequence (|x| <= max is False exactly for NaN and +-inf)
-  pp = jax.lax.broadcasted_iota(jnp.int32, (stage_pad, 1), 0)           # [P', 1]
   cc = jax.lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)            # [1, D]
   rows_here = jnp.broadcast_to(have_p[:, :, 0], (stage_pad, head_dim))
-
   finite = jnp.ones((stage_pad, head_dim), jnp.bool_)
   for hh in range(heads):  # unrolled: the loads issue together (a loop ran them serially)
     for ref in (ks_ref, vs_ref):
-      x = plt.load(ref.at[(pp * heads + hh) * head_dim + cc], mask=rows_here, other=0.0)
+      x = plt.load(ref.at[(p[:, :, 0] * heads + hh) * head_dim + cc], mask=rows_here,
+                   other=0.0)
       finite = finite & (jnp.abs(x.astype(jnp.float32)) <= jnp.finfo(jnp.float32).max)
   bad = jnp.min(finite.astype(jnp.int32)) == 0
   return jnp.where(vis, sc * scale_ref[()], -jnp.inf), have_p[:, :, 0], bad
@@ -201,10 +200,11 @@ def _kernel(o_ref, l_ref, m_ref, rows_ref, *refs, num_parts, parts_pad, dblk, ro
   num = jnp.sum(w[:, None, :] * o, axis=0)                               # [dblk, M]
   if stage is not None:  # each staged row: weight exp(score - max), value its V row
     w_s = jnp.exp(sc - m_max[None, :])                                   # [P', M], 0 if hidden
-    # V rows past the staged count are not read (a stale inf there times 0 is NaN)
     den = den + jnp.sum(w_s, axis=0)
     p = jax.lax.broadcasted_iota(jnp.int32, (stage_pad, 1), 0)
-    v = plt.load(vs_ref.at[(p * stage[3] + pl.program_id(1)) * head_dim + chan],
+    heads = stage[-1]
+    # rows past the staged count are not read (a stale inf there times 0 is NaN)
+    v = plt.load(vs_ref.at[(p * heads + pl.program_id(1)) * head_dim + chan],
                  mask=jnp.broadcast_to(have_p, (stage_pad, dblk)), other=0.0)  # [P', dblk]
     num = num + jnp.sum(v.astype(jnp.float32)[:, :, None] * w_s[:, None, :], axis=0)
   safe = jnp.where(den == 0, 1.0, den)

@@ -145,16 +145,6 @@ class MosaicAttentionConfig:
       so K's codes need no per-value ``fma`` and no scale-pair work; one more
       fence + warpgroup barrier per step. Off: correct on an H100 but 2-10 %
       slower there (`attention-ab-k-scale-in-q-20261126-*`, mosaic-NOTES).
-    fold_ahead: (with ``k_scale_in_q`` and ``lean_barriers``) the folded B
-      operands are built one block ahead, into the other of two buffers: the
-      pipeline hands step ``i`` the scale/zero rows of block ``i + 1`` (block
-      0's are copied before the pipeline), the step writes block ``i + 1``'s
-      operands while its own score MMA runs, and the barrier that ends every
-      step (a fence first) makes them visible. No barrier is added per step.
-      Measured (H200, main kernel us, default / ``k_scale_in_q`` ahead / in the
-      step): kivi4 (1, 131072) 43.8 / 47.8 / 50.9, (8, 32768) 82.6 / 116.9 /
-      116.4; kivi2 (1, 131072) 41.8 / 59.3 / 60.4: the fold itself costs more
-      than the affine it removes (`ab-fold-ahead-20261129t-*`, mosaic-NOTES).
     wide_rows: (with ``register_k`` / ``register_v``) the code tiles those paths
       read are copied as `mosaic_dequant.WIDE_ROW`-byte rows (``128 / W``
       tokens per row: a free view of the same bytes) instead of one ``W``-byte
@@ -219,7 +209,6 @@ class MosaicAttentionConfig:
   subnormal_v: bool = True
   byte_masks: bool = True
   k_scale_in_q: bool = False
-  fold_ahead: bool = True
   shuffle_scales: bool = False
   wide_rows: bool = True
   lean_barriers: bool = True
@@ -1378,12 +1367,6 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
   # K's scale and zero in the score MMA's B operands (q stays unscaled)
   fold_kq = (bytes_k and config.k_scale_in_q and head_dim == 128 and n_rows in (8, 16)
              and not target_view)
-  # ... built a block ahead, double-buffered (`MosaicAttentionConfig.fold_ahead`)
-  fold_ahead = fold_kq and config.fold_ahead and config.lean_barriers
-  if fold_ahead:  # step i gets block i + 1's scale/zero rows (the last block: its own)
-    k_groups, k_group_rows = k_side.group // bk, k_in[-2].shape[-2]
-    k_specs[-2:] = [dataclasses.replace(spec, index_map=lambda i: (
-        jnp.minimum((i + 1) // k_groups, k_group_rows - 1), 0)) for spec in k_specs[-2:]]
   slots = 4 if target_view else 3  # inputs per side: codes (, lower planes), scale, zero
   if sub_k and not fold_kq:  # the K registers are (c s + z) 2**-K_SHIFT
     qh = qh * jnp.asarray(2.0 ** mosaic_dequant.K_SHIFT, qh.dtype)
@@ -1426,21 +1409,6 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
         x = mosaic_dequant.gather_codebook(k_tiles[0], book_smems[0], head_dim, k_vec,
                                            k_entries)
         plgpu.wgmma(acc_ref, x, _t(q_smem))
-      elif register_k and fold_smems is not None and fold_ahead:
-        # codes only; this block's folded operands were written by the last step
-        qs_smem, bias_smem = fold_smems
-        slot = lax.rem(token0 // bk, 2)
-        x = mosaic_dequant.dequant_codes(k_tiles[0], head_dim, k_side.bits, subnormal=True,
-                                         byte_masks=True)
-        plgpu.wgmma(acc_ref, x, _t(qs_smem.at[slot]))
-        ones = plgpu.layout_cast(
-            jnp.full((bk, mosaic_dequant.FOLD_BIAS_COLUMNS), 1.0, jnp.bfloat16),
-            plgpu.Layout.WGMMA)
-        plgpu.wgmma(acc_ref, ones, _t(bias_smem.at[slot]))
-        # the next block's, from the scale/zero rows this step was handed
-        mosaic_dequant.fold_k_operands(q_smem, k_tiles[-2], k_tiles[-1], qs_smem.at[1 - slot],
-                                       bias_smem.at[1 - slot], bits=k_side.bits,
-                                       q_tiling=q_tiling)
       elif register_k and fold_smems is not None:
         # codes only; q * scale and the zero term are the B operands (written here)
         qsrc_smem, bias_smem = fold_smems
@@ -1586,23 +1554,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       def run(*scoped):
         book_smems = scoped[:len(books)]
         vdq_smem = scoped[len(books)] if packed_vdq else None
-        if fold_ahead:  # the first block's folded operands, from its scale/zero rows
-          first, _ = _split_blocks(packed, j, num_splits, bk, skip_tokens)
-          row = jnp.minimum(first // k_groups, k_group_rows - 1)
-
-          def fold_first(s_smem, z_smem):
-            for src, dst in ((k_refs[-2], s_smem), (k_refs[-1], z_smem)):
-              plgpu.copy_gmem_to_smem(src.at[cb, pl.ds(row, 1)], dst, barrier)
-              plgpu.barrier_wait(barrier)
-            slot = lax.rem(first, 2)
-            mosaic_dequant.fold_k_operands(q_smem, s_smem, z_smem, fold_smems[0].at[slot],
-                                           fold_smems[1].at[slot], bits=k_side.bits,
-                                           q_tiling=q_tiling)
-            plgpu.commit_smem()
-
-          row_type = plgpu.SMEM((1, head_dim), k_in[-2].dtype)
-          pl.run_scoped(fold_first, row_type, row_type)
-        elif fold_kq:  # q (column order) kept apart: q_smem takes q * scale each step
+        if fold_kq:  # q (column order) kept apart: q_smem takes q * scale each step
           plgpu.copy_gmem_to_smem(q_gmem.at[bh], fold_smems[0], barrier)
           plgpu.barrier_wait(barrier)
         for g, sm in zip(book_gmems, book_smems):  # a VQ head's codebooks, once
@@ -1620,8 +1572,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
                         book_smems=book_smems, flag_smem=flag_smem)
 
         gm = [r.at[cb] for r in k_refs[:nk]] + [r.at[cb] for r in v_refs[:nv]]
-        return _run_split(mosaic_dequant.release_stages(step, config.lean_barriers,
-                                                         fence=fold_ahead),
+        return _run_split(mosaic_dequant.release_stages(step, config.lean_barriers),
                           k_specs + v_specs, gm, packed=packed, j=j,
                           num_splits=num_splits, bk=bk,
                           max_concurrent_steps=config.max_concurrent_steps,
@@ -1662,12 +1613,8 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       plgpu.SMEM((bk, n_pv), dtype, transforms=v_tf),             # P^T
       plgpu.SMEM((1,), jnp.int32),                                # lazy-max flag
       plgpu.Barrier(),
-      # fold: q kept apart and the bias tile; fold_ahead: q * scale and the bias
-      # tile, two of each (q stays in q_smem)
-      *([plgpu.SMEM((2, n_rows, head_dim) if fold_ahead else (n_rows, head_dim), dtype,
-                    transforms=q_tf),
-         plgpu.SMEM((2, n_rows, mosaic_dequant.FOLD_BIAS_COLUMNS) if fold_ahead
-                    else (n_rows, mosaic_dequant.FOLD_BIAS_COLUMNS), jnp.bfloat16,
+      *([plgpu.SMEM((n_rows, head_dim), dtype, transforms=q_tf),  # q kept apart (fold)
+         plgpu.SMEM((n_rows, mosaic_dequant.FOLD_BIAS_COLUMNS), jnp.bfloat16,
                     transforms=_tiled(mosaic_dequant.FOLD_BIAS_COLUMNS, 16))]
         if fold_kq else []),
       # the V value tile, the residual K tile and o^T, l, m are scoped (see the kernel)

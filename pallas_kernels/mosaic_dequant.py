@@ -1170,22 +1170,17 @@ def warpgroup_barrier() -> None:
   body()
 
 
-def release_stages(body, lean_barriers: bool, fence: bool = False):
+def release_stages(body, lean_barriers: bool):
   """``body`` of an `plgpu.emit_pipeline` with a `warpgroup_barrier` after it when
   ``lean_barriers`` (the kernel compiled with ``unsafe_no_auto_barriers``): every
   warp has waited for the step's MMAs and read its stage before the pipeline
-  refills it. ``body`` itself otherwise. ``fence``: the barrier is a
-  `plgpu.commit_smem` (a proxy fence first), so what the step stored to shared
-  memory is visible to the next step's MMAs."""
+  refills it. ``body`` itself otherwise."""
   if not lean_barriers:
     return body
 
   def released(*args):
     out = body(*args)
-    if fence:
-      plgpu.commit_smem()
-    else:
-      warpgroup_barrier()
+    warpgroup_barrier()
     return out
 
   return released
