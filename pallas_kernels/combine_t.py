@@ -143,13 +143,13 @@ def _staged_scores(qs_ref, ks_ref, vs_ref, scale_ref, staged_ref, *, rows, stage
   vis = have_p[:, :, 0] & (p[:, :, 0] <= limit) & live_r[:, :, 0]       # [P', M]
   # the staged rows' input policy: a NaN/inf in any kv head's K or V row poisons
   # the sequence (|x| <= max is False exactly for NaN and +-inf)
+  pp = jax.lax.broadcasted_iota(jnp.int32, (stage_pad, 1), 0)           # [P', 1]
   cc = jax.lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)            # [1, D]
   rows_here = jnp.broadcast_to(have_p[:, :, 0], (stage_pad, head_dim))
   finite = jnp.ones((stage_pad, head_dim), jnp.bool_)
   for hh in range(heads):  # unrolled: the loads issue together (a loop ran them serially)
     for ref in (ks_ref, vs_ref):
-      x = plt.load(ref.at[(p[:, :, 0] * heads + hh) * head_dim + cc], mask=rows_here,
-                   other=0.0)
+      x = plt.load(ref.at[(pp * heads + hh) * head_dim + cc], mask=rows_here, other=0.0)
       finite = finite & (jnp.abs(x.astype(jnp.float32)) <= jnp.finfo(jnp.float32).max)
   bad = jnp.min(finite.astype(jnp.int32)) == 0
   return jnp.where(vis, sc * scale_ref[()], -jnp.inf), have_p[:, :, 0], bad
