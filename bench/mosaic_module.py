@@ -79,7 +79,7 @@ def _lower_default(fmt_name: str, batch: int, tokens: int):
   import jaxkv  # pylint: disable=import-outside-toplevel
   from jaxkv import attention as jattn  # pylint: disable=import-outside-toplevel
   cache = jaxkv.KVCache.init(fmt_name, batch, 8, 128, 1024, jnp.bfloat16, use_kernel=False)
-  k_side, v_side = jattn._mosaic_specs(cache, "target")  # pylint: disable=protected-access
+  k_side, v_side = jattn._mosaic_specs(cache)  # pylint: disable=protected-access
   from pallas_kernels.mosaic_attention import MosaicAttentionConfig  # pylint: disable=import-outside-toplevel
   config = MosaicAttentionConfig.default(batch=batch, tokens=tokens, kv_heads=8,
                                          k_bits=k_side.bits, v_bits=v_side.bits,

@@ -175,14 +175,12 @@ def _triton_supported(q, cache, view: str = "target") -> tuple[bool, str]:
                                  skip_tokens=getattr(cache.fmt, "sink_tokens", 0))
 
 
-def _mosaic_specs(cache, view: str = "target"):
+def _mosaic_specs(cache):
   """The Mosaic kernel's K and V `SideSpec`: the storage's, or for a
   hierarchical cache its planes' (plain 4-bit sides with the stored scale and
-  zero: the upper-plane rows of the plane-blocked codes for the draft view;
-  the target view joins the lower planes to them in the kernel). ``view``:
-  the same sides for both (kept for callers)."""
+  zero, for both views: the upper-plane rows of the plane-blocked codes; the
+  target view joins the lower planes to them in the kernel)."""
   from pallas_kernels.side_spec import SideSpec  # pylint: disable=import-outside-toplevel
-  del view  # both views: the 4-bit planes
   k_side = SideSpec.of(cache.fmt, "k", cache.head_dim)
   v_side = SideSpec.of(cache.fmt, "v", cache.head_dim)
   if cache.fmt.hierarchical:
@@ -207,7 +205,7 @@ def _mosaic_supported(q, cache, config=None, view: str = "target") -> tuple[bool
     from pallas_kernels import mosaic_attention  # pylint: disable=import-outside-toplevel
     why = mosaic_attention.target_view_refusal(
         config if config is not None else _mosaic_default(cache, view), cache.head_dim,
-        cache.dtype, *_mosaic_specs(cache, view))
+        cache.dtype, *_mosaic_specs(cache))
     if why:
       return False, why
   if cache.fmt.hierarchical and cache.head_dim != 128:
@@ -220,7 +218,7 @@ def _mosaic_supported(q, cache, config=None, view: str = "target") -> tuple[bool
   if not is_hopper():
     return False, "the Mosaic GPU kernels need a Hopper (sm_90) GPU"
   from pallas_kernels import mosaic_attention  # pylint: disable=import-outside-toplevel
-  k_side, v_side = _mosaic_specs(cache, view)
+  k_side, v_side = _mosaic_specs(cache)
   block_k = (config if config is not None else _mosaic_default(cache, view)).block_k
   if cache.fmt.hierarchical and cache.fmt.token_group % block_k:
     return False, (f"the Mosaic views of hierarchical caches read plane blocks of token_group="
@@ -411,7 +409,7 @@ def _mosaic_default(cache, view: str = "target"):
   checked against it)."""
   from pallas_kernels import mosaic_attention  # pylint: disable=import-outside-toplevel
   fmt = cache.fmt
-  k_side, v_side = _mosaic_specs(cache, view)
+  k_side, v_side = _mosaic_specs(cache)
   return mosaic_attention.MosaicAttentionConfig.default(
       batch=cache.batch, tokens=cache.storage_len, kv_heads=cache.kv_heads,
       num_sms=getattr(jax.devices()[0], "core_count", 132), k_bits=k_side.bits,
@@ -437,7 +435,7 @@ def _mosaic_attention(q, cache, *, scale, config, layer=None, view: str = "targe
   hierarchical cache reads the upper planes of its plane-blocked codes in place;
   ``stage``: staged rows merged by the combine kernel (`jaxkv.staged_cache`)."""
   from pallas_kernels import mosaic_attention  # pylint: disable=import-outside-toplevel
-  k_side, v_side = _mosaic_specs(cache, view)
+  k_side, v_side = _mosaic_specs(cache)
   sm_scale = cache.head_dim ** -0.5 if scale is None else scale
   return mosaic_attention.mosaic_decode_attention(
       q, cache.k.codes, cache.k.scale, cache.k.zero, cache.v.codes, cache.v.scale,

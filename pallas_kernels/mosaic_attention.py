@@ -940,10 +940,9 @@ def mosaic_decode_attention(
     # float32 from the unrounded q).
     poison = {} if seq_bad is None else dict(qh=q_res, q_rows=q_rows, seq_bad=seq_bad)
     if stage is not None:
-      if num_queries != 1 or return_lse or stage_queries < 1 or q_rows % stage_queries:
-        raise ValueError(f"stage needs the folded queries (q_len 1, got {num_queries}; "
-                         f"stage_queries={stage_queries} dividing {q_rows} rows) and "
-                         f"return_lse=False")
+      if num_queries != 1 or return_lse:  # (combine_t checks stage_queries)
+        raise ValueError(f"stage needs the folded queries (q_len 1, got {num_queries}) "
+                         f"and return_lse=False")
       poison["stage"] = (q.reshape(batch, kv_heads, q_rows, head_dim), *stage, sm_scale,
                          stage_queries)
     return unpack_out(combine_t.combine_t(o_part, l_part, m_part, rows=rows,
