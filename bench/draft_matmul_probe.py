@@ -104,10 +104,12 @@ def mosaic_sweep(n_in, n_out, mqs, calls):
 
 
 def mosaic_ab(n_in, n_out, mqs, calls):
-  """The Mosaic kernel's default (folded) config with its code-tile row width and
-  barrier placement toggled (`mosaic_int4_matmul`'s ``wide_rows``, ``lean_barriers``)."""
+  """The Mosaic kernel's default (folded) config with its x operand (``x_direct``),
+  code-tile row width and barrier placement toggled (`mosaic_int4_matmul`'s
+  ``x_direct``, ``wide_rows``, ``lean_barriers``)."""
   fns = {f"mosaic_{name}": (lambda x, w, _kw=kw: m4.mosaic_int4_matmul(x, *w, **_kw))
-         for name, kw in (("new", {}), ("narrow", {"wide_rows": False}),
+         for name, kw in (("new", {}), ("xprep", {"x_direct": False}),
+                          ("narrow", {"wide_rows": False}),
                           ("heavy", {"lean_barriers": False}),
                           ("old", {"wide_rows": False, "lean_barriers": False}))}
   return _time_variants(fns, mqs, n_in, n_out, calls)

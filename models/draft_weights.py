@@ -144,7 +144,7 @@ class QuantizedWeight:
       return self.codes
     packed = self.codes                                                  # [in / 2, out]
     if self.layout == "out_major":                # [in / 128, out, 64] -> [in / 2, out]
-      packed = jnp.swapaxes(packed, 1, 2).reshape(-1, packed.shape[1])
+      packed = m4.untranspose_packed(packed)
     return i4.unpack_weight(packed, self.group)
 
   def dequantize(self, dtype=jnp.float32) -> jax.Array:

@@ -16,16 +16,18 @@ float32, the codes alone from `mosaic_dequant.dequant_codes`.)
 
 - codes group-major, ``[in / 128, out, 64]`` uint8 (`transpose_packed` of
   `int4_matmul.pack_weight`'s ``[in / 2, out]``): ``codes[g, o, j]`` holds
-  inputs ``128 g + j`` (low nibble) and ``128 g + 64 + j`` (high nibble) of
-  output ``o``, the cache's planar layout of a 128-channel row, so each
+  planar positions ``j`` (low nibble) and ``64 + j`` (high nibble) of output
+  ``o``'s group ``g`` (the cache's planar layout of a 128-channel row), the
+  inputs stored there permuted (`_mma_rows`) so that the registers' columns
+  come out in input order and x needs no gather; each
   group's tile of 128 output rows is one contiguous 8 KB run in HBM (with
   ``[out, in / 2]`` rows, 128 runs of 64 bytes ``in / 2`` apart, a
   Llama-3.1-8B MLP product took 20.8 instead of 17.4 us in the H200 draft
   step);
 - codes become bf16 subnormals ``c 2**(b - 133)`` with one ``and`` per pair
-  (byte masks); the x tile (the B operand, ``[N, 128]`` per group in the
-  MMA's column order, `mosaic_dequant.code_permutation`) carries the powers
-  of two that bring the products back;
+  (byte masks); the x tile (the B operand, ``[N, 128]`` per group, in input
+  order) is x itself (``x_direct``, the powers of two on the accumulator) or
+  an XLA-prepared tile carrying them;
 - TMA pipelines the code tile, the group's scale/zero rows and x's group
   tile ``stages`` deep; by default (``fold``) the registers are the weights
   themselves, ``(code * scale + zero) * 2**-64`` rounded to bf16 (scale and
@@ -55,6 +57,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _triton
+from pallas_kernels import int4_matmul as i4
 from pallas_kernels import mosaic_attention as ma
 from pallas_kernels import mosaic_dequant
 
@@ -65,14 +68,35 @@ _SHIFT = mosaic_dequant.FOLD_SHIFT  # products come out times 2**-64
 MAX_ROWS = 64
 
 
+def _mma_rows() -> np.ndarray:
+  """``[128]``: the input (within its group) stored at each planar position of a
+  group's codes so that `mosaic_dequant.dequant_codes_rows`' register column ``k``
+  holds input ``k`` (the inverse of `mosaic_dequant.code_permutation`)."""
+  return np.argsort(mosaic_dequant.code_permutation(GROUP, 4))
+
+
 def transpose_packed(packed: jax.Array) -> jax.Array:
   """`int4_matmul.pack_weight`'s ``[in / 2, out]`` codes (group 128) as this
-  kernel's group-major ``[in / 128, out, 64]`` (a copy; done once per weight)."""
+  kernel's group-major ``[in / 128, out, 64]``, each group's inputs stored in
+  the order that puts them in input order in the MMA's columns (`_mma_rows`),
+  so x enters the MMA as it is (a copy; done once per weight)."""
   if packed.ndim != 2 or packed.shape[0] % (GROUP // 2):
     raise ValueError(f"packed.shape={packed.shape} must be [in / 2, out] with in a multiple "
                      f"of {GROUP}")
   half, n_out = packed.shape
+  codes = i4.unpack_weight(packed, GROUP).reshape(2 * half // GROUP, GROUP, n_out)
+  packed = i4.pack_weight(codes[:, _mma_rows()].reshape(2 * half, n_out), GROUP)
   return packed.reshape(half // (GROUP // 2), GROUP // 2, n_out).transpose(0, 2, 1)
+
+
+def untranspose_packed(codes: jax.Array) -> jax.Array:
+  """Inverse of `transpose_packed`: ``[in / 128, out, 64]`` -> `int4_matmul.pack_weight`'s
+  ``[in / 2, out]`` in input order."""
+  groups, n_out, _ = codes.shape
+  packed = jnp.swapaxes(codes, 1, 2).reshape(-1, n_out)
+  unpacked = i4.unpack_weight(packed, GROUP).reshape(groups, GROUP, n_out)
+  order = mosaic_dequant.code_permutation(GROUP, 4)  # stored position of each input
+  return i4.pack_weight(unpacked[:, order].reshape(groups * GROUP, n_out), GROUP)
 
 
 def supports(n_in: int, n_out: int, group: int, rows: int) -> tuple[bool, str]:
@@ -100,11 +124,11 @@ def default_splits(n_in: int, n_out: int, num_sms: int = 132, per_sm: int = 3) -
 
 
 def _x_tiles(xg, rows: int, n: int, factor):
-  """x ``[rows, groups, 128]`` float32 -> the B tiles ``[groups * N, 128]`` bf16: each
-  group's inputs in the MMA's column order (`mosaic_dequant.code_permutation`), times
+  """x ``[rows, groups, 128]`` float32 -> the B tiles ``[groups * N, 128]`` bf16 (each
+  group's inputs in input order: `transpose_packed` stores the codes so), times
   ``factor`` (a scalar or one per MMA column), rows zero-padded to N."""
   groups = xg.shape[1]
-  xs = (xg[..., mosaic_dequant.code_permutation(GROUP, 4)] * factor).astype(jnp.bfloat16)
+  xs = (xg * factor).astype(jnp.bfloat16)
   xs = jnp.pad(xs, ((0, n - rows), (0, 0), (0, 0))).transpose(1, 0, 2)  # [groups, N, 128]
   return xs.reshape(groups * n, GROUP)
 
@@ -128,11 +152,11 @@ def _operands(x, rows: int, n: int):
 
 
 @functools.partial(jax.jit, static_argnames=("group", "num_splits", "stages", "fold",
-                                             "wide_rows", "lean_barriers"))
+                                             "wide_rows", "lean_barriers", "x_direct"))
 def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: jax.Array, *,
                        group: int = GROUP, num_splits: int | None = None,
                        stages: int = 3, fold: bool = True, wide_rows: bool = True,
-                       lean_barriers: bool = True) -> jax.Array:
+                       lean_barriers: bool = True, x_direct: bool = True) -> jax.Array:
   """``x @ W`` for a 4-bit group-wise ``W`` (Hopper).
 
   Args:
@@ -161,6 +185,11 @@ def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: j
       each of a step's TMA copies), with one explicit barrier per step after
       every warp has waited for its MMA, before the stage is refilled
       (`MosaicAttentionConfig.lean_barriers`); no measurable difference either.
+    x_direct: (with ``fold``) the pipeline reads x itself (``[rows, in]`` in
+      bf16, a ``[N, 128]`` box per group; TMA fills the rows past ``rows``
+      with zeros) and the accumulator takes the ``2**K_SHIFT`` at the end, so
+      no XLA kernel prepares x (it was one per product input, 1.4-2.2 us in
+      the H200 draft step). Not yet measured on a GPU.
   Returns:
     ``[..., out]`` float32.
   """
@@ -185,7 +214,10 @@ def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: j
     raise ValueError(f"num_splits={splits} must divide the {groups} groups")
   per_split = groups // splits
   n = ma._rows_n(rows)  # pylint: disable=protected-access
-  if fold:
+  direct = fold and x_direct
+  if direct:  # x as it is: the box's rows past `rows` are out of bounds (zeros)
+    xs, sums = x.reshape(rows, n_in).astype(jnp.bfloat16), None
+  elif fold:
     xs, sums = _folded_operand(x.reshape(rows, n_in), rows, n), None
   else:
     xs, sums = _operands(x.reshape(rows, n_in), rows, n)
@@ -207,7 +239,8 @@ def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: j
                         lambda i: ((first + i) * (n_out // bo) + o, 0)),
         plgpu.BlockSpec((1, bo), lambda i: (first + i, o)),                  # scale
         plgpu.BlockSpec((1, bo), lambda i: (first + i, o)),                  # zero
-        plgpu.BlockSpec((n, GROUP), lambda i: (first + i, 0), transforms=x_tf),  # x tile
+        (plgpu.BlockSpec((n, GROUP), lambda i: (0, first + i), transforms=x_tf) if direct
+         else plgpu.BlockSpec((n, GROUP), lambda i: (first + i, 0), transforms=x_tf)),  # x tile
     ]
     if not fold:
       specs.append(plgpu.BlockSpec((1, sums.shape[1]), lambda i: (first + i, 0)))  # sum(x_g)
@@ -249,7 +282,7 @@ def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: j
                                     codes_gmem, scale_gmem, zero_gmem, x_gmem, sum_gmem)
 
     def write(o_smem):
-      o_smem[...] = acc
+      o_smem[...] = acc * (2.0 ** mosaic_dequant.K_SHIFT) if direct else acc
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[lax.axis_index("s"), pl.ds(o * bo, bo)])
       plgpu.wait_smem_to_gmem(0)

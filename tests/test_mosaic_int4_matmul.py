@@ -32,19 +32,22 @@ def _weight(key, n_in, n_out):
 
 def test_operands_emulate_the_product():
   """float64 emulation of the kernel over `_operands`: registers ``c 2**(b - 133)``
-  in `code_permutation` order times the x tile, ``* scale 2**64 + zero sum(x)``."""
+  (column ``k`` holds the stored planar position `code_permutation`[k] of
+  `transpose_packed`'s tile) times the x tile (input order), ``* scale 2**64 + zero
+  sum(x)``."""
   n_in, n_out, rows = 256, 128, 3
   packed, scale, zero = _weight(jax.random.PRNGKey(0), n_in, n_out)
   x = jax.random.normal(jax.random.PRNGKey(1), (rows, n_in), jnp.float32).astype(jnp.bfloat16)
   n = 8
   xs, sums = mm._operands(x, rows, n)
   xs = np.asarray(xs.astype(jnp.float32), np.float64).reshape(n_in // 128, n, 128)
-  codes = np.asarray(im.unpack_weight(packed, 128), np.float64)          # [in, out]
+  tiles = np.asarray(mm.transpose_packed(packed))                       # [groups, out, 64]
+  stored = np.concatenate([tiles & 15, tiles >> 4], axis=-1)            # planar positions
   perm = mosaic_dequant.code_permutation(128, 4)
   exps = mosaic_dequant.code_column_exponents(128, 4)
   y = np.zeros((n_out, n))
   for g in range(n_in // 128):
-    regs = codes[128 * g + perm, :].T * 2.0 ** (exps - 133.0)            # [out, 128]
+    regs = stored[g][:, perm].astype(np.float64) * 2.0 ** (exps - 133.0)  # [out, 128]
     prod = regs @ xs[g].T                                                # [out, N]
     y += (prod * np.asarray(scale[g], np.float64)[:, None] * 2.0 ** 64
           + np.asarray(zero[g], np.float64)[:, None] * np.asarray(sums[g, :n], np.float64)[None])
@@ -72,6 +75,10 @@ def test_folded_operand_emulates_the_product():
   want = np.asarray(im.int4_matmul_reference(x, packed, scale, zero, group=128), np.float64)
   np.testing.assert_allclose(y[:, :rows].T, want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
   assert not y[:, rows:].any()
+  # x_direct reads x itself (input order, unscaled; rows past `rows` zero) and
+  # scales the accumulator instead: the same operand up to the exact 2**K_SHIFT
+  xd = np.asarray(x, np.float64).reshape(rows, n_in // 128, 128).transpose(1, 0, 2)
+  np.testing.assert_array_equal(xs[:, :rows] * 2.0 ** -mosaic_dequant.K_SHIFT, xd)
 
 
 def test_refusals():
@@ -118,12 +125,15 @@ def test_kernel(n_in, n_out, lead, splits, fold):
 def test_row_width_and_barriers_leave_the_product_unchanged(fold):
   """``wide_rows`` (code tiles as 128-byte rows) and ``lean_barriers`` (one explicit
   barrier per pipeline step) read the same bytes into the same registers: the
-  product is bit for bit the one of 64-byte rows with Pallas's barriers."""
+  product is bit for bit the one of 64-byte rows with Pallas's barriers; so is
+  ``x_direct=False`` (x prepared as scaled, padded tiles by XLA)."""
   n_in, n_out, lead = 512, 384, (5,)
   packed, scale, zero = _weight(jax.random.PRNGKey(11), n_in, n_out)
   x = jax.random.normal(jax.random.PRNGKey(12), (*lead, n_in)).astype(jnp.bfloat16)
   codes = mm.transpose_packed(packed)
   combos = [dict(wide_rows=w, lean_barriers=b) for w in (True, False) for b in (True, False)]
+  if fold:  # x read as it is, the 2**K_SHIFT on the accumulator: the same bits
+    combos += [dict(x_direct=False)]
   if not ON_HOPPER:
     for kw in combos:
       fn = lambda x, c, s, z, _kw=kw: mm.mosaic_int4_matmul(x, c, s, z, num_splits=2,  # noqa: E731
