@@ -438,7 +438,8 @@ def timing_main(args) -> int:
   model = llama.random_model(args.model_config, seed=0, dtype=jnp.bfloat16)
   weights = model.quantize_weights(bits=args.draft_bits, group_size=args.group_size,
                                    layout=args.draft_layout,
-                                   fuse_qkv=args.draft_qkv == "fused")
+                                   fuse_qkv=args.draft_qkv == "fused",
+                                   fuse_mlp=args.draft_mlp == "fused")
   layouts = sorted({w.layout for w in weights.values()})
   jax.block_until_ready((nnx.state(model), weights))
   init_s = time.perf_counter() - t0
@@ -620,6 +621,8 @@ def main(argv=None) -> int:
                  help="draft weights' code layout (out_major: 4 bits only)")
   t.add_argument("--draft-qkv", default="fused", choices=("fused", "separate"),
                  help="q, k and v as one draft product per layer (quantize_weights(fuse_qkv=))")
+  t.add_argument("--draft-mlp", default="fused", choices=("fused", "separate"),
+                 help="gate and up as one draft product per layer (quantize_weights(fuse_mlp=))")
   t.add_argument("--no-components", dest="components", action="store_false",
                  help="skip timing a draft step, verify pass and commit apart (longest "
                       "context, gamma 4 or the middle one)")

@@ -445,7 +445,7 @@ def _draft_state(model, draft_weights, group_size: int, mesh=None):
       return None
     model = model.model if isinstance(model, SplitModel) else model
     return model.quantize_weights(bits=int(draft_weights[3:]), group_size=group_size,
-                                  fuse_qkv=mesh is None)
+                                  fuse_qkv=mesh is None, fuse_mlp=mesh is None)
   return draft_weights
 
 

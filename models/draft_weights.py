@@ -2,7 +2,8 @@
 
 `quantize_weights` quantizes every `models.llama.Linear` kernel ``[in, out]``
 (by default each attention layer's q, k and v kernels as one ``[in, q + k +
-v]`` weight, ``"<layer>.self_attn.qkv_proj"``: one product instead of three)
+v]`` weight, ``"<layer>.self_attn.qkv_proj"``: one product instead of three,
+and each MLP's gate and up kernels as one ``"<layer>.mlp.gate_up_proj"``)
 into asymmetric codes with one (scale, zero) per output column per group of
 ``group_size`` consecutive input rows, the pair fitted for the least squared
 error (``fit="mse"``, `models.weight_fit`: on SmolLM2 the draft's acceptance
@@ -61,6 +62,9 @@ from pallas_kernels import mosaic_int4_matmul as m4
 
 _BITS = (4, 8)
 _QKV = ("q_proj", "k_proj", "v_proj")
+_GATE_UP = ("gate_proj", "up_proj")
+# fused products: name -> (the parent module's attribute, the products it replaces)
+_FUSED = {"qkv_proj": ("self_attn", _QKV), "gate_up_proj": ("mlp", _GATE_UP)}
 LAYOUTS = ("in_major", "out_major")
 FITS = ("mse", "rtn")  # `quantize_kernel`'s choices of each group's scale and zero
 # `layout="auto"` picks the Mosaic kernel's layout on Hopper from this many
@@ -272,7 +276,7 @@ def _key(path) -> str:
 
 
 def quantize_weights(model, *, bits: int = 4, group_size: int = 128,
-                     layout: str = "auto", fuse_qkv: bool = True,
+                     layout: str = "auto", fuse_qkv: bool = True, fuse_mlp: bool = True,
                      fit: str = "mse") -> dict[str, QuantizedWeight]:
   """Group-wise ``bits``-bit copies of every linear layer's kernel.
 
@@ -289,23 +293,30 @@ def quantize_weights(model, *, bits: int = 4, group_size: int = 128,
       H200 the three Triton products took 19.2 us per Llama-3.1-8B layer and
       the fused one 14.3 (draft step, 4 layers + LM head: 171 -> 156 kernels,
       785 -> 757 us kernel time; `bench/results/speculative-NOTES.md`).
+    fuse_mlp: each MLP's gate and up kernels as one ``[in, 2 * intermediate]``
+      weight, ``"<layer>.mlp.gate_up_proj"`` (one product instead of two on
+      the same input; the same codes column for column).
     fit: how each group's scale and zero are chosen (`quantize_kernel`).
   Returns:
     ``{"layers.0.self_attn.qkv_proj": QuantizedWeight, "layers.0.self_attn.o_proj":
-    ..., "lm_head": ...}`` (a pytree; ``...q_proj``, ``k_proj``, ``v_proj`` keys
-    instead with ``fuse_qkv=False``).
+    ..., "layers.0.mlp.gate_up_proj": ..., "lm_head": ...}`` (a pytree;
+    ``...q_proj``, ``k_proj``, ``v_proj`` keys instead with ``fuse_qkv=False``,
+    ``gate_proj`` and ``up_proj`` with ``fuse_mlp=False``).
   """
   def quantize(kernel):
     return quantize_kernel(kernel, bits=bits, group_size=group_size, layout=layout, fit=fit)
 
   linears = {_key(path): m for path, m in _linears(model)}
   weights, skip = {}, set()
-  if fuse_qkv:
-    for key in [k for k in linears if k.endswith(".q_proj")]:
-      base = key[:-len("q_proj")]
-      names = [base + n for n in _QKV]
-      if all(n in linears for n in names):   # [in, q + k + v]
-        weights[base + "qkv_proj"] = _fused(
+  fuse = {"qkv_proj": fuse_qkv, "gate_up_proj": fuse_mlp}
+  for fused_name, (_, parts) in _FUSED.items():
+    if not fuse[fused_name]:
+      continue
+    for key in [k for k in linears if k.endswith("." + parts[0])]:
+      base = key[:-len(parts[0])]
+      names = [base + n for n in parts]
+      if all(n in linears for n in names):   # [in, sum(out)]
+        weights[base + fused_name] = _fused(
             [linears[n].kernel[...] for n in names], bits, group_size, layout, fit)
         skip.update(names)
   weights.update({k: quantize(m.kernel[...]) for k, m in linears.items() if k not in skip})
@@ -335,23 +346,28 @@ def draft_model(model, weights: dict[str, QuantizedWeight], *, use_kernel: bool 
   linear layer named in ``weights`` must exist with the weight's shape. A
   ``"<layer>.self_attn.qkv_proj"`` weight (`quantize_weights`' fused q, k and
   v) becomes the attention layer's ``qkv_proj`` module, which
-  `models.llama.Attention` then runs instead of its q, k and v layers.
+  `models.llama.Attention` then runs instead of its q, k and v layers; a
+  ``"<layer>.mlp.gate_up_proj"`` weight the MLP's ``gate_up_proj``, run
+  instead of its gate and up layers.
   ``use_kernel=False``: the layers never run the Pallas kernel (a model
   sharded on a mesh, where XLA partitions the dequantize + dot instead).
   """
   draft = nnx.clone(model)  # new Variables over the same (immutable) arrays
   found = 0
   for key, w in weights.items():
-    if key.endswith(".qkv_proj"):
-      _install_qkv(draft, key, w, weights, use_kernel)
+    fused_name = key.rsplit(".", 1)[-1]
+    if fused_name in _FUSED:
+      _install_fused(draft, key, w, weights, use_kernel)
       found += 1
   for path, m in _linears(draft):
     w = weights.get(_key(path))
     if w is None:
       continue
-    if path[-1] in _QKV and getattr(_module_at(draft, path[:-1]), "qkv_proj", None) is not None:
-      raise ValueError(f"draft weight {_key(path)}: its attention layer already runs a fused "
-                       f"qkv_proj, which would ignore it")
+    for fused_name, (_, parts) in _FUSED.items():
+      if path[-1] in parts and getattr(_module_at(draft, path[:-1]), fused_name,
+                                       None) is not None:
+        raise ValueError(f"draft weight {_key(path)}: its layer already runs a fused "
+                         f"{fused_name}, which would ignore it")
     if w.shape != tuple(m.kernel.shape):
       raise ValueError(f"draft weight {_key(path)} has shape {w.shape}, the model's "
                        f"kernel {tuple(m.kernel.shape)}")
@@ -381,23 +397,28 @@ def _module_at(root, path):
   return node
 
 
-def _install_qkv(draft, key: str, w: QuantizedWeight, weights: dict, use_kernel: bool) -> None:
-  """Sets ``draft``'s attention layer named by ``key`` (``"<layer>.self_attn.qkv_proj"``)
-  a ``qkv_proj`` over ``w`` after checking its shape ``[in, q + k + v]``."""
-  base = key[:-len("qkv_proj")]
+def _install_fused(draft, key: str, w: QuantizedWeight, weights: dict,
+                   use_kernel: bool) -> None:
+  """Sets ``draft``'s layer named by ``key`` (``"<layer>.self_attn.qkv_proj"`` or
+  ``"<layer>.mlp.gate_up_proj"``) the fused product over ``w`` after checking its
+  shape ``[in, sum(out)]`` of the products it replaces."""
+  fused_name = key.rsplit(".", 1)[-1]
+  _, names = _FUSED[fused_name]
+  base = key[:-len(fused_name)]
   layer = _module_at(draft, key.split(".")[:-1])
-  parts = [getattr(layer, n, None) for n in _QKV]
+  parts = [getattr(layer, n, None) for n in names]
   if any(getattr(p, "kernel", None) is None for p in parts):
-    raise ValueError(f"draft weight {key} names no attention layer of the model (no "
-                     f"q_proj / k_proj / v_proj Linear layers at {base[:-1]!r})")
-  both = [base + n for n in _QKV if base + n in weights]
+    raise ValueError(f"draft weight {key} names no layer of the model with "
+                     f"{' / '.join(names)} Linear layers (at {base[:-1]!r})")
+  both = [base + n for n in names if base + n in weights]
   if both:
     raise ValueError(f"draft weights hold {key} and {both}: the fused product would "
                      f"ignore the separate ones")
   want = (parts[0].kernel.shape[0], sum(p.kernel.shape[1] for p in parts))
   if w.shape != want:
-    raise ValueError(f"draft weight {key} has shape {w.shape}, the layer's q/k/v {want}")
-  layer.qkv_proj = QuantizedLinear(w, use_kernel=use_kernel)
+    raise ValueError(f"draft weight {key} has shape {w.shape}, the layer's "
+                     f"{' + '.join(names)} {want}")
+  setattr(layer, fused_name, QuantizedLinear(w, use_kernel=use_kernel))
 
 
 def nbytes(weights: dict[str, QuantizedWeight]) -> int:

@@ -470,7 +470,10 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-  """SiLU-gated feed-forward."""
+  """SiLU-gated feed-forward.
+
+  A draft model (`models.draft_weights.draft_model`) may add a ``gate_up_proj``
+  module (gate and up as one 4-bit product), run instead of the two."""
 
   def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs):
     self.gate_proj = Linear(config.hidden_size, config.intermediate_size, dtype=dtype, rngs=rngs)
@@ -478,7 +481,12 @@ class MLP(nnx.Module):
     self.down_proj = Linear(config.intermediate_size, config.hidden_size, dtype=dtype, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    fused = getattr(self, "gate_up_proj", None)  # a draft's fused gate/up product
+    if fused is not None:
+      gate, up = jnp.split(fused(x), 2, axis=-1)               # [..., 2 * intermediate]
+    else:
+      gate, up = self.gate_proj(x), self.up_proj(x)
+    return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nnx.Module):
@@ -604,11 +612,12 @@ class Llama(nnx.Module):
     return self.layers[index]
 
   def quantize_weights(self, *, bits: int = 4, group_size: int = 128,
-                       layout: str = "auto", fuse_qkv: bool = True, fit: str = "mse") -> dict:
+                       layout: str = "auto", fuse_qkv: bool = True, fuse_mlp: bool = True,
+                       fit: str = "mse") -> dict:
     """Group-wise ``bits``-bit copies of every linear layer (`models.draft_weights`)."""
     from models.draft_weights import quantize_weights  # pylint: disable=import-outside-toplevel
     return quantize_weights(self, bits=bits, group_size=group_size, layout=layout,
-                            fuse_qkv=fuse_qkv, fit=fit)
+                            fuse_qkv=fuse_qkv, fuse_mlp=fuse_mlp, fit=fit)
 
   def with_draft_weights(self, weights: dict, *, use_kernel: bool = True) -> "Llama":
     """This model with its linear layers reading ``weights`` (from `quantize_weights`);
@@ -1014,13 +1023,14 @@ def from_pretrained(path, dtype=None, *, mesh=None) -> Llama:
 
 
 def quantize_weights(model: Llama, *, bits: int = 4, group_size: int = 128,
-                     layout: str = "auto", fuse_qkv: bool = True, fit: str = "mse") -> dict:
+                     layout: str = "auto", fuse_qkv: bool = True, fuse_mlp: bool = True,
+                     fit: str = "mse") -> dict:
   """QuantSpec's draft weights: group-wise ``bits``-bit copies of every linear layer.
 
   The same as ``model.quantize_weights(...)``; see `models.draft_weights`.
   """
   return model.quantize_weights(bits=bits, group_size=group_size, layout=layout,
-                                fuse_qkv=fuse_qkv, fit=fit)
+                                fuse_qkv=fuse_qkv, fuse_mlp=fuse_mlp, fit=fit)
 
 
 def param_count(model: Llama) -> int:

@@ -305,7 +305,8 @@ def run_speculative_case(n: int = 8):
                                 mesh)
   graphdef, state = nnx.split(model)
   hlo = speculative._speculative_program.lower(  # pylint: disable=protected-access
-      graphdef, state, model.quantize_weights(bits=4, group_size=32, fuse_qkv=False),
+      graphdef, state, model.quantize_weights(bits=4, group_size=32, fuse_qkv=False,
+                                              fuse_mlp=False),
       jnp.asarray(tokens),
       jnp.asarray(lengths), fresh, jax.random.key(0),
       speculative._stop_array(None, BATCH), np.float32(1), np.int32(0),  # pylint: disable=protected-access

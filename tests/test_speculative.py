@@ -264,7 +264,7 @@ def test_draft_weights_against_numpy_model(model):
   sq = np.square(np.asarray(q.dequantize(), np.float64).reshape(4, 32, 64) - wn).sum(1)
   assert np.all(sq <= np.square(err).sum(1) * (1 + 1e-5))     # never worse than rtn per group
   weights = dw.quantize_weights(model, group_size=32)
-  assert len(weights) == 5 * SMALL.num_layers + 1  # qkv, o, gate, up, down + lm_head
+  assert len(weights) == 4 * SMALL.num_layers + 1  # qkv, o, gate_up, down + lm_head
   # Half a byte per weight plus a float32 (scale, zero) per group and column.
   assert dw.nbytes(weights) == sum(x.shape[0] * x.shape[1] // 2 + 8 * x.scale.size
                                    for x in weights.values())
@@ -311,7 +311,7 @@ def test_draft_model_on_out_major_weights_equals_in_major():
     weights = m.quantize_weights(layout=layout)
     assert {w.layout for w in weights.values()} == {layout}
     d = m.with_draft_weights(weights)
-    assert d.layers[0].mlp.up_proj.weight.layout == layout
+    assert d.layers[0].mlp.gate_up_proj.weight.layout == layout
     graphdef, state = nnx.split(d)
     logits[layout] = np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens),
                                 np.float64)
@@ -320,16 +320,21 @@ def test_draft_model_on_out_major_weights_equals_in_major():
 
 
 def test_fused_qkv_draft_equals_separate_products():
-  """``fuse_qkv=True`` (the default): one ``[in, q + k + v]`` draft weight per attention layer holds
-  the same codes column for column, so the draft's logits equal the unfused draft's."""
+  """``fuse_qkv=True`` and ``fuse_mlp=True`` (the defaults): one ``[in, q + k + v]`` draft
+  weight per attention layer and one ``[in, 2 * intermediate]`` per MLP hold the same codes
+  column for column, so the draft's logits equal the unfused draft's."""
   cfg = dataclasses.replace(llama.LlamaConfig.named("llama-3.1-8b"), num_layers=2,
                             hidden_size=256, intermediate_size=512, vocab_size=512)
   m = llama.random_model(cfg, seed=4, dtype=jnp.bfloat16)
   tokens = jnp.asarray([[3, 17, 400, 9]], jnp.int32)
-  sep, fused = m.quantize_weights(fuse_qkv=False), m.quantize_weights()
+  sep, fused = m.quantize_weights(fuse_qkv=False, fuse_mlp=False), m.quantize_weights()
   assert sorted(fused) == sorted(
-      [k for k in sep if not k.endswith(("q_proj", "k_proj", "v_proj"))]
-      + [f"layers.{i}.self_attn.qkv_proj" for i in range(2)])
+      [k for k in sep if not k.endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))]
+      + [f"layers.{i}.self_attn.qkv_proj" for i in range(2)]
+      + [f"layers.{i}.mlp.gate_up_proj" for i in range(2)])
+  gu = fused["layers.0.mlp.gate_up_proj"]
+  np.testing.assert_array_equal(np.asarray(gu.dequantize()), np.concatenate(
+      [np.asarray(sep[f"layers.0.mlp.{n}_proj"].dequantize()) for n in ("gate", "up")], 1))
   w = fused["layers.1.self_attn.qkv_proj"]
   parts = [sep[f"layers.1.self_attn.{n}_proj"] for n in "qkv"]
   np.testing.assert_array_equal(np.asarray(w.dequantize()),
@@ -341,9 +346,18 @@ def test_fused_qkv_draft_equals_separate_products():
                              np.float64))
   np.testing.assert_allclose(logits[1], logits[0], rtol=2e-2, atol=2e-2 * np.abs(logits[0]).max())
   bad = dict(fused)
-  bad["layers.1.self_attn.qkv_proj"] = fused["layers.0.mlp.gate_proj"]
+  bad["layers.1.self_attn.qkv_proj"] = sep["layers.0.mlp.gate_proj"]
   with pytest.raises(ValueError, match="layers.1.self_attn.qkv_proj has shape"):
     m.with_draft_weights(bad)
+  bad = dict(fused)
+  bad["layers.1.mlp.gate_up_proj"] = sep["layers.0.mlp.gate_proj"]
+  with pytest.raises(ValueError, match="layers.1.mlp.gate_up_proj has shape"):
+    m.with_draft_weights(bad)
+  with pytest.raises(ValueError, match=r"would ignore the separate ones"):
+    m.with_draft_weights({**fused, "layers.0.mlp.up_proj": sep["layers.0.mlp.up_proj"]})
+  with pytest.raises(ValueError, match="already runs a fused gate_up_proj"):
+    m.with_draft_weights(fused).with_draft_weights({"layers.0.mlp.gate_proj":
+                                                    sep["layers.0.mlp.gate_proj"]})
   # Refused, never silently ignored: a fused weight beside its separate ones, separate
   # ones on a draft that already runs the fused product, a key naming no attention layer.
   with pytest.raises(ValueError, match=r"would ignore the separate ones"):
@@ -351,8 +365,9 @@ def test_fused_qkv_draft_equals_separate_products():
   with pytest.raises(ValueError, match="already runs a fused qkv_proj"):
     m.with_draft_weights(fused).with_draft_weights({"layers.0.self_attn.q_proj":
                                                     sep["layers.0.self_attn.q_proj"]})
-  for key in ("layers.0.mlp.qkv_proj", "layers.9.self_attn.qkv_proj"):
-    with pytest.raises(ValueError, match=f"{key} names no attention layer"):
+  for key in ("layers.0.mlp.qkv_proj", "layers.9.self_attn.qkv_proj",
+              "layers.0.self_attn.gate_up_proj"):
+    with pytest.raises(ValueError, match=f"{key} names no layer"):
       m.with_draft_weights({key: w})
 
 
