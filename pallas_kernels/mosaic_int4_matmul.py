@@ -113,13 +113,15 @@ def supports(n_in: int, n_out: int, group: int, rows: int) -> tuple[bool, str]:
 
 
 def default_splits(n_in: int, n_out: int, num_sms: int = 132, per_sm: int = 3) -> int:
-  """Splits of the input groups: at most ``per_sm`` programs per SM, dividing the groups.
+  """Splits of the input groups: the largest divisor of the groups that is at most
+  ``ceil(per_sm * num_sms / tiles)`` (about ``per_sm`` programs per SM).
 
-  H200, B = 1 (`bench/results/speculative-NOTES.md`, 2026-11-28, folded
-  kernel): 3 gives ``[4096, 6144]`` 8 splits (8.8 us; 4 splits 9.7) and
-  ``[4096, 4096]`` 8 (6.6; 4: 7.5) and keeps the MLP products' 2 and 8."""
+  H200, B = 1 (`bench/results/speculative-NOTES.md`, folded kernel): 8 splits for
+  ``[4096, 6144]`` (8.8 us; 4 splits 9.7) and ``[4096, 4096]`` (6.6; 4: 7.5), 4 for
+  ``[4096, 14336]`` (2 and 4 alike) and 2 for the fused gate/up ``[4096, 28672]``
+  (21.8 us; 1 split 22.9, 2026-11-29)."""
   groups, tiles = n_in // GROUP, n_out // _BLOCK_OUT
-  want = max(1, per_sm * num_sms // tiles)
+  want = max(1, -(-per_sm * num_sms // tiles))
   return max(d for d in range(1, groups + 1) if groups % d == 0 and d <= want)
 
 
@@ -189,7 +191,8 @@ def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: j
       bf16, a ``[N, 128]`` box per group; TMA fills the rows past ``rows``
       with zeros) and the accumulator takes the ``2**K_SHIFT`` at the end, so
       no XLA kernel prepares x (it was one per product input, 1.4-2.2 us in
-      the H200 draft step). Not yet measured on a GPU.
+      the H200 draft step; B = 1 with its preparation counted: 0.8-1.7 us less
+      per product, 2026-11-29).
   Returns:
     ``[..., out]`` float32.
   """
