@@ -263,9 +263,7 @@ def _commit_loop(cache, key, *, gamma: int, iters: int):
 
   def step(_, cache):
     plan = cache.plan_append(jnp.full((cache.batch,), gamma + 1, jnp.int32))
-    for index in range(cache.num_layers):
-      cache = cache.append_layer(index, sk[index], sv[index], plan)
-    return cache.commit(plan)
+    return cache.append_layers(sk, sv, plan).commit(plan)
 
   return jax.lax.fori_loop(0, iters, step, cache)
 

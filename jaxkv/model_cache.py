@@ -541,12 +541,58 @@ class ModelCache:
     Raises as `append_layer`.
     """
     self._check_append(index, k_new, v_new, plan, "append_layer_with_history")
+    new, old_res, to_pack = self._stage_layer(index, k_new, v_new, plan)
+    new = new._flush_layers([(index, to_pack)], plan, lazy=lazy_flush)
+    history = dataclasses.replace(new.layer(index), k_residual=old_res[0],
+                                  v_residual=old_res[1], lengths=self.lengths,
+                                  overflow=self.overflow, nonfinite=self.nonfinite)
+    return new, history
+
+  def append_layers(self, k_news, v_news, plan: AppendPlan) -> "ModelCache":
+    """`append_layer` of every layer (``k_news`` / ``v_news``: one ``[B, T, Hkv, D]``
+    array per layer, in layer order), with one flush `lax.cond` for all layers.
+
+    For a commit of several tokens (a speculative round, a batch of T > 1 new
+    tokens) where every layer's K/V is known before the cache is written:
+    `append_layer` per layer runs one flush cond per layer, and a cond's branch
+    choice is a host round trip on the GPU (~31 us per layer inside a decode
+    loop on an H200, `bench/results/e2e-NOTES.md`, 2026-11-29). The storage is
+    bitwise what `append_layer` per layer writes. One-token appends with ``R ==
+    G`` (every preset's decode step but quantspec's) take `append_layer`'s
+    token path per layer, which has no cond.
+
+    Raises as `append_layer`, and ``ValueError`` unless there is one K and one V
+    per layer.
+    """
+    k_news, v_news = list(k_news), list(v_news)
+    if len(k_news) != self.num_layers or len(v_news) != self.num_layers:
+      raise ValueError(f"append_layers: {len(k_news)} K and {len(v_news)} V arrays for "
+                       f"num_layers={self.num_layers} (one of each per layer)")
+    for index, (k_new, v_new) in enumerate(zip(k_news, v_news)):
+      self._check_append(index, k_new, v_new, plan, "append_layers")
+    if k_news[0].shape[1] == 1 and self.fmt.residual == self.fmt.token_group:
+      new = self
+      for index, (k_new, v_new) in enumerate(zip(k_news, v_news)):
+        new = new.append_layer(index, k_new, v_new, plan)
+      return new
+    new, flushes = self, []
+    for index, (k_new, v_new) in enumerate(zip(k_news, v_news)):
+      new, _, to_pack = new._stage_layer(index, k_new, v_new, plan)
+      flushes.append((index, to_pack))
+    return new._flush_layers(flushes, plan, lazy=True)
+
+  def _stage_layer(self, index, k_new: jax.Array, v_new: jax.Array, plan: AppendPlan):
+    """The residual half of an append to layer ``index``: ``(cache, old_res, to_pack)``
+    with the layer's residual block and sinks written and ``nonfinite`` updated (the
+    packed sides unchanged), the history's residual rows ``(K, V)`` (a temporary
+    computed before the write; rows past ``res_len`` masked) and the rows to flush
+    ``[K, V]`` (``[B, H, n_groups * G, D]`` each, for `_flush_layers`)."""
     fmt, g, r = self.fmt, self.fmt.token_group, self.fmt.residual
     t = k_new.shape[1]
     n_groups = flush_groups(fmt, t)
     res_len = plan.old_lengths - plan.old_packed
     keep = plan.new_lengths - plan.old_packed - plan.flush
-    out, old_res, to_pack = {}, {}, []
+    out, old_res, to_pack = {}, [], []
     out["nonfinite"] = (self.nonfinite | nonfinite_rows(k_new, plan.num_new)
                         | nonfinite_rows(v_new, plan.num_new))
     for name, new in (("k", k_new), ("v", v_new)):
@@ -554,28 +600,30 @@ class ModelCache:
       layer_res = jax.lax.dynamic_index_in_dim(residual, index, 0, keepdims=False)
       staged = stage_residual(layer_res, new.astype(residual.dtype), res_len, plan.num_new,
                               n_groups * g + r)                     # [B, H, S, D]
-      # The history's residual rows [0, res_len) are the first staged rows: a
-      # temporary computed before the write (rows past res_len are masked).
-      old_res[name] = staged[:, :, :r]
+      old_res.append(staged[:, :, :r])
       to_pack.append(staged[:, :, : n_groups * g])
       new_res = shift_residual(staged, plan.flush, keep, r)         # [B, H, R, D]
       out[f"{name}_residual"] = jax.lax.dynamic_update_index_in_dim(
           residual, new_res.astype(residual.dtype), index, 0)
+    out.update(self._write_sinks(index, k_new, v_new, plan))
+    return dataclasses.replace(self, **out), tuple(old_res), to_pack
 
+  def _flush_layers(self, flushes, plan: AppendPlan, *, lazy: bool) -> "ModelCache":
+    """Quantizes and writes each ``(index, to_pack)`` of ``flushes`` into the packed
+    sides (`_flush_rows`); ``lazy``: under one `lax.cond` that skips them all when no
+    sequence flushes. Only the packed sides are the cond's operands (with a
+    residual in it XLA copied the stacked residual in and out of the cond)."""
     def write(sides):
-      return self._flush_rows(sides, index, to_pack, plan)
+      for index, to_pack in flushes:
+        sides = self._flush_rows(sides, index, to_pack, plan)
+      return sides
 
     sides = (self.k, self.v)
-    if lazy_flush:
-      out["k"], out["v"] = jax.lax.cond(jnp.any(plan.flush > 0), write, lambda s: s, sides)
+    if lazy:
+      k, v = jax.lax.cond(jnp.any(plan.flush > 0), write, lambda s: s, sides)
     else:
-      out["k"], out["v"] = write(sides)
-    out.update(self._write_sinks(index, k_new, v_new, plan))
-    new = dataclasses.replace(self, **out)
-    history = dataclasses.replace(new.layer(index), k_residual=old_res["k"],
-                                  v_residual=old_res["v"], lengths=self.lengths,
-                                  overflow=self.overflow, nonfinite=self.nonfinite)
-    return new, history
+      k, v = write(sides)
+    return dataclasses.replace(self, k=k, v=v)
 
   def commit(self, plan: AppendPlan) -> "ModelCache":
     """Advances ``lengths`` and ``overflow`` after every layer's `append_layer`, and

@@ -412,3 +412,62 @@ def test_jitted_chunk_appends_across_flushes_equal_one_append():
   np.testing.assert_array_equal(np.asarray(got.packed_lens), [32, 16])
   for a, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(w))
+
+
+@pytest.mark.parametrize("preset,use_kernel", [("quantspec", False), ("kivi4", False),
+                                                pytest.param("k8v4", True,
+                                                             marks=pytest.mark.slow)])
+def test_append_layers_equals_per_layer_appends_with_one_cond(preset, use_kernel):
+  """`append_layers` (a speculative commit: every layer's K/V at once, one flush cond)
+  writes bitwise what `append_layer` per layer writes, across ragged multi-token
+  appends that flush and ones that do not, and compiles to one conditional (per-layer
+  appends: one per layer), with no cache-sized buffer the per-layer appends lack."""
+  rng = np.random.default_rng(zlib.crc32(preset.encode()) + 3)
+  layers, b, h, d, cap = 3, 3, 2, 32, 1024
+  a = ModelCache.init(preset, layers, b, h, d, cap, jnp.float32, use_kernel=use_kernel)
+  per = a
+
+  def by_layers(cache, k, v, n):
+    plan = cache.plan_append(n, max_new=k.shape[2])
+    return cache.append_layers(list(k), list(v), plan).commit(plan)
+
+  def per_layer(cache, k, v, n):
+    plan = cache.plan_append(n, max_new=k.shape[2])
+    for i in range(cache.num_layers):
+      cache = cache.append_layer(i, k[i], v[i], plan)
+    return cache.commit(plan)
+
+  by_layers_jit = jax.jit(by_layers, donate_argnums=0)
+  conds, fresh = {}, {}
+  # 5-token commits from ragged lengths: some flush a group, some do not
+  for step, (t, counts) in enumerate([(5, [5, 3, 0]), (5, [1, 5, 4]), (300, [300, 17, 260]),
+                                      (5, [5, 5, 5]), (2, [2, 0, 1])]):
+    k = jnp.asarray(rng.standard_normal((layers, b, t, h, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((layers, b, t, h, d)), jnp.float32)
+    n = jnp.asarray(counts, jnp.int32)
+    if step == 0:
+      for name, fn in (("layers", by_layers), ("per_layer", per_layer)):
+        hlo = jax.jit(fn, donate_argnums=0).lower(a, k, v, n).compile().as_text()
+        conds[name] = len(re.findall(r"\bconditional\(", hlo))
+        fresh[name] = sorted(line.split(" = ")[1].split(" ")[0]
+                             for line in _fresh_cache_sized_buffers(hlo, _stacked_shapes(a)))
+    per = jax.jit(per_layer)(per, k, v, n)
+    a = by_layers_jit(a, k, v, n)
+    assert _leaves_equal(a, per), (preset, step)
+  assert int(np.asarray(a.lengths).min()) > 0
+  # one flush cond instead of one per layer (interpret-mode kernels add their own)
+  assert conds["per_layer"] - conds["layers"] == layers - 1
+  assert use_kernel or conds == {"layers": 1, "per_layer": layers}
+  # no cache-sized buffer the per-layer appends do not make too (`commit`'s NaN-group
+  # check copies the stacked scales at B > 1 on the CPU, in both)
+  assert fresh["layers"] == fresh["per_layer"]
+
+
+def test_append_layers_refuses_a_layer_count_mismatch():
+  cache = ModelCache.init("quantspec", 2, 1, 2, 32, 512, jnp.float32)
+  k = jnp.ones((1, 3, 2, 32), jnp.float32)
+  plan = cache.plan_append(jnp.asarray([3], jnp.int32))
+  with pytest.raises(ValueError, match="num_layers=2"):
+    cache.append_layers([k], [k], plan)
+  with pytest.raises(ValueError, match="append_layers"):
+    cache.append_layers([k, k[:, :1]], [k, k], plan)
