@@ -414,7 +414,11 @@ def test_jitted_chunk_appends_across_flushes_equal_one_append():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(w))
 
 
+_KIVI2_SINKS = dataclasses.replace(PRESETS["kivi2"], token_group=32, residual=64, sink_tokens=4)
+
+
 @pytest.mark.parametrize("preset,use_kernel", [("quantspec", False), ("kivi4", False),
+                                                (_KIVI2_SINKS, False),
                                                 pytest.param("k8v4", True,
                                                              marks=pytest.mark.slow)])
 def test_append_layers_equals_per_layer_appends_with_one_cond(preset, use_kernel):
@@ -422,7 +426,7 @@ def test_append_layers_equals_per_layer_appends_with_one_cond(preset, use_kernel
   writes bitwise what `append_layer` per layer writes, across ragged multi-token
   appends that flush and ones that do not, and compiles to one conditional (per-layer
   appends: one per layer), with no cache-sized buffer the per-layer appends lack."""
-  rng = np.random.default_rng(zlib.crc32(preset.encode()) + 3)
+  rng = np.random.default_rng(zlib.crc32(str(preset).encode()) + 3)
   layers, b, h, d, cap = 3, 3, 2, 32, 1024
   a = ModelCache.init(preset, layers, b, h, d, cap, jnp.float32, use_kernel=use_kernel)
   per = a
@@ -442,7 +446,10 @@ def test_append_layers_equals_per_layer_appends_with_one_cond(preset, use_kernel
   # 5-token commits from ragged lengths: some flush a group, some do not
   for step, (t, counts) in enumerate([(5, [5, 3, 0]), (5, [1, 5, 4]), (300, [300, 17, 260]),
                                       (5, [5, 5, 5]), (2, [2, 0, 1])]):
-    k = jnp.asarray(rng.standard_normal((layers, b, t, h, d)), jnp.float32)
+    k = rng.standard_normal((layers, b, t, h, d)).astype(np.float32)
+    if step == 1:
+      k[1, 2, 3, 0, 5] = np.nan  # a counted row of sequence 2: flagged nonfinite in both
+    k = jnp.asarray(k)
     v = jnp.asarray(rng.standard_normal((layers, b, t, h, d)), jnp.float32)
     n = jnp.asarray(counts, jnp.int32)
     if step == 0:
@@ -455,6 +462,7 @@ def test_append_layers_equals_per_layer_appends_with_one_cond(preset, use_kernel
     a = by_layers_jit(a, k, v, n)
     assert _leaves_equal(a, per), (preset, step)
   assert int(np.asarray(a.lengths).min()) > 0
+  assert np.asarray(a.nonfinite).tolist() == [False, False, True]
   # one flush cond instead of one per layer (interpret-mode kernels add their own)
   assert conds["per_layer"] - conds["layers"] == layers - 1
   assert use_kernel or conds == {"layers": 1, "per_layer": layers}
