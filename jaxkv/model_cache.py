@@ -575,45 +575,13 @@ class ModelCache:
       for index, (k_new, v_new) in enumerate(zip(k_news, v_news)):
         new = new.append_layer(index, k_new, v_new, plan)
       return new
-    # Sequences that flush nothing: their new rows written in place at rows
-    # [res_len, res_len + num_new) (< R), one scatter per layer and side (rows
-    # past the length are zero already). The others' writes are dropped: the
-    # cond below restages their residual (and rewrites the non-flushing ones'
-    # with the same bytes) only when some sequence flushes.
-    r, t = self.fmt.residual, k_news[0].shape[1]
-    res_len = plan.old_lengths - plan.old_packed                              # [B]
-    j = jnp.arange(t)[None, :]
-    here = (j < plan.num_new[:, None]) & (plan.flush[:, None] == 0)
-    rows = jnp.where(here, res_len[:, None] + j, r)                           # [B, T]; r: dropped
-    seq = jnp.arange(self.batch)[:, None]                                     # [B, 1]
-    out = {"nonfinite": self.nonfinite}
-    for name, news in (("k", k_news), ("v", v_news)):
-      residual = getattr(self, f"{name}_residual")
-      for index, new in enumerate(news):  # [B, T, H, D] lands on [index, seq, :, rows]
-        residual = residual.at[index, seq, :, rows].set(new.astype(residual.dtype),
-                                                        mode="drop")
-        out["nonfinite"] = out["nonfinite"] | nonfinite_rows(new, plan.num_new)
-      out[f"{name}_residual"] = residual
-    new = dataclasses.replace(self, **out)
+    new, flushes = self, []
     for index, (k_new, v_new) in enumerate(zip(k_news, v_news)):
-      new = dataclasses.replace(new, **new._write_sinks(index, k_new, v_new, plan))
+      new, _, to_pack = new._stage_layer(index, k_new, v_new, plan)
+      flushes.append((index, to_pack))
+    return new._flush_layers(flushes, plan, lazy=True)
 
-    def restage(operands):  # every layer's append_layer_with_history writes
-      cache = dataclasses.replace(new, **dict(zip(("k", "v", "k_residual", "v_residual"),
-                                                  operands)))
-      flushes = []
-      for index, (k_new, v_new) in enumerate(zip(k_news, v_news)):
-        cache, _, to_pack = cache._stage_layer(index, k_new, v_new, plan, sinks=False)
-        flushes.append((index, to_pack))
-      cache = cache._flush_layers(flushes, plan, lazy=False)
-      return cache.k, cache.v, cache.k_residual, cache.v_residual
-
-    operands = (new.k, new.v, new.k_residual, new.v_residual)
-    k, v, k_res, v_res = jax.lax.cond(jnp.any(plan.flush > 0), restage, lambda o: o, operands)
-    return dataclasses.replace(new, k=k, v=v, k_residual=k_res, v_residual=v_res)
-
-  def _stage_layer(self, index, k_new: jax.Array, v_new: jax.Array, plan: AppendPlan, *,
-                   sinks: bool = True):
+  def _stage_layer(self, index, k_new: jax.Array, v_new: jax.Array, plan: AppendPlan):
     """The residual half of an append to layer ``index``: ``(cache, old_res, to_pack)``
     with the layer's residual block and sinks written and ``nonfinite`` updated (the
     packed sides unchanged), the history's residual rows ``(K, V)`` (a temporary
@@ -637,8 +605,7 @@ class ModelCache:
       new_res = shift_residual(staged, plan.flush, keep, r)         # [B, H, R, D]
       out[f"{name}_residual"] = jax.lax.dynamic_update_index_in_dim(
           residual, new_res.astype(residual.dtype), index, 0)
-    if sinks:
-      out.update(self._write_sinks(index, k_new, v_new, plan))
+    out.update(self._write_sinks(index, k_new, v_new, plan))
     return dataclasses.replace(self, **out), tuple(old_res), to_pack
 
   def _flush_layers(self, flushes, plan: AppendPlan, *, lazy: bool) -> "ModelCache":
