@@ -465,7 +465,8 @@ def timing_main(args) -> int:
           date=datetime.datetime.now().isoformat(timespec="seconds"),
           model=args.model_config, weights="random bf16 (models.llama.random_model, seed 0)",
           draft_weights=(f"int{args.draft_bits}, group {args.group_size}, code layouts "
-                         f"{layouts}, q/k/v {args.draft_qkv} (models.draft_weights)"),
+                         f"{layouts}, q/k/v {args.draft_qkv}, gate/up {args.draft_mlp} "
+                         f"(models.draft_weights)"),
           model_init_s=init_s, weight_bytes=run.weight_bytes,
           draft_read_bytes=run.draft_read_bytes, draft_weight_copy_bytes=dw.nbytes(weights),
           hbm_read_bytes_per_s=bandwidth, bandwidth_probe_gib=gib, batch=1,
