@@ -262,7 +262,7 @@ def _commit_loop(cache, key, *, gamma: int, iters: int):
         for i in range(cache.num_layers)]
 
   def step(_, cache):
-    plan = cache.plan_append(jnp.full((cache.batch,), gamma + 1, jnp.int32))
+    plan = cache.plan_append(jnp.full((cache.batch,), gamma + 1, jnp.int32), max_new=gamma + 1)
     return cache.append_layers(sk, sv, plan).commit(plan)
 
   return jax.lax.fori_loop(0, iters, step, cache)

@@ -22,7 +22,9 @@ One append (a decode step or a prefill chunk) is three phases:
    donated (or in a loop carry) both updates happen in place.
    ``cache.layer(layer, plan)`` is the layer's `jaxkv.KVCache` view (slices of
    the stacked storage, the new lengths), so `jaxkv.decode_attention` and the
-   Pallas kernels run unchanged.
+   Pallas kernels run unchanged. When every layer's K/V is known first (a
+   speculative commit), ``cache = cache.append_layers(ks, vs, plan)`` writes
+   them all with one flush cond instead of one per layer.
 3. ``cache = cache.commit(plan)``: the new lengths and flags, once.
 
 The storage after any sequence of appends is bitwise the storage a per-layer
@@ -383,10 +385,14 @@ class ModelCache:
       TypeError: k/v not in the cache dtype.
     """
     self._check_append(index, k_new, v_new, plan, "append_layer")
-    if k_new.shape[1] == 1 and self.fmt.residual == self.fmt.token_group:
+    if self._token_path(k_new):
       new = self._append_token(index, k_new, v_new, plan)
       return dataclasses.replace(new, **new._write_sinks(index, k_new, v_new, plan))
     return self.append_layer_with_history(index, k_new, v_new, plan, lazy_flush=True)[0]
+
+  def _token_path(self, k_new) -> bool:
+    """Whether an append of ``k_new [B, T, H, D]`` takes `_append_token` (T = 1, R = G)."""
+    return k_new.shape[1] == 1 and self.fmt.residual == self.fmt.token_group
 
   def _write_sinks(self, index, k_new, v_new, plan: AppendPlan) -> dict:
     """``{k_sink, v_sink}`` with layer ``index``'s new rows at positions ``< S``
@@ -552,29 +558,37 @@ class ModelCache:
     """`append_layer` of every layer (``k_news`` / ``v_news``: one ``[B, T, Hkv, D]``
     array per layer, in layer order), with one flush `lax.cond` for all layers.
 
-    For a commit of several tokens (a speculative round, a batch of T > 1 new
-    tokens) where every layer's K/V is known before the cache is written:
-    `append_layer` per layer runs one flush cond per layer, and a cond's branch
-    choice is a host round trip on the GPU (~31 us per layer inside a decode
-    loop on an H200, `bench/results/e2e-NOTES.md`, 2026-11-29). The storage is
-    bitwise what `append_layer` per layer writes. One-token appends with ``R ==
-    G`` (every preset's decode step but quantspec's) take `append_layer`'s
-    token path per layer, which has no cond.
+    For a commit of a few tokens (a speculative round's accepted block) where
+    every layer's K/V is known before the cache is written: `append_layer`
+    per layer runs one flush cond per layer, and a cond's branch choice is a
+    host round trip on the GPU (~31 us per layer inside a decode loop on an
+    H200, `bench/results/e2e-NOTES.md`, 2026-11-29). Every layer's rows to
+    pack (``[B, Hkv, n_groups * G, D]`` per side) stay live until the one
+    cond: for prefill-sized T, `append_layer` per layer holds less. The
+    storage is bitwise what `append_layer` per layer writes. One-token appends
+    with ``R == G`` (every preset's decode step but quantspec's) take
+    `append_layer`'s token path per layer: on a GPU one kernel launch per
+    layer with no cond (`pallas_kernels.token_append`), elsewhere (or where
+    that kernel does not apply) its flush cond per layer.
 
     Raises as `append_layer`, and ``ValueError`` unless there is one K and one V
-    per layer.
+    per layer, all of one shape.
     """
     k_news, v_news = list(k_news), list(v_news)
     if len(k_news) != self.num_layers or len(v_news) != self.num_layers:
       raise ValueError(f"append_layers: {len(k_news)} K and {len(v_news)} V arrays for "
                        f"num_layers={self.num_layers} (one of each per layer)")
-    for index, (k_new, v_new) in enumerate(zip(k_news, v_news)):
-      self._check_append(index, k_new, v_new, plan, "append_layers")
-    if k_news[0].shape[1] == 1 and self.fmt.residual == self.fmt.token_group:
+    shapes = {tuple(np.shape(x)) for x in (*k_news, *v_news)}
+    if len(shapes) != 1:
+      raise ValueError(f"append_layers: every layer's K and V must have one shape "
+                       f"[B, T, Hkv, D]; got {sorted(shapes)}")
+    if self._token_path(k_news[0]):
       new = self
       for index, (k_new, v_new) in enumerate(zip(k_news, v_news)):
         new = new.append_layer(index, k_new, v_new, plan)
       return new
+    for index, (k_new, v_new) in enumerate(zip(k_news, v_news)):
+      self._check_append(index, k_new, v_new, plan, "append_layers")
     new, flushes = self, []
     for index, (k_new, v_new) in enumerate(zip(k_news, v_news)):
       new, _, to_pack = new._stage_layer(index, k_new, v_new, plan)

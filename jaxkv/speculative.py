@@ -426,8 +426,9 @@ def _draft_state(model, draft_weights, group_size: int, mesh=None):
   (``"full"``: the draft is the model itself, reading the draft view of the cache).
   ``group_size`` is checked whatever the weights (an int >= 1), and refused unless it is
   the default where the weights would ignore it (``"full"``, a dict). Off a mesh q, k
-  and v are one product per layer; on one they stay three, each sharded by its heads
-  (a fused ``[q | k | v]`` weight's column shards would not line up with them)."""
+  and v are one product per layer, and gate and up one; on one they stay apart, each
+  sharded by its heads or columns (a fused ``[q | k | v]`` or ``[gate | up]`` weight's
+  column shards would not line up with them)."""
   check_int("group_size", group_size)
   if isinstance(draft_weights, str) and draft_weights not in ("int4", "int8", "full"):
     raise ValueError(f"draft_weights={draft_weights!r} must be 'int4', 'int8', 'full' or a "

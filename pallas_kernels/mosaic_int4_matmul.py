@@ -33,8 +33,10 @@ float32, the codes alone from `mosaic_dequant.dequant_codes`.)
   themselves, ``(code * scale + zero) * 2**-64`` rounded to bf16 (scale and
   zero rounded to bf16 per group first, then one rounding per weight)
   (`mosaic_dequant.dequant_codes_rows`: one ``and`` + one ``fma.bf16x2`` per
-  pair), x carries ``2**64`` and one float32 accumulator sums every group of
-  a split; with ``fold=False`` the registers are the bare codes, x carries
+  pair), the ``2**64`` goes on x (an XLA-prepared tile) or, with ``x_direct``,
+  on the float32 accumulator that sums every group of a split (then partial
+  products below ~2**-62 in magnitude are float32 subnormals in the MMA: far
+  below bf16 activations times weights); with ``fold=False`` the registers are the bare codes, x carries
   ``2**(69 - b)`` per column, and each group's ``[128, N]`` MMA result (times
   ``2**-64``) is scaled per row and its zero times ``sum(x_g)`` added in
   float32 (the spec's rounding; ~2 us slower per product on an H200);

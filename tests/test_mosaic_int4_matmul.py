@@ -81,6 +81,17 @@ def test_folded_operand_emulates_the_product():
   np.testing.assert_array_equal(xs[:, :rows] * 2.0 ** -mosaic_dequant.K_SHIFT, xd)
 
 
+def test_default_splits_of_the_timed_shapes():
+  """The split rule (about 3 programs per SM, rounded up, dividing the groups) gives
+  the counts timed on the H200 (132 SMs; `mosaic_int4_matmul.default_splits`)."""
+  want = {(4096, 6144): 8, (4096, 4096): 8, (4096, 28672): 2, (14336, 4096): 8,
+          (4096, 14336): 4, (4096, 128256): 1}
+  got = {shape: mm.default_splits(*shape, num_sms=132) for shape in want}
+  assert got == want
+  for n_in, n_out in want:  # always a divisor of the groups
+    assert (n_in // 128) % mm.default_splits(n_in, n_out, num_sms=114) == 0
+
+
 def test_refusals():
   packed, scale, zero = _weight(jax.random.PRNGKey(0), 256, 256)
   x = jnp.ones((2, 256), jnp.bfloat16)
