@@ -105,9 +105,13 @@ def doc_question_prompts(tokenizer, lengths: list[int]) -> tuple[np.ndarray, np.
 
 
 def plot(result: dict, path: str) -> None:
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  try:
+    import matplotlib  # pylint: disable=import-outside-toplevel
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  except ImportError:  # the `bench` extra; the JSON is written already
+    print(f"no plot {path}: matplotlib is not installed (pip install -e '.[bench]')")
+    return
   rows = result["rows"]
   fig, axes = plt.subplots(1, 2, figsize=(10, 4))
   for draft in sorted({r["draft_weights"] for r in rows}):
