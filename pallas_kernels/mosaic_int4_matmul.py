@@ -160,7 +160,7 @@ def _operands(x, rows: int, n: int):
 def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: jax.Array, *,
                        group: int = GROUP, num_splits: int | None = None,
                        stages: int = 3, fold: bool = True, wide_rows: bool = True,
-                       lean_barriers: bool = True, x_direct: bool = True) -> jax.Array:
+                       lean_barriers: bool = True, x_direct: bool | None = None) -> jax.Array:
   """``x @ W`` for a 4-bit group-wise ``W`` (Hopper).
 
   Args:
@@ -189,9 +189,9 @@ def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: j
       each of a step's TMA copies), with one explicit barrier per step after
       every warp has waited for its MMA, before the stage is refilled
       (`MosaicAttentionConfig.lean_barriers`); no measurable difference either.
-    x_direct: (with ``fold``) the pipeline reads x itself (``[rows, in]`` in
-      bf16, a ``[N, 128]`` box per group; TMA fills the rows past ``rows``
-      with zeros) and the accumulator takes the ``2**K_SHIFT`` at the end, so
+    x_direct: (default: ``fold``; True needs ``fold``) the pipeline reads x
+      itself (``[rows, in]`` in bf16, a ``[N, 128]`` box per group; TMA fills
+      the rows past ``rows`` with zeros) and the accumulator takes the ``2**K_SHIFT`` at the end, so
       no XLA kernel prepares x (it was one per product input, 1.4-2.2 us in
       the H200 draft step; B = 1 with its preparation counted: 0.8-1.7 us less
       per product, 2026-11-29).
@@ -219,7 +219,10 @@ def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: j
     raise ValueError(f"num_splits={splits} must divide the {groups} groups")
   per_split = groups // splits
   n = ma._rows_n(rows)  # pylint: disable=protected-access
-  direct = fold and x_direct
+  if x_direct and not fold:
+    raise ValueError("x_direct=True needs fold=True (the unfolded kernel takes x as "
+                     "XLA-prepared tiles scaled per MMA column)")
+  direct = fold if x_direct is None else bool(x_direct)
   if direct:  # x as it is: the box's rows past `rows` are out of bounds (zeros)
     xs, sums = x.reshape(rows, n_in).astype(jnp.bfloat16), None
   elif fold:

@@ -99,6 +99,9 @@ def test_refusals():
     mm.mosaic_int4_matmul(x, packed, scale, zero)                         # not transposed
   with pytest.raises(ValueError, match="group=64"):
     mm.mosaic_int4_matmul(x, mm.transpose_packed(packed), scale, zero, group=64)
+  with pytest.raises(ValueError, match="x_direct=True needs fold=True"):
+    mm.mosaic_int4_matmul(x, mm.transpose_packed(packed), scale, zero, fold=False,
+                          x_direct=True)
   with pytest.raises(ValueError, match="65 rows"):
     mm.mosaic_int4_matmul(jnp.ones((65, 256), jnp.bfloat16), mm.transpose_packed(packed),
                           scale, zero)
