@@ -214,8 +214,7 @@ def _spec_step(model, draft, s: SpecState, stop_tokens, temperature, pad_token_i
   # Commit the K/V of the fed tokens block[:count] (the target's) to the cache.
   plan = cache.plan_append(count, max_new=g + 1)
 
-  def append_layers(cache, sk, sv, plan):  # one flush cond for all layers
-    return cache.append_layers(sk, sv, plan)
+  append_layers = type(cache).append_layers  # one flush cond for all layers
 
   if settings.mesh is not None:  # per device: its sequences and KV heads (no gather)
     from jaxkv import sharding  # pylint: disable=import-outside-toplevel

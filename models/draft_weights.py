@@ -63,8 +63,8 @@ from pallas_kernels import mosaic_int4_matmul as m4
 _BITS = (4, 8)
 _QKV = ("q_proj", "k_proj", "v_proj")
 _GATE_UP = ("gate_proj", "up_proj")
-# fused products: name -> (the parent module's attribute, the products it replaces)
-_FUSED = {"qkv_proj": ("self_attn", _QKV), "gate_up_proj": ("mlp", _GATE_UP)}
+# fused products: name -> the products it replaces (in its parent module)
+_FUSED = {"qkv_proj": _QKV, "gate_up_proj": _GATE_UP}
 LAYOUTS = ("in_major", "out_major")
 FITS = ("mse", "rtn")  # `quantize_kernel`'s choices of each group's scale and zero
 # `layout="auto"` picks the Mosaic kernel's layout on Hopper from this many
@@ -309,7 +309,7 @@ def quantize_weights(model, *, bits: int = 4, group_size: int = 128,
   linears = {_key(path): m for path, m in _linears(model)}
   weights, skip = {}, set()
   fuse = {"qkv_proj": fuse_qkv, "gate_up_proj": fuse_mlp}
-  for fused_name, (_, parts) in _FUSED.items():
+  for fused_name, parts in _FUSED.items():
     if not fuse[fused_name]:
       continue
     for key in [k for k in linears if k.endswith("." + parts[0])]:
@@ -363,7 +363,7 @@ def draft_model(model, weights: dict[str, QuantizedWeight], *, use_kernel: bool 
     w = weights.get(_key(path))
     if w is None:
       continue
-    for fused_name, (_, parts) in _FUSED.items():
+    for fused_name, parts in _FUSED.items():
       if path[-1] in parts and getattr(_module_at(draft, path[:-1]), fused_name,
                                        None) is not None:
         raise ValueError(f"draft weight {_key(path)}: its layer already runs a fused "
@@ -403,7 +403,7 @@ def _install_fused(draft, key: str, w: QuantizedWeight, weights: dict,
   ``"<layer>.mlp.gate_up_proj"``) the fused product over ``w`` after checking its
   shape ``[in, sum(out)]`` of the products it replaces."""
   fused_name = key.rsplit(".", 1)[-1]
-  _, names = _FUSED[fused_name]
+  names = _FUSED[fused_name]
   base = key[:-len(fused_name)]
   layer = _module_at(draft, key.split(".")[:-1])
   parts = [getattr(layer, n, None) for n in names]

@@ -37,9 +37,9 @@ float32, the codes alone from `mosaic_dequant.dequant_codes`.)
   on the float32 accumulator that sums every group of a split (then partial
   products below ~2**-62 in magnitude are float32 subnormals in the MMA: far
   below bf16 activations times weights); with ``fold=False`` the registers
-  are the bare codes, x carries ``2**(69 - b)`` per column, and each group's ``[128, N]`` MMA result (times
-  ``2**-64``) is scaled per row and its zero times ``sum(x_g)`` added in
-  float32 (the spec's rounding; ~2 us slower per product on an H200);
+  are the bare codes, x carries ``2**(69 - b)`` per column, and each group's
+  ``[128, N]`` MMA result (times ``2**-64``) is scaled per row and its zero
+  times ``sum(x_g)`` added in float32 (the spec's rounding; ~2 us slower per product on an H200);
 - grid ``(out / 128, splits)``: a split takes a run of groups and writes a
   float32 partial; XLA sums the partials (and transposes) in one fusion.
 
