@@ -218,11 +218,12 @@ def _round_stats_us(times_s) -> dict:
               round_max_us=s["max_us"], timed_calls=s["steps"])
 
 
-@functools.partial(jax.jit, static_argnames=("gamma", "iters"))
-def _draft_loop(graphdef, state, draft_state, token, cache, *, gamma: int, iters: int):
+@functools.partial(jax.jit, static_argnames=("gamma", "iters", "defer_norms"))
+def _draft_loop(graphdef, state, draft_state, token, cache, *, gamma: int, iters: int,
+                defer_norms: bool = True):
   """``iters`` draft steps (``draft_state``'s weights, draft view, one token each) over
-  ``cache``."""
-  draft = nnx.merge(graphdef, state).with_draft_weights(draft_state)
+  ``cache`` (``defer_norms``: `models.draft_weights.draft_model`'s)."""
+  draft = nnx.merge(graphdef, state).with_draft_weights(draft_state, defer_norms=defer_norms)
   b = token.shape[0]
   empty = tuple(jnp.zeros((b, gamma + 1, cache.kv_heads, cache.head_dim), cache.dtype)
                 for _ in range(cache.num_layers))

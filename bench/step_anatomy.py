@@ -120,7 +120,7 @@ def anatomy(name: str, model, context: int, steps: int, log) -> dict:
 
 def draft_anatomy(model, context: int, steps: int, log, *, bits: int = 4,
                   layout: str = "auto", fuse_qkv: bool = True, fuse_mlp: bool = True,
-                  gamma: int = 4) -> dict:
+                  defer_norms: bool = True, gamma: int = 4) -> dict:
   """QuantSpec's draft step (`bench.speculative._draft_loop`: ``bits``-bit draft weights,
   the ``quantspec`` cache's draft view, one token) on a cache of ``context`` tokens."""
   import speculative  # pylint: disable=import-outside-toplevel
@@ -130,10 +130,10 @@ def draft_anatomy(model, context: int, steps: int, log, *, bits: int = 4,
                                    fuse_mlp=fuse_mlp)
   token = jnp.ones((1,), jnp.int32)
   args = (graphdef, state, weights, token, cache)
-  kw = dict(gamma=gamma, iters=steps)
+  kw = dict(gamma=gamma, iters=steps, defer_norms=defer_norms)
   hlo = speculative._draft_loop.lower(*args, **kw).compile().as_text()  # pylint: disable=protected-access
   return _profile(f"draft-int{bits}-{layout}" + ("-qkv" if fuse_qkv else "")
-                  + ("-gate-up" if fuse_mlp else ""),
+                  + ("-gate-up" if fuse_mlp else "") + ("-deferred-norms" if defer_norms else ""),
                   lambda: speculative._draft_loop(*args, **kw),  # pylint: disable=protected-access
                   hlo, steps, model.config.num_layers, context, log)
 
@@ -152,6 +152,9 @@ def main(argv=None) -> int:
                  help="the draft's q, k and v as one product per layer, or three")
   p.add_argument("--draft-mlp", default="fused", choices=("fused", "separate"),
                  help="the draft's gate and up as one product per layer, or two")
+  p.add_argument("--draft-norms", default="deferred", choices=("deferred", "plain"),
+                 help="the draft's RMSNorms applied to its products' outputs (draft_model("
+                      "defer_norms=)) or as the target's")
   p.add_argument("--out", default="/tmp")
   a = p.parse_args(argv)
   config = dataclasses.replace(llama.LlamaConfig.named("llama-3.1-8b"), num_layers=a.layers)
@@ -164,7 +167,8 @@ def main(argv=None) -> int:
 
   results = [anatomy(f, model, a.context, a.steps, log) for f in a.formats.split(",") if f]
   results += [draft_anatomy(model, a.context, a.steps, log, bits=int(b), layout=a.draft_layout,
-                              fuse_qkv=a.draft_qkv == "fused", fuse_mlp=a.draft_mlp == "fused")
+                              fuse_qkv=a.draft_qkv == "fused", fuse_mlp=a.draft_mlp == "fused",
+                              defer_norms=a.draft_norms == "deferred")
               for b in a.draft.split(",") if b]
   os.makedirs(a.out, exist_ok=True)
   gpu = jax.devices()[0].device_kind.replace(" ", "-").lower()

@@ -66,6 +66,43 @@ _GATE_UP = ("gate_proj", "up_proj")
 # fused products: name -> the products it replaces (in its parent module)
 _FUSED = {"qkv_proj": _QKV, "gate_up_proj": _GATE_UP}
 LAYOUTS = ("in_major", "out_major")
+
+
+class ScaledRows(tuple):
+  """``(rows [..., in], scale [..., 1] float32)``: the rows ``rows * scale``, left for
+  the next product to scale its output by (`DeferredRMSNorm`, `QuantizedLinear`)."""
+
+  def __new__(cls, rows: jax.Array, scale: jax.Array):
+    return super().__new__(cls, (rows, scale))
+
+  rows = property(lambda self: self[0])
+  scale = property(lambda self: self[1])
+  shape = property(lambda self: self[0].shape)
+  dtype = property(lambda self: self[0].dtype)
+
+
+jax.tree_util.register_pytree_node(ScaledRows, lambda x: (tuple(x), None),
+                                   lambda _, c: ScaledRows(*c))
+
+
+class DeferredRMSNorm(nnx.Module):
+  """A draft's RMSNorm whose consumers are all `QuantizedLinear` layers: returns
+  `ScaledRows` ``(x * weight, rsqrt(mean(x**2) + eps))`` and each product
+  scales its output rows by the second (``(x w) r @ W = r (x w @ W)``), so the
+  normalization needs no kernel of its own after its reduction (in the H200
+  draft step each RMSNorm was a reduction and an apply kernel, ~1.3 us each).
+  The rounding differs from `models.llama.RMSNorm`'s (``x * w`` rounded to
+  the dtype instead of ``x r``, then ``w`` times that): a draft's numerics
+  only; the target model keeps Hugging Face's."""
+
+  def __init__(self, norm):
+    self.weight = norm.weight  # the same Param
+    self.eps = norm.eps
+
+  def __call__(self, x: jax.Array) -> ScaledRows:
+    xf = x.astype(jnp.float32)
+    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    return ScaledRows((xf * self.weight[...].astype(jnp.float32)).astype(x.dtype), r)
 FITS = ("mse", "rtn")  # `quantize_kernel`'s choices of each group's scale and zero
 # `layout="auto"` picks the Mosaic kernel's layout on Hopper from this many
 # weights up (Llama-3.1-8B's fused q/k/v, o, MLP products and LM head; see the
@@ -261,7 +298,10 @@ class QuantizedLinear(nnx.Module):
     return QuantizedWeight(self.codes[...], self.scale[...], self.zero[...], group=self.group,
                            bits=self.bits, layout=self.layout)
 
-  def __call__(self, x: jax.Array, out_dtype=None) -> jax.Array:  # [..., in] -> [..., out]
+  def __call__(self, x, out_dtype=None) -> jax.Array:  # [..., in] -> [..., out]
+    if isinstance(x, ScaledRows):  # a `DeferredRMSNorm`'s rows: scale the output rows
+      y = self.weight.matmul(x.rows, jnp.float32, use_kernel=self.use_kernel) * x.scale
+      return y.astype(x.dtype if out_dtype is None else out_dtype)
     return self.weight.matmul(x, out_dtype, use_kernel=self.use_kernel)
 
 
@@ -339,7 +379,8 @@ def _fused(kernels, bits, group_size, layout, fit) -> QuantizedWeight:
   return QuantizedWeight(*cat, group=group, bits=bits, layout=layout)
 
 
-def draft_model(model, weights: dict[str, QuantizedWeight], *, use_kernel: bool = True):
+def draft_model(model, weights: dict[str, QuantizedWeight], *, use_kernel: bool = True,
+                defer_norms: bool = True):
   """``model`` with its linear layers replaced by `QuantizedLinear` over ``weights``.
 
   A new module graph over the same arrays (``model`` is not changed); every
@@ -351,6 +392,9 @@ def draft_model(model, weights: dict[str, QuantizedWeight], *, use_kernel: bool 
   instead of its gate and up layers.
   ``use_kernel=False``: the layers never run the Pallas kernel (a model
   sharded on a mesh, where XLA partitions the dequantize + dot instead).
+  ``defer_norms``: each RMSNorm whose consumers are all quantized (a layer's
+  two, and the final one before a quantized LM head) becomes a
+  `DeferredRMSNorm`, its normalization applied to the products' outputs.
   """
   draft = nnx.clone(model)  # new Variables over the same (immutable) arrays
   found = 0
@@ -378,7 +422,29 @@ def draft_model(model, weights: dict[str, QuantizedWeight], *, use_kernel: bool 
     found += 1
   if found != len(weights):
     raise ValueError(f"{len(weights) - found} draft weights name no linear layer of the model")
+  if defer_norms:
+    _defer_norms(draft)
   return draft
+
+
+def _quantized(*modules) -> bool:
+  return bool(modules) and all(isinstance(m, QuantizedLinear) for m in modules)
+
+
+def _defer_norms(draft) -> None:
+  """`DeferredRMSNorm` in place of each of ``draft``'s norms whose consumers are all
+  `QuantizedLinear` layers (a fused product, when present, is the one consumer)."""
+  def consumers(module, fused, parts):
+    one = getattr(module, fused, None)
+    return [one] if one is not None else [getattr(module, n, None) for n in parts]
+
+  for layer in draft.layers:
+    if _quantized(*consumers(layer.self_attn, "qkv_proj", _QKV)):
+      layer.input_layernorm = DeferredRMSNorm(layer.input_layernorm)
+    if _quantized(*consumers(layer.mlp, "gate_up_proj", _GATE_UP)):
+      layer.post_attention_layernorm = DeferredRMSNorm(layer.post_attention_layernorm)
+  if _quantized(getattr(draft, "lm_head", None)):
+    draft.norm = DeferredRMSNorm(draft.norm)
 
 
 def _module_at(root, path):
@@ -427,5 +493,6 @@ def nbytes(weights: dict[str, QuantizedWeight]) -> int:
                  for w in weights.values()))
 
 
-__all__ = ["FITS", "LAYOUTS", "MOSAIC_MIN_WEIGHTS", "QuantizedLinear", "QuantizedWeight",
-           "default_layout", "draft_model", "nbytes", "quantize_kernel", "quantize_weights"]
+__all__ = ["DeferredRMSNorm", "FITS", "LAYOUTS", "MOSAIC_MIN_WEIGHTS", "QuantizedLinear",
+           "QuantizedWeight", "ScaledRows", "default_layout", "draft_model", "nbytes",
+           "quantize_kernel", "quantize_weights"]

@@ -619,11 +619,13 @@ class Llama(nnx.Module):
     return quantize_weights(self, bits=bits, group_size=group_size, layout=layout,
                             fuse_qkv=fuse_qkv, fuse_mlp=fuse_mlp, fit=fit)
 
-  def with_draft_weights(self, weights: dict, *, use_kernel: bool = True) -> "Llama":
+  def with_draft_weights(self, weights: dict, *, use_kernel: bool = True,
+                         defer_norms: bool = True) -> "Llama":
     """This model with its linear layers reading ``weights`` (from `quantize_weights`);
-    ``use_kernel=False`` keeps the 4-bit layers off the Pallas kernel (a mesh)."""
+    ``use_kernel=False`` keeps the 4-bit layers off the Pallas kernel (a mesh);
+    ``defer_norms``: `models.draft_weights.draft_model`'s."""
     from models.draft_weights import draft_model  # pylint: disable=import-outside-toplevel
-    return draft_model(self, weights, use_kernel=use_kernel)
+    return draft_model(self, weights, use_kernel=use_kernel, defer_norms=defer_norms)
 
   def rope(self, positions: jax.Array) -> RopeTable:
     """`RopeTable` of ``positions [B, T]`` for this model's RoPE (once per forward pass)."""

@@ -281,6 +281,47 @@ def test_draft_weights_against_numpy_model(model):
                                 np.asarray(w))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_deferred_norms_against_numpy(dtype):
+  """`draft_model(defer_norms=True)`: each norm whose consumers are all quantized
+  returns ``(x w, rsqrt(mean(x**2) + eps))`` and the products scale their output rows:
+  equal to float64 numpy's ``rmsnorm(x) @ W`` within the dtype's rounding, and the
+  draft's logits within rounding of the draft with the target's norms. Norms with a
+  full-precision consumer (some weights not quantized, a tied LM head) stay plain."""
+  m = llama.random_model(SMALL, seed=3, dtype=dtype)
+  norms = [m.norm] + [n for layer in m.layers
+                      for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+  for i, n in enumerate(norms):  # not ones: the norms' weights must reach the products
+    n.weight.value = jax.random.uniform(jax.random.key(40 + i), n.weight.value.shape,
+                                        jnp.float32, 0.5, 1.5).astype(dtype)
+  weights = dw.quantize_weights(m, group_size=32)
+  d = dw.draft_model(m, weights)
+  plain = dw.draft_model(m, weights, defer_norms=False)
+  norm, qkv = d.layers[0].input_layernorm, d.layers[0].self_attn.qkv_proj
+  assert isinstance(norm, dw.DeferredRMSNorm) and isinstance(d.norm, dw.DeferredRMSNorm)
+  assert isinstance(d.layers[1].post_attention_layernorm, dw.DeferredRMSNorm)
+  assert not isinstance(plain.layers[0].input_layernorm, dw.DeferredRMSNorm)
+  x = (jax.random.normal(jax.random.key(7), (2, 3, SMALL.hidden_size), jnp.float32) * 3
+       + 1).astype(dtype)
+  xn, g = np.asarray(x, np.float64), np.asarray(norm.weight[...], np.float64)
+  h = xn / np.sqrt(np.mean(xn * xn, axis=-1, keepdims=True) + norm.eps) * g
+  want = h @ np.asarray(qkv.weight.dequantize(), np.float64)
+  got = np.asarray(jax.jit(lambda x: qkv(norm(x)))(x), np.float64)
+  tol = 1e-5 if dtype == jnp.float32 else 3e-2
+  np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+  tokens = jnp.asarray([[3, 9, 4, 1]], jnp.int32)
+  a = np.asarray(d(tokens)[0], np.float64)
+  b = np.asarray(plain(tokens)[0], np.float64)
+  np.testing.assert_allclose(a, b, rtol=tol, atol=tol * np.abs(b).max())
+  # a norm with a full-precision consumer stays as the target's
+  part = {k: w for k, w in weights.items() if not k.startswith("layers.0.mlp.")}
+  p = dw.draft_model(m, part)
+  assert isinstance(p.layers[0].input_layernorm, dw.DeferredRMSNorm)
+  assert not isinstance(p.layers[0].post_attention_layernorm, dw.DeferredRMSNorm)
+  no_head = dw.draft_model(m, {k: w for k, w in weights.items() if k != "lm_head"})
+  assert not isinstance(no_head.norm, dw.DeferredRMSNorm)
+
+
 @pytest.mark.parametrize("n_in,n_out,lead", [(256, 128, (1,)), (384, 256, (2, 3))])
 def test_out_major_layout_is_the_same_weight(n_in, n_out, lead):
   """The Mosaic kernel's layout (codes ``[in / 128, out, 64]``) holds the same codes as the
