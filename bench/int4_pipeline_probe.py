@@ -1,17 +1,20 @@
 """Where the Mosaic 4-bit product's time goes at B = 1: its pipeline with parts removed.
 
 `pallas_kernels.mosaic_int4_matmul`'s folded, ``x_direct`` kernel rebuilt with
-a ``mode``: ``full`` (dequant + MMA, as the kernel; its output lacks the
-final ``2**64``, so only times compare), ``mma_const`` (the MMA on constant
+a ``mode``: ``full`` (dequant + MMA, as the kernel), ``mma_const`` (the MMA on constant
 registers: no code tile read into registers, no dequant), ``copy`` (the four
 TMA copies per step, no work), ``copy_h`` (the same with bf16 scale / zero),
 ``codes`` (the code tiles alone); ``k`` groups per copy (a 3-D box);
 ``stream_codes`` / ``stream_copy`` (`stream`: a fixed number of persistent
 programs with equal runs of steps; ``PROBE_STREAM_ONLY=1`` times only these
 beside the default). Times
-are profiler kernel us over 4 weight copies (none read from L2), beside the
-code bytes' floor at the measured HBM bandwidth. H200 only (Mosaic GPU).
-Usage: ``python bench/int4_pipeline_probe.py OUTDIR``.
+are profiler kernel us over 4 weight copies cycled (the 4096 x 6144 copies, ~14
+MB each, may still partly hit the ~50 MB L2), beside the code bytes' floor at
+the measured HBM bandwidth; ``err``: the kernel's and ``full``'s largest
+difference from the dequantize + dot spec, relative to its largest output.
+Hopper GPUs only (Mosaic GPU). Usage: ``python bench/int4_pipeline_probe.py
+OUTDIR`` (writes ``OUTDIR/int4-probe.json``; the 2026-11-29 runs are
+``bench/results/draft-int4-{pipeline,stream}-probe-*``).
 """
 import functools
 import json
@@ -22,11 +25,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jaxkv import timing
-from models import draft_weights as dw
-from pallas_kernels import mosaic_attention as ma
-from pallas_kernels import mosaic_dequant
-from pallas_kernels import mosaic_int4_matmul as m4
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jaxkv import timing  # noqa: E402
+from pallas_kernels import int4_matmul as i4  # noqa: E402
+from models import draft_weights as dw  # noqa: E402
+from pallas_kernels import mosaic_attention as ma  # noqa: E402
+from pallas_kernels import mosaic_dequant  # noqa: E402
+from pallas_kernels import mosaic_int4_matmul as m4  # noqa: E402
 
 plgpu = ma.plgpu
 STREAM_ONLY = os.environ.get("PROBE_STREAM_ONLY") == "1"  # only the default + stream variants
@@ -83,7 +89,7 @@ def probe(x, codes, scale, zero, *, mode, splits, stages, k=1):
     acc = pl.run_scoped(run, plgpu.ACC((BO, n), jnp.float32))
 
     def write(o_smem):
-      o_smem[...] = acc
+      o_smem[...] = acc * (2.0 ** mosaic_dequant.K_SHIFT) if mode == "full" else acc
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[lax.axis_index("s"), pl.ds(o * BO, BO)])
       plgpu.wait_smem_to_gmem(0)
@@ -157,10 +163,11 @@ def main():
     ws = [jax.random.normal(jax.random.fold_in(key, i), (n_in, n_out), jnp.bfloat16) * 0.02 for i in range(4)]
     qs = [dw.quantize_kernel(w, bits=4, group_size=128, layout="in_major") for w in ws]
     mqs = [(m4.transpose_packed(q.codes), q.scale, q.zero) for q in qs]
-    del ws, qs
     x = jax.random.normal(key, (1, n_in), jnp.bfloat16)
+    # the spec (dequantize + float32 dot): `default` and `full` must match it
+    ref = i4.int4_matmul_reference(x, qs[0].codes, qs[0].scale, qs[0].zero, group=128)
+    del ws, qs
     floor = n_in * n_out / 2 / bw * 1e6
-    ref = m4.mosaic_int4_matmul(x, *mqs[0])
     base = m4.default_splits(n_in, n_out)
     variants = [("default", None, dict())]
     variants += [(f"full_s{base}_st{st}", "full", dict(splits=base, stages=st)) for st in (3, 6)]
@@ -194,8 +201,9 @@ def main():
       res.append(dict(n_in=n_in, n_out=n_out, variant=name, us=us, floor_us=floor, err=err))
       print(f"  [{n_in}x{n_out}] {name:22s} {us:6.1f} us  floor {floor:5.1f}  "
             f"{floor / us * 100:4.0f}%  err {err}", flush=True)
-  json.dump(dict(gpu=jax.devices()[0].device_kind, jax=jax.__version__, hbm_bps=bw, rows=res),
-            open(os.path.join(out, "int4-probe.json"), "w"), indent=1)
+  with open(os.path.join(out, "int4-probe.json"), "w") as f:
+    json.dump(dict(gpu=jax.devices()[0].device_kind, jax=jax.__version__, hbm_bps=bw, rows=res),
+              f, indent=1)
 
 if __name__ == "__main__":
   main()

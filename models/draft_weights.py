@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -68,21 +69,19 @@ _FUSED = {"qkv_proj": _QKV, "gate_up_proj": _GATE_UP}
 LAYOUTS = ("in_major", "out_major")
 
 
-class ScaledRows(tuple):
+class ScaledRows(NamedTuple):
   """``(rows [..., in], scale [..., 1] float32)``: the rows ``rows * scale``, left for
   the next product to scale its output by (`DeferredRMSNorm`, `QuantizedLinear`)."""
+  rows: jax.Array
+  scale: jax.Array
 
-  def __new__(cls, rows: jax.Array, scale: jax.Array):
-    return super().__new__(cls, (rows, scale))
+  @property
+  def shape(self):
+    return self.rows.shape
 
-  rows = property(lambda self: self[0])
-  scale = property(lambda self: self[1])
-  shape = property(lambda self: self[0].shape)
-  dtype = property(lambda self: self[0].dtype)
-
-
-jax.tree_util.register_pytree_node(ScaledRows, lambda x: (tuple(x), None),
-                                   lambda _, c: ScaledRows(*c))
+  @property
+  def dtype(self):
+    return self.rows.dtype
 
 
 class DeferredRMSNorm(nnx.Module):
@@ -93,16 +92,31 @@ class DeferredRMSNorm(nnx.Module):
   draft step each RMSNorm was a reduction and an apply kernel, ~1.3 us each).
   The rounding differs from `models.llama.RMSNorm`'s (``x * w`` rounded to
   the dtype instead of ``x r``, then ``w`` times that): a draft's numerics
-  only; the target model keeps Hugging Face's."""
+  only; the target model keeps Hugging Face's. The rows are not normalized,
+  so in float16 (range 65504) ``x * w`` could overflow where the normalized
+  rows do not: float16 inputs take the plain norm. The weight is the wrapped
+  norm's Param at the same path (``.../input_layernorm/weight``)."""
 
   def __init__(self, norm):
     self.weight = norm.weight  # the same Param
     self.eps = norm.eps
 
-  def __call__(self, x: jax.Array) -> ScaledRows:
+  def __call__(self, x: jax.Array) -> ScaledRows | jax.Array:
+    if x.dtype == jnp.float16:
+      from models.llama import rms_norm  # pylint: disable=import-outside-toplevel
+      return rms_norm(x, self.weight[...], self.eps)
     xf = x.astype(jnp.float32)
     r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
     return ScaledRows((xf * self.weight[...].astype(jnp.float32)).astype(x.dtype), r)
+
+  def plain(self):
+    """The target's `models.llama.RMSNorm` over the same weight Param (outside a trace)."""
+    from models.llama import RMSNorm  # pylint: disable=import-outside-toplevel
+    norm = RMSNorm(self.weight.shape[0], eps=self.eps, dtype=self.weight.dtype)
+    norm.weight = self.weight
+    return norm
+
+
 FITS = ("mse", "rtn")  # `quantize_kernel`'s choices of each group's scale and zero
 # `layout="auto"` picks the Mosaic kernel's layout on Hopper from this many
 # weights up (Llama-3.1-8B's fused q/k/v, o, MLP products and LM head; see the
@@ -299,8 +313,15 @@ class QuantizedLinear(nnx.Module):
                            bits=self.bits, layout=self.layout)
 
   def __call__(self, x, out_dtype=None) -> jax.Array:  # [..., in] -> [..., out]
-    if isinstance(x, ScaledRows):  # a `DeferredRMSNorm`'s rows: scale the output rows
-      y = self.weight.matmul(x.rows, jnp.float32, use_kernel=self.use_kernel) * x.scale
+    if isinstance(x, ScaledRows):  # a `DeferredRMSNorm`'s rows
+      rows = math.prod(x.shape[:-1])
+      if not (self.use_kernel and self.weight.kernel_ok(rows, x.dtype)):
+        # the dequantize + dot (`models.llama.linear`, its one-row padding kept):
+        # the rows scaled first, which XLA can fuse into the dot's operand
+        x = (x.rows.astype(jnp.float32) * x.scale).astype(x.dtype)
+        return self.weight.matmul(x, out_dtype, use_kernel=False)
+      # the kernel: its float32 output rows scaled (no kernel for the norm's apply)
+      y = self.weight.matmul(x.rows, jnp.float32) * x.scale
       return y.astype(x.dtype if out_dtype is None else out_dtype)
     return self.weight.matmul(x, out_dtype, use_kernel=self.use_kernel)
 
@@ -424,6 +445,8 @@ def draft_model(model, weights: dict[str, QuantizedWeight], *, use_kernel: bool 
     raise ValueError(f"{len(weights) - found} draft weights name no linear layer of the model")
   if defer_norms:
     _defer_norms(draft)
+  else:  # a draft of a draft: the target's norms back
+    _restore_norms(draft)
   return draft
 
 
@@ -438,13 +461,26 @@ def _defer_norms(draft) -> None:
     one = getattr(module, fused, None)
     return [one] if one is not None else [getattr(module, n, None) for n in parts]
 
+  def defer(owner, name):
+    if not isinstance(getattr(owner, name), DeferredRMSNorm):  # (a draft of a draft)
+      setattr(owner, name, DeferredRMSNorm(getattr(owner, name)))
+
   for layer in draft.layers:
     if _quantized(*consumers(layer.self_attn, "qkv_proj", _QKV)):
-      layer.input_layernorm = DeferredRMSNorm(layer.input_layernorm)
+      defer(layer, "input_layernorm")
     if _quantized(*consumers(layer.mlp, "gate_up_proj", _GATE_UP)):
-      layer.post_attention_layernorm = DeferredRMSNorm(layer.post_attention_layernorm)
+      defer(layer, "post_attention_layernorm")
   if _quantized(getattr(draft, "lm_head", None)):
-    draft.norm = DeferredRMSNorm(draft.norm)
+    defer(draft, "norm")
+
+
+def _restore_norms(draft) -> None:
+  """Each `DeferredRMSNorm` of ``draft`` replaced by the norm it wraps."""
+  for owner in [*draft.layers, draft]:
+    for name in ("input_layernorm", "post_attention_layernorm", "norm"):
+      norm = getattr(owner, name, None)
+      if isinstance(norm, DeferredRMSNorm):
+        setattr(owner, name, norm.plain())
 
 
 def _module_at(root, path):

@@ -426,9 +426,15 @@ class RMSNorm(nnx.Module):
     self.eps = eps
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-    return self.weight[...] * xf.astype(x.dtype)
+    return rms_norm(x, self.weight[...], self.eps)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  """`RMSNorm`'s computation: ``weight * (x rsqrt(mean(x**2) + eps))`` with the
+  normalization in float32, cast back to x's dtype before the weight (HF's order)."""
+  xf = x.astype(jnp.float32)
+  xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return weight * xf.astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -1043,5 +1049,5 @@ def param_count(model: Llama) -> int:
 __all__ = [
     "CONFIGS", "Llama", "LlamaConfig", "RopeScaling", "RopeTable", "apply_rope", "causal_attention",
     "check_token_ids", "from_pretrained", "param_count", "quantize_weights", "random_model",
-    "rope_table",
+    "rms_norm", "rope_table",
 ]

@@ -11,6 +11,7 @@ chi-square test with a stated power).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import jax
@@ -287,13 +288,15 @@ def test_deferred_norms_against_numpy(dtype):
   returns ``(x w, rsqrt(mean(x**2) + eps))`` and the products scale their output rows:
   equal to float64 numpy's ``rmsnorm(x) @ W`` within the dtype's rounding, and the
   draft's logits within rounding of the draft with the target's norms. Norms with a
-  full-precision consumer (some weights not quantized, a tied LM head) stay plain."""
+  full-precision consumer (some weights not quantized, an LM head left in full
+  precision) stay plain. (On a CPU the products take the dequantize + dot route,
+  the rows scaled before it; on a Hopper GPU the kernel's output rows are scaled.)"""
   m = llama.random_model(SMALL, seed=3, dtype=dtype)
   norms = [m.norm] + [n for layer in m.layers
                       for n in (layer.input_layernorm, layer.post_attention_layernorm)]
   for i, n in enumerate(norms):  # not ones: the norms' weights must reach the products
-    n.weight.value = jax.random.uniform(jax.random.key(40 + i), n.weight.value.shape,
-                                        jnp.float32, 0.5, 1.5).astype(dtype)
+    n.weight[...] = jax.random.uniform(jax.random.key(40 + i), n.weight.shape,
+                                       jnp.float32, 0.5, 1.5).astype(dtype)
   weights = dw.quantize_weights(m, group_size=32)
   d = dw.draft_model(m, weights)
   plain = dw.draft_model(m, weights, defer_norms=False)
@@ -306,9 +309,25 @@ def test_deferred_norms_against_numpy(dtype):
   xn, g = np.asarray(x, np.float64), np.asarray(norm.weight[...], np.float64)
   h = xn / np.sqrt(np.mean(xn * xn, axis=-1, keepdims=True) + norm.eps) * g
   want = h @ np.asarray(qkv.weight.dequantize(), np.float64)
-  got = np.asarray(jax.jit(lambda x: qkv(norm(x)))(x), np.float64)
   tol = 1e-5 if dtype == jnp.float32 else 3e-2
-  np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+
+  def check(norm, product, x, eps=None):  # against float64 numpy's rmsnorm(x) @ W
+    xn, g = np.asarray(x, np.float64), np.asarray(norm.weight[...], np.float64)
+    eps = norm.eps if eps is None else eps
+    want = (xn / np.sqrt(np.mean(xn * xn, axis=-1, keepdims=True) + eps) * g
+            @ np.asarray(product.weight.dequantize(), np.float64))
+    got = np.asarray(jax.jit(lambda x: product(norm(x)))(x), np.float64)
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+
+  check(norm, qkv, x)
+  check(d.layers[1].post_attention_layernorm, d.layers[1].mlp.gate_up_proj, x)
+  check(d.norm, d.lm_head, x)
+  # rows of very different scales, one near zero, and an eps that matters
+  wide = x * jnp.asarray([1e-3, 1.0, 30.0], dtype)[None, :, None]
+  check(norm, qkv, wide)
+  big_eps = dw.DeferredRMSNorm(norm)
+  big_eps.eps = 0.5
+  check(big_eps, qkv, wide, eps=0.5)
   tokens = jnp.asarray([[3, 9, 4, 1]], jnp.int32)
   a = np.asarray(d(tokens)[0], np.float64)
   b = np.asarray(plain(tokens)[0], np.float64)
@@ -320,6 +339,33 @@ def test_deferred_norms_against_numpy(dtype):
   assert not isinstance(p.layers[0].post_attention_layernorm, dw.DeferredRMSNorm)
   no_head = dw.draft_model(m, {k: w for k, w in weights.items() if k != "lm_head"})
   assert not isinstance(no_head.norm, dw.DeferredRMSNorm)
+  # a draft of a draft: deferred norms are not wrapped twice, and defer_norms=False
+  # gives the target's norms back (the same weight Params)
+  again = dw.draft_model(d, {})
+  assert type(again.layers[0].input_layernorm.weight) is type(norm.weight)
+  assert isinstance(again.layers[0].input_layernorm, dw.DeferredRMSNorm)
+  undone = dw.draft_model(d, {}, defer_norms=False)
+  assert isinstance(undone.layers[0].input_layernorm, llama.RMSNorm)
+  assert isinstance(undone.norm, llama.RMSNorm)
+  np.testing.assert_array_equal(np.asarray(undone(tokens)[0], np.float64), b)
+
+
+def test_deferred_norm_in_float16_and_scaled_rows_copy():
+  """float16 rows ``x * w`` could overflow (65504) where the normalized rows do not:
+  a float16 input takes the plain norm (finite, equal to `models.llama.RMSNorm`).
+  `ScaledRows` is a NamedTuple (a pytree; copyable)."""
+  norm = llama.RMSNorm(64, eps=1e-5, dtype=jnp.float16)
+  norm.weight[...] = jnp.full((64,), 20.0, jnp.float16)
+  x = jnp.full((2, 64), 4000.0, jnp.float16).at[1].set(-3.0)
+  got = dw.DeferredRMSNorm(norm)(x)
+  assert not isinstance(got, dw.ScaledRows)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(norm(x)))
+  assert np.isfinite(np.asarray(got, np.float32)).all()
+  rows = dw.DeferredRMSNorm(norm)(x.astype(jnp.bfloat16))
+  assert isinstance(rows, dw.ScaledRows) and rows.dtype == jnp.bfloat16
+  assert copy.copy(rows).scale is rows.scale
+  leaves = jax.tree_util.tree_leaves(rows)
+  assert len(leaves) == 2 and leaves[1].dtype == jnp.float32
 
 
 @pytest.mark.parametrize("n_in,n_out,lead", [(256, 128, (1,)), (384, 256, (2, 3))])
