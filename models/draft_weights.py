@@ -66,6 +66,9 @@ _QKV = ("q_proj", "k_proj", "v_proj")
 _GATE_UP = ("gate_proj", "up_proj")
 # fused products: name -> the products it replaces (in its parent module)
 _FUSED = {"qkv_proj": _QKV, "gate_up_proj": _GATE_UP}
+# a decoder layer's norms -> (the submodule reading their output, its fused product)
+_LAYER_NORMS = {"input_layernorm": ("self_attn", "qkv_proj"),
+                "post_attention_layernorm": ("mlp", "gate_up_proj")}
 LAYOUTS = ("in_major", "out_major")
 
 
@@ -102,12 +105,11 @@ class DeferredRMSNorm(nnx.Module):
     self.eps = norm.eps
 
   def __call__(self, x: jax.Array) -> ScaledRows | jax.Array:
+    from models.llama import rms_norm, rms_scale  # pylint: disable=import-outside-toplevel
     if x.dtype == jnp.float16:
-      from models.llama import rms_norm  # pylint: disable=import-outside-toplevel
       return rms_norm(x, self.weight[...], self.eps)
-    xf = x.astype(jnp.float32)
-    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-    return ScaledRows((xf * self.weight[...].astype(jnp.float32)).astype(x.dtype), r)
+    rows = x.astype(jnp.float32) * self.weight[...].astype(jnp.float32)
+    return ScaledRows(rows.astype(x.dtype), rms_scale(x, self.eps))
 
   def plain(self):
     """The target's `models.llama.RMSNorm` over the same weight Param (outside a trace)."""
@@ -457,30 +459,27 @@ def _quantized(*modules) -> bool:
 def _defer_norms(draft) -> None:
   """`DeferredRMSNorm` in place of each of ``draft``'s norms whose consumers are all
   `QuantizedLinear` layers (a fused product, when present, is the one consumer)."""
-  def consumers(module, fused, parts):
-    one = getattr(module, fused, None)
-    return [one] if one is not None else [getattr(module, n, None) for n in parts]
-
   def defer(owner, name):
     if not isinstance(getattr(owner, name), DeferredRMSNorm):  # (a draft of a draft)
       setattr(owner, name, DeferredRMSNorm(getattr(owner, name)))
 
   for layer in draft.layers:
-    if _quantized(*consumers(layer.self_attn, "qkv_proj", _QKV)):
-      defer(layer, "input_layernorm")
-    if _quantized(*consumers(layer.mlp, "gate_up_proj", _GATE_UP)):
-      defer(layer, "post_attention_layernorm")
+    for name, (sub, fused) in _LAYER_NORMS.items():
+      module = getattr(layer, sub)
+      one = getattr(module, fused, None)
+      if _quantized(*([one] if one is not None else
+                      [getattr(module, n, None) for n in _FUSED[fused]])):
+        defer(layer, name)
   if _quantized(getattr(draft, "lm_head", None)):
     defer(draft, "norm")
 
 
 def _restore_norms(draft) -> None:
   """Each `DeferredRMSNorm` of ``draft`` replaced by the norm it wraps."""
-  for owner in [*draft.layers, draft]:
-    for name in ("input_layernorm", "post_attention_layernorm", "norm"):
-      norm = getattr(owner, name, None)
-      if isinstance(norm, DeferredRMSNorm):
-        setattr(owner, name, norm.plain())
+  for owner, names in [*((layer, _LAYER_NORMS) for layer in draft.layers), (draft, ["norm"])]:
+    for name in names:
+      if isinstance(getattr(owner, name, None), DeferredRMSNorm):
+        setattr(owner, name, getattr(owner, name).plain())
 
 
 def _module_at(root, path):

@@ -429,12 +429,16 @@ class RMSNorm(nnx.Module):
     return rms_norm(x, self.weight[...], self.eps)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-  """`RMSNorm`'s computation: ``weight * (x rsqrt(mean(x**2) + eps))`` with the
-  normalization in float32, cast back to x's dtype before the weight (HF's order)."""
+def rms_scale(x: jax.Array, eps: float) -> jax.Array:
+  """``rsqrt(mean(x**2) + eps)`` over the last axis in float32: ``[..., 1]``."""
   xf = x.astype(jnp.float32)
-  xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-  return weight * xf.astype(x.dtype)
+  return jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  """`RMSNorm`'s computation: ``weight * (x rms_scale(x))`` with the normalization
+  in float32, cast back to x's dtype before the weight (HF's order)."""
+  return weight * (x.astype(jnp.float32) * rms_scale(x, eps)).astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -1049,5 +1053,5 @@ def param_count(model: Llama) -> int:
 __all__ = [
     "CONFIGS", "Llama", "LlamaConfig", "RopeScaling", "RopeTable", "apply_rope", "causal_attention",
     "check_token_ids", "from_pretrained", "param_count", "quantize_weights", "random_model",
-    "rms_norm", "rope_table",
+    "rms_norm", "rms_scale", "rope_table",
 ]
