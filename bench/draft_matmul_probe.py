@@ -104,14 +104,12 @@ def mosaic_sweep(n_in, n_out, mqs, calls):
 
 
 def mosaic_ab(n_in, n_out, mqs, calls):
-  """The Mosaic kernel's default (folded) config with its x operand (``x_direct``),
-  code-tile row width and barrier placement toggled (`mosaic_int4_matmul`'s
-  ``x_direct``, ``wide_rows``, ``lean_barriers``)."""
+  """The Mosaic kernel's default (folded) config with its x operand (``x_direct``)
+  and code-tile row width toggled (`mosaic_int4_matmul`'s ``x_direct``,
+  ``wide_rows``)."""
   fns = {f"mosaic_{name}": (lambda x, w, _kw=kw: m4.mosaic_int4_matmul(x, *w, **_kw))
          for name, kw in (("new", {}), ("xprep", {"x_direct": False}),
-                          ("narrow", {"wide_rows": False}),
-                          ("heavy", {"lean_barriers": False}),
-                          ("old", {"wide_rows": False, "lean_barriers": False}))}
+                          ("narrow", {"wide_rows": False}))}
   return _time_variants(fns, mqs, n_in, n_out, calls)
 
 
@@ -125,7 +123,7 @@ def main(argv=None) -> int:
   p.add_argument("--mosaic-sweep", action="store_true",
                  help="also time the Mosaic kernel's split counts and depths at B=1")
   p.add_argument("--mosaic-ab", action="store_true",
-                 help="also time the Mosaic kernel with wide_rows / lean_barriers toggled")
+                 help="also time the Mosaic kernel with x_direct / wide_rows toggled")
   p.add_argument("--shapes", default=None, metavar="IN:OUT,...",
                  help="only these [in, out] shapes (default: Llama-3.1-8B's four)")
   p.add_argument("--out", default=None)

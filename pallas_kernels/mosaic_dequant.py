@@ -1170,7 +1170,7 @@ def warpgroup_barrier() -> None:
   body()
 
 
-def release_stages(body, lean_barriers: bool):
+def release_stages(body, lean_barriers: bool = True):
   """``body`` of an `plgpu.emit_pipeline` with a `warpgroup_barrier` after it when
   ``lean_barriers`` (the kernel compiled with ``unsafe_no_auto_barriers``): every
   warp has waited for the step's MMAs and read its stage before the pipeline

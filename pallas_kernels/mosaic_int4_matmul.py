@@ -156,11 +156,11 @@ def _operands(x, rows: int, n: int):
 
 
 @functools.partial(jax.jit, static_argnames=("group", "num_splits", "stages", "fold",
-                                             "wide_rows", "lean_barriers", "x_direct"))
+                                             "wide_rows", "x_direct"))
 def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: jax.Array, *,
                        group: int = GROUP, num_splits: int | None = None,
                        stages: int = 3, fold: bool = True, wide_rows: bool = True,
-                       lean_barriers: bool = True, x_direct: bool | None = None) -> jax.Array:
+                       x_direct: bool | None = None) -> jax.Array:
   """``x @ W`` for a 4-bit group-wise ``W`` (Hopper).
 
   Args:
@@ -185,10 +185,6 @@ def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: j
       each; `mosaic_attention.wide_view`), as the attention kernel's
       (`MosaicAttentionConfig.wide_rows`); for this product it made no
       measurable difference (H200, B = 1: 13.5-14.9 us either way).
-    lean_barriers: compiled without Pallas's automatic barriers (one before
-      each of a step's TMA copies), with one explicit barrier per step after
-      every warp has waited for its MMA, before the stage is refilled
-      (`MosaicAttentionConfig.lean_barriers`); no measurable difference either.
     x_direct: (default: ``fold``; True needs ``fold``) the pipeline reads x
       itself (``[rows, in]`` in bf16, a ``[N, 128]`` box per group; TMA fills
       the rows past ``rows`` with zeros) and the accumulator takes the ``2**K_SHIFT`` at the end, so
@@ -275,8 +271,8 @@ def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: j
 
     if fold:
       def run(acc_ref):
-        plgpu.emit_pipeline(mosaic_dequant.release_stages(functools.partial(folded_body, acc_ref),
-                                                          lean_barriers), grid=(per_split,),
+        plgpu.emit_pipeline(mosaic_dequant.release_stages(functools.partial(folded_body, acc_ref)),
+                            grid=(per_split,),
                             in_specs=specs, max_concurrent_steps=stages)(
                                 codes_gmem, scale_gmem, zero_gmem, x_gmem)
         return acc_ref[...]
@@ -284,7 +280,7 @@ def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: j
       acc = pl.run_scoped(run, plgpu.ACC((bo, n), f32))
     else:
       acc0 = plgpu.layout_cast(jnp.zeros((bo, n), f32), plgpu.Layout.WGMMA)
-      acc = plgpu.emit_pipeline(mosaic_dequant.release_stages(body, lean_barriers),
+      acc = plgpu.emit_pipeline(mosaic_dequant.release_stages(body),
                                 grid=(per_split,), in_specs=specs,
                                 max_concurrent_steps=stages, init_carry=acc0)(
                                     codes_gmem, scale_gmem, zero_gmem, x_gmem, sum_gmem)
@@ -304,7 +300,12 @@ def mosaic_int4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, zero: j
       grid_names=("o", "s"),
       compiler_params=plgpu.CompilerParams(approx_math=True,
                                            lowering_semantics=ma._SEMANTICS,  # pylint: disable=protected-access
-                                           unsafe_no_auto_barriers=lean_barriers),
+                                           # one barrier per step (release_stages), none
+                                           # of Pallas's: with Pallas's automatic barriers
+                                           # and x read directly, the H200 returned wrong
+                                           # products (2 of 4 draft shapes, 2026-11-29;
+                                           # draft-matmul-int4-overlap-ab-*)
+                                           unsafe_no_auto_barriers=True),
       kernel_name="jaxkv_mosaic_int4_matmul" + ("_folded" if fold else ""),
   )(codes, scale, zero, xs, *(() if fold else (sums,)))
   return part.sum(axis=0).T[:rows].reshape(*lead, n_out)

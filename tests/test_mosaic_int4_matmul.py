@@ -135,17 +135,18 @@ def test_kernel(n_in, n_out, lead, splits, fold):
   np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("fold", [False, True])
-def test_row_width_and_barriers_leave_the_product_unchanged(fold):
-  """``wide_rows`` (code tiles as 128-byte rows) and ``lean_barriers`` (one explicit
-  barrier per pipeline step) read the same bytes into the same registers: the
-  product is bit for bit the one of 64-byte rows with Pallas's barriers; so is
-  ``x_direct=False`` (x prepared as scaled, padded tiles by XLA)."""
-  n_in, n_out, lead = 512, 384, (5,)
+@pytest.mark.parametrize("fold,n_in,n_out,lead", [(False, 512, 384, (5,)), (True, 512, 384, (5,)),
+                                                  (True, 4096, 14336, (1,))])
+def test_row_width_leaves_the_product_unchanged(fold, n_in, n_out, lead):
+  """``wide_rows`` (code tiles as 128-byte rows) reads the same bytes into the
+  same registers: the product is bit for bit the one of 64-byte rows; so is
+  ``x_direct=False`` (x prepared as scaled, padded tiles by XLA). At a draft
+  width each product is run three times: with Pallas's automatic barriers the
+  H200 returned wrong products there now and then (2026-11-29)."""
   packed, scale, zero = _weight(jax.random.PRNGKey(11), n_in, n_out)
   x = jax.random.normal(jax.random.PRNGKey(12), (*lead, n_in)).astype(jnp.bfloat16)
   codes = mm.transpose_packed(packed)
-  combos = [dict(wide_rows=w, lean_barriers=b) for w in (True, False) for b in (True, False)]
+  combos = [dict(wide_rows=True), dict(wide_rows=False)]
   if fold:  # x read as it is, the 2**K_SHIFT on the accumulator: the same bits
     combos += [dict(x_direct=False)]
   if not ON_HOPPER:
@@ -155,7 +156,9 @@ def test_row_width_and_barriers_leave_the_product_unchanged(fold):
       assert "mosaic_gpu" in jax.jit(fn).trace(x, codes, scale, zero).lower(
           lowering_platforms=("cuda",)).as_text()
     return
+  reps = 3 if n_out > 1024 else 1
   outs = [np.asarray(mm.mosaic_int4_matmul(x, codes, scale, zero, num_splits=2, fold=fold, **kw))
-          for kw in combos]
+          for kw in combos for _ in range(reps)]
+  combos = [kw for kw in combos for _ in range(reps)]
   for kw, out in zip(combos[1:], outs[1:]):
     np.testing.assert_array_equal(out, outs[0], err_msg=str(kw))
