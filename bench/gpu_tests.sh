@@ -26,7 +26,8 @@ all_tests="tests/test_pallas_kernels.py tests/test_mosaic_attention.py
   tests/test_autotune.py tests/test_cache.py tests/test_model_cache.py tests/test_vq_attention.py
   tests/test_quantspec.py tests/test_chunked_prefill.py tests/test_mosaic_dequant.py tests/test_combine_t.py
   tests/test_mosaic_vq_attention.py tests/test_vq_model.py tests/test_sink_kernels.py tests/test_sink_tokens.py
-  tests/test_triton_offsets.py"
+  tests/test_triton_offsets.py tests/test_int4_matmul.py tests/test_mosaic_int4_matmul.py
+  tests/test_speculative.py tests/test_range.py tests/test_sink_prefix.py tests/test_hlo_copies.py"
 # shellcheck disable=SC2086  # the list is split on whitespace on purpose
 JAXKV_TEST_GPU=1 timeout "$ttest" python3 -m pytest -v -p no:cacheprovider "${par[@]}" \
   --durations=10 ${JAXKV_GPU_TESTS:-$all_tests} 2>&1 \
