@@ -197,7 +197,13 @@ def test_mosaic_attention(name, b, hkv, group, d, s, lengths, capacity, dtype):
   rescale_twin = dataclasses.replace(twins[0], lazy_rescale=False)
   # The -inf guards kept on the unmasked steps: dead there, the same output.
   guard_twin = dataclasses.replace(twins[0], unmasked_guards=not twins[0].unmasked_guards)
-  configs += [mask_twin, rescale_twin, guard_twin]
+  # The lazy max's check by each thread's column max first: the same decision,
+  # the same output bit for bit. Natural-log scores (q without log2(e), a
+  # multiply per score before ex2): another rounding of q, checked against the
+  # oracle like every config.
+  max_twin = dataclasses.replace(twins[0], thread_max_check=not twins[0].thread_max_check)
+  log2_twin = dataclasses.replace(twins[0], log2_scores=not twins[0].log2_scores)
+  configs += [mask_twin, rescale_twin, guard_twin, max_twin, log2_twin]
   outs = _checked_outputs(q, cache, lengths, configs, dtype)
   if outs is None:
     return
@@ -207,6 +213,7 @@ def test_mosaic_attention(name, b, hkv, group, d, s, lengths, capacity, dtype):
   np.testing.assert_array_equal(outs[barrier_twin], outs[twins[0]])
   np.testing.assert_array_equal(outs[mask_twin], outs[twins[0]])
   np.testing.assert_array_equal(outs[guard_twin], outs[twins[0]])
+  np.testing.assert_array_equal(outs[max_twin], outs[twins[0]])
   ulp = 2.0 ** -(7 if dtype == jnp.bfloat16 else 10)  # one unit, relative
   for other in (twins[1], byte_twin):
     a, b = outs[twins[0]], outs[other]
