@@ -194,12 +194,10 @@ class MosaicAttentionConfig:
       ``s - m`` (natural units: ``(s - m) * log2(e)`` first, a multiply per
       score); the partials' max is written back in natural units (times
       ``ln 2``), so the combine kernels and ``return_lse`` see the same
-      statistics. Not with float16 caches, whose q could overflow.
-    thread_max_check: (with ``lazy_max``) the lazy step's "any score above the
-      reference + margin" takes each thread's column max first
-      (`mosaic_dequant.warpgroup_any_above`: one ``max`` per score instead of
-      a compare, a select and an ``or``); the same decision, bit for bit the
-      same output.
+      statistics. Not with float16 caches, whose q could overflow. H200,
+      main kernel: 1.1-1.2 % faster at (188, 32768) for kivi2 / kivi4 and
+      1-2 % at (8, 32768) and the 5-query target view, within noise at one
+      sequence (`bench/results/mosaic-NOTES.md`, 2026-11-29).
 
   Searched around the heuristic by `bench/attention.py` (``mosaic_configs``:
   num_splits x1/2, x1, x2, max_concurrent_steps 2 or 4, block_k 128); the
@@ -228,7 +226,6 @@ class MosaicAttentionConfig:
   lazy_rescale: bool = True
   unmasked_guards: bool = False
   log2_scores: bool = True
-  thread_max_check: bool = True
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -1128,7 +1125,7 @@ LN2 = 0.6931471805599453    # ln(2): a base-2 max times this is the natural-log 
 
 
 def new_max(s, m_i, colmax, flag_smem=None, state=None, rescale=None, guard: bool = True,
-            log2: bool = False, thread_max: bool = False):
+            log2: bool = False):
   """``(m_new, alpha)`` of an online-softmax step over scores ``s [bk, N]``
   (tokens on rows, masked to -inf) with running reference ``m_i [N]``.
 
@@ -1145,8 +1142,6 @@ def new_max(s, m_i, colmax, flag_smem=None, state=None, rescale=None, guard: boo
   ``guard=False``: the scores are finite (no ``-inf`` new max to guard).
   ``log2``: scores and max in base-2 units (``alpha = 2**(m_i - m_new)``, the
   margin `LAZY_MARGIN` ``* log2(e)``: the same bound on ``p``).
-  ``thread_max``: the lazy check through `mosaic_dequant.warpgroup_any_above`
-  (``s`` in the WGMMA layout; the same decision).
   """
   exp = jnp.exp2 if log2 else jnp.exp
 
@@ -1158,10 +1153,7 @@ def new_max(s, m_i, colmax, flag_smem=None, state=None, rescale=None, guard: boo
   if flag_smem is None:
     return exact(s, m_i, state)
   bound = lax.broadcast_in_dim(m_i + LAZY_MARGIN * (LOG2E if log2 else 1.0), s.shape, [1])
-  if thread_max:
-    mosaic_dequant.warpgroup_any_above(s, bound, flag_smem)
-  else:
-    mosaic_dequant.warpgroup_any((s > bound).astype(jnp.int32), flag_smem)
+  mosaic_dequant.warpgroup_any((s > bound).astype(jnp.int32), flag_smem)
   if rescale is None:
     one = plgpu.layout_cast(jnp.ones(m_i.shape, jnp.float32), plgpu.Layout.WGMMA.reduce(0))
     keep = lambda s, m, st: (m, one)  # noqa: E731
@@ -1172,7 +1164,7 @@ def new_max(s, m_i, colmax, flag_smem=None, state=None, rescale=None, guard: boo
 
 def masked_softmax(s, m_i, *, token0, valid_below, row_limit, colmax, flag_smem=None,
                    masked: bool = True, state=None, rescale=None, guards: bool = True,
-                   log2: bool = False, thread_max: bool = False):
+                   log2: bool = False):
   """``(p, m_new, alpha)`` of one online-softmax step over scores ``s [bk, N]``
   of tokens ``token0 + [0, bk)``: tokens ``>= valid_below`` or past a query
   row's causal limit (``row_limit [N]``) are masked, then `new_max` (``colmax``
@@ -1181,8 +1173,8 @@ def masked_softmax(s, m_i, *, token0, valid_below, row_limit, colmax, flag_smem=
   ``masked=False``: the caller knows every query row sees every token of the
   block (no masks). ``state`` / ``rescale``: `new_max`'s (then ``(p, m_new,
   state)`` is returned). ``guards=False`` (with ``masked=False`` only): the
-  scores are finite, so no ``-inf`` running max needs guarding. ``log2``,
-  ``thread_max``: `new_max`'s (``p = 2**(s - m_new)`` with ``log2``).
+  scores are finite, so no ``-inf`` running max needs guarding. ``log2``:
+  `new_max`'s (``p = 2**(s - m_new)``).
   """
   bk, n_rows = s.shape
   if masked:
@@ -1190,8 +1182,8 @@ def masked_softmax(s, m_i, *, token0, valid_below, row_limit, colmax, flag_smem=
     lim = lax.broadcast_in_dim(row_limit, (bk, n_rows), [1])
     s = jnp.where((tok < valid_below) & (tok <= lim), s, -jnp.inf)
   guard = guards or masked
-  m_new, alpha = new_max(s, m_i, colmax, flag_smem, state, rescale, guard, log2,
-                         thread_max)                             # [N] (or the state)
+  m_new, alpha = new_max(s, m_i, colmax, flag_smem, state, rescale, guard,
+                         log2)                                   # [N] (or the state)
   m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if guard else m_new
   exp = jnp.exp2 if log2 else jnp.exp
   return exp(s - lax.broadcast_in_dim(m_safe, s.shape, [1])), m_new, alpha
@@ -1495,8 +1487,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
         s, m_i, token0=token0, valid_below=valid_below, row_limit=row_limit,
         colmax=lambda x: x.max(axis=0), flag_smem=flag_smem if config.lazy_max else None,
         masked=masked, state=(acc, l_i, z_i) if lazy else None,
-        rescale=rescale if lazy else None, guards=config.unmasked_guards, log2=log2,
-        thread_max=config.thread_max_check)
+        rescale=rescale if lazy else None, guards=config.unmasked_guards, log2=log2)
     acc, l_i, z_i = out if lazy else rescale((acc, l_i, z_i), out)     # out: alpha if not lazy
     l_i = l_i + p                                              # row sums deferred
     if packed_v and fold_v:

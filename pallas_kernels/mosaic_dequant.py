@@ -12,8 +12,7 @@
   one conflict-free ``ld.shared`` per code (`vq_book_rows`, `vq_permutation`,
   oracle `gather_reference`);
 - `widen_columns`, `warpgroup_any` (an OR over a warpgroup in one
-  ``bar.red``), `warpgroup_any_above` (any element above a column bound, one
-  ``max`` per element).
+  ``bar.red``).
 
 `dequant_codes` (`bench/results/mosaic-NOTES.md`, "v3"): the packed K tile of the cache, ``[64, D/2]`` bytes in shared memory
 (planar nibbles: byte ``b`` of a row holds channel ``b`` in its low nibble
@@ -1187,29 +1186,15 @@ def release_stages(body, lean_barriers: bool = True):
   return released
 
 
-def _warpgroup_or(acc, ref) -> None:
-  """OR of the int32 ``acc`` over this warpgroup's 128 threads, stored by every
-  thread into ``ref[0]``: one ``bar.red.or.pred`` on the warpgroup's named
-  barrier (as Mosaic's warpgroup barrier) synchronizes and reduces at once.
-  Called inside an `plgpu.inline_mgpu` body."""
-  i32 = ir.IntegerType.get_signless(32)
-  bar = arith.addi(mgpu_utils.warpgroup_idx(sync=False), mgpu_utils.c(1, i32))
-  flag = llvm.inline_asm(
-      i32, [acc, bar],
-      "{\n.reg .pred p, q;\nsetp.ne.u32 p, $1, 0;\nbar.red.or.pred q, $2, 128, p;\n"
-      "selp.u32 $0, 1, 0, q;\n}", "=r,r,r", has_side_effects=True)
-  memref.store(flag, ref, [arith.constant(ir.IndexType.get(), 0)])
-
-
 def warpgroup_any(flags, flag_smem) -> None:
   """OR of a WGMMA-layout int32 array over this warpgroup, into ``flag_smem[0]``.
 
   Each thread ORs its registers, then one ``bar.red.or.pred`` over the
-  warpgroup's 128 threads (`_warpgroup_or`) both synchronizes and reduces:
-  one barrier instead of a shared-memory exchange between two barriers.
-  Every thread stores the same value, so ``flag_smem[0]`` read right after is
-  the warpgroup-uniform answer (``flag_smem``: a ``[1]`` int32 smem ref of
-  this warpgroup's own).
+  warpgroup's 128 threads (its named barrier, as Mosaic's warpgroup barrier)
+  both synchronizes and reduces: one barrier instead of a shared-memory
+  exchange between two barriers. Every thread stores the same value, so
+  ``flag_smem[0]`` read right after is the warpgroup-uniform answer
+  (``flag_smem``: a ``[1]`` int32 smem ref of this warpgroup's own).
   """
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
   def body(_, arr, ref):
@@ -1218,43 +1203,14 @@ def warpgroup_any(flags, flag_smem) -> None:
     for reg in arr.registers.flat:
       for k in range(ir.VectorType(reg.type).shape[0]):
         acc = arith.ori(acc, vector.extract(reg, [], [k]))
-    _warpgroup_or(acc, ref)
+    bar = arith.addi(mgpu_utils.warpgroup_idx(sync=False), mgpu_utils.c(1, i32))
+    flag = llvm.inline_asm(
+        i32, [acc, bar],
+        "{\n.reg .pred p, q;\nsetp.ne.u32 p, $1, 0;\nbar.red.or.pred q, $2, 128, p;\n"
+        "selp.u32 $0, 1, 0, q;\n}", "=r,r,r", has_side_effects=True)
+    memref.store(flag, ref, [arith.constant(ir.IndexType.get(), 0)])
 
   body(flags, flag_smem)
-
-
-def warpgroup_any_above(s, bound, flag_smem) -> None:
-  """Whether any element of ``s [M, N]`` (float32, WGMMA layout) exceeds
-  ``bound [M, N]`` (the same layout, equal along M: a broadcast column bound),
-  over this warpgroup, into ``flag_smem[0]`` as 0 / 1.
-
-  The answer of `warpgroup_any` of ``(s > bound).astype(int32)``, with fewer
-  instructions: a thread's registers of one column tile (index 1 of the
-  register array: columns ``8 j + 2 (lane % 4) + {0, 1}``) hold the same two
-  columns, so it takes their max first (``maxnum``: a NaN element is
-  dropped, as ``NaN > b`` is false) and compares once per column tile with
-  the bound's register of that tile: per element one ``max`` instead of a
-  compare, a select and an ``or``.
-  """
-  if len(s.shape) != 2 or s.shape != bound.shape:
-    raise ValueError(f"s {s.shape} and bound {bound.shape} must be one [M, N] shape")
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.RefType()))
-  def body(_, arr, bnd, ref):
-    i32 = ir.IntegerType.get_signless(32)
-    regs, bregs = arr.registers, bnd.registers
-    if regs.shape != bregs.shape:
-      raise ValueError(f"register arrays {regs.shape} / {bregs.shape} differ")
-    acc = mgpu_utils.c(0, i32)
-    for j in range(regs.shape[1]):
-      tile = list(regs[:, j].flat)
-      top = functools.reduce(arith.maxnumf, tile)
-      above = arith.cmpf(arith.CmpFPredicate.OGT, top, bregs[:, j].flat[0])
-      for k in range(ir.VectorType(above.type).shape[0]):
-        acc = arith.ori(acc, arith.extui(i32, vector.extract(above, [], [k])))
-    _warpgroup_or(acc, ref)
-
-  body(s, bound, flag_smem)
 
 
 def _copy_in(pairs, barrier) -> None:
@@ -1521,6 +1477,5 @@ __all__ = ["K_SHIFT", "P_SHIFT", "SUBNORMAL_EXP", "code_permutation", "dequant_c
            "gather_reference", "probe_dequant", "probe_gather", "probe_pv", "probe_scores",
            "registers_reference", "registers_t_reference", "scale_halves", "fold_k_operands",
            "code_column_exponents", "probe_fold_scores", "FOLD_SHIFT", "FOLD_BIAS_COLUMNS", "vq_book_rows",
-           "vq_permutation", "vt_permutation", "vt_row_factors", "warpgroup_any", "warpgroup_any_above",
-           "widen_columns",
+           "vq_permutation", "vt_permutation", "vt_row_factors", "warpgroup_any", "widen_columns",
            "WIDE_ROW", "fits_wide_row", "release_stages", "warpgroup_barrier"]
