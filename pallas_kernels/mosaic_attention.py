@@ -188,6 +188,16 @@ class MosaicAttentionConfig:
       handed to the others by ``shfl.sync`` (`mosaic_dequant.dequant_codes`):
       per thread and tile 4 pair conversions and 32 shuffles instead of 32
       conversions. Same registers.
+    log2_scores: (tokens_m, a bfloat16 cache; VQ keeps natural units) q carries
+      ``log2(e)`` beside the softmax scale, so the scores, the running max and
+      `LAZY_MARGIN` are in base-2 units and each weight is one ``ex2`` of
+      ``s - m`` (natural units: ``(s - m) * log2(e)`` first, a multiply per
+      score); the partials' max is written back in natural units (times
+      ``ln 2``), so the combine kernels and ``return_lse`` see the same
+      statistics. Not with float16 caches, whose q could overflow. H200,
+      main kernel: 1.1-1.2 % faster at (188, 32768) for kivi2 / kivi4 and
+      1-2 % at (8, 32768) and the 5-query target view, within noise at one
+      sequence (`bench/results/mosaic-NOTES.md`, 2026-11-29).
 
   Searched around the heuristic by `bench/attention.py` (``mosaic_configs``:
   num_splits x1/2, x1, x2, max_concurrent_steps 2 or 4, block_k 128); the
@@ -215,6 +225,7 @@ class MosaicAttentionConfig:
   edge_masks: bool = True
   lazy_rescale: bool = True
   unmasked_guards: bool = False
+  log2_scores: bool = True
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -599,12 +610,14 @@ def _program_start(lengths_gmem, row0_gmem, q_gmem, q_smem, barrier, *, kv_heads
   return bh, cb, h, j, length, packed, row_limit
 
 
-def _write_partials(acc, l_i, m_i, o_smem, lm_smem, o_gmem, l_gmem, m_gmem, idx, rows=None):
+def _write_partials(acc, l_i, m_i, o_smem, lm_smem, o_gmem, l_gmem, m_gmem, idx, rows=None,
+                    log2: bool = False):
   """Stores one program's unnormalized output and softmax statistics (first
-  ``rows`` rows of the smem tiles when given) to its slot ``idx`` in HBM."""
+  ``rows`` rows of the smem tiles when given) to its slot ``idx`` in HBM; a
+  base-2 max (``log2``) is written in natural-log units."""
   o_smem[...] = acc
   lm_smem[0] = l_i
-  lm_smem[1] = m_i
+  lm_smem[1] = m_i * LN2 if log2 else m_i
   plgpu.commit_smem()
   part = slice(None) if rows is None else pl.ds(0, rows)
   plgpu.copy_smem_to_gmem(o_smem.at[part], o_gmem.at[idx])
@@ -892,7 +905,9 @@ def mosaic_decode_attention(
   # ~20 % at (8, 32768, 32, 8) with it on an H200 (kivi2 gained 5-7 %).
   n_pad = (_rows_n(q_rows, smallest=8 if _register_k(config, k_side, head_dim, dtype) else 16)
            if config.tokens_m else _M)
-  qh = query_rows(q, kv_heads, sm_scale, dtype, n_pad)
+  # base-2 scores (`MosaicAttentionConfig.log2_scores`): log2(e) rides on q
+  log2 = config.tokens_m and config.log2_scores and dtype == jnp.bfloat16
+  qh = query_rows(q, kv_heads, sm_scale * LOG2E if log2 else sm_scale, dtype, n_pad)
   # Per-token scale/zero with one group per head: [B, H, C] so TMA boxes are rows.
   def squeeze_token(x, side):
     if x is None or side.axis != "token":
@@ -923,7 +938,7 @@ def mosaic_decode_attention(
         arrays_of(v_codes, v_scale, v_zero, v_side), k_residual, v_residual, lengths,
         k_side=k_side, v_side=v_side, token_group=token_group, residual=residual,
         num_queries=num_queries, q_rows=q_rows, config=config, dtype=dtype, row0=row0,
-        skip_tokens=skip_tokens, plane_block=plane_block, target_view=target_view)
+        skip_tokens=skip_tokens, plane_block=plane_block, target_view=target_view, log2=log2)
     # One combine kernel reads the O^T partials as they are: with register_v
     # the packed programs' rows are in the MMA's V column order (channel c at
     # row argsort(perm)[c]), the residual programs' in channel order.
@@ -1105,9 +1120,12 @@ def _combine(o, l, m):
 # ----------------------------------------------------------------------------
 
 LAZY_MARGIN = 8.0  # natural-log units: p = exp(s - m) <= e^8 ~ 2981 between rescales
+LOG2E = 1.4426950408889634  # log2(e): natural-log scores times this are base-2 scores
+LN2 = 0.6931471805599453    # ln(2): a base-2 max times this is the natural-log one
 
 
-def new_max(s, m_i, colmax, flag_smem=None, state=None, rescale=None, guard: bool = True):
+def new_max(s, m_i, colmax, flag_smem=None, state=None, rescale=None, guard: bool = True,
+            log2: bool = False):
   """``(m_new, alpha)`` of an online-softmax step over scores ``s [bk, N]``
   (tokens on rows, masked to -inf) with running reference ``m_i [N]``.
 
@@ -1122,16 +1140,20 @@ def new_max(s, m_i, colmax, flag_smem=None, state=None, rescale=None, guard: boo
   is rescaled in the exact update only and ``(m_new, state)`` is returned:
   the lazy steps that keep the reference skip the multiplies by one.
   ``guard=False``: the scores are finite (no ``-inf`` new max to guard).
+  ``log2``: scores and max in base-2 units (``alpha = 2**(m_i - m_new)``, the
+  margin `LAZY_MARGIN` ``* log2(e)``: the same bound on ``p``).
   """
+  exp = jnp.exp2 if log2 else jnp.exp
+
   def exact(s, m_i, state):
     m_new = jnp.maximum(m_i, colmax(s))
-    alpha = jnp.exp(m_i - (jnp.where(m_new == -jnp.inf, 0.0, m_new) if guard else m_new))
+    alpha = exp(m_i - (jnp.where(m_new == -jnp.inf, 0.0, m_new) if guard else m_new))
     return (m_new, alpha) if rescale is None else (m_new, rescale(state, alpha))
 
   if flag_smem is None:
     return exact(s, m_i, state)
-  above = s > lax.broadcast_in_dim(m_i + LAZY_MARGIN, s.shape, [1])
-  mosaic_dequant.warpgroup_any(above.astype(jnp.int32), flag_smem)
+  bound = lax.broadcast_in_dim(m_i + LAZY_MARGIN * (LOG2E if log2 else 1.0), s.shape, [1])
+  mosaic_dequant.warpgroup_any((s > bound).astype(jnp.int32), flag_smem)
   if rescale is None:
     one = plgpu.layout_cast(jnp.ones(m_i.shape, jnp.float32), plgpu.Layout.WGMMA.reduce(0))
     keep = lambda s, m, st: (m, one)  # noqa: E731
@@ -1141,7 +1163,8 @@ def new_max(s, m_i, colmax, flag_smem=None, state=None, rescale=None, guard: boo
 
 
 def masked_softmax(s, m_i, *, token0, valid_below, row_limit, colmax, flag_smem=None,
-                   masked: bool = True, state=None, rescale=None, guards: bool = True):
+                   masked: bool = True, state=None, rescale=None, guards: bool = True,
+                   log2: bool = False):
   """``(p, m_new, alpha)`` of one online-softmax step over scores ``s [bk, N]``
   of tokens ``token0 + [0, bk)``: tokens ``>= valid_below`` or past a query
   row's causal limit (``row_limit [N]``) are masked, then `new_max` (``colmax``
@@ -1150,7 +1173,8 @@ def masked_softmax(s, m_i, *, token0, valid_below, row_limit, colmax, flag_smem=
   ``masked=False``: the caller knows every query row sees every token of the
   block (no masks). ``state`` / ``rescale``: `new_max`'s (then ``(p, m_new,
   state)`` is returned). ``guards=False`` (with ``masked=False`` only): the
-  scores are finite, so no ``-inf`` running max needs guarding.
+  scores are finite, so no ``-inf`` running max needs guarding. ``log2``:
+  `new_max`'s (``p = 2**(s - m_new)``).
   """
   bk, n_rows = s.shape
   if masked:
@@ -1158,9 +1182,11 @@ def masked_softmax(s, m_i, *, token0, valid_below, row_limit, colmax, flag_smem=
     lim = lax.broadcast_in_dim(row_limit, (bk, n_rows), [1])
     s = jnp.where((tok < valid_below) & (tok <= lim), s, -jnp.inf)
   guard = guards or masked
-  m_new, alpha = new_max(s, m_i, colmax, flag_smem, state, rescale, guard)  # [N] (or the state)
+  m_new, alpha = new_max(s, m_i, colmax, flag_smem, state, rescale, guard,
+                         log2)                                   # [N] (or the state)
   m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if guard else m_new
-  return jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [1])), m_new, alpha
+  exp = jnp.exp2 if log2 else jnp.exp
+  return exp(s - lax.broadcast_in_dim(m_safe, s.shape, [1])), m_new, alpha
 
 
 _MAGIC = {jnp.dtype(jnp.bfloat16): (0x4300, 128.0), jnp.dtype(jnp.float16): (0x6400, 1024.0)}
@@ -1285,7 +1311,8 @@ def unflatten_partials(parts, batch: int, kv_heads: int) -> list:
 
 def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_side, v_side,
                    token_group, residual, num_queries, q_rows, config, dtype, row0, vq=None,
-                   skip_tokens: int = 0, plane_block: int = 0, target_view: bool = False):
+                   skip_tokens: int = 0, plane_block: int = 0, target_view: bool = False,
+                   log2: bool = False):
   """The v2 kernel; returns partials ``o [B,H,P,D,N_pv], l, m [B,H,P,N]``
   (``P = J + R / block_k``: the splits', then the residual tiles', `residual_parts`).
 
@@ -1299,6 +1326,8 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
   value MMA's operand with the same affine folded into P.
 
   ``row0``: ``[1]`` int32, the cache arrays' row of sequence 0 (`stacked_rows`).
+
+  ``log2``: ``qh`` and ``q_res`` carry ``log2(e)`` (`MosaicAttentionConfig.log2_scores`).
 
   ``qh`` is what the packed programs multiply K by (channels permuted with
   `register_k` or ``vq``), ``q_res`` what the residual program does (channel
@@ -1458,7 +1487,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
         s, m_i, token0=token0, valid_below=valid_below, row_limit=row_limit,
         colmax=lambda x: x.max(axis=0), flag_smem=flag_smem if config.lazy_max else None,
         masked=masked, state=(acc, l_i, z_i) if lazy else None,
-        rescale=rescale if lazy else None, guards=config.unmasked_guards)
+        rescale=rescale if lazy else None, guards=config.unmasked_guards, log2=log2)
     acc, l_i, z_i = out if lazy else rescale((acc, l_i, z_i), out)     # out: alpha if not lazy
     l_i = l_i + p                                              # row sums deferred
     if packed_v and fold_v:
@@ -1539,7 +1568,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
 
       def write(o_smem, lm_smem):
         _write_partials(acc, l_sum, m_i, o_smem, lm_smem, o_gmem, l_gmem, m_gmem,
-                        bh * grid_j + j)
+                        bh * grid_j + j, log2=log2)
 
       pl.run_scoped(write, plgpu.SMEM((head_dim, n_pv), f32), plgpu.SMEM((2, n_rows), f32))
 
