@@ -4,7 +4,9 @@
 a ``mode``: ``full`` (dequant + MMA, as the kernel), ``mma_const`` (the MMA on constant
 registers: no code tile read into registers, no dequant), ``copy`` (the four
 TMA copies per step, no work), ``copy_h`` (the same with bf16 scale / zero),
-``codes`` (the code tiles alone); ``k`` groups per copy (a 3-D box);
+``codes`` (the code tiles alone); ``full_joint`` / ``copy_joint`` (``full`` /
+``copy`` with each tile's scale and zero rows in one 1 KB box: three copies
+per step instead of four); ``k`` groups per copy (a 3-D box);
 ``stream_codes`` / ``stream_copy`` (`stream`: a fixed number of persistent
 programs with equal runs of steps; ``PROBE_STREAM_ONLY=1`` times only these
 beside the default). Times
@@ -51,10 +53,17 @@ def probe(x, codes, scale, zero, *, mode, splits, stages, k=1):
   xs = x.astype(jnp.bfloat16)
   sdt = jnp.bfloat16 if mode.endswith("_h") else jnp.float32
   scale = scale.astype(sdt); zero = zero.astype(sdt)
+  joint = mode.endswith("_joint")
+  if joint:  # row (group, tile): the tile's 128 scales, then its 128 zeros
+    tiles = n_out // BO
+    scale = jnp.stack([scale.reshape(groups, tiles, BO), zero.reshape(groups, tiles, BO)],
+                      axis=2).reshape(groups * tiles, 2 * BO)
   x_tf = ma._tiled(64, 16)
   steps = per_split // k
 
-  def kernel(codes_gmem, scale_gmem, zero_gmem, x_gmem, out_gmem):
+  def kernel(*refs):
+    codes_gmem, scale_gmem, *zero_gmem, x_gmem, out_gmem = refs  # no zero array: joint
+    zero_gmem = zero_gmem[0] if zero_gmem else None
     o = lax.axis_index("o")
     first = lax.axis_index("s") * per_split
     cspec = (plgpu.BlockSpec((code_rows, 128), lambda i: ((first + i) * (n_out // BO) + o, 0))
@@ -67,9 +76,16 @@ def probe(x, codes, scale, zero, *, mode, splits, stages, k=1):
     ins = [codes_gmem, scale_gmem, zero_gmem, x_gmem]
     if mode.startswith("codes"):
       specs, ins = specs[:1], ins[:1]
+    if joint:
+      specs = [cspec, plgpu.BlockSpec((1, 2 * BO), lambda i: ((first + i) * (n_out // BO) + o, 0)),
+               specs[3]]
+      ins = [codes_gmem, scale_gmem, x_gmem]
 
     def body(acc_ref, *refs):
-      if mode == "full":
+      if joint:  # the (1, 256) row's halves as the kernel's scale / zero rows
+        _, c, sz, xr = refs
+        refs = (None, c, sz.at[:, pl.ds(0, BO)], sz.at[:, pl.ds(BO, BO)], xr)
+      if mode in ("full", "full_joint"):
         _, c, s, z, xr = refs
         a = mosaic_dequant.dequant_codes_rows(c, s, z)
         plgpu.wgmma(acc_ref, a, ma._t(xr))
@@ -89,7 +105,7 @@ def probe(x, codes, scale, zero, *, mode, splits, stages, k=1):
     acc = pl.run_scoped(run, plgpu.ACC((BO, n), jnp.float32))
 
     def write(o_smem):
-      o_smem[...] = acc * (2.0 ** mosaic_dequant.K_SHIFT) if mode == "full" else acc
+      o_smem[...] = acc * (2.0 ** mosaic_dequant.K_SHIFT) if mode.startswith("full") else acc
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[lax.axis_index("s"), pl.ds(o * BO, BO)])
       plgpu.wait_smem_to_gmem(0)
@@ -99,7 +115,8 @@ def probe(x, codes, scale, zero, *, mode, splits, stages, k=1):
                       grid=(n_out // BO, splits), grid_names=("o", "s"),
                       compiler_params=plgpu.CompilerParams(approx_math=True,
                           lowering_semantics=ma._SEMANTICS, unsafe_no_auto_barriers=True),
-                      kernel_name=f"probe_{mode}")(codes3 if k > 1 else codes2, scale, zero, xs)
+                      kernel_name=f"probe_{mode}")(
+                          codes3 if k > 1 else codes2, scale, *(() if joint else (zero,)), xs)
   return part.sum(axis=0).T[:rows]
 
 
@@ -171,6 +188,8 @@ def main():
     base = m4.default_splits(n_in, n_out)
     variants = [("default", None, dict())]
     variants += [(f"full_s{base}_st{st}", "full", dict(splits=base, stages=st)) for st in (3, 6)]
+    variants += [(f"full_joint_s{base}_st3", "full_joint", dict(splits=base, stages=3)),
+                 (f"copy_joint_s{base}_st3", "copy_joint", dict(splits=base, stages=3))]
     variants += [(f"mma_const_s{base}_st3", "mma_const", dict(splits=base, stages=3))]
     variants += [(f"copy_s{base}_st{st}", "copy", dict(splits=base, stages=st)) for st in (3, 6)]
     if (n_in // 128) % (2 * base) == 0:
@@ -193,7 +212,8 @@ def main():
               x, *w, mode=_m, **_kw))
       try:
         y = jax.jit(fn)(x, mqs[0])
-        err = float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref))) if mode in (None, "full") else None
+        err = (float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref)))
+               if mode in (None, "full", "full_joint") else None)
         us = timing.kernel_time(fn, [(x, w) for w in mqs], calls=16)["kernel"] * 1e6
       except Exception as e:
         print(f"  [{n_in}x{n_out}] {name:22s} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
