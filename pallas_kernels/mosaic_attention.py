@@ -161,7 +161,11 @@ class MosaicAttentionConfig:
       written over the shared memory the last MMAs read (a warp's wgmma wait
       covers only its own part of an MMA). Every other store comes after such
       a barrier and is followed by `plgpu.commit_smem` (a fence and a
-      barrier) before a TMA or MMA reads it.
+      barrier) before a TMA or MMA reads it. (Off, i.e. Pallas's automatic
+      barriers: compiled bit-equal to on in `tests/test_mosaic_attention.py`;
+      the int4 product's automatic-barrier path, with x read through an
+      out-of-bounds box, returned wrong products on an H200 and was removed,
+      cause not traced: `bench/results/speculative-NOTES.md`, 2026-11-29.)
     edge_masks: (tokens_m and both VQ kernels) with one query per row
       (``q_len`` 1), blocks that tile the token group and ``residual >=
       token_group``, the packed steps skip the length and causal masks: the
@@ -178,7 +182,8 @@ class MosaicAttentionConfig:
       only while every score a row has seen is ``-inf``, which there needs a
       non-finite query row (the input policy's NaN anyway) or a product that
       overflows (q is scaled by 2**64 in bfloat16 with ``subnormal_k``, so
-      ``|q| > ~1.8e19`` is already ``inf``): then NaN instead of a zero weight.
+      ``|q| > ~1.8e19``, ``~1.3e19`` with ``log2_scores``, is already
+      ``inf``): then NaN instead of a zero weight.
       The guards are dead otherwise (0.5-1.6 % of the kivi4 / kivi2 main
       kernel, H200, 2026-11-29; the same output bit for bit). VQ's
       `mosaic_vq_attention.auto_config` keeps them (cq2 was 2-3 % slower
@@ -670,6 +675,14 @@ def query_rows(q, kv_heads: int, sm_scale, dtype, n_pad: int):
   return jnp.pad(qh, ((0, 0), (0, 0), (0, n_pad - q_rows), (0, 0)))
 
 
+def log2_scale(sm_scale) -> jax.Array:
+  """``sm_scale * log2(e)`` in float32 (`MosaicAttentionConfig.log2_scores`),
+  whatever the dtype of a traced ``sm_scale``: a bfloat16 product would be off
+  by up to a bf16 rounding (0.33 % at ``128**-0.5``), a different softmax
+  temperature from the staged rows', which take ``sm_scale`` as it is."""
+  return jnp.asarray(sm_scale, jnp.float32) * np.float32(LOG2E)
+
+
 def unpack_rows(out, num_queries: int, q_heads: int):
   """Inverse of `query_rows`' layout: ``[B, Hkv, rows, D]`` (rows >= Hq/Hkv * S)
   -> ``[B, S, Hq, D]``; the padding rows are dropped."""
@@ -907,7 +920,7 @@ def mosaic_decode_attention(
            if config.tokens_m else _M)
   # base-2 scores (`MosaicAttentionConfig.log2_scores`): log2(e) rides on q
   log2 = config.tokens_m and config.log2_scores and dtype == jnp.bfloat16
-  qh = query_rows(q, kv_heads, sm_scale * LOG2E if log2 else sm_scale, dtype, n_pad)
+  qh = query_rows(q, kv_heads, log2_scale(sm_scale) if log2 else sm_scale, dtype, n_pad)
   # Per-token scale/zero with one group per head: [B, H, C] so TMA boxes are rows.
   def squeeze_token(x, side):
     if x is None or side.axis != "token":

@@ -141,8 +141,10 @@ def test_row_width_leaves_the_product_unchanged(fold, n_in, n_out, lead):
   """``wide_rows`` (code tiles as 128-byte rows) reads the same bytes into the
   same registers: the product is bit for bit the one of 64-byte rows; so is
   ``x_direct=False`` (x prepared as scaled, padded tiles by XLA). At a draft
-  width each product is run three times: with Pallas's automatic barriers the
-  H200 returned wrong products there now and then (2026-11-29)."""
+  width, a regression guard for the barriers the kernel places itself (its
+  former option of Pallas's automatic barriers returned wrong products there
+  now and then, H200, 2026-11-29): each product three times, at 2 splits and
+  at the default count, the first against the dequantize + dot spec."""
   packed, scale, zero = _weight(jax.random.PRNGKey(11), n_in, n_out)
   x = jax.random.normal(jax.random.PRNGKey(12), (*lead, n_in)).astype(jnp.bfloat16)
   codes = mm.transpose_packed(packed)
@@ -162,3 +164,13 @@ def test_row_width_leaves_the_product_unchanged(fold, n_in, n_out, lead):
   combos = [kw for kw in combos for _ in range(reps)]
   for kw, out in zip(combos[1:], outs[1:]):
     np.testing.assert_array_equal(out, outs[0], err_msg=str(kw))
+  if reps > 1:  # the default split count (4 at 4096 x 14336 on 132 SMs): the same
+    # bits every time, and the spec (float64) within the kernel's tolerance
+    runs = [np.asarray(mm.mosaic_int4_matmul(x, codes, scale, zero, fold=fold))
+            for _ in range(reps)]
+    for run in runs[1:]:
+      np.testing.assert_array_equal(run, runs[0])
+    want = np.asarray(im.int4_matmul_reference(x, packed, scale, zero, group=128), np.float64)
+    for got in (outs[0], runs[0]):
+      np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2e-2,
+                                 atol=2e-2 * np.abs(want).max())
