@@ -76,10 +76,9 @@ def probe(x, codes, scale, zero, *, mode, splits, stages, k=1):
     ins = [codes_gmem, scale_gmem, zero_gmem, x_gmem]
     if mode.startswith("codes"):
       specs, ins = specs[:1], ins[:1]
-    if joint:
-      specs = [cspec, plgpu.BlockSpec((1, 2 * BO), lambda i: ((first + i) * (n_out // BO) + o, 0)),
-               specs[3]]
-      ins = [codes_gmem, scale_gmem, x_gmem]
+    if joint:  # one (1, 256) box of the joint rows in place of the scale and zero boxes
+      specs[1:3] = [plgpu.BlockSpec((1, 2 * BO), lambda i: ((first + i) * (n_out // BO) + o, 0))]
+      ins[1:3] = [scale_gmem]
 
     def body(acc_ref, *refs):
       if joint:  # the (1, 256) row's halves as the kernel's scale / zero rows
