@@ -281,7 +281,8 @@ class MosaicAttentionConfig:
 
     Programs: the split counts assume 4 per SM for 4-bit K and V (3 in
     128-token blocks over 9-64 (sequence, kv head) pairs and in the
-    shuffled-scales case above, 2 over <= 8), 3 for
+    shuffled-scales case above, 2 over <= 8 except where each split keeps
+    >= 8 blocks at 3), 3 for
     8-bit K with 4-bit V and for 2-bit K and V (over at most 8 pairs only
     where every split keeps >= 8 blocks), 2 otherwise. Nsight Compute (H100, (1, 131072),
     2026-11-26) finds kivi4 at 4 per SM in 64-token blocks (120 registers,
@@ -334,6 +335,7 @@ class MosaicAttentionConfig:
     # 4-bit K and V in 128-token blocks over <= 64 (sequence, kv head) pairs
     kivi4_wide = (k_bits, v_bits) == (4, 4) and block_k == 128 and heads <= 64
     splits = one_wave(slots, heads, blocks, block_k)
+    three_per_sm_b1 = False
     if kivi4_wide:
       # They run 3 programs per SM (163 registers since q and the partials are
       # flat rows too, `head_rows`; 2 before, at 171-175), not the 4 counted
@@ -343,6 +345,15 @@ class MosaicAttentionConfig:
       # 2-per-SM count ((1, 32768) 19.9 (32) vs 21.6 (48), (1, 131072) 52.0 vs
       # 53.2; `attention-ab-flat-splits-20261127e-*`)
       splits = one_wave((3 if heads > 8 else 2) * num_sms, heads, blocks, block_k)
+      # A single long sequence since the flat rows and 166 registers: one wave
+      # at 3 per SM where each split keeps >= 8 blocks (H200, main kernel us,
+      # 48 vs 32 splits: (1, 131072) 42.6 vs 43.7, the draft view 42.6 vs 44.2;
+      # (1, 32768) 15.4 vs 14.6, so not there; `ab-b1-splits-20261129x-*`).
+      # Not the target view (198-200 registers: 2 per SM).
+      wide3 = one_wave(3 * num_sms, heads, blocks, block_k)
+      three_per_sm_b1 = heads <= 8 and not target_view and blocks >= 8 * wide3
+      if three_per_sm_b1:
+        splits = wide3
     elif (k_bits, v_bits) == (2, 2) and heads <= 8:
       # 2-bit K and V run 3 programs per SM (162-168 registers): one wave of them
       # for a single long sequence, where each split still gets >= 8 blocks
@@ -425,7 +436,10 @@ class MosaicAttentionConfig:
     # 15.1 at (1, 32768), but 85.7 vs 87.4 at (8, 32768) (H200, main kernel;
     # 0.2-1 % faster for kivi2 and at large batch;
     # `attention-ab-edge-masks-lazy-rescale-20261129-*`, `-kivi4-wide-early-v-`)
-    lazy_rescale = not (kivi4_wide and heads <= 8)
+    # At 3 per SM (above) the lazy one wins again (H200, main kernel us, lazy vs
+    # plain: (1, 131072) 42.2 vs 42.6, (1, 65536) 23.8 vs 24.0, the draft view
+    # 42.3 vs 42.5 and 23.7 vs 24.3; `ab-b1-3per-sm-20261129x-*`).
+    lazy_rescale = not (kivi4_wide and heads <= 8) or three_per_sm_b1
     if target_view and 8 < heads <= 64 and block_k == 128:
       splits = max(1, min(max(one_wave(2 * num_sms, heads, blocks, block_k), 8), blocks // 4))
     return cls(block_k=block_k, num_splits=splits, max_concurrent_steps=stages,

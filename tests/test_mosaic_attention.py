@@ -358,8 +358,9 @@ def test_default_config_per_format(name, tokens, block_k, stages):
   # 4-bit or 2-bit K and V: subnormal codes; V built while the score MMA runs
   assert config.subnormal_k and config.subnormal_v and config.byte_masks
   assert config.early_v
-  # the plain rescale for kivi4 in 128-token blocks of a single sequence
-  assert config.lazy_rescale == (name != "kivi4" or block_k == 64)
+  # the plain rescale for kivi4 in 128-token blocks of a single sequence at 2
+  # programs per SM (32K); the lazy one at 3 (128K: 48 splits)
+  assert config.lazy_rescale == (name != "kivi4" or block_k == 64 or tokens == 131072)
   # K scale pairs by warp shuffles: 2-bit K, and 4-bit K (in 128-token blocks up
   # to 64 (sequence, kv head) pairs: here 8)
   assert config.shuffle_scales == (fmt.k_bits in (2, 4))
@@ -373,20 +374,23 @@ def test_default_config_per_format(name, tokens, block_k, stages):
 def test_default_splits_leave_the_wave_to_every_residual_program():
   """The residual block takes one program per block_k rows (`residual_parts`):
   QuantSpec's draft view (4-bit sides, R = 256 in 128-token blocks) at one
-  long sequence keeps all its programs in the 2-per-SM wave its kivi4-like
-  kernel runs at (33 per (sequence, kv head) on 132 SMs), where counting one
-  residual program put 8 of 272 in a second wave."""
+  long sequence keeps all its programs in the 3-per-SM wave its kivi4-like
+  kernel runs at there (49 per (sequence, kv head) on 132 SMs), where counting
+  one residual program put 8 of 272 programs of the former 2-per-SM wave in a
+  second one."""
   config = ma.MosaicAttentionConfig.default(batch=1, tokens=131072, kv_heads=8, k_bits=4,
                                             v_bits=4, token_group=128, residual=256)
   parts = ma.residual_parts(256, config.block_k)
   assert (config.block_k, parts) == (128, 2)
-  assert 8 * (config.num_splits + parts) == 2 * 132
+  assert 8 * (config.num_splits + parts) == 392 <= 3 * 132
+  assert ma.one_wave_splits(396, 8, 1024, residual_programs=2) == 47
   assert ma.one_wave_splits(264, 8, 1024, residual_programs=2) == 31
   assert ma.one_wave_splits(264, 8, 1024) == 32
 
 
 @pytest.mark.parametrize("name,batch,tokens,splits", [
-    ("kivi4", 1, 131072, 32), ("kivi4", 8, 32768, 6), ("kivi4", 4, 32768, 12),
+    ("kivi4", 1, 131072, 48), ("kivi4", 1, 49152, 48), ("kivi4", 1, 32768, 32),
+    ("kivi4", 8, 32768, 6), ("kivi4", 4, 32768, 12),
     ("kivi2", 1, 131072, 48), ("kivi2", 1, 32768, 32), ("kivi2", 8, 32768, 6),
     ("k8v4", 1, 131072, 47), ("k8v4", 8, 32768, 6),
     ("kivi4", 1, 2048, 8), ("kivi4", 16, 32768, 4), ("kivi4", 24, 32768, 2),
@@ -400,8 +404,9 @@ def test_default_splits_leave_the_wave_to_every_residual_program():
 def test_default_splits_follow_the_documented_rule(name, batch, tokens, splits):
   """One wave at 4 programs per SM for 4-bit K/V in 64-token blocks (and in
   128-token blocks over more than 64 (sequence, kv head) pairs; 3 over 9-64
-  pairs, 2 over <= 8), 3 for k8v4 and for 2-bit K/V (over <= 8 pairs only where
-  each split keeps >= 8 blocks, else 2; over more pairs at least 2 splits)
+  pairs, 2 over <= 8 but 3 where each split keeps >= 8 blocks), 3 for k8v4 and
+  for 2-bit K/V (over <= 8 pairs only where each split keeps >= 8 blocks, else
+  2; over more pairs at least 2 splits)
   (132 SMs, 8 kv heads); a long single sequence leaves slots for the residual
   programs (one per block of the residual: k8v4's 128 rows in 64-token blocks
   take two); at least two waves where one would leave more than a tenth of the
@@ -727,10 +732,15 @@ def test_mosaic_k_scale_in_q(name, b, hkv, group, s, lengths, capacity):
 def test_target_view_default_splits(batch, tokens, splits):
   """A hierarchical cache's target view takes kivi4's config, except over 9-64
   (sequence, kv head) pairs: one wave at 2 programs per SM, at least 8 splits,
-  at most blocks // 4 (None: kivi4's count)."""
+  at most blocks // 4 (None: kivi4's count); and at one sequence, where kivi4
+  runs 3 per SM over long contexts, the target view keeps the 2-per-SM count
+  and the plain rescale."""
   kw = dict(batch=batch, tokens=tokens, kv_heads=8, k_bits=4, v_bits=4, token_group=128,
             residual=256)
   base = ma.MosaicAttentionConfig.default(**kw)
   got = ma.MosaicAttentionConfig.default(**kw, target_view=True)
-  assert got == dataclasses.replace(base, num_splits=splits or base.num_splits)
+  want = dataclasses.replace(base, num_splits=splits or base.num_splits)
+  if batch == 1:  # 2 per SM at one sequence, where kivi4 runs 3 at 128K: the plain rescale
+    want = dataclasses.replace(want, lazy_rescale=False)
+  assert got == want
   assert tokens // got.block_k >= 4 * got.num_splits
