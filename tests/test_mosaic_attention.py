@@ -744,3 +744,38 @@ def test_target_view_default_splits(batch, tokens, splits):
     want = dataclasses.replace(want, lazy_rescale=False)
   assert got == want
   assert tokens // got.block_k >= 4 * got.num_splits
+
+
+@pytest.mark.parametrize("name,view", [("kivi4", "target"), ("quantspec", "draft")])
+def test_default_config_of_one_long_sequence(name, view):
+  """The default at one long sequence (3 programs per SM: 48 splits for kivi4,
+  47 for QuantSpec's draft view with R = 256; the lazy rescale) against
+  float64 attention over ``cache.dequantize(view)``, a ragged length with a
+  partly filled residual block. Off Hopper: the default lowers for CUDA."""
+  from jaxkv import attention
+  fmt = PRESETS[name]
+  b, hkv, group, d, length, capacity = 1, 8, 4, 128, 49152 + 77, 49152 + 256
+  key = _key("long", name, view)
+  cache = _cache(fmt, b, hkv, d, (length,), capacity, jnp.bfloat16, key)
+  q = jax.random.normal(jax.random.fold_in(key, 1), (b, 1, hkv * group, d)).astype(jnp.bfloat16)
+  config = attention._mosaic_default(cache, view)  # pylint: disable=protected-access
+  parts = ma.residual_parts(fmt.residual, config.block_k)
+  sms = getattr(jax.devices()[0], "core_count", 132)
+  # one wave at 3 per SM, past the 2-per-SM one (132 SMs: 48 / 47 splits)
+  assert 2 * sms < b * hkv * (config.num_splits + parts) <= 3 * sms
+  assert config.lazy_rescale
+
+  def call(q, cache, config):
+    return attention._mosaic_attention(q, cache, scale=None, config=config, view=view)
+
+  if not ON_HOPPER:
+    lowered = jax.jit(call, static_argnums=2).trace(q, cache, config).lower(
+        lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+    return
+  kd, vd = cache.dequantize(view)
+  ref = np_attention(np.asarray(q, np.float64), np.asarray(kd), np.asarray(vd), (length,))
+  out = np.asarray(jax.jit(call, static_argnums=2)(q, cache, config), np.float64)
+  assert np.isfinite(out).all()
+  err = np.abs(out - ref).max() / np.abs(ref).max()
+  assert err < _TOL[jnp.bfloat16], f"max rel err {err:.2e}"
