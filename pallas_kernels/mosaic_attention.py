@@ -256,7 +256,8 @@ class MosaicAttentionConfig:
     (8, 32768); 29.1 vs 26.7 at (1, 32768), 4 blocks per split, so 64
     there); 4 stages unless both sides are 8-bit (int8 lost 10-25 % with 4,
     k8v4 gained 2-5 %), but 2 for kivi4; the lazy rescale (``lazy_rescale``)
-    except for kivi4 in 128-token blocks over <= 8 pairs; K scale pairs shared
+    except for kivi4 in 128-token blocks over <= 8 pairs at 2 per SM (a long
+    sequence runs 3 per SM, below, and takes it); K scale pairs shared
     by warp shuffles (``shuffle_scales``) for 2-bit and 4-bit K (in 128-token
     blocks only over at most 64 (sequence, kv head) pairs). Over more than 64
     pairs, kivi4 whose 4-per-SM split count would fill its last wave at the 2
@@ -267,9 +268,10 @@ class MosaicAttentionConfig:
     sequences at 8 kv heads), kivi4 in 128-token blocks and kivi2 take at
     least 4 splits where each keeps >= 4 blocks, kivi4 with shuffled scales.
     ``target_view`` (a hierarchical cache's two 4-bit planes, ``k_bits`` and
-    ``v_bits`` 4): kivi4's rule, except over 9-64 pairs in 128-token blocks
-    (64-token blocks not measured), where its 198-200 registers run 2
-    programs per SM, not 3: one wave at 2 per SM, at least 8 splits (at most
+    ``v_bits`` 4): kivi4's rule, except that its 198-200 registers run 2
+    programs per SM, not 3: over <= 8 pairs it keeps the 2-per-SM count and
+    the plain rescale where kivi4 goes to 3 per SM; over 9-64 pairs in
+    128-token blocks (64-token blocks not measured) one wave at 2 per SM, at least 8 splits (at most
     ``blocks // 4``). H200, whole call us, splits 8 / 12 / 16 / 24 / 33:
     (2, 32768) 66.9 / 50.5 / **47.3** / 53.3 / 50.8, (4, 32768) **81.7** /
     93.2 / 83.8 / 85.0 / 86.6, (8, 32768) **148.7** / 151.8 / 150.7 / 153.3 /
@@ -282,7 +284,8 @@ class MosaicAttentionConfig:
     Programs: the split counts assume 4 per SM for 4-bit K and V (3 in
     128-token blocks over 9-64 (sequence, kv head) pairs and in the
     shuffled-scales case above, 2 over <= 8 except where each split keeps
-    >= 8 blocks at 3), 3 for
+    >= 8 blocks at 3 and the count exceeds the 2-per-SM one, not the target
+    view), 3 for
     8-bit K with 4-bit V and for 2-bit K and V (over at most 8 pairs only
     where every split keeps >= 8 blocks), 2 otherwise. Nsight Compute (H100, (1, 131072),
     2026-11-26) finds kivi4 at 4 per SM in 64-token blocks (120 registers,
@@ -335,24 +338,28 @@ class MosaicAttentionConfig:
     # 4-bit K and V in 128-token blocks over <= 64 (sequence, kv head) pairs
     kivi4_wide = (k_bits, v_bits) == (4, 4) and block_k == 128 and heads <= 64
     splits = one_wave(slots, heads, blocks, block_k)
-    three_per_sm_b1 = False
+    long_3_per_sm = False
     if kivi4_wide:
       # They run 3 programs per SM (163 registers since q and the partials are
       # flat rows too, `head_rows`; 2 before, at 171-175), not the 4 counted
       # above: one wave of 3 per SM over several sequences, with shuffles
       # (below) (H200, whole call us: (8, 32768) 98.0 (6 splits) vs 132.5 (4,
-      # the former 2-per-SM count), 103.5 (8)); but a single sequence keeps the
+      # the former 2-per-SM count), 103.5 (8)); but a single sequence kept the
       # 2-per-SM count ((1, 32768) 19.9 (32) vs 21.6 (48), (1, 131072) 52.0 vs
-      # 53.2; `attention-ab-flat-splits-20261127e-*`)
+      # 53.2; `attention-ab-flat-splits-20261127e-*`; superseded at long
+      # contexts below)
       splits = one_wave((3 if heads > 8 else 2) * num_sms, heads, blocks, block_k)
       # A single long sequence since the flat rows and 166 registers: one wave
       # at 3 per SM where each split keeps >= 8 blocks (H200, main kernel us,
-      # 48 vs 32 splits: (1, 131072) 42.6 vs 43.7, the draft view 42.6 vs 44.2;
-      # (1, 32768) 15.4 vs 14.6, so not there; `ab-b1-splits-20261129x-*`).
-      # Not the target view (198-200 registers: 2 per SM).
+      # 48 / 47 vs 32 / 31 splits: (1, 131072) 42.6 vs 43.7, the draft view
+      # (R = 256) 42.5 vs 44.2; (1, 32768) 15.4 vs 14.6, so not there;
+      # `ab-b1-splits-20261129x-*`, `ab-b1-3per-sm-20261129x-*`). Only where
+      # that is more programs than the 2-per-SM wave (few kv heads hit the 64
+      # cap in both). Not the target view (198-200 registers: 2 per SM).
       wide3 = one_wave(3 * num_sms, heads, blocks, block_k)
-      three_per_sm_b1 = heads <= 8 and not target_view and blocks >= 8 * wide3
-      if three_per_sm_b1:
+      long_3_per_sm = (heads <= 8 and not target_view and blocks >= 8 * wide3
+                       and wide3 > splits)
+      if long_3_per_sm:
         splits = wide3
     elif (k_bits, v_bits) == (2, 2) and heads <= 8:
       # 2-bit K and V run 3 programs per SM (162-168 registers): one wave of them
@@ -399,7 +406,7 @@ class MosaicAttentionConfig:
     # call us: (1, 32768) 20.2 -> 19.9, (1, 131072) 55.3 -> 54.6, (8, 32768)
     # 106.2 -> 102.2, (48, 32768) 558.5 -> 538.1); 4-bit K in 64-token blocks
     # ((1, 32768): 24.6 -> 23.7 with 2 stages) and in 128-token blocks with the
-    # 2-per-SM split count above.
+    # 2-per-SM split count above (and the 3-per-SM one of a long sequence).
     shuffle = k_bits == 2 or (k_bits == 4 and block_k == 64) or kivi4_wide
     if (k_bits, v_bits) == (4, 4) and block_k == 128 and heads > 64:
       # Over more than 64 pairs, unshuffled scales kept them at 171-172 registers
@@ -438,8 +445,9 @@ class MosaicAttentionConfig:
     # `attention-ab-edge-masks-lazy-rescale-20261129-*`, `-kivi4-wide-early-v-`)
     # At 3 per SM (above) the lazy one wins again (H200, main kernel us, lazy vs
     # plain: (1, 131072) 42.2 vs 42.6, (1, 65536) 23.8 vs 24.0, the draft view
-    # 42.3 vs 42.5 and 23.7 vs 24.3; `ab-b1-3per-sm-20261129x-*`).
-    lazy_rescale = not (kivi4_wide and heads <= 8) or three_per_sm_b1
+    # 42.3 vs 42.5 and 23.7 vs 24.3; at (1, 49152), 8 blocks per split, 19.1
+    # vs 19.0; `ab-b1-3per-sm-20261129x-*`).
+    lazy_rescale = not (kivi4_wide and heads <= 8) or long_3_per_sm
     if target_view and 8 < heads <= 64 and block_k == 128:
       splits = max(1, min(max(one_wave(2 * num_sms, heads, blocks, block_k), 8), blocks // 4))
     return cls(block_k=block_k, num_splits=splits, max_concurrent_steps=stages,

@@ -382,14 +382,26 @@ def test_default_splits_leave_the_wave_to_every_residual_program():
                                             v_bits=4, token_group=128, residual=256)
   parts = ma.residual_parts(256, config.block_k)
   assert (config.block_k, parts) == (128, 2)
-  assert 8 * (config.num_splits + parts) == 392 <= 3 * 132
+  assert 8 * (config.num_splits + parts) == 392  # <= 3 * 132 slots
   assert ma.one_wave_splits(396, 8, 1024, residual_programs=2) == 47
   assert ma.one_wave_splits(264, 8, 1024, residual_programs=2) == 31
   assert ma.one_wave_splits(264, 8, 1024) == 32
 
 
+@pytest.mark.parametrize("kv_heads,splits,lazy", [(8, 48, True), (4, 64, False), (2, 64, False),
+                                                   (1, 64, False)])
+def test_long_sequence_runs_3_per_sm_only_where_that_adds_programs(kv_heads, splits, lazy):
+  """kivi4 at (1, 131072): 3 programs per SM with the lazy rescale at 8 kv heads;
+  with 1-4 kv heads both waves are capped at 64 splits, so the 2-per-SM config
+  (plain rescale) stays."""
+  config = ma.MosaicAttentionConfig.default(batch=1, tokens=131072, kv_heads=kv_heads,
+                                            k_bits=4, v_bits=4, num_sms=132)
+  assert (config.num_splits, config.lazy_rescale) == (splits, lazy)
+
+
 @pytest.mark.parametrize("name,batch,tokens,splits", [
-    ("kivi4", 1, 131072, 48), ("kivi4", 1, 49152, 48), ("kivi4", 1, 32768, 32),
+    ("kivi4", 1, 131072, 48), ("kivi4", 1, 49152, 48), ("kivi4", 1, 48896, 32),
+    ("kivi4", 1, 32768, 32), ("kivi4", 1, 65536, 48),
     ("kivi4", 8, 32768, 6), ("kivi4", 4, 32768, 12),
     ("kivi2", 1, 131072, 48), ("kivi2", 1, 32768, 32), ("kivi2", 8, 32768, 6),
     ("k8v4", 1, 131072, 47), ("k8v4", 8, 32768, 6),
@@ -758,12 +770,15 @@ def test_default_config_of_one_long_sequence(name, view):
   key = _key("long", name, view)
   cache = _cache(fmt, b, hkv, d, (length,), capacity, jnp.bfloat16, key)
   q = jax.random.normal(jax.random.fold_in(key, 1), (b, 1, hkv * group, d)).astype(jnp.bfloat16)
-  config = attention._mosaic_default(cache, view)  # pylint: disable=protected-access
+  # the default on 132 SMs (H100 SXM, H200), whatever GPU runs the test
+  config = ma.MosaicAttentionConfig.default(
+      batch=b, tokens=cache.storage_len, kv_heads=hkv, num_sms=132, k_bits=4, v_bits=4,
+      token_group=fmt.token_group, residual=fmt.residual)
+  if ON_HOPPER and getattr(jax.devices()[0], "core_count", 132) == 132:
+    assert config == attention._mosaic_default(cache, view)  # pylint: disable=protected-access
   parts = ma.residual_parts(fmt.residual, config.block_k)
-  sms = getattr(jax.devices()[0], "core_count", 132)
-  # one wave at 3 per SM, past the 2-per-SM one (132 SMs: 48 / 47 splits)
-  assert 2 * sms < b * hkv * (config.num_splits + parts) <= 3 * sms
-  assert config.lazy_rescale
+  assert config.num_splits == (48 if name == "kivi4" else 47) and config.lazy_rescale
+  assert 2 * 132 < b * hkv * (config.num_splits + parts) <= 3 * 132  # one wave at 3 per SM
 
   def call(q, cache, config):
     return attention._mosaic_attention(q, cache, scale=None, config=config, view=view)
