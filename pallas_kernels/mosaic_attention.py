@@ -338,7 +338,6 @@ class MosaicAttentionConfig:
     # 4-bit K and V in 128-token blocks over <= 64 (sequence, kv head) pairs
     kivi4_wide = (k_bits, v_bits) == (4, 4) and block_k == 128 and heads <= 64
     splits = one_wave(slots, heads, blocks, block_k)
-    long_3_per_sm = False
     if kivi4_wide:
       # They run 3 programs per SM (163 registers since q and the partials are
       # flat rows too, `head_rows`; 2 before, at 171-175), not the 4 counted
@@ -349,28 +348,7 @@ class MosaicAttentionConfig:
       # 53.2; `attention-ab-flat-splits-20261127e-*`; superseded at long
       # contexts below)
       splits = one_wave((3 if heads > 8 else 2) * num_sms, heads, blocks, block_k)
-      # A single long sequence since the flat rows and 166 registers: one wave
-      # at 3 per SM where each split keeps >= 8 blocks (H200, main kernel us,
-      # 48 / 47 vs 32 / 31 splits: (1, 131072) 42.6 vs 43.7, the draft view
-      # (R = 256) 42.5 vs 44.2; (1, 32768) 15.4 vs 14.6, so not there;
-      # `ab-b1-splits-20261129x-*`, `ab-b1-3per-sm-20261129x-*`). Only where
-      # that is more programs than the 2-per-SM wave (few kv heads hit the 64
-      # cap in both). Not the target view (198-200 registers: 2 per SM).
-      wide3 = one_wave(3 * num_sms, heads, blocks, block_k)
-      long_3_per_sm = (heads <= 8 and not target_view and blocks >= 8 * wide3
-                       and wide3 > splits)
-      if long_3_per_sm:
-        splits = wide3
-    elif (k_bits, v_bits) == (2, 2) and heads <= 8:
-      # 2-bit K and V run 3 programs per SM (162-168 registers): one wave of them
-      # for a single long sequence, where each split still gets >= 8 blocks
-      # (H100, whole call us: (1, 131072) 51.5 (48 splits) vs 54.1 (32); H200
-      # 50.9 vs 53.7; (1, 32768) 20.4 vs 19.7, so not there;
-      # `attention-ab-kivi2-splits-20261127b-*`)
-      wide = one_wave(3 * num_sms, heads, blocks, block_k)
-      if blocks >= 8 * wide:
-        splits = wide
-    elif (k_bits, v_bits) == (2, 2):
+    elif (k_bits, v_bits) == (2, 2) and heads > 8:
       # Several sequences: 3 per SM too since the flat rows (162-166 registers,
       # 173-185 before), and at least 2 splits (H200, whole call us: (8,
       # 32768) 95.9 (6) vs 131.1 (4), 99.6 (8); (48, 32768) 497 (2), 490 (3),
@@ -381,6 +359,25 @@ class MosaicAttentionConfig:
       # vs 1355.0, (188, 32768) 1595.3 vs 1592.7; `ab-kivi2-*-splits-nvidia-h200-20261129r.json`,
       # `ab-kivi4-large-batch-splits-nvidia-h200-20261129r.json` (64, 160))
       splits = three_per_sm()
+    # A single long sequence (<= 8 pairs), 2-bit K and V (162-168 registers)
+    # and kivi4 in 128-token blocks (166): one wave at 3 programs per SM where
+    # each split still gets >= 8 blocks, and only where that is more programs
+    # than the count above (few kv heads hit the 64 cap in both). 2-bit: H100,
+    # whole call us, (1, 131072) 51.5 (48 splits) vs 54.1 (32); H200 50.9 vs
+    # 53.7; (1, 32768) 20.4 vs 19.7, so not there (`attention-ab-kivi2-splits-
+    # 20261127b-*`). kivi4: H200, main kernel us, 48 / 47 vs 32 / 31 splits:
+    # (1, 131072) 42.6 vs 43.7, the QuantSpec draft view (R = 256) 42.5 vs
+    # 44.2; (1, 32768) 15.4 vs 14.6 (`ab-b1-splits-20261129x-*`,
+    # `ab-b1-3per-sm-20261129x-*`). Not the target view (198-200 registers: 2
+    # per SM).
+    # (kivi4 keeps a count above that went to two waves at 2 per SM, e.g. R =
+    # 512: neither measured there; 2-bit K and V take the 3-per-SM wave.)
+    two_bit = (k_bits, v_bits) == (2, 2)
+    wide3 = one_wave(3 * num_sms, heads, blocks, block_k)
+    long_3_per_sm = ((two_bit or (kivi4_wide and not target_view)) and heads <= 8
+                     and blocks >= 8 * wide3 and (wide3 > splits or two_bit))
+    if long_3_per_sm:
+      splits = wide3
     stages = 3 if k_bits >= 8 and v_bits >= 8 else 4
     if min(k_bits, v_bits) <= 2 and block_k == 128:
       stages = 2
