@@ -26,6 +26,13 @@ import jaxkv  # noqa: E402
 from models import llama  # noqa: E402
 
 
+def _peak_gib():
+  """The device's peak allocation so far (GiB), or None where it is not reported."""
+  stats = jax.devices()[0].memory_stats() or {}
+  peak = stats.get("peak_bytes_in_use")
+  return None if peak is None else round(peak / 2**30, 3)
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--formats", default="bf16,kivi4")
@@ -46,6 +53,7 @@ def main(argv=None) -> int:
     print(json.dumps(dict(format=name, layers=a.layers, context=a.context,
                           xla_flags=os.environ.get("XLA_FLAGS", ""),
                           gpu=jax.devices()[0].device_kind, jax_version=jax.__version__,
+                          peak_gib=_peak_gib(),
                           **{k: v for k, v in row.items() if not k.startswith("compile")})),
           flush=True)
     del cache

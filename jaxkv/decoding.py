@@ -45,19 +45,33 @@ from jaxkv.sharding import check_mesh
 SAMPLERS = ("greedy", "sample", "temperature", "top_k", "top_p")
 
 
-COMPILER_OPTIONS = ({} if os.environ.get("JAXKV_XLA_REMAT", "") == "1"
-                    else {"xla_disable_hlo_passes": "rematerialization"})
+DOT_MERGER_MB = 1024
+"""XLA's dot merger threshold in the decode programs (`COMPILER_OPTIONS`), MB."""
+
+COMPILER_OPTIONS = {
+    **({} if os.environ.get("JAXKV_XLA_REMAT", "") == "1"
+       else {"xla_disable_hlo_passes": "rematerialization"}),
+    "xla_gpu_dot_merger_threshold_mb": DOT_MERGER_MB,
+}
 """XLA options the decode programs (`generate`, `decode_steps`, speculative) compile with.
 
-XLA's GPU rematerialization pass budgets ~80 % of device memory *minus the
-program's arguments*; a cache that fills the GPU (the largest batch) leaves
-it a budget at or below zero, so it re-runs weight GEMMs without freeing
-anything that matters (logged "Can't reduce memory use below ...; only
-reduced to ..."; on an H100 at 32K, kivi4 B=49 and bf16 B=13 each re-ran two
-GEMMs per layer, ~2.6-2.9 ms of a 30-43 ms step). A decode step's own
-temporaries are a few hundred MB, so the pass is off for these programs.
+- Rematerialization off: XLA's GPU rematerialization pass budgets ~80 % of
+  device memory *minus the program's arguments*; a cache that fills the GPU
+  (the largest batch) leaves it a budget at or below zero, so it re-runs
+  weight GEMMs without freeing anything that matters (logged "Can't reduce
+  memory use below ...; only reduced to ..."; on an H100 at 32K, kivi4 B=49
+  and bf16 B=13 each re-ran two GEMMs per layer, ~2.6-2.9 ms of a 30-43 ms
+  step). A decode step's own temporaries are a few hundred MB, so the pass is
+  off for these programs. ``JAXKV_XLA_REMAT=1`` (read at import) keeps it.
+- Dot merger up to `DOT_MERGER_MB`: XLA's default (32 MB) merges q, k and v
+  (one product reading x once) but not Llama's gate and up (2 x 112 MiB at
+  8B); with it they run as one GEMM whose fusion reads both weights in place
+  (the concatenation sits inside the GEMM fusion: no copy, same peak memory;
+  checked in the optimized HLO on an H200). `bench/flag_probe.py`, 8 layers
+  at (1, 131072), H200, alternating processes: kivi4 1713-1733 -> 1678-1697
+  us per step, bf16 unchanged (2325-2329 vs 2329-2331).
+
 Pass the same ``compiler_options`` to your own ``jax.jit`` of `decode_step`.
-``JAXKV_XLA_REMAT=1`` (read at import) keeps the pass.
 """
 
 

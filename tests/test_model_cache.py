@@ -297,6 +297,43 @@ def test_decode_step_updates_cache_in_place(model, preset, use_kernel):
   assert _pointers(cache) == before  # donated buffers reused: updated in place
 
 
+def _concatenates(hlo: str, shape: str) -> list[tuple[str, bool]]:
+  """``(computation, fused)`` of each ``concatenate`` of result ``shape`` in ``hlo``:
+  ``fused`` when its computation is one a ``fusion`` instruction calls."""
+  called = set(re.findall(r" fusion\(.*?calls=%?([\w.\-]+)", hlo))
+  out, computation = [], None
+  for line in hlo.splitlines():
+    if line[:1] not in (" ", "") and line.rstrip().endswith("{"):  # a computation's header
+      computation = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+    if re.search(rf"= {re.escape(shape)}\{{[^}}]*\}} concatenate\(", line):
+      out.append((computation, computation in called))
+  return out
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="XLA's dot merger is a GPU pass")
+def test_decode_program_merges_gate_and_up_in_place():
+  """`jaxkv.DECODE_COMPILER_OPTIONS` makes gate and up one GEMM (Llama-3.1-8B widths,
+  112 MiB each, above XLA's default merger threshold) whose fusion reads both
+  weights in place: the concatenation exists only inside a fusion, never as a
+  copy of the weights; without the options there is none."""
+  cfg = dataclasses.replace(llama.LlamaConfig.named("llama-3.1-8b"), num_layers=1,
+                            vocab_size=512)
+  m = llama.random_model(cfg, seed=3)
+  graphdef, state = nnx.split(m)
+  cache = m.init_cache("kivi4", 1, 1024)
+  tokens = jnp.asarray([5], jnp.int32)
+  merged = f"bf16[{cfg.hidden_size},{2 * cfg.intermediate_size}]"
+
+  def hlo(options):
+    step = jax.jit(lambda s, t, c: jaxkv.decode_step(nnx.merge(graphdef, s), t, c),
+                   compiler_options=options)
+    return step.lower(state, tokens, cache).compile().as_text()
+
+  with_options = _concatenates(hlo(jaxkv.DECODE_COMPILER_OPTIONS), merged)
+  assert with_options and all(fused for _, fused in with_options), with_options
+  assert _concatenates(hlo({}), merged) == []
+
+
 def test_chunked_prefill_and_decode_steps_in_place(model):
   """Chunked prefill (scan over chunks, scan over layers) and `decode_steps` alias the cache."""
   graphdef, state = nnx.split(model)
