@@ -45,13 +45,25 @@ from jaxkv.sharding import check_mesh
 SAMPLERS = ("greedy", "sample", "temperature", "top_k", "top_p")
 
 
-DOT_MERGER_MB = 1024
-"""XLA's dot merger threshold in the decode programs (`COMPILER_OPTIONS`), MB."""
+def _env_mb(name: str, default: int) -> int:
+  text = os.environ.get(name, "").strip() or str(default)
+  try:
+    value = int(text)
+  except ValueError:
+    value = -1
+  if value < 0:
+    raise ValueError(f"{name}={text!r} must be a whole number of MB >= 0")
+  return value
+
+
+DOT_MERGER_MB = _env_mb("JAXKV_XLA_DOT_MERGER_MB", 1024)
+"""XLA's dot merger threshold in the decode programs (`COMPILER_OPTIONS`), MB;
+``JAXKV_XLA_DOT_MERGER_MB`` (read at import) sets it, 0 keeps XLA's default."""
 
 COMPILER_OPTIONS = {
     **({} if os.environ.get("JAXKV_XLA_REMAT", "") == "1"
        else {"xla_disable_hlo_passes": "rematerialization"}),
-    "xla_gpu_dot_merger_threshold_mb": DOT_MERGER_MB,
+    **({"xla_gpu_dot_merger_threshold_mb": DOT_MERGER_MB} if DOT_MERGER_MB else {}),
 }
 """XLA options the decode programs (`generate`, `decode_steps`, speculative) compile with.
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import re
 import zlib
 
@@ -332,6 +333,26 @@ def test_decode_program_merges_gate_and_up_in_place():
   with_options = _concatenates(hlo(jaxkv.DECODE_COMPILER_OPTIONS), merged)
   assert with_options and all(fused for _, fused in with_options), with_options
   assert _concatenates(hlo({}), merged) == []
+
+
+@pytest.mark.parametrize("value,expect", [("", 1024), ("0", None), ("64", 64), ("-1", "error"),
+                                          ("lots", "error")])
+def test_dot_merger_threshold_from_the_environment(value, expect):
+  """``JAXKV_XLA_DOT_MERGER_MB`` (read at import): unset -> 1024, 0 -> XLA's own
+  default (the option left out), a bad value -> a ValueError naming it."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  code = ("import jaxkv; print(jaxkv.DECODE_COMPILER_OPTIONS"
+          ".get('xla_gpu_dot_merger_threshold_mb'))")
+  env = {**os.environ, "JAXKV_XLA_DOT_MERGER_MB": value, "JAX_PLATFORMS": "cpu"}
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  run = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
+                       text=True, check=False)
+  if expect == "error":
+    assert run.returncode != 0 and "JAXKV_XLA_DOT_MERGER_MB" in run.stderr, run.stderr[-500:]
+  else:
+    assert run.returncode == 0, run.stderr[-500:]
+    assert run.stdout.split()[-1] == str(expect)
 
 
 def test_chunked_prefill_and_decode_steps_in_place(model):
