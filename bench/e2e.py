@@ -1027,6 +1027,7 @@ def main(argv=None) -> int:
           floor=("(weight bytes + cache bytes read: packed tokens at the format's "
                  "bytes/token + the residual block) / measured HBM read bandwidth"),
           implementation=args.implementation or "default (Pallas on GPU)",
+          decode_compiler_options=dict(decoding.COMPILER_OPTIONS),
           args={k: v for k, v in vars(args).items()}, total_s=time.perf_counter() - runner.start),
       decode_b1=latency, max_batch=batch_rows, prefill=prefill_rows, profile=runner.profiles,
       summary=summary, skipped=runner.skipped, errors=errors,
