@@ -42,12 +42,25 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, 
 _COPY = re.compile(r"%(\S+) = \(?(\w+)\[([0-9,]*)\][^=]*?\s(copy|copy-start)\(")
 
 
-def copies(hlo: str, min_bytes: int) -> list[dict]:
-  """Unfused copies in ``hlo`` (optimized HLO text) of at least ``min_bytes``."""
-  out, computation = [], None
+def lines_by_computation(hlo: str):
+  """``(computation, line)`` for every line of ``hlo`` (optimized HLO text), the
+  computation being the one whose body holds the line (None before the first)."""
+  computation = None
   for line in hlo.splitlines():
     if line[:1] not in (" ", "") and line.rstrip().endswith("{"):  # a computation's header
       computation = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+    yield computation, line
+
+
+def fusion_computations(hlo: str) -> set[str]:
+  """Names of the computations ``fusion`` instructions of ``hlo`` call."""
+  return set(re.findall(r" fusion\(.*?calls=%?([\w.\-]+)", hlo))
+
+
+def copies(hlo: str, min_bytes: int) -> list[dict]:
+  """Unfused copies in ``hlo`` (optimized HLO text) of at least ``min_bytes``."""
+  out = []
+  for computation, line in lines_by_computation(hlo):
     m = _COPY.search(line)
     if not m:
       continue
@@ -87,7 +100,8 @@ def main(argv=None) -> int:
           jax.ShapeDtypeStruct((args.batch, 0), jnp.int32), jnp.float32(1), jnp.float32(1),
           jnp.int32(0), settings=settings),
       "step": jax.jit(lambda s, t, c: jaxkv.decode_step(nnx.merge(graphdef, s), t, c),
-                      donate_argnums=2).lower(state, tokens, cache),
+                      donate_argnums=2, compiler_options=jaxkv.DECODE_COMPILER_OPTIONS).lower(
+                          state, tokens, cache),
   }
   result = dict(config=args.config, layers=args.layers, format=args.format,
                 context=args.context, batch=args.batch, device=jax.devices()[0].device_kind,

@@ -45,19 +45,25 @@ from jaxkv.sharding import check_mesh
 SAMPLERS = ("greedy", "sample", "temperature", "top_k", "top_p")
 
 
-def _env_mb(name: str, default: int) -> int:
+_INT32_MAX = 2**31 - 1
+
+
+def _env_mib(name: str, default: int) -> int:
+  """The whole number of MiB in environment variable ``name`` (``default`` when
+  unset or empty); a ValueError naming it unless ``0 <= value < 2**31`` (XLA
+  keeps its thresholds as int32)."""
   text = os.environ.get(name, "").strip() or str(default)
   try:
     value = int(text)
   except ValueError:
     value = -1
-  if value < 0:
-    raise ValueError(f"{name}={text!r} must be a whole number of MB >= 0")
+  if not 0 <= value <= _INT32_MAX:
+    raise ValueError(f"{name}={text!r} must be a whole number of MiB in [0, {_INT32_MAX}]")
   return value
 
 
-DOT_MERGER_MB = _env_mb("JAXKV_XLA_DOT_MERGER_MB", 1024)
-"""XLA's dot merger threshold in the decode programs (`COMPILER_OPTIONS`), MB;
+DOT_MERGER_MB = _env_mib("JAXKV_XLA_DOT_MERGER_MB", 1024)
+"""XLA's dot merger threshold in the decode programs (`COMPILER_OPTIONS`), MiB;
 ``JAXKV_XLA_DOT_MERGER_MB`` (read at import) sets it, 0 keeps XLA's default."""
 
 COMPILER_OPTIONS = {
@@ -65,25 +71,27 @@ COMPILER_OPTIONS = {
        else {"xla_disable_hlo_passes": "rematerialization"}),
     **({"xla_gpu_dot_merger_threshold_mb": DOT_MERGER_MB} if DOT_MERGER_MB else {}),
 }
-"""XLA options the decode programs (`generate`, `decode_steps`, speculative) compile with.
+"""XLA options the decode programs (`generate`, `decode_steps`, the speculative
+programs, `jaxkv.fidelity`'s forced decode) compile with.
 
 - Rematerialization off: XLA's GPU rematerialization pass budgets ~80 % of
   device memory *minus the program's arguments*; a cache that fills the GPU
   (the largest batch) leaves it a budget at or below zero, so it re-runs
-  weight GEMMs without freeing anything that matters (logged "Can't reduce
-  memory use below ...; only reduced to ..."; on an H100 at 32K, kivi4 B=49
-  and bf16 B=13 each re-ran two GEMMs per layer, ~2.6-2.9 ms of a 30-43 ms
-  step). A decode step's own temporaries are a few hundred MB, so the pass is
-  off for these programs. ``JAXKV_XLA_REMAT=1`` (read at import) keeps it.
-- Dot merger up to `DOT_MERGER_MB`: XLA's default (32 MB) merges q, k and v
-  (one product reading x once) but not Llama's gate and up (2 x 112 MiB at
-  8B); with it they run as one GEMM whose fusion reads both weights in place
-  (the concatenation sits inside the GEMM fusion: no copy, same peak memory;
-  checked in the optimized HLO on an H200). `bench/flag_probe.py`, 8 layers
-  at (1, 131072), H200, alternating processes: kivi4 1713-1733 -> 1678-1697
-  us per step, bf16 unchanged (2325-2329 vs 2329-2331).
+  weight GEMMs without freeing anything that matters (on an H100 at 32K,
+  kivi4 B=49 and bf16 B=13 each re-ran two GEMMs per layer, ~2.6-2.9 ms of a
+  30-43 ms step). A decode step's own temporaries are a few hundred MB, so
+  the pass is off. ``JAXKV_XLA_REMAT=1`` (read at import) keeps it.
+- Dot merger up to `DOT_MERGER_MB` MiB (``JAXKV_XLA_DOT_MERGER_MB``, 0: XLA's
+  default of 32): XLA then merges Llama's gate and up (112 MiB each at 8B)
+  into one GEMM as it already does q, k and v; the programs' prefill (in
+  `generate`) too. On an H200 at B = 1 the concatenated weight sits only
+  inside the GEMM's fusion (read in place: no copy, same peak memory) and
+  the step gains ~0.5-1.5 % (`bench/results/e2e-NOTES.md`, 2026-11-29); not
+  yet measured against the default at large batches.
 
-Pass the same ``compiler_options`` to your own ``jax.jit`` of `decode_step`.
+These per-program options take precedence over the same keys in
+``XLA_FLAGS``: change them with the ``JAXKV_*`` variables. Pass the same
+``compiler_options`` to your own ``jax.jit`` of `decode_step`.
 """
 
 

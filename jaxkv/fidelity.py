@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 
 from jaxkv import vq
-from jaxkv.decoding import as_format
+from jaxkv.decoding import COMPILER_OPTIONS, as_format
 from jaxkv.formats import PRESETS, KVFormat
 
 # ------------------------------------------------------------------ text
@@ -159,7 +159,7 @@ class _Static:
   implementation: str | None
 
 
-@functools.partial(jax.jit, static_argnames=("static",))
+@functools.partial(jax.jit, static_argnames=("static",), compiler_options=COMPILER_OPTIONS)
 def _forced_program(graphdef, state, prompt_tokens, prompt_lengths, targets, teacher, codebooks,
                     *, static: _Static):
   """Prefill, then a scan of decode steps. Returns ``(logprobs [N,B,V], argmax [N,B])``."""

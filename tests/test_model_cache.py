@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import re
 import zlib
 
@@ -16,7 +15,8 @@ import pytest
 from flax import nnx
 
 import jaxkv
-from jaxkv import KVCache, ModelCache
+from bench.hlo_copies import fusion_computations, lines_by_computation
+from jaxkv import KVCache, ModelCache, decoding
 from jaxkv.formats import PRESETS
 from models import llama
 from pallas_kernels import residual_write
@@ -298,61 +298,47 @@ def test_decode_step_updates_cache_in_place(model, preset, use_kernel):
   assert _pointers(cache) == before  # donated buffers reused: updated in place
 
 
-def _concatenates(hlo: str, shape: str) -> list[tuple[str, bool]]:
-  """``(computation, fused)`` of each ``concatenate`` of result ``shape`` in ``hlo``:
-  ``fused`` when its computation is one a ``fusion`` instruction calls."""
-  called = set(re.findall(r" fusion\(.*?calls=%?([\w.\-]+)", hlo))
-  out, computation = [], None
-  for line in hlo.splitlines():
-    if line[:1] not in (" ", "") and line.rstrip().endswith("{"):  # a computation's header
-      computation = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
-    if re.search(rf"= {re.escape(shape)}\{{[^}}]*\}} concatenate\(", line):
-      out.append((computation, computation in called))
-  return out
+def _merged_weight_lines(hlo: str, shape: str) -> list[tuple[str, bool]]:
+  """``(computation, in_gemm)`` of every line of ``hlo`` that names ``shape``;
+  ``in_gemm``: the computation is a fusion's and holds a ``dot`` (the GEMM
+  fusion itself, reading its operands in place), not a loop fusion that
+  would materialise the concatenation for a separate product."""
+  fused = fusion_computations(hlo)
+  with_dot = {c for c, line in lines_by_computation(hlo) if " dot(" in line}
+  return [(c, c in fused and c in with_dot) for c, line in lines_by_computation(hlo)
+          if shape in line]
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="XLA's dot merger is a GPU pass")
-def test_decode_program_merges_gate_and_up_in_place():
-  """`jaxkv.DECODE_COMPILER_OPTIONS` makes gate and up one GEMM (Llama-3.1-8B widths,
-  112 MiB each, above XLA's default merger threshold) whose fusion reads both
-  weights in place: the concatenation exists only inside a fusion, never as a
-  copy of the weights; without the options there is none."""
+@pytest.mark.skipif(decoding.DOT_MERGER_MB < 113,
+                    reason="JAXKV_XLA_DOT_MERGER_MB below one gate weight (112 MiB)")
+@pytest.mark.parametrize("batch", [1, 32])
+def test_decode_program_merges_gate_and_up_in_place(batch):
+  """The `decode_steps` loop program (`jaxkv.DECODE_COMPILER_OPTIONS`) makes gate and
+  up one GEMM (Llama-3.1-8B widths, 112 MiB each, above XLA's default merger
+  threshold of 32 MiB) whose fusion reads both weights in place: the merged
+  ``[hidden, 2 x intermediate]`` shape appears only inside a GEMM fusion
+  (never a loop-invariant copy hoisted out of the loop, nor a concatenation
+  materialised for the product). Without the options there is none (this
+  second check would fail if XLA's own default rose above 112 MiB)."""
   cfg = dataclasses.replace(llama.LlamaConfig.named("llama-3.1-8b"), num_layers=1,
                             vocab_size=512)
-  m = llama.random_model(cfg, seed=3)
+  m = jax.eval_shape(lambda: llama.random_model(cfg, seed=3))
   graphdef, state = nnx.split(m)
-  cache = m.init_cache("kivi4", 1, 1024)
-  tokens = jnp.asarray([5], jnp.int32)
+  cache = jax.eval_shape(lambda: m.init_cache("kivi4", batch, 1024))
+  tokens = jax.ShapeDtypeStruct((batch,), jnp.int32)
+  settings = decoding._settings(m, 4, "greedy", 1.0, None, None, None, None)  # pylint: disable=protected-access
+  args = (graphdef, state, tokens, cache, jax.eval_shape(lambda: jax.random.key(0)),
+          jax.ShapeDtypeStruct((batch, 0), jnp.int32), jnp.float32(1), jnp.float32(1),
+          jnp.int32(0))
   merged = f"bf16[{cfg.hidden_size},{2 * cfg.intermediate_size}]"
-
-  def hlo(options):
-    step = jax.jit(lambda s, t, c: jaxkv.decode_step(nnx.merge(graphdef, s), t, c),
-                   compiler_options=options)
-    return step.lower(state, tokens, cache).compile().as_text()
-
-  with_options = _concatenates(hlo(jaxkv.DECODE_COMPILER_OPTIONS), merged)
-  assert with_options and all(fused for _, fused in with_options), with_options
-  assert _concatenates(hlo({}), merged) == []
-
-
-@pytest.mark.parametrize("value,expect", [("", 1024), ("0", None), ("64", 64), ("-1", "error"),
-                                          ("lots", "error")])
-def test_dot_merger_threshold_from_the_environment(value, expect):
-  """``JAXKV_XLA_DOT_MERGER_MB`` (read at import): unset -> 1024, 0 -> XLA's own
-  default (the option left out), a bad value -> a ValueError naming it."""
-  import subprocess  # pylint: disable=import-outside-toplevel
-  import sys  # pylint: disable=import-outside-toplevel
-  code = ("import jaxkv; print(jaxkv.DECODE_COMPILER_OPTIONS"
-          ".get('xla_gpu_dot_merger_threshold_mb'))")
-  env = {**os.environ, "JAXKV_XLA_DOT_MERGER_MB": value, "JAX_PLATFORMS": "cpu"}
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  run = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
-                       text=True, check=False)
-  if expect == "error":
-    assert run.returncode != 0 and "JAXKV_XLA_DOT_MERGER_MB" in run.stderr, run.stderr[-500:]
-  else:
-    assert run.returncode == 0, run.stderr[-500:]
-    assert run.stdout.split()[-1] == str(expect)
+  hlo = decoding._decode_steps_program.lower(*args, settings=settings).compile().as_text()  # pylint: disable=protected-access
+  found = _merged_weight_lines(hlo, merged)
+  assert found and all(in_gemm for _, in_gemm in found), found
+  plain = jax.jit(decoding._decode_steps_program.__wrapped__,  # pylint: disable=protected-access
+                  static_argnames=("settings",))
+  assert _merged_weight_lines(plain.lower(*args, settings=settings).compile().as_text(),
+                              merged) == []
 
 
 def test_chunked_prefill_and_decode_steps_in_place(model):

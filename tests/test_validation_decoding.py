@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -373,3 +376,25 @@ def test_speculative_group_size_is_refused_where_the_draft_weights_ignore_it(mod
   # where it applies, and at its default with a dict, it is taken
   speculative_generate(model, tokens, lengths, **kw, draft_weights="int4", group_size=32)
   speculative_generate(model, tokens, lengths, **kw, draft_weights=weights)
+
+
+@pytest.mark.parametrize("value,expect", [("", "1024"), ("0", "None"), ("64", "64"),
+                                          ("2147483647", "2147483647"), ("-1", "error"),
+                                          ("2147483648", "error"), ("lots", "error")],
+                         ids=["unset", "zero", "64", "int32-max", "negative", "past-int32",
+                              "not-a-number"])
+def test_dot_merger_threshold_from_the_environment(value, expect):
+  """``JAXKV_XLA_DOT_MERGER_MB`` (read at import): unset -> 1024 MiB, 0 -> XLA's
+  own default (the option left out), a value XLA's int32 field cannot hold or
+  not a number -> a ValueError naming the variable."""
+  code = ("import jaxkv; print(jaxkv.DECODE_COMPILER_OPTIONS"
+          ".get('xla_gpu_dot_merger_threshold_mb'))")
+  env = {**os.environ, "JAXKV_XLA_DOT_MERGER_MB": value, "JAX_PLATFORMS": "cpu"}
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  run = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
+                       text=True, check=False)
+  if expect == "error":
+    assert run.returncode != 0 and "JAXKV_XLA_DOT_MERGER_MB" in run.stderr, run.stderr[-500:]
+  else:
+    assert run.returncode == 0, run.stderr[-500:]
+    assert run.stdout.split()[-1] == expect
