@@ -30,14 +30,8 @@ import jax  # noqa: E402
 
 import e2e  # noqa: E402
 import jaxkv  # noqa: E402
+from jaxkv import timing  # noqa: E402
 from models import llama  # noqa: E402
-
-
-def _peak_gib():
-  """The device's peak allocation so far (GiB), or None where it is not reported."""
-  stats = jax.devices()[0].memory_stats() or {}
-  peak = stats.get("peak_bytes_in_use")
-  return None if peak is None else round(peak / 2**30, 3)
 
 
 def main(argv=None) -> int:
@@ -62,7 +56,8 @@ def main(argv=None) -> int:
                           xla_flags=os.environ.get("XLA_FLAGS", ""),
                           decode_compiler_options=dict(jaxkv.DECODE_COMPILER_OPTIONS),
                           gpu=jax.devices()[0].device_kind, jax_version=jax.__version__,
-                          peak_gib=_peak_gib(),
+                          peak_gib=None if (peak := timing.peak_bytes()) is None
+                          else round(peak / 2**30, 3),
                           **{k: v for k, v in row.items() if not k.startswith("compile")})),
           flush=True)
     del cache

@@ -75,6 +75,19 @@ def copies(hlo: str, min_bytes: int) -> list[dict]:
   return out
 
 
+def loop_program_args(model, kv_format, batch: int, context: int, steps: int):
+  """``(args, settings)`` of `jaxkv.decode_steps`' loop program
+  (``decoding._decode_steps_program``) for an abstract ``model`` (`nnx.eval_shape`):
+  ``program.lower(*args, settings=settings)`` compiles it from shapes alone."""
+  graphdef, state = nnx.split(model)
+  cache = jax.eval_shape(lambda: model.init_cache(kv_format, batch, context))
+  settings = decoding._settings(model, steps, "greedy", 1.0, None, None, None, None)  # pylint: disable=protected-access
+  args = (graphdef, state, jax.ShapeDtypeStruct((batch,), jnp.int32), cache,
+          jax.eval_shape(lambda: jax.random.key(0)), jax.ShapeDtypeStruct((batch, 0), jnp.int32),
+          jnp.float32(1), jnp.float32(1), jnp.int32(0))
+  return args, settings
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--config", default="llama-3.1-8b")
@@ -90,15 +103,11 @@ def main(argv=None) -> int:
 
   config = dataclasses.replace(llama.LlamaConfig.named(args.config), num_layers=args.layers)
   model = nnx.eval_shape(lambda: llama.random_model(config, dtype=jnp.bfloat16))
-  graphdef, state = nnx.split(model)
-  cache = jax.eval_shape(lambda: model.init_cache(args.format, args.batch, args.context))
-  tokens = jax.ShapeDtypeStruct((args.batch,), jnp.int32)
-  settings = decoding._settings(model, args.steps, "greedy", 1.0, None, None, None, None)  # pylint: disable=protected-access
+  loop_args, settings = loop_program_args(model, args.format, args.batch, args.context,
+                                          args.steps)
+  graphdef, state, tokens, cache = loop_args[:4]
   programs = {
-      "loop": decoding._decode_steps_program.lower(  # pylint: disable=protected-access
-          graphdef, state, tokens, cache, jax.eval_shape(lambda: jax.random.key(0)),
-          jax.ShapeDtypeStruct((args.batch, 0), jnp.int32), jnp.float32(1), jnp.float32(1),
-          jnp.int32(0), settings=settings),
+      "loop": decoding._decode_steps_program.lower(*loop_args, settings=settings),  # pylint: disable=protected-access
       "step": jax.jit(lambda s, t, c: jaxkv.decode_step(nnx.merge(graphdef, s), t, c),
                       donate_argnums=2, compiler_options=jaxkv.DECODE_COMPILER_OPTIONS).lower(
                           state, tokens, cache),

@@ -366,7 +366,7 @@ class TimingRun:
                                               loop_steps=a.loop_steps, reps=a.reps)
     row["ar"][fmt] = dict(capacity=capacity, fill_s=fill_s, cache_read_bytes=read,
                           floor_us=self._floor_us(self.weight_bytes + read),
-                          peak_bytes_in_use=_peak_bytes(), **loop)
+                          peak_bytes_in_use=timing.peak_bytes(), **loop)
     print(f"    AR {fmt}: {loop['median_us']:.0f} us/step "
           f"(floor {row['ar'][fmt]['floor_us']:.0f})", flush=True)
     if fmt == "quantspec":
@@ -393,7 +393,7 @@ class TimingRun:
           gamma * (self.weight_bytes + read_d) + self.weight_bytes + read_t)
       r["random_weights_us_per_emitted_token"] = (
           r["round_median_us"] / r["random_weights_tokens_per_verification"])
-      r["peak_bytes_in_use"] = _peak_bytes()
+      r["peak_bytes_in_use"] = timing.peak_bytes()
       _model_speedup(r, row["ar"], self.acceptance.get(gamma))
       row["speculative"].append(r)
       print(f"    speculative gamma={gamma}: {r['round_median_us']:.0f} us/round "
@@ -417,7 +417,7 @@ class TimingRun:
         floor_draft_step_us=self._floor_us(self.draft_read_bytes + read_d),
         floor_draft_step_us_if_bf16_weights=self._floor_us(self.weight_bytes + read_d),
         floor_verify_pass_us=self._floor_us(self.weight_bytes + read_t),
-        peak_bytes_in_use=_peak_bytes())
+        peak_bytes_in_use=timing.peak_bytes())
     row["components"] = comps
     cache.check()
     del cache
@@ -519,12 +519,6 @@ def timing_main(args) -> int:
   print(f"\nwrote {path}")
   print_timing_table(result)
   return 0 if not run.errors else 1
-
-
-def _peak_bytes():
-  """The device's peak bytes in use so far (None where it keeps no statistics)."""
-  stats = jax.devices()[0].memory_stats() or {}
-  return stats.get("peak_bytes_in_use")
 
 
 def _model_speedup(r: dict, ar: dict, e_row) -> None:

@@ -219,4 +219,11 @@ def device_time(fn: Callable, firsts: Sequence, *rest, reps: int = 10, warmup: i
           "wall": statistics.median(wall), "compile": compile_s}
 
 
-__all__ = ["device_time", "gpu_kernel_events", "kernel_time"]
+def peak_bytes() -> int | None:
+  """The first device's peak bytes in use so far in this process (monotone), or
+  None where the backend keeps no statistics (CPU)."""
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats.get("peak_bytes_in_use")
+
+
+__all__ = ["device_time", "gpu_kernel_events", "kernel_time", "peak_bytes"]

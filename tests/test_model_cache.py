@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 import jaxkv
-from bench.hlo_copies import fusion_computations, lines_by_computation
+from bench.hlo_copies import fusion_computations, lines_by_computation, loop_program_args
 from jaxkv import KVCache, ModelCache, decoding
 from jaxkv.formats import PRESETS
 from models import llama
@@ -304,9 +304,9 @@ def _merged_weight_lines(hlo: str, shape: str) -> list[tuple[str, bool]]:
   fusion itself, reading its operands in place), not a loop fusion that
   would materialise the concatenation for a separate product."""
   fused = fusion_computations(hlo)
-  with_dot = {c for c, line in lines_by_computation(hlo) if " dot(" in line}
-  return [(c, c in fused and c in with_dot) for c, line in lines_by_computation(hlo)
-          if shape in line]
+  lines = list(lines_by_computation(hlo))
+  with_dot = {c for c, line in lines if " dot(" in line}
+  return [(c, c in fused and c in with_dot) for c, line in lines if shape in line]
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="XLA's dot merger is a GPU pass")
@@ -324,13 +324,7 @@ def test_decode_program_merges_gate_and_up_in_place(batch):
   cfg = dataclasses.replace(llama.LlamaConfig.named("llama-3.1-8b"), num_layers=1,
                             vocab_size=512)
   m = jax.eval_shape(lambda: llama.random_model(cfg, seed=3))
-  graphdef, state = nnx.split(m)
-  cache = jax.eval_shape(lambda: m.init_cache("kivi4", batch, 1024))
-  tokens = jax.ShapeDtypeStruct((batch,), jnp.int32)
-  settings = decoding._settings(m, 4, "greedy", 1.0, None, None, None, None)  # pylint: disable=protected-access
-  args = (graphdef, state, tokens, cache, jax.eval_shape(lambda: jax.random.key(0)),
-          jax.ShapeDtypeStruct((batch, 0), jnp.int32), jnp.float32(1), jnp.float32(1),
-          jnp.int32(0))
+  args, settings = loop_program_args(m, "kivi4", batch, 1024, steps=4)
   merged = f"bf16[{cfg.hidden_size},{2 * cfg.intermediate_size}]"
   hlo = decoding._decode_steps_program.lower(*args, settings=settings).compile().as_text()  # pylint: disable=protected-access
   found = _merged_weight_lines(hlo, merged)
