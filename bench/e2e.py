@@ -144,12 +144,16 @@ def _fill_chunk(cache, key, *, chunk: int):
 MESH = None
 
 
-@functools.partial(jax.jit, donate_argnames="cache", static_argnames=("implementation", "mesh"),
-                   compiler_options=decoding.COMPILER_OPTIONS)
-def _decode(graphdef, state, tokens, cache, *, implementation=None, mesh=None):
+@decoding.jit_by_rows(donate_argnames="cache", static_argnames=("implementation", "mesh"))
+def _decode_program(graphdef, state, tokens, cache, *, implementation=None, mesh=None):
   logits, cache = decode_step(nnx.merge(graphdef, state), tokens, cache,
                               implementation=implementation, mesh=mesh)
   return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+
+
+def _decode(graphdef, state, tokens, cache, **kwargs):
+  """One jitted greedy decode step, with the decode programs' options for ``tokens [B]``."""
+  return _decode_program.at(tokens.shape[0])(graphdef, state, tokens, cache, **kwargs)
 
 
 @functools.partial(jax.jit, donate_argnames="cache", static_argnames=("chunk_size", "mesh"))
@@ -1027,7 +1031,10 @@ def main(argv=None) -> int:
           floor=("(weight bytes + cache bytes read: packed tokens at the format's "
                  "bytes/token + the residual block) / measured HBM read bandwidth"),
           implementation=args.implementation or "default (Pallas on GPU)",
-          decode_compiler_options=dict(decoding.COMPILER_OPTIONS),
+          decode_compiler_options={
+              f"rows<={decoding.DOT_MERGER_MAX_ROWS}": decoding.compiler_options(1),
+              f"rows>{decoding.DOT_MERGER_MAX_ROWS}":
+                  decoding.compiler_options(decoding.DOT_MERGER_MAX_ROWS + 1)},
           args={k: v for k, v in vars(args).items()}, total_s=time.perf_counter() - runner.start),
       decode_b1=latency, max_batch=batch_rows, prefill=prefill_rows, profile=runner.profiles,
       summary=summary, skipped=runner.skipped, errors=errors,

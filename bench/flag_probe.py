@@ -4,7 +4,7 @@ alternating processes.
 
 Times ``jaxkv.decode_steps`` loops (the way `generate` runs) at one batch and
 context, per format; prints one JSON line per format, with the decode
-programs' own compiler options (`jaxkv.DECODE_COMPILER_OPTIONS`), which take
+programs' own compiler options (`jaxkv.decode_compiler_options`), which take
 precedence over the same keys in ``XLA_FLAGS`` (change those with
 ``JAXKV_XLA_DOT_MERGER_MB`` / ``JAXKV_XLA_REMAT``). ``peak_gib`` is the
 process's peak device allocation so far (cumulative over the formats run
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
                                          reps=a.reps)
     print(json.dumps(dict(format=name, layers=a.layers, context=a.context, batch=a.batch,
                           xla_flags=os.environ.get("XLA_FLAGS", ""),
-                          decode_compiler_options=dict(jaxkv.DECODE_COMPILER_OPTIONS),
+                          decode_compiler_options=jaxkv.decode_compiler_options(a.batch),
                           gpu=jax.devices()[0].device_kind, jax_version=jax.__version__,
                           peak_gib=None if (peak := timing.peak_bytes()) is None
                           else round(peak / 2**30, 3),

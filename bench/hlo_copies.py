@@ -107,9 +107,9 @@ def main(argv=None) -> int:
                                           args.steps)
   graphdef, state, tokens, cache = loop_args[:4]
   programs = {
-      "loop": decoding._decode_steps_program.lower(*loop_args, settings=settings),  # pylint: disable=protected-access
+      "loop": decoding._decode_steps_program.at(args.batch).lower(*loop_args, settings=settings),  # pylint: disable=protected-access
       "step": jax.jit(lambda s, t, c: jaxkv.decode_step(nnx.merge(graphdef, s), t, c),
-                      donate_argnums=2, compiler_options=jaxkv.DECODE_COMPILER_OPTIONS).lower(
+                      donate_argnums=2, compiler_options=jaxkv.decode_compiler_options(args.batch)).lower(
                           state, tokens, cache),
   }
   result = dict(config=args.config, layers=args.layers, format=args.format,

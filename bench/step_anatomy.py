@@ -108,7 +108,7 @@ def anatomy(name: str, model, context: int, steps: int, log) -> dict:
   cache = e2e.fill_cache(model, name, 1, context, capacity, seed=0)
   graphdef, state = nnx.split(model)
   box = dict(tokens=jnp.ones((1,), jnp.int32), cache=cache)
-  hlo = e2e._decode.lower(graphdef, state, box["tokens"], cache).compile().as_text()  # pylint: disable=protected-access
+  hlo = e2e._decode_program.at(1).lower(graphdef, state, box["tokens"], cache).compile().as_text()  # pylint: disable=protected-access
 
   def run():
     for _ in range(steps):

@@ -9,7 +9,7 @@ Public API:
                             (`jaxkv.chunked_attention`)
   reference_attention       exact attention on plain K/V
   generate, decode_steps,   jitted decoding with a model (`jaxkv.decoding`)
-  decode_step, DECODE_COMPILER_OPTIONS  (the XLA options those compile with)
+  decode_step, decode_compiler_options  (the XLA options those compile with, by rows)
   SplitModel                a model split once, for calling those in a loop
   autotune                  kernel config search on the current GPU (`jaxkv.tuning`;
                             timers in `jaxkv.timing`)
@@ -33,7 +33,7 @@ from jaxkv.attention import decode_attention, reference_attention
 from jaxkv.tuning import autotune
 from jaxkv.cache import KVCache, QuantizedKV
 from jaxkv.chunked_attention import chunk_attention
-from jaxkv.decoding import COMPILER_OPTIONS as DECODE_COMPILER_OPTIONS
+from jaxkv.decoding import compiler_options as decode_compiler_options
 from jaxkv.decoding import SplitModel, decode_step, decode_steps, generate
 from jaxkv.formats import PRESETS, KVFormat
 from jaxkv.model_cache import ModelCache
@@ -50,7 +50,6 @@ from jaxkv.staged_cache import StagedCache
 __version__ = "0.1.0"
 
 __all__ = [
-    "DECODE_COMPILER_OPTIONS",
     "KVCache",
     "KVFormat",
     "ModelCache",
@@ -65,6 +64,7 @@ __all__ = [
     "autotune",
     "chunk_attention",
     "decode_attention",
+    "decode_compiler_options",
     "decode_step",
     "decode_steps",
     "generate",

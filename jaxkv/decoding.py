@@ -48,51 +48,85 @@ SAMPLERS = ("greedy", "sample", "temperature", "top_k", "top_p")
 _INT32_MAX = 2**31 - 1
 
 
-def _env_mib(name: str, default: int) -> int:
-  """The whole number of MiB in environment variable ``name`` (``default`` when
-  unset or empty); a ValueError naming it unless ``0 <= value < 2**31`` (XLA
-  keeps its thresholds as int32)."""
+def _env_count(name: str, default: int, unit: str) -> int:
+  """The whole number (of ``unit``) in environment variable ``name``
+  (``default`` when unset or empty); a ValueError naming it unless
+  ``0 <= value < 2**31`` (XLA keeps its thresholds as int32)."""
   text = os.environ.get(name, "").strip() or str(default)
   try:
     value = int(text)
   except ValueError:
     value = -1
   if not 0 <= value <= _INT32_MAX:
-    raise ValueError(f"{name}={text!r} must be a whole number of MiB in [0, {_INT32_MAX}]")
+    raise ValueError(f"{name}={text!r} must be a whole number of {unit} in [0, {_INT32_MAX}]")
   return value
 
 
-DOT_MERGER_MB = _env_mib("JAXKV_XLA_DOT_MERGER_MB", 1024)
-"""XLA's dot merger threshold in the decode programs (`COMPILER_OPTIONS`), MiB;
+DOT_MERGER_MB = _env_count("JAXKV_XLA_DOT_MERGER_MB", 1024, "MiB")
+"""XLA's dot merger threshold in the decode programs (`compiler_options`), MiB;
 ``JAXKV_XLA_DOT_MERGER_MB`` (read at import) sets it, 0 keeps XLA's default."""
 
-COMPILER_OPTIONS = {
-    **({} if os.environ.get("JAXKV_XLA_REMAT", "") == "1"
-       else {"xla_disable_hlo_passes": "rematerialization"}),
-    **({"xla_gpu_dot_merger_threshold_mb": DOT_MERGER_MB} if DOT_MERGER_MB else {}),
-}
-"""XLA options the decode programs (`generate`, `decode_steps`, the speculative
-programs, `jaxkv.fidelity`'s forced decode) compile with.
+DOT_MERGER_MAX_ROWS = _env_count("JAXKV_XLA_DOT_MERGER_MAX_ROWS", 64, "rows")
+"""The most token rows per step (batch x query tokens) at which the decode
+programs raise the dot merger threshold (`compiler_options`);
+``JAXKV_XLA_DOT_MERGER_MAX_ROWS`` (read at import) sets it."""
 
-- Rematerialization off: XLA's GPU rematerialization pass budgets ~80 % of
-  device memory *minus the program's arguments*; a cache that fills the GPU
-  (the largest batch) leaves it a budget at or below zero, so it re-runs
-  weight GEMMs without freeing anything that matters (on an H100 at 32K,
-  kivi4 B=49 and bf16 B=13 each re-ran two GEMMs per layer, ~2.6-2.9 ms of a
-  30-43 ms step). A decode step's own temporaries are a few hundred MB, so
-  the pass is off. ``JAXKV_XLA_REMAT=1`` (read at import) keeps it.
-- Dot merger up to `DOT_MERGER_MB` MiB (``JAXKV_XLA_DOT_MERGER_MB``, 0: XLA's
-  default of 32): XLA then merges Llama's gate and up (112 MiB each at 8B)
-  into one GEMM as it already does q, k and v; the programs' prefill (in
-  `generate`) too. On an H200 at B = 1 the concatenated weight sits only
-  inside the GEMM's fusion (read in place: no copy, same peak memory) and
-  the step gains ~0.5-1.5 % (`bench/results/e2e-NOTES.md`, 2026-11-29); not
-  yet measured against the default at large batches.
 
-These per-program options take precedence over the same keys in
-``XLA_FLAGS``: change them with the ``JAXKV_*`` variables. Pass the same
-``compiler_options`` to your own ``jax.jit`` of `decode_step`.
-"""
+def compiler_options(rows: int) -> dict[str, Any]:
+  """XLA options for a decode program whose weight GEMMs see ``rows`` token
+  rows per step (batch x query tokens): `generate`, `decode_steps`, the
+  speculative programs and `jaxkv.fidelity`'s forced decode compile with them.
+
+  - Rematerialization off: XLA's GPU rematerialization pass budgets ~80 % of
+    device memory *minus the program's arguments*; a cache that fills the GPU
+    (the largest batch) leaves it a budget at or below zero, so it re-runs
+    weight GEMMs without freeing anything that matters (on an H100 at 32K,
+    kivi4 B=49 and bf16 B=13 each re-ran two GEMMs per layer, ~2.6-2.9 ms of a
+    30-43 ms step). A decode step's own temporaries are a few hundred MB, so
+    the pass is off. ``JAXKV_XLA_REMAT=1`` (read at import) keeps it.
+  - Dot merger up to `DOT_MERGER_MB` MiB (``JAXKV_XLA_DOT_MERGER_MB``, 0: XLA's
+    default of 32) when ``rows <= DOT_MERGER_MAX_ROWS``: XLA then merges
+    Llama's gate and up (112 MiB each at 8B) into one GEMM as it already does
+    q, k and v. On an H200 the concatenated weight sits only inside the GEMM's
+    fusion (read in place: no copy, same peak memory); the step gains
+    ~0.5-1.5 % at one sequence and ~0.7 % at 27, and loses ~0.3 % at 100
+    sequences and ~3.8 % at 188 (`bench/results/e2e-NOTES.md`, 2026-11-29/30),
+    hence the row limit.
+
+  These per-program options take precedence over the same keys in
+  ``XLA_FLAGS``: change them with the ``JAXKV_*`` variables. Pass the same
+  options to your own ``jax.jit`` of `decode_step`.
+  """
+  check_int("rows", rows)
+  merge = DOT_MERGER_MB and rows <= DOT_MERGER_MAX_ROWS
+  return {
+      **({} if os.environ.get("JAXKV_XLA_REMAT", "") == "1"
+         else {"xla_disable_hlo_passes": "rematerialization"}),
+      **({"xla_gpu_dot_merger_threshold_mb": DOT_MERGER_MB} if merge else {}),
+  }
+
+
+@dataclasses.dataclass(frozen=True)
+class RowsProgram:
+  """One function jitted twice, with and without the dot merger of
+  `compiler_options`; ``at(rows)`` is the program for ``rows`` token rows per
+  step (each compiles on its first call)."""
+  merged: Callable
+  plain: Callable
+
+  def at(self, rows: int) -> Callable:
+    return self.merged if "xla_gpu_dot_merger_threshold_mb" in compiler_options(rows) \
+        else self.plain
+
+
+def jit_by_rows(**jit_kwargs) -> Callable[[Callable], RowsProgram]:
+  """Decorator: ``fun`` as a `RowsProgram` (``jit_kwargs`` go to both ``jax.jit``)."""
+  def wrap(fun: Callable) -> RowsProgram:
+    return RowsProgram(
+        merged=jax.jit(fun, compiler_options=compiler_options(1), **jit_kwargs),
+        plain=jax.jit(fun, compiler_options=compiler_options(DOT_MERGER_MAX_ROWS + 1),
+                      **jit_kwargs))
+  return wrap
 
 
 _F32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal float32
@@ -384,8 +418,7 @@ def _decode_loop(model, state: DecodeState, stop_tokens, temperature, top_p, pad
   return jax.lax.while_loop(cond, body, state)
 
 
-@functools.partial(jax.jit, static_argnames=("settings",), donate_argnames=("cache",),
-                   compiler_options=COMPILER_OPTIONS)
+@jit_by_rows(static_argnames=("settings",), donate_argnames=("cache",))
 def _generate_program(graphdef, state, prompt_tokens, prompt_lengths, cache, rng, stop_tokens,
                       temperature, top_p, pad_token_id, num_steps, *,
                       settings: GenerateSettings):
@@ -413,8 +446,7 @@ def _generate_program(graphdef, state, prompt_tokens, prompt_lengths, cache, rng
   return loop.out, loop.num_generated, _constrain(loop.cache, settings.mesh)
 
 
-@functools.partial(jax.jit, static_argnames=("settings",), donate_argnames=("cache",),
-                   compiler_options=COMPILER_OPTIONS)
+@jit_by_rows(static_argnames=("settings",), donate_argnames=("cache",))
 def _decode_steps_program(graphdef, state, tokens, cache, rng, stop_tokens, temperature, top_p,
                           pad_token_id, *, settings: GenerateSettings):
   """``settings.max_new_tokens`` decode steps from ``tokens [B]``: ``(out [B, N], lengths, cache)``."""
@@ -550,10 +582,11 @@ def decode_steps(model, tokens, cache, num_steps: int, *, sampler: str | Callabl
   graphdef, state = _split(model)
   rng = _check_rng(rng)
   stops = _stop_array(stop_tokens, tokens.shape[0])
-  return _decode_steps_program(graphdef, state, tokens, cache, rng, stops,
-                               _program_temperature(settings, temperature),
-                               np.float32(1.0 if top_p is None else top_p),
-                               _pad_id(pad_token_id), settings=settings)
+  program = _decode_steps_program.at(tokens.shape[0])
+  return program(graphdef, state, tokens, cache, rng, stops,
+                 _program_temperature(settings, temperature),
+                 np.float32(1.0 if top_p is None else top_p), _pad_id(pad_token_id),
+                 settings=settings)
 
 
 def _pad_id(pad_token_id) -> np.int32:
@@ -768,7 +801,7 @@ def generate(model, prompt_tokens, prompt_lengths, *, kv_format: KVFormat | str 
     cache = init_sharded(
         lambda: model.init_cache(kv_format, batch, capacity, dtype=cache_dtype, **extra), mesh)
   graphdef, state = _split(model)
-  tokens, lengths, cache = _generate_program(
+  tokens, lengths, cache = _generate_program.at(batch)(
       graphdef, state, prompt_tokens, prompt_lengths, cache, rng, stops,
       _program_temperature(settings, temperature),
       np.float32(1.0 if top_p is None else top_p),

@@ -28,7 +28,6 @@ given.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import Callable, Sequence
 
@@ -38,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 from jaxkv import vq
-from jaxkv.decoding import COMPILER_OPTIONS, as_format
+from jaxkv.decoding import as_format, jit_by_rows
 from jaxkv.formats import PRESETS, KVFormat
 
 # ------------------------------------------------------------------ text
@@ -159,7 +158,7 @@ class _Static:
   implementation: str | None
 
 
-@functools.partial(jax.jit, static_argnames=("static",), compiler_options=COMPILER_OPTIONS)
+@jit_by_rows(static_argnames=("static",))
 def _forced_program(graphdef, state, prompt_tokens, prompt_lengths, targets, teacher, codebooks,
                     *, static: _Static):
   """Prefill, then a scan of decode steps. Returns ``(logprobs [N,B,V], argmax [N,B])``."""
@@ -222,10 +221,10 @@ def forced_decode(model, prompt_tokens, prompt_lengths, targets, teacher, *,
   static = _Static(kv_format, prompt_tokens.shape[1] + targets.shape[1],
                    None if cache_dtype is None else jnp.dtype(cache_dtype).name, implementation)
   graphdef, state = nnx.split(model)
-  logprobs, preds = _forced_program(graphdef, state, jnp.asarray(prompt_tokens),
-                                    jnp.asarray(prompt_lengths, jnp.int32),
-                                    jnp.asarray(targets), jnp.asarray(teacher, bool),
-                                    codebooks, static=static)
+  program = _forced_program.at(prompt_tokens.shape[0])
+  logprobs, preds = program(graphdef, state, jnp.asarray(prompt_tokens),
+                            jnp.asarray(prompt_lengths, jnp.int32), jnp.asarray(targets),
+                            jnp.asarray(teacher, bool), codebooks, static=static)
   return np.asarray(logprobs).swapaxes(0, 1), np.asarray(preds).T
 
 

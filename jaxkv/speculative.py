@@ -44,9 +44,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxkv.decoding import (COMPILER_OPTIONS, SplitModel, _check_ids, _check_rng,
-                             _check_temperature, _is_stop, _pad_id, _scaled_logits, _split,
-                             _stop_array, check_prefill_chunk, prefill_kwargs)
+from jaxkv.decoding import (SplitModel, _check_ids, _check_rng, _check_temperature, _is_stop,
+                             _pad_id, _scaled_logits, _split, _stop_array, check_prefill_chunk,
+                             jit_by_rows, prefill_kwargs)
 from jaxkv.formats import KVFormat
 from jaxkv.sharding import check_mesh
 from jaxkv.cache import check_int
@@ -246,8 +246,7 @@ def _is_stop_block(tokens, stop_tokens):
   return jnp.any(tokens[:, :, None] == stop_tokens[:, None, :], axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("settings",), donate_argnames=("cache",),
-                   compiler_options=COMPILER_OPTIONS)
+@jit_by_rows(static_argnames=("settings",), donate_argnames=("cache",))
 def _speculative_program(graphdef, state, draft_state, prompt_tokens, prompt_lengths, cache,
                          rng, stop_tokens, temperature, pad_token_id, *, settings: SpecSettings):
   model = nnx.merge(graphdef, state)
@@ -280,8 +279,7 @@ def _speculative_program(graphdef, state, draft_state, prompt_tokens, prompt_len
   return loop.out, loop.num_generated, loop.verifications, loop.accepted, loop.cache
 
 
-@functools.partial(jax.jit, static_argnames=("settings", "num_rounds"),
-                   donate_argnames=("cache",), compiler_options=COMPILER_OPTIONS)
+@jit_by_rows(static_argnames=("settings", "num_rounds"), donate_argnames=("cache",))
 def _speculative_steps_program(graphdef, state, draft_state, token, cache, rng, stop_tokens,
                                temperature, pad_token_id, *, settings: SpecSettings,
                                num_rounds: int):
@@ -396,7 +394,8 @@ def speculative_generate(model, prompt_tokens, prompt_lengths, *, max_new_tokens
                          mesh)
   graphdef, state = _split(model)  # an NNX model or a `SplitModel`
   settings = SpecSettings(int(max_new_tokens), int(gamma), sampler, mesh, prefill_chunk)
-  tokens, num, verifs, accepted, cache = _speculative_program(
+  # the verify pass's GEMMs see gamma + 1 rows per sequence
+  tokens, num, verifs, accepted, cache = _speculative_program.at(b * (int(gamma) + 1))(
       graphdef, state, draft_weights, jnp.asarray(prompt_tokens, jnp.int32),
       jnp.asarray(lengths, jnp.int32), cache, rng,
       _stop_array(stop_tokens, b), temperature,
@@ -529,7 +528,8 @@ def speculative_steps(model, token, cache, num_rounds: int, *, gamma: int = 4,
   draft_state = _draft_state(model, draft_weights, group_size, mesh)
   graphdef, state = _split(model)
   settings = SpecSettings(room, int(gamma), sampler, mesh)
-  tokens, counts, verifs, accepted, cache = _speculative_steps_program(
+  program = _speculative_steps_program.at(cache.batch * (int(gamma) + 1))  # verify's rows
+  tokens, counts, verifs, accepted, cache = program(
       graphdef, state, draft_state, jnp.asarray(token, jnp.int32), cache,
       rng, _stop_array(stop_tokens, cache.batch),
       temperature, _pad_id(pad_token_id), settings=settings,

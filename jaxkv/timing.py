@@ -9,6 +9,7 @@ still over-reports small calls. `gpu_kernel_events` lists a trace's kernels.
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import shutil
@@ -149,7 +150,8 @@ def hbm_read_probe(nbytes: int = 4 << 30, *, calls: int = 5) -> dict[str, float]
 
 
 def device_time(fn: Callable, firsts: Sequence, *rest, reps: int = 10, warmup: int = 2,
-                hide_dispatch: bool | None = None) -> dict:
+                hide_dispatch: bool | None = None,
+                compiler_options: dict | None = None) -> dict:
   """Device time of one ``fn(first, *rest)`` call, in seconds.
 
   Traces ``len(firsts)`` back-to-back calls (one per distinct first argument,
@@ -163,7 +165,8 @@ def device_time(fn: Callable, firsts: Sequence, *rest, reps: int = 10, warmup: i
   the calls wait behind (an optimization barrier), so the host has enqueued
   them all before the GPU reaches them; the chain timed alone, in the same
   rep, is subtracted. The result is the GPU's time per call back to back,
-  launch gaps between kernels included.
+  launch gaps between kernels included. ``compiler_options`` (XLA options,
+  as for ``jax.jit``) apply to the program of the calls.
 
   Returns:
     ``{"median", "min", "max"}`` seconds per call of ``fn`` (dispatch hidden
@@ -179,7 +182,7 @@ def device_time(fn: Callable, firsts: Sequence, *rest, reps: int = 10, warmup: i
   if hide_dispatch is None:
     hide_dispatch = jax.default_backend() == "gpu"
 
-  @jax.jit
+  @functools.partial(jax.jit, compiler_options=compiler_options)
   def many(firsts_, *rest_args):
     return [fn(x, *rest_args) for x in firsts_]
 
@@ -201,7 +204,7 @@ def device_time(fn: Callable, firsts: Sequence, *rest, reps: int = 10, warmup: i
     big = jax.random.normal(jax.random.PRNGKey(0), (_LEAD_DIM, _LEAD_DIM), jnp.bfloat16)
     big = big * (_LEAD_DIM ** -0.5)
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=compiler_options)
     def led(big_, firsts_, *rest_args):
       y, firsts_ = jax.lax.optimization_barrier((_lead(big_), firsts_))
       return y, [fn(x, *rest_args) for x in firsts_]

@@ -312,27 +312,28 @@ def _merged_weight_lines(hlo: str, shape: str) -> list[tuple[str, bool]]:
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="XLA's dot merger is a GPU pass")
 @pytest.mark.skipif(decoding.DOT_MERGER_MB < 113,
                     reason="JAXKV_XLA_DOT_MERGER_MB below one gate weight (112 MiB)")
-@pytest.mark.parametrize("batch", [1, 32])
+@pytest.mark.parametrize("batch", [1, 32, decoding.DOT_MERGER_MAX_ROWS + 1])
 def test_decode_program_merges_gate_and_up_in_place(batch):
-  """The `decode_steps` loop program (`jaxkv.DECODE_COMPILER_OPTIONS`) makes gate and
-  up one GEMM (Llama-3.1-8B widths, 112 MiB each, above XLA's default merger
-  threshold of 32 MiB) whose fusion reads both weights in place: the merged
-  ``[hidden, 2 x intermediate]`` shape appears only inside a GEMM fusion
-  (never a loop-invariant copy hoisted out of the loop, nor a concatenation
-  materialised for the product). Without the options there is none (this
-  second check would fail if XLA's own default rose above 112 MiB)."""
+  """The `decode_steps` loop program (`jaxkv.decode_compiler_options`) makes gate
+  and up one GEMM (Llama-3.1-8B widths, 112 MiB each, above XLA's default merger
+  threshold of 32 MiB) up to `DOT_MERGER_MAX_ROWS` sequences, and its fusion
+  reads both weights in place: the merged ``[hidden, 2 x intermediate]`` shape
+  appears only inside a GEMM fusion (never a loop-invariant copy hoisted out of
+  the loop, nor a concatenation materialised for the product). Past the row
+  limit the program has no merged shape at all (this would fail if XLA's own
+  default rose above 112 MiB)."""
   cfg = dataclasses.replace(llama.LlamaConfig.named("llama-3.1-8b"), num_layers=1,
                             vocab_size=512)
   m = jax.eval_shape(lambda: llama.random_model(cfg, seed=3))
   args, settings = loop_program_args(m, "kivi4", batch, 1024, steps=4)
   merged = f"bf16[{cfg.hidden_size},{2 * cfg.intermediate_size}]"
-  hlo = decoding._decode_steps_program.lower(*args, settings=settings).compile().as_text()  # pylint: disable=protected-access
-  found = _merged_weight_lines(hlo, merged)
-  assert found and all(in_gemm for _, in_gemm in found), found
-  plain = jax.jit(decoding._decode_steps_program.__wrapped__,  # pylint: disable=protected-access
-                  static_argnames=("settings",))
-  assert _merged_weight_lines(plain.lower(*args, settings=settings).compile().as_text(),
-                              merged) == []
+  program = decoding._decode_steps_program.at(batch)  # pylint: disable=protected-access
+  found = _merged_weight_lines(program.lower(*args, settings=settings).compile().as_text(),
+                               merged)
+  if batch <= decoding.DOT_MERGER_MAX_ROWS:
+    assert found and all(in_gemm for _, in_gemm in found), found
+  else:
+    assert found == []
 
 
 def test_chunked_prefill_and_decode_steps_in_place(model):

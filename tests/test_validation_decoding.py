@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv import cli
+from jaxkv import cli, decoding
 from jaxkv.decoding import _stop_array, decode_steps, generate, sample_logits
 from jaxkv.formats import KVFormat
 from jaxkv.speculative import _accept_sample, speculative_generate, speculative_steps
@@ -387,7 +387,7 @@ def test_dot_merger_threshold_from_the_environment(value, expect):
   """``JAXKV_XLA_DOT_MERGER_MB`` (read at import): unset -> 1024 MiB, 0 -> XLA's
   own default (the option left out), a value XLA's int32 field cannot hold or
   not a number -> a ValueError naming the variable."""
-  code = ("import jaxkv; print(jaxkv.DECODE_COMPILER_OPTIONS"
+  code = ("import jaxkv; print(jaxkv.decode_compiler_options(1)"
           ".get('xla_gpu_dot_merger_threshold_mb'))")
   env = {**os.environ, "JAXKV_XLA_DOT_MERGER_MB": value, "JAX_PLATFORMS": "cpu"}
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -398,3 +398,57 @@ def test_dot_merger_threshold_from_the_environment(value, expect):
   else:
     assert run.returncode == 0, run.stderr[-500:]
     assert run.stdout.split()[-1] == expect
+
+
+@pytest.mark.parametrize("value,expect", [("", "64"), ("8", "8"), ("0", "0"),
+                                          ("-3", "error"), ("8.5", "error")],
+                         ids=["unset", "8", "zero", "negative", "not-whole"])
+def test_dot_merger_row_limit_from_the_environment(value, expect):
+  """``JAXKV_XLA_DOT_MERGER_MAX_ROWS`` (read at import): the decode programs'
+  options carry the merger threshold at ``rows <= limit`` and not past it (unset
+  -> 64); a negative or fractional value -> a ValueError naming the variable."""
+  code = ("import jaxkv, jaxkv.decoding as d; key = 'xla_gpu_dot_merger_threshold_mb'; "
+          "print(d.DOT_MERGER_MAX_ROWS, [r for r in range(1, 200) "
+          "if key in jaxkv.decode_compiler_options(r)][-1:])")
+  env = {**os.environ, "JAXKV_XLA_DOT_MERGER_MAX_ROWS": value, "JAX_PLATFORMS": "cpu"}
+  env.pop("JAXKV_XLA_DOT_MERGER_MB", None)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  run = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
+                       text=True, check=False)
+  if expect == "error":
+    assert run.returncode != 0 and "JAXKV_XLA_DOT_MERGER_MAX_ROWS" in run.stderr, \
+        run.stderr[-500:]
+  else:
+    assert run.returncode == 0, run.stderr[-500:]
+    limit, last = run.stdout.strip().split(" ", 1)
+    assert limit == expect
+    assert last == ("[]" if expect == "0" else f"[{expect}]")
+
+
+def test_decode_programs_pick_the_merger_by_rows(model, monkeypatch):
+  """`decode_steps` runs the merged variant of its program at ``B <= limit``
+  sequences and the plain one past it; `jaxkv.decode_compiler_options` rejects
+  a row count that is not a positive int."""
+  monkeypatch.setattr(decoding, "DOT_MERGER_MAX_ROWS", 2)
+  program = decoding._decode_steps_program  # pylint: disable=protected-access
+  merges = decoding.DOT_MERGER_MB > 0
+  assert program.at(1) is (program.merged if merges else program.plain)
+  assert program.at(2) is program.at(1)
+  assert program.at(3) is program.plain
+  assert program.merged is not program.plain
+  ran = []
+
+  def spy(name, fn):
+    def call(*args, **kwargs):
+      ran.append(name)
+      return fn(*args, **kwargs)
+    return call
+
+  monkeypatch.setattr(decoding, "_decode_steps_program", decoding.RowsProgram(
+      merged=spy("merged", program.merged), plain=spy("plain", program.plain)))
+  for batch in (2, 3):
+    decode_steps(model, jnp.arange(5, 5 + batch), model.init_cache("bf16", batch, 16), 1)
+  assert ran == (["merged", "plain"] if merges else ["plain", "plain"])
+  for bad in (0, -1, 2.0, "4"):
+    with pytest.raises((TypeError, ValueError), match="rows"):
+      jaxkv.decode_compiler_options(bad)
