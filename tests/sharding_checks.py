@@ -304,7 +304,7 @@ def run_speculative_case(n: int = 8):
   fresh = sharding.init_sharded(lambda: model.init_cache("quantspec", BATCH, PROMPT + NEW + 3),
                                 mesh)
   graphdef, state = nnx.split(model)
-  hlo = speculative._speculative_program.lower(  # pylint: disable=protected-access
+  hlo = speculative._speculative_program.at(BATCH * 4).lower(  # pylint: disable=protected-access
       graphdef, state, model.quantize_weights(bits=4, group_size=32, fuse_qkv=False,
                                               fuse_mlp=False),
       jnp.asarray(tokens),

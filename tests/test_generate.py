@@ -174,7 +174,8 @@ def test_generate_traces_once(model, monkeypatch):
     return orig(self, *args, **kwargs)
 
   monkeypatch.setattr(llama.Llama, "decode", counting_decode)
-  size0 = gen_mod._generate_program._cache_size()
+  program = gen_mod._generate_program.at(3)  # three sequences
+  size0 = program._cache_size()
   for seed in range(3):  # fresh prompts, lengths and rng every call
     tokens, lengths = _prompts(10 + seed, 3, 37, [37, 20 + seed, 9])
     out, _ = generate(model, tokens, lengths, kv_format="kivi2", max_new_tokens=5,
@@ -182,7 +183,7 @@ def test_generate_traces_once(model, monkeypatch):
                       rng=jax.random.key(seed), cache_dtype=jnp.float32)
     out.block_until_ready()
   assert len(traces) == 1
-  assert gen_mod._generate_program._cache_size() == size0 + 1
+  assert program._cache_size() == size0 + 1
 
 
 def test_generate_program_donates_caches(model):
@@ -191,7 +192,7 @@ def test_generate_program_donates_caches(model):
   caches = model.init_cache("kivi4", 2, 40, dtype=jnp.float32)
   graphdef, state = nnx.split(model)
   settings = gen_mod.GenerateSettings(max_new_tokens=8)
-  out, _, new_caches = gen_mod._generate_program(
+  out, _, new_caches = gen_mod._generate_program.at(2)(
       graphdef, state, jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32),
       caches, jax.random.key(0), jnp.zeros((2, 0), jnp.int32), jnp.float32(1), jnp.float32(1),
       jnp.int32(0), jnp.int32(8), settings=settings)
@@ -336,9 +337,10 @@ def test_num_steps_reuses_program(model):
   tokens, lengths = _prompts(12, 2, 16, [16, 7])
   kw = dict(kv_format="bf16", max_new_tokens=9, cache_dtype=jnp.float32, pad_token_id=-1)
   full, _ = generate(model, tokens, lengths, **kw)
-  size = gen_mod._generate_program._cache_size()
+  program = gen_mod._generate_program.at(2)  # two sequences
+  size = program._cache_size()
   part, part_len = generate(model, tokens, lengths, num_steps=4, **kw)
-  assert gen_mod._generate_program._cache_size() == size
+  assert program._cache_size() == size
   np.testing.assert_array_equal(np.asarray(part)[:, :4], np.asarray(full)[:, :4])
   assert np.all(np.asarray(part)[:, 4:] == -1)
   np.testing.assert_array_equal(np.asarray(part_len), [4, 4])
@@ -422,9 +424,10 @@ def test_split_model_matches_model_and_is_a_snapshot(model):
   kw = dict(kv_format="kivi4", max_new_tokens=6, cache_dtype=jnp.float32)
   want, want_len = generate(model, tokens, lengths, **kw)
   split = jaxkv.SplitModel(model)
-  size = gen_mod._generate_program._cache_size()
+  program = gen_mod._generate_program.at(2)  # two sequences
+  size = program._cache_size()
   got, got_len = generate(split, tokens, lengths, **kw)
-  assert gen_mod._generate_program._cache_size() == size  # same graphdef: same program
+  assert program._cache_size() == size  # same graphdef: same program
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   np.testing.assert_array_equal(np.asarray(got_len), np.asarray(want_len))
   # decode_steps from the same prefilled cache, model vs split.

@@ -93,7 +93,8 @@ def test_speculative_steps_matches_decode_steps_ragged_batch(model):
   # Two calls of `rounds` rounds (one compiled program); the second starts from the
   # first's last emitted token.
   got, got_counts = [], []
-  program = spec_mod._speculative_steps_program  # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  program = spec_mod._speculative_steps_program.at(2 * (gamma + 1))  # verify's rows
   compiled = program._cache_size()  # pylint: disable=protected-access
   for _ in range(2):
     tokens, counts, st, cache = speculative_steps(model, token, cache, rounds, gamma=gamma,
