@@ -153,7 +153,8 @@ def _decode_program(graphdef, state, tokens, cache, *, implementation=None, mesh
 
 def _decode(graphdef, state, tokens, cache, **kwargs):
   """One jitted greedy decode step, with the decode programs' options for ``tokens [B]``."""
-  return _decode_program.at(tokens.shape[0])(graphdef, state, tokens, cache, **kwargs)
+  rows = decoding.program_rows(tokens.shape[0], kwargs.get("mesh"))
+  return _decode_program.at(rows)(graphdef, state, tokens, cache, **kwargs)
 
 
 @functools.partial(jax.jit, donate_argnames="cache", static_argnames=("chunk_size", "mesh"))
@@ -1031,10 +1032,10 @@ def main(argv=None) -> int:
           floor=("(weight bytes + cache bytes read: packed tokens at the format's "
                  "bytes/token + the residual block) / measured HBM read bandwidth"),
           implementation=args.implementation or "default (Pallas on GPU)",
-          decode_compiler_options={
-              f"rows<={decoding.DOT_MERGER_MAX_ROWS}": decoding.compiler_options(1),
-              f"rows>{decoding.DOT_MERGER_MAX_ROWS}":
-                  decoding.compiler_options(decoding.DOT_MERGER_MAX_ROWS + 1)},
+          decode_compiler_options={  # per device: rows <= the limit merge
+              "merged_up_to_rows": decoding.DOT_MERGER_MAX_ROWS,
+              "merged": decoding._options(True),  # pylint: disable=protected-access
+              "plain": decoding._options(False)},  # pylint: disable=protected-access
           args={k: v for k, v in vars(args).items()}, total_s=time.perf_counter() - runner.start),
       decode_b1=latency, max_batch=batch_rows, prefill=prefill_rows, profile=runner.profiles,
       summary=summary, skipped=runner.skipped, errors=errors,

@@ -6,7 +6,9 @@ Times ``jaxkv.decode_steps`` loops (the way `generate` runs) at one batch and
 context, per format; prints one JSON line per format, with the decode
 programs' own compiler options (`jaxkv.decode_compiler_options`), which take
 precedence over the same keys in ``XLA_FLAGS`` (change those with
-``JAXKV_XLA_DOT_MERGER_MB`` / ``JAXKV_XLA_REMAT``). ``peak_gib`` is the
+``JAXKV_XLA_DOT_MERGER_MB`` / ``JAXKV_XLA_DOT_MERGER_MAX_ROWS`` /
+``JAXKV_XLA_REMAT``; past 64 sequences the merger is off unless
+``JAXKV_XLA_DOT_MERGER_MAX_ROWS`` is raised). ``peak_gib`` is the
 process's peak device allocation so far (cumulative over the formats run
 before). Usage (GPU machine)::
 

@@ -78,7 +78,8 @@ def copies(hlo: str, min_bytes: int) -> list[dict]:
 def loop_program_args(model, kv_format, batch: int, context: int, steps: int):
   """``(args, settings)`` of `jaxkv.decode_steps`' loop program
   (``decoding._decode_steps_program``) for an abstract ``model`` (`nnx.eval_shape`):
-  ``program.lower(*args, settings=settings)`` compiles it from shapes alone."""
+  ``decoding._decode_steps_program.at(batch).lower(*args, settings=settings)``
+  compiles it from shapes alone."""
   graphdef, state = nnx.split(model)
   cache = jax.eval_shape(lambda: model.init_cache(kv_format, batch, context))
   settings = decoding._settings(model, steps, "greedy", 1.0, None, None, None, None)  # pylint: disable=protected-access
@@ -109,7 +110,8 @@ def main(argv=None) -> int:
   programs = {
       "loop": decoding._decode_steps_program.at(args.batch).lower(*loop_args, settings=settings),  # pylint: disable=protected-access
       "step": jax.jit(lambda s, t, c: jaxkv.decode_step(nnx.merge(graphdef, s), t, c),
-                      donate_argnums=2, compiler_options=jaxkv.decode_compiler_options(args.batch)).lower(
+                      donate_argnums=2,
+                      compiler_options=jaxkv.decode_compiler_options(args.batch)).lower(
                           state, tokens, cache),
   }
   result = dict(config=args.config, layers=args.layers, format=args.format,

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
-import functools
 import numbers
 import os
 from typing import Any, Callable
@@ -67,15 +66,33 @@ DOT_MERGER_MB = _env_count("JAXKV_XLA_DOT_MERGER_MB", 1024, "MiB")
 ``JAXKV_XLA_DOT_MERGER_MB`` (read at import) sets it, 0 keeps XLA's default."""
 
 DOT_MERGER_MAX_ROWS = _env_count("JAXKV_XLA_DOT_MERGER_MAX_ROWS", 64, "rows")
-"""The most token rows per step (batch x query tokens) at which the decode
-programs raise the dot merger threshold (`compiler_options`);
+"""The most token rows per step and device (batch x query tokens) at which the
+decode programs raise the dot merger threshold (`compiler_options`);
 ``JAXKV_XLA_DOT_MERGER_MAX_ROWS`` (read at import) sets it."""
+
+REMAT = os.environ.get("JAXKV_XLA_REMAT", "") == "1"
+"""Whether the decode programs keep XLA's rematerialization pass
+(``JAXKV_XLA_REMAT=1``, read at import); see `compiler_options`."""
+
+
+def _merges(rows: int) -> bool:
+  """Whether a decode program at ``rows`` token rows per step raises the merger threshold."""
+  check_int("rows", rows)
+  return bool(DOT_MERGER_MB) and rows <= DOT_MERGER_MAX_ROWS
+
+
+def _options(merge: bool) -> dict[str, Any]:
+  return {
+      **({} if REMAT else {"xla_disable_hlo_passes": "rematerialization"}),
+      **({"xla_gpu_dot_merger_threshold_mb": DOT_MERGER_MB} if merge and DOT_MERGER_MB else {}),
+  }
 
 
 def compiler_options(rows: int) -> dict[str, Any]:
   """XLA options for a decode program whose weight GEMMs see ``rows`` token
-  rows per step (batch x query tokens): `generate`, `decode_steps`, the
-  speculative programs and `jaxkv.fidelity`'s forced decode compile with them.
+  rows per step on each device (batch x query tokens, the batch divided by a
+  mesh's ``data`` axis): `generate`, `decode_steps`, the speculative programs
+  and `jaxkv.fidelity`'s forced decode compile with them.
 
   - Rematerialization off: XLA's GPU rematerialization pass budgets ~80 % of
     device memory *minus the program's arguments*; a cache that fills the GPU
@@ -83,49 +100,55 @@ def compiler_options(rows: int) -> dict[str, Any]:
     weight GEMMs without freeing anything that matters (on an H100 at 32K,
     kivi4 B=49 and bf16 B=13 each re-ran two GEMMs per layer, ~2.6-2.9 ms of a
     30-43 ms step). A decode step's own temporaries are a few hundred MB, so
-    the pass is off. ``JAXKV_XLA_REMAT=1`` (read at import) keeps it.
+    the pass is off. ``JAXKV_XLA_REMAT=1`` (`REMAT`, read at import) keeps it.
   - Dot merger up to `DOT_MERGER_MB` MiB (``JAXKV_XLA_DOT_MERGER_MB``, 0: XLA's
-    default of 32) when ``rows <= DOT_MERGER_MAX_ROWS``: XLA then merges
+    default of 32) when ``rows <= DOT_MERGER_MAX_ROWS`` (64): XLA then merges
     Llama's gate and up (112 MiB each at 8B) into one GEMM as it already does
     q, k and v. On an H200 the concatenated weight sits only inside the GEMM's
     fusion (read in place: no copy, same peak memory); the step gains
-    ~0.5-1.5 % at one sequence and ~0.7 % at 27, and loses ~0.3 % at 100
-    sequences and ~3.8 % at 188 (`bench/results/e2e-NOTES.md`, 2026-11-29/30),
-    hence the row limit.
+    ~0.5-1.5 % at one sequence and ~0.7 % at 27, is even (+0.3 %, noise) at
+    100 and loses 3.8 % at 188; the merged GEMM alone is within noise of two
+    up to 100 rows and 1.2-2.3x slower from 128 (`bench/dot_merger.py`,
+    `bench/results/e2e-NOTES.md`, 2026-11-29). 64 is a cautious cut below
+    that, not a measured crossover.
+
+  `generate`, the speculative programs and the forced decode also run the
+  prompt's prefill (batch x prompt rows) in the same program, with the
+  options of their decode rows: the merger's effect on that prefill is not
+  yet measured.
 
   These per-program options take precedence over the same keys in
   ``XLA_FLAGS``: change them with the ``JAXKV_*`` variables. Pass the same
   options to your own ``jax.jit`` of `decode_step`.
   """
-  check_int("rows", rows)
-  merge = DOT_MERGER_MB and rows <= DOT_MERGER_MAX_ROWS
-  return {
-      **({} if os.environ.get("JAXKV_XLA_REMAT", "") == "1"
-         else {"xla_disable_hlo_passes": "rematerialization"}),
-      **({"xla_gpu_dot_merger_threshold_mb": DOT_MERGER_MB} if merge else {}),
-  }
+  return _options(_merges(rows))
+
+
+def program_rows(batch: int, mesh=None, tokens_per_sequence: int = 1) -> int:
+  """Token rows per step and device of a decode program over ``batch``
+  sequences: the batch split over ``mesh``'s ``data`` axis (rounded up) times
+  the query tokens each sequence feeds per step."""
+  data = 1 if mesh is None else int(dict(mesh.shape).get("data", 1))
+  return -(-batch // data) * tokens_per_sequence
 
 
 @dataclasses.dataclass(frozen=True)
 class RowsProgram:
   """One function jitted twice, with and without the dot merger of
   `compiler_options`; ``at(rows)`` is the program for ``rows`` token rows per
-  step (each compiles on its first call)."""
+  step and device (each compiles on its first call)."""
   merged: Callable
   plain: Callable
 
   def at(self, rows: int) -> Callable:
-    return self.merged if "xla_gpu_dot_merger_threshold_mb" in compiler_options(rows) \
-        else self.plain
+    return self.merged if _merges(rows) else self.plain
 
 
 def jit_by_rows(**jit_kwargs) -> Callable[[Callable], RowsProgram]:
   """Decorator: ``fun`` as a `RowsProgram` (``jit_kwargs`` go to both ``jax.jit``)."""
   def wrap(fun: Callable) -> RowsProgram:
-    return RowsProgram(
-        merged=jax.jit(fun, compiler_options=compiler_options(1), **jit_kwargs),
-        plain=jax.jit(fun, compiler_options=compiler_options(DOT_MERGER_MAX_ROWS + 1),
-                      **jit_kwargs))
+    return RowsProgram(merged=jax.jit(fun, compiler_options=_options(True), **jit_kwargs),
+                       plain=jax.jit(fun, compiler_options=_options(False), **jit_kwargs))
   return wrap
 
 
@@ -325,7 +348,8 @@ def decode_step(model, tokens: jax.Array, cache, *, implementation: str | None =
 
     graphdef, state = nnx.split(model)
 
-    @functools.partial(jax.jit, donate_argnames="cache")
+    @functools.partial(jax.jit, donate_argnames="cache",
+                       compiler_options=jaxkv.decode_compiler_options(batch))
     def step(state, tokens, cache):
       return jaxkv.decode_step(nnx.merge(graphdef, state), tokens, cache)
 
@@ -582,7 +606,7 @@ def decode_steps(model, tokens, cache, num_steps: int, *, sampler: str | Callabl
   graphdef, state = _split(model)
   rng = _check_rng(rng)
   stops = _stop_array(stop_tokens, tokens.shape[0])
-  program = _decode_steps_program.at(tokens.shape[0])
+  program = _decode_steps_program.at(program_rows(tokens.shape[0], mesh))
   return program(graphdef, state, tokens, cache, rng, stops,
                  _program_temperature(settings, temperature),
                  np.float32(1.0 if top_p is None else top_p), _pad_id(pad_token_id),
@@ -801,7 +825,7 @@ def generate(model, prompt_tokens, prompt_lengths, *, kv_format: KVFormat | str 
     cache = init_sharded(
         lambda: model.init_cache(kv_format, batch, capacity, dtype=cache_dtype, **extra), mesh)
   graphdef, state = _split(model)
-  tokens, lengths, cache = _generate_program.at(batch)(
+  tokens, lengths, cache = _generate_program.at(program_rows(batch, mesh))(
       graphdef, state, prompt_tokens, prompt_lengths, cache, rng, stops,
       _program_temperature(settings, temperature),
       np.float32(1.0 if top_p is None else top_p),

@@ -214,6 +214,8 @@ def forced_decode(model, prompt_tokens, prompt_lengths, targets, teacher, *,
   if prompt_tokens.ndim != 2 or targets.ndim != 2 or targets.shape[0] != prompt_tokens.shape[0]:
     raise ValueError(f"prompt_tokens {prompt_tokens.shape} and targets {targets.shape} must be "
                      "[B, T] and [B, N]")
+  if prompt_tokens.shape[0] < 1:
+    raise ValueError(f"prompt_tokens {prompt_tokens.shape} holds no sequence: batch must be >= 1")
   vocab = model.config.vocab_size
   for name, ids in (("prompt_tokens", prompt_tokens), ("targets", targets)):
     if ids.size and (ids.min() < 0 or ids.max() >= vocab):

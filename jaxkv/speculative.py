@@ -46,7 +46,7 @@ from flax import nnx
 
 from jaxkv.decoding import (SplitModel, _check_ids, _check_rng, _check_temperature, _is_stop,
                              _pad_id, _scaled_logits, _split, _stop_array, check_prefill_chunk,
-                             jit_by_rows, prefill_kwargs)
+                             jit_by_rows, prefill_kwargs, program_rows)
 from jaxkv.formats import KVFormat
 from jaxkv.sharding import check_mesh
 from jaxkv.cache import check_int
@@ -394,8 +394,8 @@ def speculative_generate(model, prompt_tokens, prompt_lengths, *, max_new_tokens
                          mesh)
   graphdef, state = _split(model)  # an NNX model or a `SplitModel`
   settings = SpecSettings(int(max_new_tokens), int(gamma), sampler, mesh, prefill_chunk)
-  # the verify pass's GEMMs see gamma + 1 rows per sequence
-  tokens, num, verifs, accepted, cache = _speculative_program.at(b * (int(gamma) + 1))(
+  rows = program_rows(b, mesh, int(gamma) + 1)  # the verify pass's rows
+  tokens, num, verifs, accepted, cache = _speculative_program.at(rows)(
       graphdef, state, draft_weights, jnp.asarray(prompt_tokens, jnp.int32),
       jnp.asarray(lengths, jnp.int32), cache, rng,
       _stop_array(stop_tokens, b), temperature,
@@ -528,7 +528,7 @@ def speculative_steps(model, token, cache, num_rounds: int, *, gamma: int = 4,
   draft_state = _draft_state(model, draft_weights, group_size, mesh)
   graphdef, state = _split(model)
   settings = SpecSettings(room, int(gamma), sampler, mesh)
-  program = _speculative_steps_program.at(cache.batch * (int(gamma) + 1))  # verify's rows
+  program = _speculative_steps_program.at(program_rows(cache.batch, mesh, int(gamma) + 1))
   tokens, counts, verifs, accepted, cache = program(
       graphdef, state, draft_state, jnp.asarray(token, jnp.int32), cache,
       rng, _stop_array(stop_tokens, cache.batch),

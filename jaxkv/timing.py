@@ -209,7 +209,7 @@ def device_time(fn: Callable, firsts: Sequence, *rest, reps: int = 10, warmup: i
       y, firsts_ = jax.lax.optimization_barrier((_lead(big_), firsts_))
       return y, [fn(x, *rest_args) for x in firsts_]
 
-    lead_c = jax.jit(_lead).lower(big).compile()
+    lead_c = jax.jit(_lead, compiler_options=compiler_options).lower(big).compile()
     led_c = led.lower(big, firsts, *rest).compile()
     for _ in range(warmup):
       run(lead_c, big)

@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 import jaxkv
-from jaxkv import sharding
+from jaxkv import decoding, sharding
 from models import llama
 from models.sharding import param_specs, shard_model, vocab_parallel_embed
 from tests.model_fixtures import rel_err
@@ -304,13 +304,14 @@ def run_speculative_case(n: int = 8):
   fresh = sharding.init_sharded(lambda: model.init_cache("quantspec", BATCH, PROMPT + NEW + 3),
                                 mesh)
   graphdef, state = nnx.split(model)
-  hlo = speculative._speculative_program.at(BATCH * 4).lower(  # pylint: disable=protected-access
+  rows = decoding.program_rows(BATCH, mesh, kw["gamma"] + 1)
+  hlo = speculative._speculative_program.at(rows).lower(  # pylint: disable=protected-access
       graphdef, state, model.quantize_weights(bits=4, group_size=32, fuse_qkv=False,
                                               fuse_mlp=False),
       jnp.asarray(tokens),
       jnp.asarray(lengths), fresh, jax.random.key(0),
       speculative._stop_array(None, BATCH), np.float32(1), np.int32(0),  # pylint: disable=protected-access
-      settings=speculative.SpecSettings(NEW + 3, 3, "greedy", mesh)).compile().as_text()
+      settings=speculative.SpecSettings(NEW + 3, kw["gamma"], "greedy", mesh)).compile().as_text()
   check_hlo(hlo, fresh, "speculative_generate", allow_small=True)
   print(f"OK speculative_mesh {time.time() - t0:.1f}s", flush=True)
 

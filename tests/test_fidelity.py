@@ -117,6 +117,8 @@ def test_forced_decode_rejects_out_of_range_ids(model):
   with pytest.raises(ValueError, match=r"targets hold ids outside \[0, 128\)"):
     fidelity.forced_decode(model, np.ones((1, 4)), [4], np.full((1, 2), 128), [True],
                            kv_format="bf16")
+  with pytest.raises(ValueError, match=r"prompt_tokens \(0, 4\) holds no sequence"):
+    fidelity.forced_decode(model, np.ones((0, 4)), [], np.ones((0, 2)), [], kv_format="bf16")
 
 
 class _CharTokenizer:

@@ -93,9 +93,8 @@ def test_speculative_steps_matches_decode_steps_ragged_batch(model):
   # Two calls of `rounds` rounds (one compiled program); the second starts from the
   # first's last emitted token.
   got, got_counts = [], []
-  # pylint: disable-next=protected-access
-  program = spec_mod._speculative_steps_program.at(2 * (gamma + 1))  # verify's rows
-  compiled = program._cache_size()  # pylint: disable=protected-access
+  program = spec_mod._speculative_steps_program  # pylint: disable=protected-access
+  compiled = program.merged._cache_size() + program.plain._cache_size()  # pylint: disable=protected-access
   for _ in range(2):
     tokens, counts, st, cache = speculative_steps(model, token, cache, rounds, gamma=gamma,
                                                   draft_weights=weights)
@@ -110,7 +109,7 @@ def test_speculative_steps_matches_decode_steps_ragged_batch(model):
     got_counts.append(counts)
     token = jnp.asarray(tokens[np.arange(2), counts - 1])
   # One compiled program for both calls.
-  assert program._cache_size() == compiled + 1  # pylint: disable=protected-access
+  assert program.merged._cache_size() + program.plain._cache_size() == compiled + 1  # pylint: disable=protected-access
   for b in range(2):
     seq = np.concatenate([got[0][b, :got_counts[0][b]], got[1][b, :got_counts[1][b]]])
     np.testing.assert_array_equal(seq, want[b, :len(seq)], err_msg=f"sequence {b}")

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -390,6 +391,7 @@ def test_dot_merger_threshold_from_the_environment(value, expect):
   code = ("import jaxkv; print(jaxkv.decode_compiler_options(1)"
           ".get('xla_gpu_dot_merger_threshold_mb'))")
   env = {**os.environ, "JAXKV_XLA_DOT_MERGER_MB": value, "JAX_PLATFORMS": "cpu"}
+  env.pop("JAXKV_XLA_DOT_MERGER_MAX_ROWS", None)
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   run = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
                        text=True, check=False)
@@ -425,30 +427,64 @@ def test_dot_merger_row_limit_from_the_environment(value, expect):
     assert last == ("[]" if expect == "0" else f"[{expect}]")
 
 
+def _spy_programs(monkeypatch, module, name: str, ran: list):
+  """Replaces ``module.name`` (a `decoding.RowsProgram`) by one whose variants
+  append ``"merged"`` / ``"plain"`` to ``ran`` as they are called."""
+  program = getattr(module, name)
+
+  def spy(label, fn):
+    def call(*args, **kwargs):
+      ran.append(label)
+      return fn(*args, **kwargs)
+    return call
+
+  monkeypatch.setattr(module, name, decoding.RowsProgram(
+      merged=spy("merged", program.merged), plain=spy("plain", program.plain)))
+  return program
+
+
 def test_decode_programs_pick_the_merger_by_rows(model, monkeypatch):
-  """`decode_steps` runs the merged variant of its program at ``B <= limit``
-  sequences and the plain one past it; `jaxkv.decode_compiler_options` rejects
-  a row count that is not a positive int."""
+  """Every decode program runs its merged variant at ``rows <= limit`` token rows
+  per step and the plain one past it: `decode_steps` and `generate` by batch,
+  `speculative_steps` by batch x (gamma + 1) (the verify pass's rows),
+  `jaxkv.fidelity.forced_decode` by batch; `program_rows` splits the batch
+  over a mesh's ``data`` axis; `jaxkv.decode_compiler_options` rejects a row
+  count that is not a positive int."""
+  from jaxkv import fidelity, speculative  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(decoding, "DOT_MERGER_MAX_ROWS", 2)
-  program = decoding._decode_steps_program  # pylint: disable=protected-access
   merges = decoding.DOT_MERGER_MB > 0
+  program = decoding._decode_steps_program  # pylint: disable=protected-access
   assert program.at(1) is (program.merged if merges else program.plain)
   assert program.at(2) is program.at(1)
   assert program.at(3) is program.plain
   assert program.merged is not program.plain
+  want = ["merged", "plain"] if merges else ["plain", "plain"]
   ran = []
-
-  def spy(name, fn):
-    def call(*args, **kwargs):
-      ran.append(name)
-      return fn(*args, **kwargs)
-    return call
-
-  monkeypatch.setattr(decoding, "_decode_steps_program", decoding.RowsProgram(
-      merged=spy("merged", program.merged), plain=spy("plain", program.plain)))
+  _spy_programs(monkeypatch, decoding, "_decode_steps_program", ran)
   for batch in (2, 3):
     decode_steps(model, jnp.arange(5, 5 + batch), model.init_cache("bf16", batch, 16), 1)
-  assert ran == (["merged", "plain"] if merges else ["plain", "plain"])
+  assert ran == want
+  ran.clear()
+  _spy_programs(monkeypatch, decoding, "_generate_program", ran)
+  for batch in (2, 3):
+    generate(model, np.full((batch, 3), 5), [3] * batch, kv_format="bf16", max_new_tokens=2)
+  assert ran == want
+  ran.clear()
+  _spy_programs(monkeypatch, speculative, "_speculative_steps_program", ran)
+  for gamma in (1, 2):  # one sequence: 2 and 3 rows
+    speculative_steps(model, jnp.asarray([5]), model.init_cache(QS_SMALL, 1, 16), 1,
+                      gamma=gamma, draft_weights="full")
+  assert ran == want
+  ran.clear()
+  _spy_programs(monkeypatch, fidelity, "_forced_program", ran)
+  for batch in (2, 3):
+    fidelity.forced_decode(model, np.full((batch, 3), 5), [3] * batch, np.full((batch, 2), 6),
+                           [True] * batch, kv_format="bf16")
+  assert ran == want
+  two_way = types.SimpleNamespace(shape={"data": 2, "model": 4})  # what it reads of a Mesh
+  assert decoding.program_rows(5, two_way, 3) == 9  # 3 of the 5 sequences on a device
+  assert decoding.program_rows(128, two_way) == 64
+  assert decoding.program_rows(5, None, 2) == 10
   for bad in (0, -1, 2.0, "4"):
     with pytest.raises((TypeError, ValueError), match="rows"):
       jaxkv.decode_compiler_options(bad)
