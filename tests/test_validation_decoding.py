@@ -379,6 +379,17 @@ def test_speculative_group_size_is_refused_where_the_draft_weights_ignore_it(mod
   speculative_generate(model, tokens, lengths, **kw, draft_weights=weights)
 
 
+def _run_env(code: str, **env_vars) -> subprocess.CompletedProcess:
+  """``python -c code`` on the CPU with the merger variables unset but ``env_vars``."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  for name in ("JAXKV_XLA_DOT_MERGER_MB", "JAXKV_XLA_DOT_MERGER_MAX_ROWS"):
+    env.pop(name, None)
+  env.update(env_vars)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  return subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
+                        text=True, check=False)
+
+
 @pytest.mark.parametrize("value,expect", [("", "1024"), ("0", "None"), ("64", "64"),
                                           ("2147483647", "2147483647"), ("-1", "error"),
                                           ("2147483648", "error"), ("lots", "error")],
@@ -390,11 +401,7 @@ def test_dot_merger_threshold_from_the_environment(value, expect):
   not a number -> a ValueError naming the variable."""
   code = ("import jaxkv; print(jaxkv.decode_compiler_options(1)"
           ".get('xla_gpu_dot_merger_threshold_mb'))")
-  env = {**os.environ, "JAXKV_XLA_DOT_MERGER_MB": value, "JAX_PLATFORMS": "cpu"}
-  env.pop("JAXKV_XLA_DOT_MERGER_MAX_ROWS", None)
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  run = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
-                       text=True, check=False)
+  run = _run_env(code, JAXKV_XLA_DOT_MERGER_MB=value)
   if expect == "error":
     assert run.returncode != 0 and "JAXKV_XLA_DOT_MERGER_MB" in run.stderr, run.stderr[-500:]
   else:
@@ -412,11 +419,7 @@ def test_dot_merger_row_limit_from_the_environment(value, expect):
   code = ("import jaxkv, jaxkv.decoding as d; key = 'xla_gpu_dot_merger_threshold_mb'; "
           "print(d.DOT_MERGER_MAX_ROWS, [r for r in range(1, 200) "
           "if key in jaxkv.decode_compiler_options(r)][-1:])")
-  env = {**os.environ, "JAXKV_XLA_DOT_MERGER_MAX_ROWS": value, "JAX_PLATFORMS": "cpu"}
-  env.pop("JAXKV_XLA_DOT_MERGER_MB", None)
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  run = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
-                       text=True, check=False)
+  run = _run_env(code, JAXKV_XLA_DOT_MERGER_MAX_ROWS=value)
   if expect == "error":
     assert run.returncode != 0 and "JAXKV_XLA_DOT_MERGER_MAX_ROWS" in run.stderr, \
         run.stderr[-500:]
