@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -58,11 +57,8 @@ def merged_dots(options: dict, calls: list) -> int:
   d, f = calls[0][1].shape
   program = jax.jit(lambda cs: [_call(c) for c in cs], compiler_options=options)
   text = program.lower(calls).compile().as_text()
-  lines = list(hlo_copies.lines_by_computation(text))
-  fused = hlo_copies.fusion_computations(text)
-  with_dot = {c for c, line in lines if " dot(" in line}
-  gemms = {c for c, line in lines if f"[{d},{2 * f}]" in line and c in fused and c in with_dot}
-  return sum(1 for c in re.findall(r" fusion\(.*?calls=%?([\w.\-]+)", text) if c in gemms)
+  gemms = {c for c, in_gemm in hlo_copies.shape_lines(text, f"[{d},{2 * f}]") if in_gemm}
+  return sum(1 for c in hlo_copies.fusion_calls(text) if c in gemms)
 
 
 def main(argv=None) -> int:

@@ -52,9 +52,26 @@ def lines_by_computation(hlo: str):
     yield computation, line
 
 
+def fusion_calls(hlo: str) -> list[str]:
+  """The computation each ``fusion`` instruction of ``hlo`` calls, one entry per
+  instruction."""
+  return re.findall(r" fusion\(.*?calls=%?([\w.\-]+)", hlo)
+
+
 def fusion_computations(hlo: str) -> set[str]:
   """Names of the computations ``fusion`` instructions of ``hlo`` call."""
-  return set(re.findall(r" fusion\(.*?calls=%?([\w.\-]+)", hlo))
+  return set(fusion_calls(hlo))
+
+
+def shape_lines(hlo: str, shape: str) -> list[tuple[str, bool]]:
+  """``(computation, in_gemm)`` of every line of ``hlo`` that names ``shape``;
+  ``in_gemm``: the computation is a fusion's and holds a ``dot`` (a GEMM fusion
+  reading its operands in place), not a loop fusion that would materialise
+  the array for a separate product."""
+  fused = fusion_computations(hlo)
+  lines = list(lines_by_computation(hlo))
+  with_dot = {c for c, line in lines if " dot(" in line}
+  return [(c, c in fused and c in with_dot) for c, line in lines if shape in line]
 
 
 def copies(hlo: str, min_bytes: int) -> list[dict]:

@@ -143,6 +143,10 @@ class RowsProgram:
   def at(self, rows: int) -> Callable:
     return self.merged if _merges(rows) else self.plain
 
+  def compiled(self) -> int:
+    """Compiled executables of both variants."""
+    return self.merged._cache_size() + self.plain._cache_size()  # pylint: disable=protected-access
+
 
 def jit_by_rows(**jit_kwargs) -> Callable[[Callable], RowsProgram]:
   """Decorator: ``fun`` as a `RowsProgram` (``jit_kwargs`` go to both ``jax.jit``)."""

@@ -28,11 +28,6 @@ def model():
   return llama.random_model(CFG, seed=21, dtype=jnp.float32)
 
 
-def _compiled(program) -> int:
-  """Compiled executables of both variants of a `decoding.RowsProgram`."""
-  return program.merged._cache_size() + program.plain._cache_size()  # pylint: disable=protected-access
-
-
 def _prompts(seed, batch, length, lengths):
   rng = np.random.default_rng(seed)
   return rng.integers(0, CFG.vocab_size, (batch, length)), np.asarray(lengths)
@@ -179,7 +174,7 @@ def test_generate_traces_once(model, monkeypatch):
     return orig(self, *args, **kwargs)
 
   monkeypatch.setattr(llama.Llama, "decode", counting_decode)
-  size0 = _compiled(gen_mod._generate_program)
+  size0 = gen_mod._generate_program.compiled()
   for seed in range(3):  # fresh prompts, lengths and rng every call
     tokens, lengths = _prompts(10 + seed, 3, 37, [37, 20 + seed, 9])
     out, _ = generate(model, tokens, lengths, kv_format="kivi2", max_new_tokens=5,
@@ -187,7 +182,7 @@ def test_generate_traces_once(model, monkeypatch):
                       rng=jax.random.key(seed), cache_dtype=jnp.float32)
     out.block_until_ready()
   assert len(traces) == 1
-  assert _compiled(gen_mod._generate_program) == size0 + 1
+  assert gen_mod._generate_program.compiled() == size0 + 1
 
 
 def test_generate_program_donates_caches(model):
@@ -341,9 +336,9 @@ def test_num_steps_reuses_program(model):
   tokens, lengths = _prompts(12, 2, 16, [16, 7])
   kw = dict(kv_format="bf16", max_new_tokens=9, cache_dtype=jnp.float32, pad_token_id=-1)
   full, _ = generate(model, tokens, lengths, **kw)
-  size = _compiled(gen_mod._generate_program)
+  size = gen_mod._generate_program.compiled()
   part, part_len = generate(model, tokens, lengths, num_steps=4, **kw)
-  assert _compiled(gen_mod._generate_program) == size
+  assert gen_mod._generate_program.compiled() == size
   np.testing.assert_array_equal(np.asarray(part)[:, :4], np.asarray(full)[:, :4])
   assert np.all(np.asarray(part)[:, 4:] == -1)
   np.testing.assert_array_equal(np.asarray(part_len), [4, 4])
@@ -427,9 +422,9 @@ def test_split_model_matches_model_and_is_a_snapshot(model):
   kw = dict(kv_format="kivi4", max_new_tokens=6, cache_dtype=jnp.float32)
   want, want_len = generate(model, tokens, lengths, **kw)
   split = jaxkv.SplitModel(model)
-  size = _compiled(gen_mod._generate_program)
+  size = gen_mod._generate_program.compiled()
   got, got_len = generate(split, tokens, lengths, **kw)
-  assert _compiled(gen_mod._generate_program) == size  # same graphdef: same program
+  assert gen_mod._generate_program.compiled() == size  # same graphdef: same program
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   np.testing.assert_array_equal(np.asarray(got_len), np.asarray(want_len))
   # decode_steps from the same prefilled cache, model vs split.

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 import jaxkv
-from bench.hlo_copies import fusion_computations, lines_by_computation, loop_program_args
+from bench.hlo_copies import loop_program_args, shape_lines
 from jaxkv import KVCache, ModelCache, decoding
 from jaxkv.formats import PRESETS
 from models import llama
@@ -298,17 +298,6 @@ def test_decode_step_updates_cache_in_place(model, preset, use_kernel):
   assert _pointers(cache) == before  # donated buffers reused: updated in place
 
 
-def _merged_weight_lines(hlo: str, shape: str) -> list[tuple[str, bool]]:
-  """``(computation, in_gemm)`` of every line of ``hlo`` that names ``shape``;
-  ``in_gemm``: the computation is a fusion's and holds a ``dot`` (the GEMM
-  fusion itself, reading its operands in place), not a loop fusion that
-  would materialise the concatenation for a separate product."""
-  fused = fusion_computations(hlo)
-  lines = list(lines_by_computation(hlo))
-  with_dot = {c for c, line in lines if " dot(" in line}
-  return [(c, c in fused and c in with_dot) for c, line in lines if shape in line]
-
-
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="XLA's dot merger is a GPU pass")
 @pytest.mark.skipif(decoding.DOT_MERGER_MB < 113,
                     reason="JAXKV_XLA_DOT_MERGER_MB below one gate weight (112 MiB)")
@@ -328,7 +317,7 @@ def test_decode_program_merges_gate_and_up_in_place(batch):
   args, settings = loop_program_args(m, "kivi4", batch, 1024, steps=4)
   merged = f"bf16[{cfg.hidden_size},{2 * cfg.intermediate_size}]"
   program = decoding._decode_steps_program.at(batch)  # pylint: disable=protected-access
-  found = _merged_weight_lines(program.lower(*args, settings=settings).compile().as_text(),
+  found = shape_lines(program.lower(*args, settings=settings).compile().as_text(),
                                merged)
   if batch <= decoding.DOT_MERGER_MAX_ROWS:
     assert found and all(in_gemm for _, in_gemm in found), found

@@ -94,7 +94,7 @@ def test_speculative_steps_matches_decode_steps_ragged_batch(model):
   # first's last emitted token.
   got, got_counts = [], []
   program = spec_mod._speculative_steps_program  # pylint: disable=protected-access
-  compiled = program.merged._cache_size() + program.plain._cache_size()  # pylint: disable=protected-access
+  compiled = program.compiled()
   for _ in range(2):
     tokens, counts, st, cache = speculative_steps(model, token, cache, rounds, gamma=gamma,
                                                   draft_weights=weights)
@@ -109,7 +109,7 @@ def test_speculative_steps_matches_decode_steps_ragged_batch(model):
     got_counts.append(counts)
     token = jnp.asarray(tokens[np.arange(2), counts - 1])
   # One compiled program for both calls.
-  assert program.merged._cache_size() + program.plain._cache_size() == compiled + 1  # pylint: disable=protected-access
+  assert program.compiled() == compiled + 1
   for b in range(2):
     seq = np.concatenate([got[0][b, :got_counts[0][b]], got[1][b, :got_counts[1][b]]])
     np.testing.assert_array_equal(seq, want[b, :len(seq)], err_msg=f"sequence {b}")
