@@ -102,20 +102,22 @@ def _profile(name: str, run, hlo: str, steps: int, layers: int, context: int, lo
               span_us_per_step=span_us / steps, ops=rows)
 
 
-def anatomy(name: str, model, context: int, steps: int, log) -> dict:
-  """The decode step (`bench.e2e`'s jitted step) on a ``name`` cache of ``context`` tokens."""
+def anatomy(name: str, model, context: int, steps: int, log, batch: int = 1) -> dict:
+  """The decode step (`bench.e2e`'s jitted step) on a ``name`` cache of ``batch`` sequences of
+  ``context`` tokens."""
   capacity = context + 2 * steps + 256
-  cache = e2e.fill_cache(model, name, 1, context, capacity, seed=0)
+  cache = e2e.fill_cache(model, name, batch, context, capacity, seed=0)
   graphdef, state = nnx.split(model)
-  box = dict(tokens=jnp.ones((1,), jnp.int32), cache=cache)
-  hlo = e2e._decode_program.at(1).lower(graphdef, state, box["tokens"], cache).compile().as_text()  # pylint: disable=protected-access
+  box = dict(tokens=jnp.ones((batch,), jnp.int32), cache=cache)
+  hlo = e2e._decode_program.at(batch).lower(graphdef, state, box["tokens"], cache).compile().as_text()  # pylint: disable=protected-access
 
   def run():
     for _ in range(steps):
       box["tokens"], box["cache"] = e2e._decode(graphdef, state, box["tokens"], box["cache"])  # pylint: disable=protected-access
     return box["tokens"]
 
-  return _profile(name, run, hlo, steps, model.config.num_layers, context, log)
+  result = _profile(name, run, hlo, steps, model.config.num_layers, context, log)
+  return dict(result, batch=batch)
 
 
 def draft_anatomy(model, context: int, steps: int, log, *, bits: int = 4,
@@ -142,6 +144,8 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--formats", default="kivi4,bf16")
   p.add_argument("--context", type=int, default=32768)
+  p.add_argument("--batch", default="1", metavar="B[,B...]",
+                 help="sequences per step, one per format in --formats or one for all")
   p.add_argument("--layers", type=int, default=4)
   p.add_argument("--steps", type=int, default=8)
   p.add_argument("--draft", default="", metavar="BITS",
@@ -165,7 +169,14 @@ def main(argv=None) -> int:
     print(msg, flush=True)
     lines.append(msg)
 
-  results = [anatomy(f, model, a.context, a.steps, log) for f in a.formats.split(",") if f]
+  formats = [f for f in a.formats.split(",") if f]
+  batches = [int(b) for b in a.batch.split(",")]
+  if len(batches) == 1:
+    batches *= len(formats)
+  if len(batches) != len(formats):
+    p.error(f"--batch {a.batch!r}: one batch, or one per format in --formats {a.formats!r}")
+  results = [anatomy(f, model, a.context, a.steps, log, batch=b)
+             for f, b in zip(formats, batches)]
   results += [draft_anatomy(model, a.context, a.steps, log, bits=int(b), layout=a.draft_layout,
                               fuse_qkv=a.draft_qkv == "fused", fuse_mlp=a.draft_mlp == "fused",
                               defer_norms=a.draft_norms == "deferred")

@@ -84,7 +84,8 @@ def _merges(rows: int) -> bool:
 def _options(merge: bool) -> dict[str, Any]:
   return {
       **({} if REMAT else {"xla_disable_hlo_passes": "rematerialization"}),
-      **({"xla_gpu_dot_merger_threshold_mb": DOT_MERGER_MB} if merge and DOT_MERGER_MB else {}),
+      **({"xla_gpu_dot_merger_threshold_mb": DOT_MERGER_MB if merge else 0}
+         if DOT_MERGER_MB else {}),
   }
 
 
@@ -111,6 +112,14 @@ def compiler_options(rows: int) -> dict[str, Any]:
     up to 100 rows and 1.2-2.3x slower from 128 (`bench/dot_merger.py`,
     `bench/results/e2e-NOTES.md`, 2026-11-29). 64 is a cautious cut below
     that, not a measured crossover.
+  - Past that, a threshold of 0: no dots merged at all, q, k and v included
+    (XLA's default merges them). At 188 sequences the merged q/k/v product ran
+    as a Triton GEMM over the weights concatenated inside its fusion (47 us
+    per layer on an H200); apart, q goes to cuBLAS and k, v to split-K GEMMs
+    (~30 us together). With `models.llama.linear` writing bfloat16 straight
+    from those GEMMs past 64 rows, the kivi2 step at 188 sequences is 1.6 %
+    faster (4 layers, same process) and kivi4's at 100 even (-0.5 %, noise);
+    `bench/results/e2e-NOTES.md`, 2026-11-30.
 
   `generate`, the speculative programs and the forced decode also run the
   prompt's prefill (batch x prompt rows) in the same program, with the

@@ -399,6 +399,10 @@ class Linear(nnx.Module):
     return linear(x, self.kernel[...], out_dtype)
 
 
+DIRECT_OUT_ROWS = 64
+"""Past this many rows `linear` lets the dot write its output dtype itself."""
+
+
 def linear(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
   """``x [..., in] @ w [in, out]`` accumulated in float32, cast to ``out_dtype``
   (default ``x.dtype``; another dtype: a plain dot, e.g. float32 logits).
@@ -407,14 +411,26 @@ def linear(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
   weights read by one-row dots took 2.98 ms (separate arrays) and 13.0 ms
   (static slices of stacked arrays), two-row dots 2.63-2.66 ms; the floor is
   2.51 ms (`bench/results/e2e-NOTES.md`).
+
+  Past `DIRECT_OUT_ROWS` rows the dot is asked for ``x.dtype`` directly: XLA
+  still accumulates in float32 and rounds once, but the cuBLAS GEMMs it picks
+  at those sizes then write bfloat16 themselves instead of float32 plus a
+  convert kernel (two ~4.2 us kernels per layer at 188 rows on an H200); the
+  outputs were bit-equal to float32-then-cast on that GPU at 65, 188 and 4096
+  rows for every Llama-3.1-8B weight shape (`bench/results/e2e-NOTES.md`,
+  2026-11-30). At fewer rows the GEMMs are XLA's split-K Triton fusions
+  with float32 partials, whose epilogue already fuses the cast.
   """
   if out_dtype is not None and jnp.dtype(out_dtype) != jnp.dtype(x.dtype):
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
   lead = x.shape[:-1]
-  if math.prod(lead) == 1:
+  rows = math.prod(lead)
+  if rows == 1:
     x2 = jnp.pad(x.reshape(1, -1), ((0, 1), (0, 0)))
     y = jnp.dot(x2, w, preferred_element_type=jnp.float32)[:1]
     return y.reshape(*lead, w.shape[-1]).astype(x.dtype)
+  if rows > DIRECT_OUT_ROWS:
+    return jnp.dot(x, w, preferred_element_type=x.dtype)
   return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 

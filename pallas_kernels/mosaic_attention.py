@@ -204,6 +204,12 @@ class MosaicAttentionConfig:
       1-2 % at (8, 32768) and the 5-query target view, within noise at one
       sequence (`bench/results/mosaic-NOTES.md`, 2026-11-29).
 
+    narrow_partials: (tokens_m) each program writes only the ``N`` columns of
+      its ``O^T`` partial that hold query rows (``[D, N]`` float32) instead of
+      the value MMA's ``N_pv = max(N, 16)`` (the extra columns are zero): at
+      ``N = 8`` (GQA 4 or 8 at q_len 1) half the partial bytes written and read
+      by the combine. Off by default until timed on a GPU.
+
   Searched around the heuristic by `bench/attention.py` (``mosaic_configs``:
   num_splits x1/2, x1, x2, max_concurrent_steps 2 or 4, block_k 128); the
   library's tuned table (`pallas_kernels.tuned`) holds Triton configs only.
@@ -231,6 +237,7 @@ class MosaicAttentionConfig:
   lazy_rescale: bool = True
   unmasked_guards: bool = False
   log2_scores: bool = True
+  narrow_partials: bool = False
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -1379,6 +1386,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
   """
   batch, kv_heads, n_rows, head_dim = qh.shape
   n_pv = max(n_rows, 16)
+  n_out = n_rows if config.narrow_partials else n_pv   # o^T partial's columns
   bk = config.block_k
   num_splits = config.num_splits
   grid_j = num_splits + residual_parts(residual, bk)
@@ -1598,11 +1606,13 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
       if config.lean_barriers:
         mosaic_dequant.warpgroup_barrier()
 
+      out = acc[:, :n_out] if n_out < n_pv else acc   # whole 8-column register tiles
+
       def write(o_smem, lm_smem):
-        _write_partials(acc, l_sum, m_i, o_smem, lm_smem, o_gmem, l_gmem, m_gmem,
+        _write_partials(out, l_sum, m_i, o_smem, lm_smem, o_gmem, l_gmem, m_gmem,
                         bh * grid_j + j, log2=log2)
 
-      pl.run_scoped(write, plgpu.SMEM((head_dim, n_pv), f32), plgpu.SMEM((2, n_rows), f32))
+      pl.run_scoped(write, plgpu.SMEM((head_dim, n_out), f32), plgpu.SMEM((2, n_rows), f32))
 
     # The V value tile ([bk, D], dtype) is scoped per branch: the packed
     # programs need none with register_vt or a 16-bit V side.
@@ -1681,7 +1691,7 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
   ]
   return unflatten_partials(plgpu.kernel(
       kernel,
-      out_type=partials_type(batch, kv_heads, grid_j, head_dim, n_pv, n_rows),
+      out_type=partials_type(batch, kv_heads, grid_j, head_dim, n_out, n_rows),
       grid=(batch, kv_heads, grid_j),
       grid_names=("b", "h", "j"),
       scratch_types=scratch,

@@ -277,3 +277,22 @@ def test_corrupt_checkpoint_files_are_named(saved, tmp_path):
     f.write("{bad json")
   with pytest.raises(ValueError, match="config.json is not valid JSON"):
     load_llama(bad_cfg)
+
+
+@pytest.mark.parametrize("rows", [1, 2, llama.DIRECT_OUT_ROWS, llama.DIRECT_OUT_ROWS + 1, 150])
+def test_linear_rounds_a_float32_sum_once(rows):
+  """`llama.linear` on bfloat16 at every row count (one row padded to two, the
+  float32 dot then a cast, and past `DIRECT_OUT_ROWS` the bfloat16 dot): each
+  output is the exact product rounded once to bfloat16, up to float32
+  summation error (float64 numpy oracle), in the input's leading shape."""
+  rng = np.random.default_rng(rows)
+  lead = (rows,) if rows % 2 else (2, rows // 2)
+  x = jnp.asarray(rng.standard_normal((*lead, 96)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((96, 40)) * 0.1, jnp.bfloat16)
+  y = jax.jit(llama.linear)(x, w)
+  assert y.shape == (*lead, 40) and y.dtype == jnp.bfloat16
+  exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+  # one rounding: within half a bfloat16 ulp (2**-8 relative), plus float32 sums
+  bound = 2.0 ** -8 * np.abs(exact) + 1e-5 * np.sqrt(96)
+  assert np.all(np.abs(np.asarray(y, np.float64) - exact) <= bound)
+  assert np.mean(np.asarray(y, np.float64) == np.asarray(exact.astype(jnp.bfloat16), np.float64)) > 0.99

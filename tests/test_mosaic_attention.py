@@ -738,6 +738,28 @@ def test_mosaic_k_scale_in_q(name, b, hkv, group, s, lengths, capacity):
   _checked_outputs(q, cache, lengths, configs, dtype)
 
 
+@pytest.mark.parametrize("name,b,hkv,group,s,lengths,capacity", [
+    ("kivi4", 2, 2, 4, 1, (700, 129), 1024),     # N = 8: partials of 8 columns
+    ("kivi2", 2, 1, 8, 1, (900, 300), 1024),     # N = 8 at GQA 8
+    ("kivi4", 1, 2, 4, 4, (1000,), 1024),        # N = 16: nothing to narrow
+])
+def test_mosaic_narrow_partials(name, b, hkv, group, s, lengths, capacity):
+  """``narrow_partials``: the partials keep only the query rows' columns; the
+  combined output matches the float64 oracle and equals the default's bit for
+  bit (the dropped columns are zero and never read)."""
+  fmt, d, dtype = _fmt(name), 128, jnp.bfloat16
+  key = _key("narrow", name, b, hkv, group, s, lengths)
+  cache = _cache(fmt, b, hkv, d, lengths, capacity, dtype, key)
+  q = jax.random.normal(jax.random.fold_in(key, 1), (b, s, hkv * group, d)).astype(dtype)
+  base = ma.MosaicAttentionConfig.default(
+      batch=b, tokens=capacity, kv_heads=hkv, k_bits=fmt.k_bits, v_bits=fmt.v_bits,
+      token_group=fmt.token_group, residual=fmt.residual)
+  configs = [base, dataclasses.replace(base, narrow_partials=True)]
+  outs = _checked_outputs(q, cache, lengths, configs, dtype)
+  if outs is not None:
+    np.testing.assert_array_equal(outs[configs[1]], outs[configs[0]])
+
+
 @pytest.mark.parametrize("batch,tokens,splits", [
     (1, 131072, 31), (1, 32768, 31), (2, 32768, 16), (4, 32768, 8), (8, 32768, 8),
     (8, 4096, 8), (8, 1024, 4), (16, 32768, None), (48, 32768, None), (64, 4096, None)])

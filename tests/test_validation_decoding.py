@@ -414,11 +414,13 @@ def test_dot_merger_threshold_from_the_environment(value, expect):
                          ids=["unset", "8", "zero", "negative", "not-whole"])
 def test_dot_merger_row_limit_from_the_environment(value, expect):
   """``JAXKV_XLA_DOT_MERGER_MAX_ROWS`` (read at import): the decode programs'
-  options carry the merger threshold at ``rows <= limit`` and not past it (unset
-  -> 64); a negative or fractional value -> a ValueError naming the variable."""
+  options carry the raised merger threshold at ``rows <= limit`` and a threshold
+  of 0 (no merged dots) past it (unset -> 64); a negative or fractional value ->
+  a ValueError naming the variable."""
   code = ("import jaxkv, jaxkv.decoding as d; key = 'xla_gpu_dot_merger_threshold_mb'; "
-          "print(d.DOT_MERGER_MAX_ROWS, [r for r in range(1, 200) "
-          "if key in jaxkv.decode_compiler_options(r)][-1:])")
+          "opts = [jaxkv.decode_compiler_options(r)[key] for r in range(1, 200)]; "
+          "assert set(opts) <= {0, d.DOT_MERGER_MB}, opts; "
+          "print(d.DOT_MERGER_MAX_ROWS, [r for r, v in enumerate(opts, 1) if v][-1:])")
   run = _run_env(code, JAXKV_XLA_DOT_MERGER_MAX_ROWS=value)
   if expect == "error":
     assert run.returncode != 0 and "JAXKV_XLA_DOT_MERGER_MAX_ROWS" in run.stderr, \
