@@ -62,13 +62,16 @@ def _env_count(name: str, default: int, unit: str) -> int:
 
 
 DOT_MERGER_MB = _env_count("JAXKV_XLA_DOT_MERGER_MB", 1024, "MiB")
-"""XLA's dot merger threshold in the decode programs (`compiler_options`), MiB;
-``JAXKV_XLA_DOT_MERGER_MB`` (read at import) sets it, 0 keeps XLA's default."""
+"""XLA's dot merger threshold in the decode programs up to `DOT_MERGER_MAX_ROWS`
+rows (`compiler_options`; past them the threshold is 0: nothing merged), MiB;
+``JAXKV_XLA_DOT_MERGER_MB`` (read at import) sets it; 0 leaves XLA's own
+default (32 MiB, which merges q, k and v) at every row count."""
 
 DOT_MERGER_MAX_ROWS = _env_count("JAXKV_XLA_DOT_MERGER_MAX_ROWS", 64, "rows")
 """The most token rows per step and device (batch x query tokens) at which the
-decode programs raise the dot merger threshold (`compiler_options`);
-``JAXKV_XLA_DOT_MERGER_MAX_ROWS`` (read at import) sets it."""
+decode programs raise the dot merger threshold (`compiler_options`); past it
+they merge no dots. ``JAXKV_XLA_DOT_MERGER_MAX_ROWS`` (read at import) sets it
+(0: no merged dots at any row count)."""
 
 REMAT = os.environ.get("JAXKV_XLA_REMAT", "") == "1"
 """Whether the decode programs keep XLA's rematerialization pass
@@ -116,10 +119,11 @@ def compiler_options(rows: int) -> dict[str, Any]:
     (XLA's default merges them). At 188 sequences the merged q/k/v product ran
     as a Triton GEMM over the weights concatenated inside its fusion (47 us
     per layer on an H200); apart, q goes to cuBLAS and k, v to split-K GEMMs
-    (~30 us together). With `models.llama.linear` writing bfloat16 straight
+    (~34 us together). With `models.llama.linear` writing bfloat16 straight
     from those GEMMs past 64 rows, the kivi2 step at 188 sequences is 1.6 %
     faster (4 layers, same process) and kivi4's at 100 even (-0.5 %, noise);
-    `bench/results/e2e-NOTES.md`, 2026-11-30.
+    `bench/results/e2e-NOTES.md`, 2026-11-30. ``JAXKV_XLA_DOT_MERGER_MB=0``
+    leaves XLA's default (q, k, v merged) in both variants.
 
   `generate`, the speculative programs and the forced decode also run the
   prompt's prefill (batch x prompt rows) in the same program, with the

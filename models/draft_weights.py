@@ -314,7 +314,10 @@ class QuantizedLinear(nnx.Module):
     return QuantizedWeight(self.codes[...], self.scale[...], self.zero[...], group=self.group,
                            bits=self.bits, layout=self.layout)
 
-  def __call__(self, x, out_dtype=None) -> jax.Array:  # [..., in] -> [..., out]
+  def __call__(self, x, out_dtype=None, *, direct_out: bool = False) -> jax.Array:
+    """``[..., in] -> [..., out]``; ``direct_out`` (`models.llama.linear`'s) is
+    accepted for the `Linear` interface and has no effect here."""
+    del direct_out
     if isinstance(x, ScaledRows):  # a `DeferredRMSNorm`'s rows
       rows = math.prod(x.shape[:-1])
       if not (self.use_kernel and self.weight.kernel_ok(rows, x.dtype)):

@@ -395,31 +395,39 @@ class Linear(nnx.Module):
   def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs):
     self.kernel = _normal_param(rngs, (in_features, out_features), in_features ** -0.5, dtype)
 
-  def __call__(self, x: jax.Array, out_dtype=None) -> jax.Array:  # [..., in] -> [..., out]
-    return linear(x, self.kernel[...], out_dtype)
+  def __call__(self, x: jax.Array, out_dtype=None, *,
+               direct_out: bool = False) -> jax.Array:  # [..., in] -> [..., out]
+    return linear(x, self.kernel[...], out_dtype, direct_out=direct_out)
 
 
 DIRECT_OUT_ROWS = 64
-"""Past this many rows `linear` lets the dot write its output dtype itself."""
+"""Past this many rows ``linear(..., direct_out=True)`` lets the dot write its
+output dtype itself."""
 
 
-def linear(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
-  """``x [..., in] @ w [in, out]`` accumulated in float32, cast to ``out_dtype``
-  (default ``x.dtype``; another dtype: a plain dot, e.g. float32 logits).
+def linear(x: jax.Array, w: jax.Array, out_dtype=None, *, direct_out: bool = False) -> jax.Array:
+  """``x [..., in] @ w [in, out]`` accumulated in float32 and rounded once to
+  ``out_dtype`` (default ``x.dtype``; another dtype: a plain dot, e.g.
+  float32 logits).
 
   A single row is padded to two. On an H100 (jax 0.11.2) 32 layers' MLP
   weights read by one-row dots took 2.98 ms (separate arrays) and 13.0 ms
   (static slices of stacked arrays), two-row dots 2.63-2.66 ms; the floor is
   2.51 ms (`bench/results/e2e-NOTES.md`).
 
-  Past `DIRECT_OUT_ROWS` rows the dot is asked for ``x.dtype`` directly: XLA
-  still accumulates in float32 and rounds once, but the cuBLAS GEMMs it picks
-  at those sizes then write bfloat16 themselves instead of float32 plus a
-  convert kernel (two ~4.2 us kernels per layer at 188 rows on an H200); the
-  outputs were bit-equal to float32-then-cast on that GPU at 65, 188 and 4096
-  rows for every Llama-3.1-8B weight shape (`bench/results/e2e-NOTES.md`,
-  2026-11-30). At fewer rows the GEMMs are XLA's split-K Triton fusions
-  with float32 partials, whose epilogue already fuses the cast.
+  ``direct_out`` (for products whose summed dimension is never split over
+  devices: Megatron's column-parallel q, k, v, gate and up, `models.sharding`)
+  asks the dot for ``x.dtype`` itself past `DIRECT_OUT_ROWS` rows. The sum is
+  still float32 and rounded once, but the cuBLAS GEMMs XLA picks at those
+  sizes then write bfloat16 themselves instead of float32 plus a convert kernel
+  (gate and up: two ~4.2 us kernels per layer at 188 rows on an H200); split-K
+  GEMMs keep float32 partials either way. On that GPU the outputs were bit-equal
+  to float32-then-cast at 65, 188 and 4096 rows for every Llama-3.1-8B weight
+  shape (`bench/results/e2e-NOTES.md`, 2026-11-30); XLA:CPU sums in another
+  order for the two forms (3-5 in 10,000 outputs one bfloat16 ulp apart;
+  `bench/linear_out_probe.py`).
+  A row-parallel product (o, down) under a ``"model"`` mesh axis would round each
+  device's partial sum to bfloat16 before the all-reduce, so they never ask.
   """
   if out_dtype is not None and jnp.dtype(out_dtype) != jnp.dtype(x.dtype):
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
@@ -429,7 +437,7 @@ def linear(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     x2 = jnp.pad(x.reshape(1, -1), ((0, 1), (0, 0)))
     y = jnp.dot(x2, w, preferred_element_type=jnp.float32)[:1]
     return y.reshape(*lead, w.shape[-1]).astype(x.dtype)
-  if rows > DIRECT_OUT_ROWS:
+  if direct_out and rows > DIRECT_OUT_ROWS:
     return jnp.dot(x, w, preferred_element_type=x.dtype)
   return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
@@ -483,7 +491,7 @@ class Attention(nnx.Module):
       nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
       q, k, v = jnp.split(fused(x), [nq, nq + nk], axis=-1)   # [B, T, (Hq + 2 Hkv) D]
     else:
-      q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+      q, k, v = (p(x, direct_out=True) for p in (self.q_proj, self.k_proj, self.v_proj))
     q = q.reshape(b, t, c.num_heads, c.head_dim)
     k = k.reshape(b, t, c.num_kv_heads, c.head_dim)
     v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
@@ -511,7 +519,7 @@ class MLP(nnx.Module):
     if fused is not None:
       gate, up = jnp.split(fused(x), 2, axis=-1)               # [..., 2 * intermediate]
     else:
-      gate, up = self.gate_proj(x), self.up_proj(x)
+      gate, up = self.gate_proj(x, direct_out=True), self.up_proj(x, direct_out=True)
     return self.down_proj(jax.nn.silu(gate) * up)
 
 

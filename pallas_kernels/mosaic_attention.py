@@ -208,7 +208,8 @@ class MosaicAttentionConfig:
       its ``O^T`` partial that hold query rows (``[D, N]`` float32) instead of
       the value MMA's ``N_pv = max(N, 16)`` (the extra columns are zero): at
       ``N = 8`` (GQA 4 or 8 at q_len 1) half the partial bytes written and read
-      by the combine. Off by default until timed on a GPU.
+      by the combine. Off by default until timed on a GPU. (The VQ kernel's
+      two-warpgroup path writes its own partials and ignores it.)
 
   Searched around the heuristic by `bench/attention.py` (``mosaic_configs``:
   num_splits x1/2, x1, x2, max_concurrent_steps 2 or 4, block_k 128); the
@@ -1333,7 +1334,8 @@ def _register_vt(config: MosaicAttentionConfig, v_side: SideSpec, head_dim: int,
 def partials_type(batch: int, kv_heads: int, parts: int, head_dim: int, n_pv: int,
                   n_rows: int) -> list:
   """Output types of the tokens-on-M kernels, flat over (sequence, kv head,
-  part) like their inputs (`head_rows`): ``o^T [B * H * parts, D, N_pv]``,
+  part) like their inputs (`head_rows`): ``o^T [B * H * parts, D, N_pv]``
+  (``n_pv``: the value MMA's columns, or ``N`` for narrow partials),
   ``l, m [B * H * parts, N]`` (float32); `unflatten_partials` gives them
   their ``[B, H, parts, ...]`` shape."""
   f32 = jnp.float32
@@ -1352,7 +1354,8 @@ def _tokens_m_call(qh, q_res, k_in, v_in, k_residual, v_residual, lengths, *, k_
                    token_group, residual, num_queries, q_rows, config, dtype, row0, vq=None,
                    skip_tokens: int = 0, plane_block: int = 0, target_view: bool = False,
                    log2: bool = False):
-  """The v2 kernel; returns partials ``o [B,H,P,D,N_pv], l, m [B,H,P,N]``
+  """The v2 kernel; returns partials ``o [B,H,P,D,N_pv]`` (``[..., N]`` with
+  ``config.narrow_partials``), ``l, m [B,H,P,N]``
   (``P = J + R / block_k``: the splits', then the residual tiles', `residual_parts`).
 
   ``skip_tokens``: packed tokens left to the caller (`_split_blocks`).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 
@@ -279,20 +280,46 @@ def test_corrupt_checkpoint_files_are_named(saved, tmp_path):
     load_llama(bad_cfg)
 
 
+@pytest.mark.parametrize("direct_out", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, llama.DIRECT_OUT_ROWS, llama.DIRECT_OUT_ROWS + 1, 150])
-def test_linear_rounds_a_float32_sum_once(rows):
+def test_linear_rounds_a_float32_sum_once(rows, direct_out):
   """`llama.linear` on bfloat16 at every row count (one row padded to two, the
-  float32 dot then a cast, and past `DIRECT_OUT_ROWS` the bfloat16 dot): each
-  output is the exact product rounded once to bfloat16, up to float32
-  summation error (float64 numpy oracle), in the input's leading shape."""
+  float32 dot then a cast, and with ``direct_out`` past `DIRECT_OUT_ROWS` a dot
+  asked for bfloat16): each output is the exact product rounded once to
+  bfloat16, up to float32 summation order (float64 numpy oracle), in the
+  input's leading shape; the dot asks for bfloat16 exactly in that last case."""
   rng = np.random.default_rng(rows)
   lead = (rows,) if rows % 2 else (2, rows // 2)
   x = jnp.asarray(rng.standard_normal((*lead, 96)), jnp.bfloat16)
   w = jnp.asarray(rng.standard_normal((96, 40)) * 0.1, jnp.bfloat16)
-  y = jax.jit(llama.linear)(x, w)
+  fn = functools.partial(llama.linear, direct_out=direct_out)
+  dots = [e for e in jax.make_jaxpr(fn)(x, w).jaxpr.eqns if e.primitive.name == "dot_general"]
+  direct = direct_out and rows > llama.DIRECT_OUT_ROWS
+  assert [e.params["preferred_element_type"] for e in dots] == [
+      jnp.dtype(jnp.bfloat16 if direct else jnp.float32)]
+  y = jax.jit(fn)(x, w)
   assert y.shape == (*lead, 40) and y.dtype == jnp.bfloat16
   exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
   # one rounding: within half a bfloat16 ulp (2**-8 relative), plus float32 sums
   bound = 2.0 ** -8 * np.abs(exact) + 1e-5 * np.sqrt(96)
   assert np.all(np.abs(np.asarray(y, np.float64) - exact) <= bound)
   assert np.mean(np.asarray(y, np.float64) == np.asarray(exact.astype(jnp.bfloat16), np.float64)) > 0.99
+
+
+def test_only_column_parallel_products_write_bfloat16_directly():
+  """Past `DIRECT_OUT_ROWS` rows a layer's q, k, v, gate and up dots ask for
+  bfloat16 (their summed dimension is never split over devices) and o and down
+  keep float32 outputs (a row-parallel sum split over a ``"model"`` axis would
+  be rounded per device); at fewer rows every dot keeps float32."""
+  model = llama.random_model(SMALL, seed=3, dtype=jnp.bfloat16)
+  layer, c = model.layers[0], SMALL
+  for rows, want in ((llama.DIRECT_OUT_ROWS + 3, 5), (4, 0)):
+    x = jnp.ones((1, rows, c.hidden_size), jnp.bfloat16)
+    pos = jnp.broadcast_to(jnp.arange(rows), (1, rows))
+    def run(x):
+      q, k, v = layer.self_attn.qkv(x, pos)
+      return layer.self_attn.out(q), layer.mlp(x), k, v
+    dots = [e for e in jax.make_jaxpr(run)(x).jaxpr.eqns if e.primitive.name == "dot_general"]
+    kinds = [e.params["preferred_element_type"] for e in dots]
+    assert len(dots) == 7
+    assert kinds.count(jnp.dtype(jnp.bfloat16)) == want, (rows, kinds)

@@ -309,20 +309,22 @@ def test_decode_program_merges_gate_and_up_in_place(batch):
   reads both weights in place: the merged ``[hidden, 2 x intermediate]`` shape
   appears only inside a GEMM fusion (never a loop-invariant copy hoisted out of
   the loop, nor a concatenation materialised for the product). Past the row
-  limit the program has no merged shape at all (this would fail if XLA's own
-  default rose above 112 MiB)."""
+  limit the program merges no dots: neither gate/up nor q/k/v (XLA's default
+  would merge the latter) has a merged shape anywhere."""
   cfg = dataclasses.replace(llama.LlamaConfig.named("llama-3.1-8b"), num_layers=1,
                             vocab_size=512)
   m = jax.eval_shape(lambda: llama.random_model(cfg, seed=3))
   args, settings = loop_program_args(m, "kivi4", batch, 1024, steps=4)
   merged = f"bf16[{cfg.hidden_size},{2 * cfg.intermediate_size}]"
   program = decoding._decode_steps_program.at(batch)  # pylint: disable=protected-access
-  found = shape_lines(program.lower(*args, settings=settings).compile().as_text(),
-                               merged)
+  hlo = program.lower(*args, settings=settings).compile().as_text()
+  found = shape_lines(hlo, merged)
   if batch <= decoding.DOT_MERGER_MAX_ROWS:
     assert found and all(in_gemm for _, in_gemm in found), found
   else:
+    qkv = f"bf16[{cfg.hidden_size},{(cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim}]"
     assert found == []
+    assert shape_lines(hlo, qkv) == []
 
 
 def test_chunked_prefill_and_decode_steps_in_place(model):

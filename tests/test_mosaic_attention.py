@@ -755,6 +755,11 @@ def test_mosaic_narrow_partials(name, b, hkv, group, s, lengths, capacity):
       batch=b, tokens=capacity, kv_heads=hkv, k_bits=fmt.k_bits, v_bits=fmt.v_bits,
       token_group=fmt.token_group, residual=fmt.residual)
   configs = [base, dataclasses.replace(base, narrow_partials=True)]
+  n = 8 if s * group <= 8 else 16
+  for config, width in zip(configs, (16, n)):  # the o^T partials' type in the kernel call
+    text = jax.jit(_call, static_argnums=2).trace(q, cache, config).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert f"x{d}x{width}xf32>" in text and (width == 16 or f"x{d}x16xf32>" not in text)
   outs = _checked_outputs(q, cache, lengths, configs, dtype)
   if outs is not None:
     np.testing.assert_array_equal(outs[configs[1]], outs[configs[0]])

@@ -390,23 +390,24 @@ def _run_env(code: str, **env_vars) -> subprocess.CompletedProcess:
                         text=True, check=False)
 
 
-@pytest.mark.parametrize("value,expect", [("", "1024"), ("0", "None"), ("64", "64"),
-                                          ("2147483647", "2147483647"), ("-1", "error"),
+@pytest.mark.parametrize("value,expect", [("", "1024 0"), ("0", "None None"), ("64", "64 0"),
+                                          ("2147483647", "2147483647 0"), ("-1", "error"),
                                           ("2147483648", "error"), ("lots", "error")],
                          ids=["unset", "zero", "64", "int32-max", "negative", "past-int32",
                               "not-a-number"])
 def test_dot_merger_threshold_from_the_environment(value, expect):
-  """``JAXKV_XLA_DOT_MERGER_MB`` (read at import): unset -> 1024 MiB, 0 -> XLA's
-  own default (the option left out), a value XLA's int32 field cannot hold or
-  not a number -> a ValueError naming the variable."""
-  code = ("import jaxkv; print(jaxkv.decode_compiler_options(1)"
-          ".get('xla_gpu_dot_merger_threshold_mb'))")
+  """``JAXKV_XLA_DOT_MERGER_MB`` (read at import): unset -> 1024 MiB up to the
+  row limit and 0 (nothing merged) past it; 0 -> XLA's own default at every
+  row count (the option left out); a value XLA's int32 field cannot hold or not
+  a number -> a ValueError naming the variable."""
+  code = ("import jaxkv; key = 'xla_gpu_dot_merger_threshold_mb'; "
+          "print(*(jaxkv.decode_compiler_options(r).get(key) for r in (1, 200)))")
   run = _run_env(code, JAXKV_XLA_DOT_MERGER_MB=value)
   if expect == "error":
     assert run.returncode != 0 and "JAXKV_XLA_DOT_MERGER_MB" in run.stderr, run.stderr[-500:]
   else:
     assert run.returncode == 0, run.stderr[-500:]
-    assert run.stdout.split()[-1] == expect
+    assert " ".join(run.stdout.split()[-2:]) == expect
 
 
 @pytest.mark.parametrize("value,expect", [("", "64"), ("8", "8"), ("0", "0"),
