@@ -119,8 +119,9 @@ def compiler_options(rows: int) -> dict[str, Any]:
     (XLA's default merges them). At 188 sequences the merged q/k/v product ran
     as a Triton GEMM over the weights concatenated inside its fusion (47 us
     per layer on an H200); apart, q goes to cuBLAS and k, v to split-K GEMMs
-    (~34 us together). With `models.llama.linear` writing bfloat16 straight
-    from those GEMMs past 64 rows, the kivi2 step at 188 sequences is 1.6 %
+    (~34 us together). With the model's column-parallel projections writing
+    bfloat16 straight from those GEMMs past 64 rows
+    (`models.llama.linear(direct_out=True)`), the kivi2 step at 188 sequences is 1.6 %
     faster (4 layers, same process) and kivi4's at 100 even (-0.5 %, noise);
     `bench/results/e2e-NOTES.md`, 2026-11-30. ``JAXKV_XLA_DOT_MERGER_MB=0``
     leaves XLA's default (q, k, v merged) in both variants.
