@@ -103,11 +103,13 @@ def _call(q, cache, config):
       token_group=fmt.token_group, residual=fmt.residual, sm_scale=d ** -0.5, config=config)
 
 
-def _assert_lowers(q, cache, config):
-  """Off Hopper: the call lowers for CUDA through Mosaic GPU (stops before PTX)."""
-  lowered = jax.jit(_call, static_argnums=2).trace(q, cache, config).lower(
-      lowering_platforms=("cuda",))
-  assert "mosaic_gpu" in lowered.as_text()
+def _assert_lowers(q, cache, config) -> str:
+  """The call lowers for CUDA through Mosaic GPU (stops before PTX; runs off
+  Hopper too); returns the lowered module's text."""
+  text = jax.jit(_call, static_argnums=2).trace(q, cache, config).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+  return text
 
 
 def _checked_outputs(q, cache, lengths, configs, dtype):
@@ -757,11 +759,10 @@ def test_mosaic_narrow_partials(name, b, hkv, group, s, lengths, capacity):
   configs = [base, dataclasses.replace(base, narrow_partials=True)]
   n = 8 if s * group <= 8 else 16
   for config, width in zip(configs, (16, n)):  # the o^T partials' type in the kernel call
-    text = jax.jit(_call, static_argnums=2).trace(q, cache, config).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = _assert_lowers(q, cache, config)
     assert f"x{d}x{width}xf32>" in text and (width == 16 or f"x{d}x16xf32>" not in text)
-  outs = _checked_outputs(q, cache, lengths, configs, dtype)
-  if outs is not None:
+  if ON_HOPPER:  # (off Hopper `_checked_outputs` would only lower the same configs again)
+    outs = _checked_outputs(q, cache, lengths, configs, dtype)
     np.testing.assert_array_equal(outs[configs[1]], outs[configs[0]])
 
 
